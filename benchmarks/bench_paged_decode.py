@@ -1,0 +1,220 @@
+"""Benchmark paged decode attention on a GPU (not a test).
+
+    python benchmarks/bench_paged_decode.py [--batches 1 32] [--contexts 8192 32768 131072]
+                                            [--contiguous-pages] [--no-ref]
+
+For each batch size B and context length T (every request holds T tokens), with
+H=32, Hkv=8, D=128, page size 16, bf16, times with ``triton.testing.do_bench`` (median):
+
+* ``kernel``     -- the Triton paged kernel (default split heuristic), plain launches
+* ``kernel/cg``  -- the same inside a CUDA graph (no Python launch overhead)
+* ``ref``        -- the pure-torch reference (gathers pages, fp32 softmax)
+* ``sdpa``       -- torch SDPA over the same cache viewed as contiguous [B, Hkv, T, D]
+                   (GQA as a length-G query per KV head, which is exact for decode)
+
+and reports effective bandwidth = K+V bytes read / time. The paged pool is the dense cache
+viewed as [B*Hkv*T/16, 16, D] pages; by default each (request, KV head)'s block table
+visits its pages in shuffled order (scattered pages, as in a long-running server; attention is
+order-free over keys so the output still equals SDPA's), with ``--contiguous-pages`` in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _import_paged_decode():
+    """``spin_cluster.kernels.paged_decode``, also from a source checkout not pip-installed
+    (where the top-level ``kernels/`` folder is that package)."""
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+    try:
+        import spin_cluster.kernels.paged_decode as mod
+
+        return mod
+    except ImportError:
+        pass
+    import spin_cluster
+
+    pkg_dir = os.path.join(_ROOT, "kernels")
+    spec = importlib.util.spec_from_file_location(
+        "spin_cluster.kernels",
+        os.path.join(pkg_dir, "__init__.py"),
+        submodule_search_locations=[pkg_dir],
+    )
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["spin_cluster.kernels"] = pkg
+    spec.loader.exec_module(pkg)
+    spin_cluster.kernels = pkg
+    import spin_cluster.kernels.paged_decode as mod
+
+    return mod
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--contiguous-pages", action="store_true")
+    ap.add_argument("--no-ref", action="store_true", help="skip the (slow) torch reference")
+    ap.add_argument("--num-splits", type=int, default=None, help="override the heuristic")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="instead of the table, time the kernel (in a CUDA graph) over block_n x num_warps "
+        "x num_stages x num_splits for each (B, ctx) and print the best settings",
+    )
+    args = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+    import triton.testing
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_paged_decode needs a CUDA GPU")
+    pd = _import_paged_decode()
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    dtype = torch.bfloat16
+    H, Hkv, D, S = args.heads, args.kv_heads, args.head_dim, args.page_size
+    G = H // Hkv
+    props = torch.cuda.get_device_properties(dev)
+    print(
+        f"{props.name}, {props.multi_processor_count} SMs | torch {torch.__version__}, "
+        f"triton {triton.__version__} | H={H} Hkv={Hkv} D={D} S={S} {dtype} | "
+        f"pages {'contiguous' if args.contiguous_pages else 'shuffled'}"
+    )
+    hdr = (
+        f"{'B':>3} {'ctx':>7} {'splits':>6} | {'kernel us':>9} {'GB/s':>6} | "
+        f"{'kern/cg us':>10} {'GB/s':>6} | {'ref us':>9} {'GB/s':>6} | "
+        f"{'sdpa us':>9} {'GB/s':>6} | {'max|k-ref|':>10} {'max|k-sdpa|':>11}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+    def bench_graph(fn):
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+
+    def fmt(us, nbytes):
+        if us is None:
+            return f"{'n/a':>9} {'':>6}"
+        return f"{us:9.1f} {nbytes / (us * 1e-6) / 1e9:6.0f}"
+
+    for B in args.batches:
+        for T in args.contexts:
+            if T % S:
+                raise SystemExit(f"context {T} must be a multiple of the page size {S}")
+            P = T // S
+            k_dense = torch.randn(B, Hkv, T, D, device=dev, dtype=dtype)
+            v_dense = torch.randn(B, Hkv, T, D, device=dev, dtype=dtype)
+            q = torch.randn(B, H, D, device=dev, dtype=dtype)
+            k_pages = k_dense.view(B * Hkv * P, S, D)
+            v_pages = v_dense.view(B * Hkv * P, S, D)
+            # Shuffling within each (request, KV head) keeps its set of tokens, so the output
+            # (order-free over keys) still equals SDPA over the dense cache.
+            base = torch.arange(B * Hkv, device=dev, dtype=torch.int64).view(B, Hkv, 1) * P
+            if args.contiguous_pages:
+                within = torch.arange(P, device=dev).expand(B, Hkv, P)
+            else:
+                within = torch.argsort(torch.rand(B, Hkv, P, device=dev), dim=-1)
+            block_tables = (base + within).to(torch.int32).contiguous()
+            seq_lens = torch.full((B,), T, device=dev, dtype=torch.int32)
+            nbytes = 2 * B * Hkv * T * D * k_dense.element_size()
+
+            sms = props.multi_processor_count
+            splits = args.num_splits or pd.choose_num_splits(B, Hkv, T, sms)
+            out = torch.empty_like(q)
+
+            def run_kernel():
+                pd.paged_decode_attention(
+                    q, k_pages, v_pages, block_tables, seq_lens, out=out, num_splits=splits
+                )
+
+            def run_ref():
+                pd.paged_decode_attention_ref(q, k_pages, v_pages, block_tables, seq_lens)
+
+            # Decode GQA: the G query heads of a KV head form a length-G, non-causal query.
+            q_sdpa = q.view(B, Hkv, G, D)
+
+            def run_sdpa():
+                return F.scaled_dot_product_attention(q_sdpa, k_dense, v_dense)
+
+            if args.sweep:
+                sweep(pd, bench_graph, nbytes, B, T, splits, q, k_pages, v_pages, block_tables, seq_lens, out)
+                del k_dense, v_dense, k_pages, v_pages, block_tables, out
+                torch.cuda.empty_cache()
+                continue
+
+            t_kernel = bench(run_kernel)
+            t_graph = bench_graph(run_kernel)
+            t_ref = None if args.no_ref else bench(run_ref)
+            try:
+                t_sdpa = bench(run_sdpa)
+                sdpa_out = run_sdpa().reshape(B, H, D)
+            except RuntimeError as e:  # e.g. no backend for this shape
+                print(f"  sdpa failed: {e}")
+                t_sdpa, sdpa_out = None, None
+
+            run_kernel()
+            if args.no_ref:
+                err_ref = float("nan")
+            else:
+                ref = pd.paged_decode_attention_ref(q, k_pages, v_pages, block_tables, seq_lens)
+                err_ref = (out.float() - ref.float()).abs().max().item()
+            err_sdpa = float("nan")
+            if sdpa_out is not None:
+                err_sdpa = (out.float() - sdpa_out.float()).abs().max().item()
+            print(
+                f"{B:>3} {T:>7} {splits:>6} | {fmt(t_kernel, nbytes)} | "
+                f"{t_graph:10.1f} {nbytes / (t_graph * 1e-6) / 1e9:6.0f} | "
+                f"{fmt(t_ref, nbytes)} | {fmt(t_sdpa, nbytes)} | "
+                f"{err_ref:10.2e} {err_sdpa:11.2e}",
+                flush=True,
+            )
+            del k_dense, v_dense, k_pages, v_pages, block_tables, out
+            torch.cuda.empty_cache()
+
+
+def sweep(pd, bench, nbytes, B, T, splits, q, k_pages, v_pages, block_tables, seq_lens, out):
+    results = []
+    split_opts = sorted({max(1, splits // 2), splits, splits * 2})
+    for block_n in (32, 64, 128):
+        for num_warps in (4, 8):
+            for num_stages in (1, 2, 3, 4):
+                for ns in split_opts:
+                    kw = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, num_splits=ns)
+                    try:
+                        us = bench(
+                            lambda: pd.paged_decode_attention(
+                                q, k_pages, v_pages, block_tables, seq_lens, out=out, **kw
+                            )
+                        )
+                    except Exception as e:  # e.g. out of shared memory
+                        print(f"  {kw}: failed ({type(e).__name__})")
+                        continue
+                    results.append((us, kw))
+    results.sort(key=lambda r: r[0])
+    default = bench(
+        lambda: pd.paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, out=out)
+    )
+    print(f"B={B} ctx={T}: default {default:.1f} us ({nbytes / (default * 1e-6) / 1e9:.0f} GB/s)")
+    for us, kw in results[:5]:
+        print(f"    {us:9.1f} us {nbytes / (us * 1e-6) / 1e9:6.0f} GB/s  {kw}")
+    print(f"    worst {results[-1][0]:.1f} us {results[-1][1]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

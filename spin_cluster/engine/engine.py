@@ -1,0 +1,304 @@
+"""The engine: requests in, tokens out, one ``step()`` at a time.
+
+    engine = Engine(SpinConfig.from_dict({"model": {"path": "/models/smollm2"}}))
+    outs = engine.generate(["The capital of France is"], SamplingParams(temperature=0))
+    for out in engine.stream("Once upon a time", SamplingParams(max_tokens=32)):
+        print(out.new_text, end="")
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.engine.model_runner import ModelRunner
+from spin_cluster.engine.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+from spin_cluster.engine.sampler import Sampler
+from spin_cluster.engine.scheduler import Scheduler
+from spin_cluster.engine.stats import StepStats
+from spin_cluster.kvcache.manager import KVCacheManager
+from spin_cluster.kvcache.page_pool import PagePool
+from spin_cluster.models import load_model
+from spin_cluster.tokenizer import Tokenizer
+
+_CPU_DEFAULT_KV_GIB = 2.0
+# Of the GPU memory free after loading weights, the share given to KV pages; the rest is
+# for activations of a full token budget.
+_GPU_KV_FRACTION = 0.85
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device={name!r} but CUDA is not available; use 'cpu' or 'auto'")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class Engine:
+    def __init__(self, config: SpinConfig | None = None, *, decode_attention: str = "auto", progress: bool = True) -> None:
+        self.config = config = config or SpinConfig()
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        path = config.model.resolved_path()
+        self.model = load_model(path, dtype=self.dtype, device=self.device, progress=progress)
+        self.model.eval()
+        self.tokenizer = Tokenizer(path)
+        mc = self.model.config
+        self.max_model_len = config.model.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"model.max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={mc.max_position_embeddings}"
+            )
+        sc = config.scheduler
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, scheduler.max_num_batched_tokens "
+                f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+        self.kv = KVCacheManager(
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            page_size=config.cache.page_size,
+            num_pages=self._num_pages(),
+            max_seqs=sc.max_num_seqs,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.scheduler = Scheduler(sc, self.kv)
+        self.runner = ModelRunner(self.model, self.kv, decode_attention)
+        self.sampler = Sampler(self.device)
+        self._eos_ids = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self._eos_ids.add(self.tokenizer.eos_token_id)
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.last_stats = StepStats()
+        self.num_preemptions_total = 0
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._check_prompt(ids)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id=request_id, prompt_token_ids=ids, params=params, prompt=text)
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; None if it is unknown or already done."""
+        req = self._requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        self._finish(req, FinishReason.ABORT)
+        return self._output(req, [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and report every request that advanced."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if sched.chunks:
+            logits, sampled = self.runner.execute(sched.chunks)
+            for chunk in sched.chunks:
+                chunk.request.num_computed_tokens += chunk.num_tokens
+            if sampled:
+                reqs = [c.request for c in sampled]
+                self._suppress_early_stops(logits, reqs)
+                token_ids = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs])
+                for req, tok in zip(reqs, token_ids):
+                    outputs.append(self._append_token(req, tok))
+        self.num_preemptions_total += len(sched.preempted)
+        self.last_stats = StepStats(
+            num_running=self.scheduler.num_running(),
+            num_waiting=self.scheduler.num_waiting(),
+            num_batched_tokens=sched.num_tokens,
+            num_preempted=len(sched.preempted),
+            num_free_pages=self.kv.num_free_pages,
+            num_total_pages=self.kv.num_total_pages,
+            step_s=time.perf_counter() - t0,
+        )
+        return outputs
+
+    def _suppress_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        """min_tokens: no end-of-sequence or stop token until that many are generated."""
+        for i, req in enumerate(reqs):
+            if len(req.output_token_ids) < req.params.min_tokens:
+                banned = set(req.params.stop_token_ids)
+                if not req.params.ignore_eos:
+                    banned |= self._eos_ids
+                if banned:
+                    logits[i, sorted(banned)] = float("-inf")
+
+    def _append_token(self, req: Request, token_id: int) -> RequestOutput:
+        now = time.monotonic()
+        if req.first_token_s is None:
+            req.first_token_s = now
+        old_text = req.output_text
+        req.output_token_ids.append(token_id)
+        text = self.tokenizer.decode(req.output_token_ids)
+        reason = self._finish_reason(req, token_id)
+        stop_at = self._stop_string_at(req, text)
+        if stop_at is not None:
+            text, reason = text[:stop_at], FinishReason.STOP
+        if reason is None and text.endswith("\ufffd"):
+            text = old_text  # an incomplete UTF-8 sequence: wait for the next token
+        req.output_text = text
+        if reason is not None:
+            self._finish(req, reason)
+        return self._output(req, [token_id], text[len(old_text) :] if text.startswith(old_text) else text)
+
+    def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
+        p = req.params
+        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self._eos_ids):
+            return FinishReason.STOP
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _stop_string_at(req: Request, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finished_s = time.monotonic()
+        self.scheduler.finish(req)
+        self.sampler.forget(req.request_id)
+        self._requests.pop(req.request_id, None)
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            text=req.output_text,
+            token_ids=list(req.output_token_ids),
+            new_text=new_text,
+            new_token_ids=new_ids,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+        )
+
+    # ---- convenience --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run a batch to completion; outputs in the order of ``prompts``."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield this request's output after every step that advances it, until it finishes.
+
+        Other requests in the engine advance in the same steps. Closing the iterator early
+        aborts the request and frees its pages.
+        """
+        rid = self.add_request(prompt, params)
+        done = False
+        try:
+            while not done:
+                for out in self.step():
+                    if out.request_id == rid:
+                        done = out.finished
+                        yield out
+        finally:
+            if not done:
+                self.abort(rid)
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        return self.generate([self.tokenizer.chat_prompt_ids(messages)], params)[0]
+
+    # ---- sizing and checks ----------------------------------------------------------------------
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
+                f"tokens, and at least one must be left to generate. Shorten the prompt."
+            )
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        need = self.kv.pages_for_tokens(len(ids) + 1)
+        if need > self.kv.num_total_pages:
+            raise ValueError(
+                f"the prompt needs {need} KV pages but the cache has {self.kv.num_total_pages}; "
+                f"raise cache.kv_cache_gib or shorten the prompt"
+            )
+
+    def _num_pages(self) -> int:
+        mc, cc = self.model.config, self.config.cache
+        page_bytes = PagePool.bytes_per_page(cc.page_size, mc.head_dim, self.dtype)
+        if cc.kv_cache_gib is not None:
+            budget = cc.kv_cache_gib * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * _GPU_KV_FRACTION
+        else:
+            budget = _CPU_DEFAULT_KV_GIB * 2**30
+        per_token_page = mc.num_layers * mc.num_kv_heads
+        # Never more than every request slot could use at full length.
+        most = self.config.scheduler.max_num_seqs * -(-self.max_model_len // cc.page_size) * per_token_page
+        return max(per_token_page, min(int(budget // page_bytes), most))
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        live = {r.request_id for r in self.scheduler.running}
+        held = set(self.kv.table.request_ids())
+        if not held <= live | {r.request_id for r in self.scheduler.waiting}:
+            raise AssertionError(f"pages held by requests that are not scheduled: {sorted(held - live)}")

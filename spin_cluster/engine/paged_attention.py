@@ -1,0 +1,113 @@
+"""Attention over the paged KV cache: the engine's ``AttentionBackend``.
+
+``StepPlan`` is built once per step by the model runner; ``forward`` runs per layer, reads
+the plan and allocates nothing but its output. The T tokens of a step are laid out as::
+
+    [ decode tokens (one per decoding request) | prefill chunk 0 | prefill chunk 1 | ... ]
+      0 .. Bd-1                                  Bd ..
+
+Decode tokens go through one paged-decode call (Triton on CUDA, the torch reference on the
+CPU); each prefill chunk attends with torch SDPA to its request's earlier pages plus itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from spin_cluster.kernels import paged_decode
+from spin_cluster.kvcache.page_pool import PagePool
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    token_start: int  # first index of the chunk in the step's T tokens
+    num_tokens: int  # n
+    context_start: int  # position of the chunk's first token in its request
+    pages: torch.Tensor  # [L, Hkv, P'] page ids covering positions 0 .. context_start+n-1
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    slot_mapping: torch.Tensor  # [L, T, Hkv] flat slot of each token's K/V
+    num_decode: int  # Bd
+    decode_block_tables: torch.Tensor | None  # [L, Bd, Hkv, P]
+    decode_seq_lens: torch.Tensor | None  # [Bd] int32, including the token being decoded
+    prefill: tuple[PrefillSegment, ...]
+
+
+def decode_impl(name: str, device: torch.device):
+    """'auto': the Triton kernel on CUDA, the torch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        return paged_decode.paged_decode_attention
+    if name == "torch":
+        return paged_decode.paged_decode_attention_ref
+    raise ValueError(f"decode attention {name!r}: choose auto, triton or torch")
+
+
+class PagedAttention:
+    def __init__(self, pool: PagePool, decode: str = "auto") -> None:
+        self.pool = pool
+        self._decode = decode_impl(decode, pool.k_pages.device)
+        self.plan: StepPlan | None = None
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        plan = self.plan
+        T, H, D = q.shape
+        # Write this step's K/V into their pages. k, v: [T, Hkv, D] -> [T*Hkv, D]
+        slots = plan.slot_mapping[layer_id].reshape(-1)
+        self.pool.k_pages.view(-1, D).index_copy_(0, slots, k.reshape(-1, D).to(self.pool.k_pages.dtype))
+        self.pool.v_pages.view(-1, D).index_copy_(0, slots, v.reshape(-1, D).to(self.pool.v_pages.dtype))
+
+        out = torch.empty_like(q)  # [T, H, D]
+        bd = plan.num_decode
+        if bd:
+            self._decode(
+                q[:bd],
+                self.pool.k_pages,
+                self.pool.v_pages,
+                plan.decode_block_tables[layer_id],
+                plan.decode_seq_lens,
+                out=out[:bd],
+            )
+        for seg in plan.prefill:
+            rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
+            out[rows] = self._prefill(layer_id, seg, q[rows], k[rows], v[rows])
+        return out
+
+    def _prefill(
+        self, layer_id: int, seg: PrefillSegment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [n, H, D]; k, v: [n, Hkv, D] (this chunk) -> [n, H, D]."""
+        n = seg.num_tokens
+        if seg.context_start == 0:
+            # The whole context is this chunk: attend to k/v directly, no gather.
+            k_ctx, v_ctx = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, n, D]
+            mask, causal = None, True
+        else:
+            end = seg.context_start + n
+            k_ctx = self._gather(self.pool.k_pages, seg.pages[layer_id], end)  # [Hkv, end, D]
+            v_ctx = self._gather(self.pool.v_pages, seg.pages[layer_id], end)
+            # Query i sits at position context_start + i and sees keys 0 .. context_start + i.
+            q_pos = torch.arange(seg.context_start, end, device=q.device)
+            mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]  # [n, end]
+            causal = False
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+            k_ctx.unsqueeze(0).to(q.dtype),
+            v_ctx.unsqueeze(0).to(q.dtype),
+            attn_mask=mask,
+            is_causal=causal,
+            enable_gqa=True,
+        )
+        return o[0].transpose(0, 1)  # [n, H, D]
+
+    @staticmethod
+    def _gather(pages: torch.Tensor, page_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """pages [N, S, D], page_ids [Hkv, P'] -> [Hkv, num_tokens, D] contiguous in position."""
+        hkv, p = page_ids.shape
+        return pages[page_ids.long()].reshape(hkv, p * pages.shape[1], pages.shape[2])[:, :num_tokens]

@@ -1,0 +1,115 @@
+"""Request state, sampling parameters and what the engine hands back per request."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings, with vLLM's names and defaults."""
+
+    # 0 means greedy; > 0 scales logits. Range [0, inf).
+    temperature: float = 1.0
+    # Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p. (0, 1].
+    top_p: float = 1.0
+    # Keep the k most likely tokens; 0 or -1 disables. >= -1.
+    top_k: int = 0
+    # Seed of this request's own generator; None draws from the engine's.
+    seed: int | None = None
+    # Most tokens to generate, >= 1.
+    max_tokens: int = 16
+    # Generation stops when the text contains one of these; it is not included in the output.
+    stop: tuple[str, ...] = ()
+    # Generation stops when one of these tokens is sampled (kept in the output ids).
+    stop_token_ids: tuple[int, ...] = ()
+    # Keep going past the model's end-of-sequence tokens.
+    ignore_eos: bool = False
+    # End-of-sequence and stop tokens cannot be sampled before this many tokens, >= 0.
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k}: must be >= 1, or 0 / -1 to disable")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens}: must be in [0, max_tokens]")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    arrival_s: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in the cache (prompt and generated).
+    num_computed_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    # Detokenized output so far; the stop-string check reads it.
+    output_text: str = ""
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a request produced so far; ``new_*`` hold the part added by the last step."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None

@@ -1,0 +1,137 @@
+"""Continuous batching with chunked prefill and preemption by recomputation.
+
+Each step gets a token budget (``max_num_batched_tokens``). Running requests go first, in
+arrival order: a decoding request takes one token, a request still prefilling takes the
+next chunk of its prompt. Then waiting requests are admitted, oldest first, while the
+budget, the request limit and the KV pages allow. When a running request cannot get the
+page it needs, the newest running request is preempted: its pages are freed and it goes
+back to the front of the queue, to be prefilled again (prompt and tokens so far) later.
+
+The scheduler sees the KV cache only through ``can_allocate`` / ``allocate`` / ``free``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from spin_cluster.config import SchedulerConfig
+from spin_cluster.engine.request import Request, RequestStatus
+from spin_cluster.kvcache.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    # Tokens of this request computed in this step: positions start .. start+num_tokens-1.
+    start: int
+    num_tokens: int
+    # True when the request is past its prompt and computes exactly its last sampled token.
+    is_decode: bool
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this chunk every known token is in the cache: sample the next one."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    # Decode chunks first, then prefill chunks: the model runner relies on this order.
+    chunks: list[ScheduledChunk]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish(self, request: Request) -> None:
+        """Drop a finished or aborted request wherever it is and free its pages."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        decode: list[ScheduledChunk] = []
+        prefill: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_uncomputed_tokens, budget)
+            if not self._make_room(req, n, preempted):
+                continue
+            chunk = self._take(req, n)
+            (decode if chunk.is_decode else prefill).append(chunk)
+            budget -= n
+        if not preempted:
+            budget = self._admit(budget, prefill)
+        return SchedulerOutput(chunks=decode + prefill, preempted=preempted)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _make_room(self, req: Request, n: int, preempted: list[Request]) -> bool:
+        """Preempt the newest running requests until ``req`` can grow by n tokens."""
+        while not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _admit(self, budget: int, prefill: list[ScheduledChunk]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_uncomputed_tokens
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            prefill.append(self._take(req, n))
+            budget -= n
+        return budget
+
+    def _take(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        self.kv.allocate(req.request_id, start + n)
+        is_decode = start >= len(req.prompt_token_ids) and n == 1 and req.num_uncomputed_tokens == 1
+        return ScheduledChunk(request=req, start=start, num_tokens=n, is_decode=is_decode)

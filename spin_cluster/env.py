@@ -1,0 +1,18 @@
+"""Every environment variable the project reads, typed, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def model_cache_dir() -> Path:
+    """SPIN_MODEL_DIR: where prepared models live (default ~/.cache/spin-cluster/models)."""
+    raw = os.environ.get("SPIN_MODEL_DIR")
+    return Path(raw).expanduser() if raw else Path.home() / ".cache" / "spin-cluster" / "models"
+
+
+def default_model_dir() -> Path:
+    return model_cache_dir() / DEFAULT_MODEL_NAME

@@ -1,0 +1,100 @@
+"""Request -> physical page ids, per (layer, KV head).
+
+Each running request owns one row of a device-resident table::
+
+    table[row, layer, kv_head, p] = physical page id of logical page p
+                                    (tokens p*S .. p*S+S-1 of that layer and head)
+
+The table is written only when a request grows by a page (once every S tokens), so a decode
+step reads it on the device without any host round trip. A host mirror of the ids is kept
+for freeing and for the integrity check.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageTable:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        max_pages_per_seq: int,
+        max_seqs: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.max_pages_per_seq = max_pages_per_seq
+        # [R, L, Hkv, P] int32; unused entries are 0 and never read past a request's length.
+        self.table = torch.zeros(
+            max_seqs, num_layers, num_kv_heads, max_pages_per_seq, dtype=torch.int32, device=device
+        )
+        self._free_rows: list[int] = list(range(max_seqs - 1, -1, -1))
+        self._request_to_row: dict[str, int] = {}
+        # Host mirror: request -> one list of L*Hkv ids per logical page, ordered [L, Hkv].
+        self._request_to_pages: dict[str, list[list[int]]] = {}
+
+    @property
+    def pages_per_token_page(self) -> int:
+        """Physical pages that one logical page (S tokens of every layer and head) takes."""
+        return self.num_layers * self.num_kv_heads
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._request_to_row
+
+    def has_free_row(self) -> bool:
+        return bool(self._free_rows)
+
+    def add(self, request_id: str) -> int:
+        if request_id in self._request_to_row:
+            raise KeyError(f"request {request_id!r} already has a page table row")
+        if not self._free_rows:
+            raise RuntimeError("page table full: no free request row")
+        row = self._free_rows.pop()
+        self._request_to_row[request_id] = row
+        self._request_to_pages[request_id] = []
+        return row
+
+    def remove(self, request_id: str) -> list[int]:
+        """Drop the request; return every physical page id it held, for the pool to free."""
+        row = self._request_to_row.pop(request_id)
+        self._free_rows.append(row)
+        pages = self._request_to_pages.pop(request_id)
+        return [pid for page in pages for pid in page]
+
+    def row(self, request_id: str) -> int:
+        return self._request_to_row[request_id]
+
+    def num_logical_pages(self, request_id: str) -> int:
+        return len(self._request_to_pages[request_id])
+
+    def append(self, request_id: str, page_ids: list[int]) -> None:
+        """Add n logical pages; ``page_ids`` holds n * L * Hkv ids ordered [n, L, Hkv]."""
+        per_page = self.pages_per_token_page
+        if len(page_ids) % per_page:
+            raise ValueError(f"{len(page_ids)} ids is not a multiple of L*Hkv={per_page}")
+        n = len(page_ids) // per_page
+        pages = self._request_to_pages[request_id]
+        start = len(pages)
+        if start + n > self.max_pages_per_seq:
+            raise ValueError(
+                f"request {request_id!r} would need {start + n} pages per head, "
+                f"more than max_pages_per_seq={self.max_pages_per_seq}"
+            )
+        pages.extend(page_ids[i * per_page : (i + 1) * per_page] for i in range(n))
+        # [n, L, Hkv] -> [L, Hkv, n]
+        block = torch.tensor(page_ids, dtype=torch.int32).view(n, self.num_layers, self.num_kv_heads)
+        self.table[self.row(request_id), :, :, start : start + n] = block.permute(1, 2, 0).to(
+            self.table.device
+        )
+
+    def request_ids(self) -> list[str]:
+        return list(self._request_to_row)
+
+    def owned_page_ids(self) -> list[int]:
+        return [pid for pages in self._request_to_pages.values() for page in pages for pid in page]
+
+    def host_pages(self, request_id: str) -> list[list[int]]:
+        return self._request_to_pages[request_id]

@@ -1,0 +1,16 @@
+"""Model definitions and checkpoint loading (Llama, Qwen2, Qwen3 from HF safetensors)."""
+
+from spin_cluster.models.base import AttentionBackend
+from spin_cluster.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from spin_cluster.models.llama import CausalLM
+from spin_cluster.models.loader import SUPPORTED_DTYPES, load_model, resolve_dtype
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_DTYPES",
+    "AttentionBackend",
+    "CausalLM",
+    "ModelConfig",
+    "load_model",
+    "resolve_dtype",
+]

@@ -1,0 +1,182 @@
+"""Building blocks of a Llama-family decoder, written to match transformers' numerics.
+
+Every op is per token: inputs are ``[T, ...]`` with all requests' tokens flattened into T and
+no batch dimension. The only cross-token op, attention, is delegated to an ``AttentionBackend``.
+
+Shapes (one letter set): T tokens, E hidden size, F MLP intermediate size, H query heads,
+Hkv KV heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from spin_cluster.models.base import AttentionBackend
+from spin_cluster.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim, computed in float32 (as transformers' LlamaRMSNorm:
+    normalize in float32, cast back to the input dtype, then scale by the weight)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim] -> [..., dim], same dtype
+        in_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)  # [..., 1]
+        x32 = x32 * torch.rsqrt(variance + self.eps)
+        return self.weight * x32.to(in_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] in float32, on CPU; llama3 scaling as transformers'
+    ``_compute_llama3_parameters``."""
+    dim = config.head_dim
+    base = config.rope_theta
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
+    inv_freq = 1.0 / (base**exponents)  # [D/2]
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] != "llama3":
+        raise ValueError(f"unsupported RoPE type {scaling['rope_type']!r}")
+
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq  # [D/2]
+    # Long wavelengths (low frequencies) are divided by `factor`, short ones kept, and the band
+    # in between interpolated smoothly.
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed_inv_freq = (
+        (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    )
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)  # [D/2]
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the positions of this step, computed in float32 on the fly.
+
+    ``inv_freq`` is a plain attribute rather than a buffer so that ``model.to(bfloat16)`` never
+    rounds it; it follows the positions' device.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.inv_freq = rope_inv_freq(config)  # [D/2] float32
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] int -> cos, sin: [T, D] in `dtype`
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].to(torch.float32) * self.inv_freq  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # x: [..., D] -> [..., D]: (x1, x2) -> (-x2, x1) over the two halves of D
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D], cos/sin: [T, D] -> [T, heads, D]
+    cos = cos.unsqueeze(1)  # [T, 1, D]
+    sin = sin.unsqueeze(1)  # [T, 1, D]
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(e, f, bias=bias)  # [E] -> [F]
+        self.up_proj = nn.Linear(e, f, bias=bias)  # [E] -> [F]
+        self.down_proj = nn.Linear(f, e, bias=bias)  # [F] -> [E]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, E] -> [T, E]
+        h = nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, F]
+        return self.down_proj(h)  # [T, E]
+
+
+class Attention(nn.Module):
+    """Projections, optional per-head q/k norm and RoPE of one layer; attention itself is the
+    backend's. Head h of q is rows [h*D, (h+1)*D) of q_proj.weight (likewise k/v with Hkv heads),
+    and o_proj's input columns follow the same per-head layout."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads  # H
+        self.num_kv_heads = config.num_kv_heads  # Hkv
+        self.head_dim = config.head_dim  # D
+        e, h, hkv, d = config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        self.q_proj = nn.Linear(e, h * d, bias=config.attention_bias)  # [E] -> [H*D]
+        self.k_proj = nn.Linear(e, hkv * d, bias=config.attention_bias)  # [E] -> [Hkv*D]
+        self.v_proj = nn.Linear(e, hkv * d, bias=config.attention_bias)  # [E] -> [Hkv*D]
+        self.o_proj = nn.Linear(h * d, e, bias=config.o_proj_bias)  # [H*D] -> [E]
+        if config.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(d, config.rms_norm_eps)  # over D, per head
+            self.k_norm: RMSNorm | None = RMSNorm(d, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        # x: [T, E], cos/sin: [T, D] -> [T, E]
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)  # [T, H, D]
+            k = self.k_norm(k)  # [T, Hkv, D]
+        q = apply_rope(q, cos, sin)  # [T, H, D]
+        k = apply_rope(k, cos, sin)  # [T, Hkv, D]
+        o = attn.forward(self.layer_id, q, k, v)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))  # [T, E]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        # x: [T, E], cos/sin: [T, D] -> [T, E]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)  # [T, E]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [T, E]

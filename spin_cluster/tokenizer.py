@@ -1,0 +1,37 @@
+"""The model folder's tokenizer and chat template, and incremental detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path) -> None:
+        # transformers is used for its tokenizer loading only (tokenizer.json, chat template).
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(str(path))
+        self.eos_token_id: int | None = self._tok.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=True))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        if not self.has_chat_template():
+            raise ValueError("this model's folder has no chat template; use plain completions")
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        # The template already places special tokens; don't add a BOS twice.
+        return list(self._tok.encode(self.apply_chat_template(messages), add_special_tokens=False))

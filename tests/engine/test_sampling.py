@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from spin_cluster.engine.request import SamplingParams
+from spin_cluster.engine.sampler import Sampler, filtered_probs
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": -2}, "top_k"),
+        ({"stop": ("",)}, "stop"),
+    ],
+)
+def test_bad_sampling_params_raise_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_single_stop_string_becomes_a_tuple():
+    assert SamplingParams(stop="\n").stop == ("\n",)
+
+
+def test_top_k_keeps_exactly_k_tokens():
+    row = torch.tensor([1.0, 4.0, 3.0, 2.0, 0.0])
+    probs = filtered_probs(row, SamplingParams(top_k=2))
+    assert (probs > 0).tolist() == [False, True, True, False, False]
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    row = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert (filtered_probs(row, SamplingParams(top_p=0.75)) > 0).tolist() == [True, True, False, False]
+    assert (filtered_probs(row, SamplingParams(top_p=0.8)) > 0).tolist() == [True, True, False, False]
+    assert (filtered_probs(row, SamplingParams(top_p=0.81)) > 0).tolist() == [True, True, True, False]
+    # The top token always survives, however small p is.
+    assert (filtered_probs(row, SamplingParams(top_p=0.01)) > 0).tolist() == [True, False, False, False]
+
+
+def test_seeded_requests_repeat_whatever_shares_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    p = SamplingParams(temperature=1.0, seed=7)
+    alone = [Sampler(torch.device("cpu")).sample(logits[:1], ["a"], [p])[0] for _ in range(2)]
+    s = Sampler(torch.device("cpu"))
+    other = SamplingParams(temperature=1.0)
+    batched = s.sample(logits, ["x", "a", "y"], [other, p, other])
+    shifted = torch.stack([logits[1], logits[0], logits[2]])
+    assert alone[0] == alone[1]
+    assert batched[1] == Sampler(torch.device("cpu")).sample(shifted[:1], ["a"], [p])[0]
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
+    s = Sampler(torch.device("cpu"))
+    assert s.sample(logits, ["a", "b"], [SamplingParams(temperature=0)] * 2) == [1, 0]
