@@ -1,7 +1,7 @@
 """Benchmark paged decode attention on a GPU (not a test).
 
     python benchmarks/bench_paged_decode.py [--batches 1 32] [--contexts 8192 32768 131072]
-                                            [--contiguous-pages] [--no-ref]
+                                            [--contiguous-pages] [--no-ref] [--sweep]
 
 For each batch size B and context length T (every request holds T tokens), with
 H=32, Hkv=8, D=128, page size 16, bf16, times with ``triton.testing.do_bench`` (median):
@@ -16,6 +16,8 @@ and reports effective bandwidth = K+V bytes read / time. The paged pool is the d
 viewed as [B*Hkv*T/16, 16, D] pages; by default each (request, KV head)'s block table
 visits its pages in shuffled order (scattered pages, as in a long-running server; attention is
 order-free over keys so the output still equals SDPA's), with ``--contiguous-pages`` in order.
+``kernel/cg`` (CUDA graph replay) does not flush L2 between runs; ``do_bench`` does.
+``--sweep`` times the kernel over block_n / num_warps / num_stages / num_splits instead.
 """
 
 from __future__ import annotations
@@ -153,7 +155,10 @@ def main() -> None:
                 return F.scaled_dot_product_attention(q_sdpa, k_dense, v_dense)
 
             if args.sweep:
-                sweep(pd, bench_graph, nbytes, B, T, splits, q, k_pages, v_pages, block_tables, seq_lens, out)
+                sweep(
+                    pd, bench_graph, nbytes, B, T, splits,
+                    q, k_pages, v_pages, block_tables, seq_lens, out,
+                )
                 del k_dense, v_dense, k_pages, v_pages, block_tables, out
                 torch.cuda.empty_cache()
                 continue
@@ -195,7 +200,9 @@ def sweep(pd, bench, nbytes, B, T, splits, q, k_pages, v_pages, block_tables, se
         for num_warps in (4, 8):
             for num_stages in (1, 2, 3, 4):
                 for ns in split_opts:
-                    kw = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, num_splits=ns)
+                    kw = dict(
+                        block_n=block_n, num_warps=num_warps, num_stages=num_stages, num_splits=ns
+                    )
                     try:
                         us = bench(
                             lambda: pd.paged_decode_attention(

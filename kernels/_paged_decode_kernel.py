@@ -21,6 +21,13 @@ Token slices are cut in units of ``BLOCK_N`` from the request's own length, read
 device, so neither kernel needs host-side knowledge of ``seq_lens``. A split with no tokens
 (short request, many splits) writes an empty partial (lse = -inf, output 0); a request with
 ``seq_len == 0`` gets an all-zero output.
+
+``INTERPRETED`` (set by the launcher under ``TRITON_INTERPRET=1``) works around two limits
+of Triton 3.6's interpreter: ``tl.dot`` on bf16 multiplies the raw uint16 bit patterns (the
+interpreter has no bf16 arithmetic), so both dots run in fp32 there (P is still rounded to the
+KV dtype first, as on the GPU); and ``range()`` with tensor bounds fails under numpy >= 2.4
+(triton-lang/triton#9171), so the token loop is a ``while`` loop there. Compiled kernels
+take the other branch of both.
 """
 
 from __future__ import annotations

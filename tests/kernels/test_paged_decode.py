@@ -122,8 +122,9 @@ def test_reference_matches_dense_oracle(dtype, group):
 
 
 def test_reference_chunking_and_scale(monkeypatch):
-    # A tiny chunk budget forces one request per chunk, in length order.
+    # A tiny chunk budget forces one (request, KV head) row per chunk, in length order.
     monkeypatch.setattr(pd, "_REF_CHUNK_BYTES", 1)
+    monkeypatch.setattr(pd, "_REF_CHUNK_BYTES_CPU_PER_THREAD", 1)
     case = make_case([7, 50, 1, 33, 16, 2], page_size=8, group=4, seed=3)
     out = paged_decode_attention_ref(*case, scale=0.3)
     assert_close(out, dense_oracle(*case, scale=0.3), REF_TOL[torch.float32])
@@ -216,17 +217,25 @@ def test_kernel_defaults_out_and_strided_q():
     ref = paged_decode_attention_ref(q, k, v, bt, sl, scale=0.2)
     assert_close(out, ref, KERNEL_TOL[torch.float16])
     # All defaults (split heuristic, block size, scale).
-    assert_close(paged_decode_attention(q, k, v, bt, sl), paged_decode_attention_ref(q, k, v, bt, sl), KERNEL_TOL[torch.float16])
+    assert_close(
+        paged_decode_attention(q, k, v, bt, sl),
+        paged_decode_attention_ref(q, k, v, bt, sl),
+        KERNEL_TOL[torch.float16],
+    )
 
 
 def test_choose_num_splits():
     # Batch 1, 8 KV heads, 128K tokens on 132 SMs: the grid must cover every SM.
     n = choose_num_splits(1, 8, 128 * 1024, 132)
     assert n * 8 >= 132
+    # No partial last wave of 4 * 132 resident programs: 256 (request, head) pairs split in 2,
+    # not 3 (768 programs = 1.5 waves).
+    assert choose_num_splits(32, 8, 32 * 1024, 132) == 2
     # Plenty of (request, head) programs already: no split.
-    assert choose_num_splits(64, 8, 32 * 1024, 132) == 1
+    assert choose_num_splits(128, 8, 32 * 1024, 132) == 1
     # Short contexts are not split into tiny pieces.
     assert choose_num_splits(1, 8, 300, 132) <= math.ceil(300 / pd._MIN_TOKENS_PER_SPLIT)
+    assert choose_num_splits(1, 8, 0, 132) == 1
     assert choose_num_splits(1, 1, 10**7, 132) == pd._MAX_SPLITS
 
 
@@ -237,7 +246,8 @@ def test_choose_num_splits():
 
 def _bad_cases():
     def mk():
-        return dict(zip(("q", "k_pages", "v_pages", "block_tables", "seq_lens"), make_case([3, 20], seed=30)))
+        names = ("q", "k_pages", "v_pages", "block_tables", "seq_lens")
+        return dict(zip(names, make_case([3, 20], seed=30)))
 
     def mod(fn):
         a = mk()
@@ -340,3 +350,19 @@ def test_gpu_full_size_bf16(num_splits):
     sub = [1, 3]
     args = (q[sub], k, v, bt[sub], sl[sub])
     assert_close(out[sub], dense_oracle(*args), KERNEL_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (256, 8), (80, 1)])
+def test_gpu_head_dims(dtype, head_dim, group):
+    lens = [4096, 1, 1000, 2048 + 7]
+    case = make_case(
+        lens, num_kv_heads=3, group=group, head_dim=head_dim, page_size=16,
+        dtype=dtype, seed=41, device="cuda",
+    )
+    ref = paged_decode_attention_ref(*case)
+    for num_splits in (None, 1):
+        out = paged_decode_attention(*case, num_splits=num_splits)
+        assert_close(out, ref, KERNEL_TOL[dtype])
