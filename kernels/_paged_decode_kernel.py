@@ -125,6 +125,8 @@ def _paged_decode_fwd(
     stride_btb,
     stride_bth,
     stride_btp,
+    stride_slb,
+    stride_slh,  # 0 when seq_lens is per request only
     stride_ob,
     stride_oh,
     max_pages,  # block_tables.shape[2]
@@ -145,7 +147,7 @@ def _paged_decode_fwd(
     kvh = pid_bh % HKV
     b64 = b.to(tl.int64)
 
-    seq_len = tl.load(sl_ptr + b)
+    seq_len = tl.load(sl_ptr + b * stride_slb + kvh * stride_slh)
     n_blocks = tl.cdiv(seq_len, BLOCK_N)
     blocks_per_split = tl.cdiv(n_blocks, NUM_SPLITS)
     blk_start = split * blocks_per_split

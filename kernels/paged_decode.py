@@ -7,7 +7,9 @@ KV layout (per-head pages, see ``spin_cluster.kvcache.page_pool``): a physical p
     block_tables     : [B, Hkv, P]    int32, physical id of the p-th logical page of each
                                       (request, KV head); entries past the request's length
                                       are padding and never read
-    seq_lens         : [B]            int32, tokens in cache per request, the current token
+    seq_lens         : [B] or [B, Hkv] int32, tokens in cache per request (or per request
+                                      and KV head: sparse decode attends to a different
+                                      number of selected tokens per head), the current token
                                       included (already written)
     q                : [B, H, D]      H = Hkv * G; query head h reads KV head h // G
     returns          : [B, H, D]      in q's dtype
@@ -93,8 +95,8 @@ def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out):
         raise ValueError(
             f"block_tables must be [B, Hkv, P], got shape {tuple(block_tables.shape)}"
         )
-    if seq_lens.dim() != 1:
-        raise ValueError(f"seq_lens must be [B], got shape {tuple(seq_lens.shape)}")
+    if seq_lens.dim() not in (1, 2):
+        raise ValueError(f"seq_lens must be [B] or [B, Hkv], got shape {tuple(seq_lens.shape)}")
 
     B, H, D = q.shape
     N, S, Dk = k_pages.shape
@@ -107,6 +109,8 @@ def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out):
         raise ValueError(f"block_tables batch {Bt} != q batch {B}")
     if seq_lens.shape[0] != B:
         raise ValueError(f"seq_lens batch {seq_lens.shape[0]} != q batch {B}")
+    if seq_lens.dim() == 2 and seq_lens.shape[1] != Hkv:
+        raise ValueError(f"seq_lens [B, Hkv] has {seq_lens.shape[1]} heads, block_tables {Hkv}")
     if Hkv < 1 or H % Hkv != 0:
         raise ValueError(
             f"number of query heads H={H} must be a multiple of KV heads Hkv={Hkv}"
@@ -189,7 +193,7 @@ def paged_decode_attention_ref(
             )
 
     R = B * Hkv  # rows: (request, KV head)
-    row_lens = lens_host.repeat_interleave(Hkv)  # [R]
+    row_lens = lens_host.reshape(-1) if lens_host.dim() == 2 else lens_host.repeat_interleave(Hkv)  # [R]
     # Longest first, so a chunk's padding to its longest row stays small.
     order_host = torch.argsort(row_lens, descending=True, stable=True)
     sorted_lens = row_lens[order_host]
@@ -397,6 +401,8 @@ def paged_decode_attention(
         block_tables.stride(0),
         block_tables.stride(1),
         block_tables.stride(2),
+        seq_lens.stride(0),
+        seq_lens.stride(1) if seq_lens.dim() == 2 else 0,
         out.stride(0),
         out.stride(1),
         P,

@@ -366,3 +366,21 @@ def test_gpu_head_dims(dtype, head_dim, group):
     for num_splits in (None, 1):
         out = paged_decode_attention(*case, num_splits=num_splits)
         assert_close(out, ref, KERNEL_TOL[dtype])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_per_head_seq_lens(dtype, num_splits):
+    """seq_lens [B, Hkv]: each KV head attends to its own number of tokens (sparse decode)."""
+    q, kp, vp, bt, lens = make_case([40, 23, 17], num_kv_heads=3, group=2, dtype=dtype, seed=5)
+    per_head = torch.tensor([[40, 1, 16], [23, 9, 0], [17, 17, 5]], dtype=torch.int32, device=q.device)
+    ref = paged_decode_attention_ref(q, kp, vp, bt, per_head)
+    got = paged_decode_attention(q, kp, vp, bt, per_head, num_splits=num_splits)
+    assert_close(got, ref, KERNEL_TOL[dtype])
+    # Each head equals a per-request call whose length is that head's.
+    G = 2
+    for h in range(3):
+        one = paged_decode_attention_ref(q, kp, vp, bt, per_head[:, h].contiguous())
+        assert_close(ref[:, h * G : (h + 1) * G], one[:, h * G : (h + 1) * G], REF_TOL[dtype])
+    assert ref[1, 4:6].abs().max() == 0  # a head with no tokens gives zeros

@@ -1,0 +1,67 @@
+"""Triton body of Retrieve (see ``retrieve.py`` for the launcher).
+
+Importing this module needs Triton. ``retrieve.py`` imports it lazily, so the pure-torch
+reference works without Triton.
+
+``_retrieve_pages``
+    grid ``(M,)``. Program ``i`` copies the K page and the V page of pair ``i``::
+
+        src_k[src_ids[i]] -> dst_k[dst_ids[i]]      src_v[src_ids[i]] -> dst_v[dst_ids[i]]
+
+    A page is ``PAGE_NUMEL = S * D`` contiguous elements, copied as flat chunks of ``BLOCK``
+    elements (``BLOCK`` a power of two, ``NUM_CHUNKS * BLOCK >= PAGE_NUMEL``). Every load of a
+    chunk is issued before its stores, K and V together, so that each program keeps two
+    chunks in flight: reads from pinned host memory cross PCIe with microseconds of latency,
+    and only many outstanding requests hide it.
+
+    A pair is live iff ``i < count`` (when ``HAS_COUNT``) and both ids are ``>= 0``; a dead
+    pair's loads and stores are masked off, so it moves no bytes. ``count`` is read on the
+    device: the launcher never learns it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _retrieve_pages(
+    src_k_ptr,
+    src_v_ptr,
+    dst_k_ptr,
+    dst_v_ptr,
+    src_ids_ptr,
+    dst_ids_ptr,
+    count_ptr,
+    stride_src_k,  # elements between pages, per tensor
+    stride_src_v,
+    stride_dst_k,
+    stride_dst_v,
+    PAGE_NUMEL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
+):
+    i = tl.program_id(0)
+    src = tl.load(src_ids_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ids_ptr + i).to(tl.int64)
+    live = (src >= 0) & (dst >= 0)
+    if HAS_COUNT:
+        live = live & (i < tl.load(count_ptr))
+
+    src_k_page = src_k_ptr + src * stride_src_k
+    src_v_page = src_v_ptr + src * stride_src_v
+    dst_k_page = dst_k_ptr + dst * stride_dst_k
+    dst_v_page = dst_v_ptr + dst * stride_dst_v
+    offs = tl.arange(0, BLOCK)
+    for c in tl.static_range(NUM_CHUNKS):
+        o = c * BLOCK + offs
+        if PAGE_NUMEL % BLOCK == 0:
+            mask = live  # a scalar mask keeps the loads at full vector width
+        else:
+            mask = live & (o < PAGE_NUMEL)
+        k = tl.load(src_k_page + o, mask=mask)
+        v = tl.load(src_v_page + o, mask=mask)
+        tl.store(dst_k_page + o, k, mask=mask)
+        tl.store(dst_v_page + o, v, mask=mask)

@@ -1,0 +1,180 @@
+"""Retrieve: Triton gather kernel vs pure-torch reference vs an explicit per-page oracle.
+
+Without CUDA, conftest.py sets TRITON_INTERPRET=1 so the kernel runs in Triton's interpreter
+on CPU tensors; shapes are kept tiny for that. Every destination is poisoned first, so a test
+sees any write outside the targeted slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spin_cluster.kernels.retrieve as rt
+from spin_cluster.kernels.retrieve import retrieve_pages, retrieve_pages_ref
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+POISON = -7.0
+
+needs_triton = pytest.mark.skipif(not rt.triton_available(), reason="triton not importable")
+BOTH = [
+    pytest.param(retrieve_pages, marks=needs_triton, id="triton"),
+    pytest.param(retrieve_pages_ref, id="ref"),
+]
+
+
+def make_pools(n_src, n_dst, S, D, dtype, device=DEVICE, seed=0):
+    """Random source pools (distinct values per page) and poisoned destination pools."""
+    gen = torch.Generator().manual_seed(seed)
+    src_k = torch.randn(n_src, S, D, generator=gen).to(dtype).to(device)
+    src_v = torch.randn(n_src, S, D, generator=gen).to(dtype).to(device)
+    dst_k = torch.full((n_dst, S, D), POISON, dtype=dtype, device=device)
+    dst_v = torch.full((n_dst, S, D), POISON, dtype=dtype, device=device)
+    return src_k, src_v, dst_k, dst_v
+
+
+def oracle(src_k, src_v, dst_k, dst_v, src_ids, dst_ids, n):
+    """Expected destination pools, by a plain loop over the pairs."""
+    exp_k, exp_v = dst_k.clone(), dst_v.clone()
+    for i in range(n):
+        s, d = int(src_ids[i]), int(dst_ids[i])
+        if s >= 0 and d >= 0:
+            exp_k[d] = src_k[s]
+            exp_v[d] = src_v[s]
+    return exp_k, exp_v
+
+
+def ids(values, dtype=torch.int32, device=DEVICE):
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("fn", BOTH)
+def test_copies_named_pages_and_nothing_else(fn):
+    src_k, src_v, dst_k, dst_v = make_pools(6, 5, 4, 8, torch.float32)
+    fn(src_k, src_v, dst_k, dst_v, ids([4, 0, 5]), ids([1, 3, 0]))
+    assert torch.equal(dst_k[1], src_k[4]) and torch.equal(dst_v[1], src_v[4])
+    assert torch.equal(dst_k[3], src_k[0]) and torch.equal(dst_v[3], src_v[0])
+    assert torch.equal(dst_k[0], src_k[5]) and torch.equal(dst_v[0], src_v[5])
+    for slot in (2, 4):  # never targeted
+        assert bool((dst_k[slot] == POISON).all()) and bool((dst_v[slot] == POISON).all())
+
+
+@pytest.mark.parametrize("fn", BOTH)
+def test_count_stops_before_stale_entries(fn):
+    src_k, src_v, dst_k, dst_v = make_pools(6, 5, 4, 8, torch.float32)
+    count = ids([2])
+    fn(src_k, src_v, dst_k, dst_v, ids([1, 2, 3, 4]), ids([0, 1, 2, 3]), count)
+    assert torch.equal(dst_k[0], src_k[1]) and torch.equal(dst_v[1], src_v[2])
+    for slot in (2, 3, 4):  # entries at positions >= count are stale
+        assert bool((dst_k[slot] == POISON).all()) and bool((dst_v[slot] == POISON).all())
+
+
+@pytest.mark.parametrize("fn", BOTH)
+def test_negative_ids_skipped(fn):
+    src_k, src_v, dst_k, dst_v = make_pools(6, 5, 4, 8, torch.float32)
+    fn(src_k, src_v, dst_k, dst_v, ids([-1, 2, 3, -1]), ids([0, -1, 4, -5]))
+    assert torch.equal(dst_k[4], src_k[3]) and torch.equal(dst_v[4], src_v[3])
+    untouched = torch.tensor([0, 1, 2, 3])
+    assert bool((dst_k[untouched] == POISON).all()) and bool((dst_v[untouched] == POISON).all())
+
+
+@pytest.mark.parametrize("fn", BOTH)
+def test_count_zero_and_empty_ids_copy_nothing(fn):
+    src_k, src_v, dst_k, dst_v = make_pools(3, 3, 2, 4, torch.float32)
+    fn(src_k, src_v, dst_k, dst_v, ids([0, 1]), ids([0, 1]), ids([0]))
+    fn(src_k, src_v, dst_k, dst_v, ids([]), ids([]))
+    assert bool((dst_k == POISON).all()) and bool((dst_v == POISON).all())
+
+
+@pytest.mark.parametrize("fn", BOTH)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("S,D", [(4, 16), (3, 5), (16, 32)])
+def test_random_ids_match_oracle(fn, dtype, id_dtype, S, D):
+    """Random distinct slots, random (repeating) pages, -1 holes, count < M."""
+    n_src, n_dst, M = 20, 12, 10
+    gen = torch.Generator().manual_seed(S * 100 + D)
+    src_k, src_v, dst_k, dst_v = make_pools(n_src, n_dst, S, D, dtype, seed=S + D)
+    src_ids = torch.randint(0, n_src, (M,), generator=gen)
+    dst_ids = torch.randperm(n_dst, generator=gen)[:M]
+    src_ids[torch.tensor([2, 7])] = -1
+    dst_ids[5] = -1
+    n = 8
+    exp_k, exp_v = oracle(src_k.cpu(), src_v.cpu(), dst_k.cpu(), dst_v.cpu(), src_ids, dst_ids, n)
+    count = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+    fn(
+        src_k, src_v, dst_k, dst_v,
+        src_ids.to(id_dtype).to(DEVICE), dst_ids.to(id_dtype).to(DEVICE), count,
+    )
+    assert torch.equal(dst_k.cpu(), exp_k)
+    assert torch.equal(dst_v.cpu(), exp_v)
+
+
+@needs_triton
+def test_strided_pages_and_large_chunks():
+    """Pools that are views with a page stride > S*D, and a page split over chunks."""
+    S, D = 8, 16  # 128 elements: block=32 gives 4 chunks
+    base_src = torch.randn(7, 2, S, D, device=DEVICE)
+    base_dst = torch.full((5, 2, S, D), POISON, device=DEVICE)
+    src_k, src_v = base_src[:, 0], base_src[:, 1]
+    dst_k, dst_v = base_dst[:, 0], base_dst[:, 1]
+    retrieve_pages(src_k, src_v, dst_k, dst_v, ids([6, 1]), ids([2, 4]), block=32)
+    assert torch.equal(dst_k[2], src_k[6]) and torch.equal(dst_v[2], src_v[6])
+    assert torch.equal(dst_k[4], src_k[1]) and torch.equal(dst_v[4], src_v[1])
+    assert bool((base_dst[torch.tensor([0, 1, 3])] == POISON).all())
+
+
+@pytest.mark.parametrize("fn", BOTH)
+def test_bad_inputs_raise(fn):
+    src_k, src_v, dst_k, dst_v = make_pools(4, 4, 2, 8, torch.float32)
+    good = ids([0, 1])
+    with pytest.raises(ValueError, match="page shape"):
+        fn(src_k, src_v, dst_k[:, :1], dst_v[:, :1], good, good)
+    with pytest.raises(ValueError, match="dtype"):
+        fn(src_k, src_v, dst_k.half(), dst_v.half(), good, good)
+    with pytest.raises(ValueError, match="src_v shape"):
+        fn(src_k, src_v[:3], dst_k, dst_v, good, good)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        fn(src_k, src_v, dst_k, dst_v, good.float(), good)
+    with pytest.raises(ValueError, match="entries"):
+        fn(src_k, src_v, dst_k, dst_v, ids([0, 1, 2]), good)
+    with pytest.raises(ValueError, match="one element"):
+        fn(src_k, src_v, dst_k, dst_v, good, good, ids([1, 1]))
+    with pytest.raises(ValueError, match=r"\[M\]"):
+        fn(src_k, src_v, dst_k, dst_v, good[None], good[None])
+    with pytest.raises(ValueError, match="contiguous"):
+        fn(src_k.transpose(1, 2), src_v.transpose(1, 2), dst_k.transpose(1, 2),
+           dst_v.transpose(1, 2), good, good)
+
+
+@pytest.mark.gpu
+def test_unpinned_host_source_rejected():
+    src_k, src_v, _, _ = make_pools(4, 4, 2, 8, torch.float32, device="cpu")
+    dst_k = torch.zeros(4, 2, 8, device="cuda")
+    good = ids([0, 1], device="cuda")
+    for fn in (retrieve_pages, retrieve_pages_ref):
+        with pytest.raises(ValueError, match="pinned"):
+            fn(src_k, src_v, dst_k, dst_k.clone(), good, good)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [16, 64])
+def test_pinned_host_to_cuda_full_size(S):
+    """The production path: pinned host pool -> GPU slots, bf16, D=128, 25% of the pages."""
+    D, n_host, n_slots = 128, 8192, 2048
+    gen = torch.Generator().manual_seed(S)
+    host_k = torch.randn(n_host, S, D, generator=gen).to(torch.bfloat16).pin_memory()
+    host_v = torch.randn(n_host, S, D, generator=gen).to(torch.bfloat16).pin_memory()
+    slot_k = torch.full((n_slots, S, D), POISON, dtype=torch.bfloat16, device="cuda")
+    slot_v = torch.full_like(slot_k, POISON)
+    src_ids = torch.randperm(n_host, generator=gen)[:n_slots].to("cuda")
+    dst_ids = torch.randperm(n_slots, generator=gen).to("cuda")
+    n = n_slots - 100
+    count = torch.tensor([n], dtype=torch.int32, device="cuda")
+    retrieve_pages(host_k, host_v, slot_k, slot_v, src_ids, dst_ids, count)
+    torch.cuda.synchronize()
+    d, s = dst_ids[:n].cpu(), src_ids[:n].cpu()
+    assert torch.equal(slot_k.cpu()[d], host_k[s]) and torch.equal(slot_v.cpu()[d], host_v[s])
+    rest = dst_ids[n:]
+    assert bool((slot_k[rest] == POISON).all()) and bool((slot_v[rest] == POISON).all())
