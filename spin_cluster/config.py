@@ -42,14 +42,63 @@ class ModelOptions:
 class CacheConfig:
     # Tokens per physical page; each page holds one (layer, KV head). Power of two, 1..256.
     page_size: int = 16
-    # Bytes of K+V pool in GiB; None: 90% of free GPU memory on CUDA, 2 GiB on CPU.
+    # GPU-only cache: bytes of the K+V page pool in GiB; None: 85% of free GPU memory on
+    # CUDA, 2 GiB on CPU. Not used when offload is on.
     kv_cache_gib: float | None = None
+    # Spin: every page's home is host memory (pinned), the GPU keeps a buffer of page slots.
+    offload: bool = False
+    # Host tier size in GiB (offload); None: 8 GiB.
+    host_kv_gib: float | None = None
+    # GPU buffer share per (request, layer, KV head), in pages, >= the pages a step selects
+    # (sink + budget + local); 0: twice those.
+    buffer_pages_per_head: int = 0
+    # Host pages per second-level segment of the page table (offload), power of two 1..1024.
+    # The GPU directory is 1/segment_pages of a flat table; a request's last segment may be
+    # partly unused (at most segment_pages - 1 host pages per layer and head).
+    segment_pages: int = 64
+    # Recency buckets of the buffer's LRU, 2..1024.
+    lru_buckets: int = 64
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size > 256 or self.page_size & (self.page_size - 1):
             raise ValueError(f"cache.page_size={self.page_size}: use a power of two in 1..256")
-        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
-            raise ValueError(f"cache.kv_cache_gib={self.kv_cache_gib}: must be > 0 or null")
+        for name in ("kv_cache_gib", "host_kv_gib"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"cache.{name}={value}: must be > 0 or null")
+        if self.buffer_pages_per_head < 0:
+            raise ValueError(f"cache.buffer_pages_per_head={self.buffer_pages_per_head}: must be >= 0")
+        if self.segment_pages < 1 or self.segment_pages > 1024 or self.segment_pages & (self.segment_pages - 1):
+            raise ValueError(f"cache.segment_pages={self.segment_pages}: use a power of two in 1..1024")
+        if not 2 <= self.lru_buckets <= 1024:
+            raise ValueError(f"cache.lru_buckets={self.lru_buckets}: use 2..1024")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    # Registered algorithm: dense, streaming, ... (`spin_cluster.partition.registered_algorithms()`).
+    algorithm: str = "dense"
+    # Middle pages' budget per head: tokens if >= 1, else a fraction (0, 1) of the context.
+    budget: float = 2048
+    # Always-kept first tokens (attention sinks) and last tokens (local window), >= 0.
+    sink_tokens: int = 16
+    local_tokens: int = 64
+    # Optional per-(layer, KV head) budgets in tokens, [L][Hkv]; overrides budget.
+    per_head_budgets: tuple[tuple[int, ...], ...] | None = None
+
+    def validate(self) -> None:
+        if not self.budget > 0:
+            raise ValueError(f"sparse.budget={self.budget}: must be > 0 (tokens, or a fraction of the context)")
+        if self.sink_tokens < 0 or self.local_tokens < 0:
+            raise ValueError("sparse.sink_tokens and sparse.local_tokens must be >= 0")
+        if self.per_head_budgets is not None:
+            rows = tuple(tuple(int(b) for b in row) for row in self.per_head_budgets)
+            object.__setattr__(self, "per_head_budgets", rows)
+            if any(b < 0 for row in rows for b in row):
+                raise ValueError("sparse.per_head_budgets must be >= 0")
+
+    def budget_tokens(self, context_tokens: int) -> int:
+        return int(self.budget) if self.budget >= 1 else max(1, int(self.budget * context_tokens))
 
 
 @dataclass(frozen=True)
@@ -76,9 +125,10 @@ class SpinConfig:
     model: ModelOptions = field(default_factory=ModelOptions)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
 
     def __post_init__(self) -> None:
-        for sub in (self.model, self.cache, self.scheduler):
+        for sub in (self.model, self.cache, self.scheduler, self.sparse):
             sub.validate()
 
     @classmethod
@@ -111,6 +161,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelOptions,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "sparse": SparseConfig,
 }
 
 

@@ -26,15 +26,9 @@ from spin_cluster.engine.request import (
 from spin_cluster.engine.sampler import Sampler
 from spin_cluster.engine.scheduler import Scheduler
 from spin_cluster.engine.stats import StepStats
-from spin_cluster.kvcache.manager import KVCacheManager
-from spin_cluster.kvcache.page_pool import PagePool
+from spin_cluster.engine.cache_builder import build_cache
 from spin_cluster.models import load_model
 from spin_cluster.tokenizer import Tokenizer
-
-_CPU_DEFAULT_KV_GIB = 2.0
-# Of the GPU memory free after loading weights, the share given to KV pages; the rest is
-# for activations of a full token budget.
-_GPU_KV_FRACTION = 0.85
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,19 +68,9 @@ class Engine:
                 f"without chunked prefill, scheduler.max_num_batched_tokens "
                 f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
-        self.kv = KVCacheManager(
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            page_size=config.cache.page_size,
-            num_pages=self._num_pages(),
-            max_seqs=sc.max_num_seqs,
-            max_model_len=self.max_model_len,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        self.kv, attention = build_cache(config, mc, self.dtype, self.device, self.max_model_len, decode_attention)
         self.scheduler = Scheduler(sc, self.kv)
-        self.runner = ModelRunner(self.model, self.kv, decode_attention)
+        self.runner = ModelRunner(self.model, attention, self.device)
         self.sampler = Sampler(self.device)
         self._eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -281,24 +265,9 @@ class Engine:
                 f"raise cache.kv_cache_gib or shorten the prompt"
             )
 
-    def _num_pages(self) -> int:
-        mc, cc = self.model.config, self.config.cache
-        page_bytes = PagePool.bytes_per_page(cc.page_size, mc.head_dim, self.dtype)
-        if cc.kv_cache_gib is not None:
-            budget = cc.kv_cache_gib * 2**30
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * _GPU_KV_FRACTION
-        else:
-            budget = _CPU_DEFAULT_KV_GIB * 2**30
-        per_token_page = mc.num_layers * mc.num_kv_heads
-        # Never more than every request slot could use at full length.
-        most = self.config.scheduler.max_num_seqs * -(-self.max_model_len // cc.page_size) * per_token_page
-        return max(per_token_page, min(int(budget // page_bytes), most))
-
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         live = {r.request_id for r in self.scheduler.running}
-        held = set(self.kv.table.request_ids())
+        held = set(self.kv.request_ids())
         if not held <= live | {r.request_id for r in self.scheduler.waiting}:
             raise AssertionError(f"pages held by requests that are not scheduled: {sorted(held - live)}")

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import paged_decode
-from spin_cluster.kvcache.page_pool import PagePool
+from spin_cluster.kvcache.manager import KVCacheManager
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,43 @@ def decode_impl(name: str, device: torch.device):
 
 
 class PagedAttention:
-    def __init__(self, pool: PagePool, decode: str = "auto") -> None:
-        self.pool = pool
-        self._decode = decode_impl(decode, pool.k_pages.device)
+    def __init__(self, kv: KVCacheManager, decode: str = "auto") -> None:
+        self.kv = kv
+        self.pool = kv.pool
+        self.device = kv.pool.k_pages.device
+        self._decode = decode_impl(decode, self.device)
         self.plan: StepPlan | None = None
+
+    def row(self, request_id: str) -> int:
+        return self.kv.table.row(request_id)
+
+    def begin_step(self, chunks: list[ScheduledChunk], positions: torch.Tensor, token_rows: torch.Tensor) -> None:
+        S = self.kv.page_size
+        decode = [c for c in chunks if c.is_decode]
+        num_decode = len(decode)
+        block_tables = seq_lens = None
+        if num_decode:
+            lens = [c.start + 1 for c in decode]
+            rows = torch.tensor([self.row(c.request.request_id) for c in decode], dtype=torch.long).to(self.device)
+            block_tables = self.kv.block_tables(rows, -(-max(lens) // S))  # [L, Bd, Hkv, P]
+            seq_lens = torch.tensor(lens, dtype=torch.int32).to(self.device)  # [Bd]
+        segments = []
+        token_start = num_decode
+        for chunk in chunks[num_decode:]:
+            end = chunk.start + chunk.num_tokens
+            pages = self.kv.table.table[self.row(chunk.request.request_id), :, :, : -(-end // S)]  # [L, Hkv, P']
+            segments.append(PrefillSegment(token_start, chunk.num_tokens, chunk.start, pages))
+            token_start += chunk.num_tokens
+        self.plan = StepPlan(
+            slot_mapping=self.kv.slot_mapping(token_rows, positions),
+            num_decode=num_decode,
+            decode_block_tables=block_tables,
+            decode_seq_lens=seq_lens,
+            prefill=tuple(segments),
+        )
+
+    def end_step(self) -> None:
+        self.plan = None
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self.plan

@@ -70,6 +70,9 @@ class KVCacheManager:
     def has(self, request_id: str) -> bool:
         return request_id in self.table
 
+    def request_ids(self) -> list[str]:
+        return self.table.request_ids()
+
     @property
     def num_free_pages(self) -> int:
         return self.pool.num_free

@@ -1,0 +1,108 @@
+"""Sizing and building the KV cache and its attention backend from the config.
+
+    cache.offload = false   GPU-only pages (KVCacheManager + PagedAttention), dense only
+    cache.offload = true    Spin: host tier + GPU buffer (OffloadedKVManager + SpinAttention),
+                            any registered sparse algorithm
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.engine.paged_attention import PagedAttention
+from spin_cluster.engine.spin_attention import SpinAttention
+from spin_cluster.kvcache.host_tier import HostTier
+from spin_cluster.kvcache.manager import KVCacheManager
+from spin_cluster.kvcache.offloaded import OffloadedKVManager
+from spin_cluster.kvcache.page_pool import PagePool
+from spin_cluster.models.config import ModelConfig
+from spin_cluster.partition import get_algorithm
+
+_CPU_DEFAULT_KV_GIB = 2.0
+_DEFAULT_HOST_KV_GIB = 8.0
+# Of the GPU memory free after loading weights, the share given to KV pages; the rest is
+# for activations of a full token budget.
+_GPU_KV_FRACTION = 0.85
+
+
+def build_cache(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
+                max_model_len: int, decode_attention: str = "auto"):
+    """Returns (kv manager, attention backend)."""
+    algorithm_cls = get_algorithm(config.sparse.algorithm)
+    budget = config.sparse.budget_tokens(max_model_len)
+    if not algorithm_cls.selects_all and config.sparse.per_head_budgets is None and budget > max_model_len:
+        raise ValueError(
+            f"sparse.budget={config.sparse.budget} tokens is larger than the context "
+            f"(max_model_len={max_model_len}); lower it or give a fraction in (0, 1)"
+        )
+    if not config.cache.offload:
+        if algorithm_cls.name != "dense":
+            raise ValueError(
+                f"sparse.algorithm={algorithm_cls.name!r} runs on the offloaded cache: set cache.offload=true"
+            )
+        kv = KVCacheManager(
+            num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            page_size=config.cache.page_size, num_pages=_num_gpu_pages(config, mc, dtype, device, max_model_len),
+            max_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
+        )
+        return kv, PagedAttention(kv, decode_attention)
+    return _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, decode_attention)
+
+
+def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, decode_attention):
+    cc, sc, S = config.cache, config.scheduler, config.cache.page_size
+    max_pages = -(-max_model_len // S)
+    algorithm = algorithm_cls(
+        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=S,
+        max_seqs=sc.max_num_seqs, max_pages_per_seq=max_pages, device=device,
+    )
+    mandatory = min(max_pages, _mandatory_pages(config, algorithm, max_model_len))
+    share = cc.buffer_pages_per_head or min(max_pages, 2 * mandatory)
+    slot_bytes = PagePool.bytes_per_page(S, mc.head_dim, dtype)
+    gpu_bytes = _gpu_budget_bytes(config, device)
+    per_column = mc.num_layers * mc.num_kv_heads
+    num_slots = min(int(gpu_bytes // slot_bytes), sc.max_num_seqs * share * per_column)
+    if num_slots < mandatory * per_column:
+        raise ValueError(
+            f"the GPU buffer ({num_slots} page slots) cannot hold one request's selected pages "
+            f"({mandatory} per head x {per_column} heads); raise cache.kv_cache_gib or lower sparse.budget"
+        )
+    host_gib = cc.host_kv_gib or _DEFAULT_HOST_KV_GIB
+    seg_bytes = HostTier.bytes_per_segment(cc.segment_pages, S, mc.head_dim, dtype)
+    kv = OffloadedKVManager(
+        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=S,
+        segment_pages=cc.segment_pages, num_host_segments=int(host_gib * 2**30 // seg_bytes),
+        num_buffer_slots=num_slots, buffer_pages_per_head=share, mandatory_pages_per_head=mandatory,
+        max_seqs=sc.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
+        num_buckets=cc.lru_buckets,
+    )
+    return kv, SpinAttention(kv, algorithm, config.sparse, max_model_len, decode_attention)
+
+
+def _mandatory_pages(config: SpinConfig, algorithm, max_model_len: int) -> int:
+    S, sp = config.cache.page_size, config.sparse
+    if algorithm.selects_all:
+        return -(-max_model_len // S)
+    if sp.per_head_budgets is not None:
+        budget = max(-(-b // S) for row in sp.per_head_budgets for b in row)
+    else:
+        budget = -(-sp.budget_tokens(max_model_len) // S)
+    return -(-sp.sink_tokens // S) + budget + max(1, -(-sp.local_tokens // S))
+
+
+def _gpu_budget_bytes(config: SpinConfig, device: torch.device) -> float:
+    if config.cache.kv_cache_gib is not None:
+        return config.cache.kv_cache_gib * 2**30
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free * _GPU_KV_FRACTION
+    return _CPU_DEFAULT_KV_GIB * 2**30
+
+
+def _num_gpu_pages(config: SpinConfig, mc: ModelConfig, dtype, device, max_model_len: int) -> int:
+    page_bytes = PagePool.bytes_per_page(config.cache.page_size, mc.head_dim, dtype)
+    per_token_page = mc.num_layers * mc.num_kv_heads
+    # Never more than every request slot could use at full length.
+    most = config.scheduler.max_num_seqs * -(-max_model_len // config.cache.page_size) * per_token_page
+    return max(per_token_page, min(int(_gpu_budget_bytes(config, device) // page_bytes), most))

@@ -1,0 +1,192 @@
+"""The GPU buffer: page slots caching host pages, split per request into mandatory and
+buffering pages, evicted by the bucketed LRU.
+
+Each running request gets a *share* of C_r slots per (layer, KV head) when it is admitted.
+The share's bookkeeping lives on the GPU, sized by the buffer, not by the context::
+
+    res_slot[row, l, h, c]      slot id of column c of that head's share (-1 past C_r)
+    res_page[row, l, h, c]      logical page held there (-1 empty)
+    res_last_use[row, l, h, c]  step of its last use (for the LRU)
+
+Per decode step and layer, ``lookup`` takes the selected logical pages of each head (the
+*mandatory* pages of the step) and resolves each to a slot: a hit keeps its column; a miss
+takes a column chosen by the bucketed LRU among the columns not selected this step (the
+*buffering* pages), and is listed for Retrieve (host page -> slot). A share of C_r >= K
+columns always has room: at most K - hits misses, and C_r - hits unselected columns.
+Everything is fixed-shape tensor work: no host sync, no sort.
+
+Elastic shares: the scheduler asks ``share_for`` at admission. A request gets
+``min(buffer_pages, max(mandatory, free / (1 + waiting)))`` columns per head: alone it
+keeps up to ``buffer_pages`` pages per head for temporal locality (high hit ratio); under
+load each newcomer takes an equal part of what is free, down to its mandatory pages, so
+more requests run at once at a lower hit ratio. Below the mandatory pages it waits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spin_cluster.kvcache.lru import DEFAULT_NUM_BUCKETS, select_victims_batched
+
+_NEVER = -(2**30)  # last_use of an empty column: older than any real step
+
+
+@dataclass(frozen=True)
+class Lookup:
+    slots: torch.Tensor  # [B, Hkv, K] int32 slot of each selected page (0 where invalid)
+    miss_src: torch.Tensor  # [B*Hkv*K] int64 host page to fetch, -1 where no miss
+    miss_dst: torch.Tensor  # [B*Hkv*K] int64 slot to fill, -1 where no miss
+
+
+class GpuBuffer:
+    def __init__(
+        self,
+        num_slots: int,
+        page_size: int,
+        head_dim: int,
+        num_layers: int,
+        num_kv_heads: int,
+        max_seqs: int,
+        max_share: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_buckets: int = DEFAULT_NUM_BUCKETS,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.max_share = max_share
+        self.num_buckets = num_buckets
+        # [N_slots, S, D] each
+        self.k_slots = torch.zeros(num_slots, page_size, head_dim, dtype=dtype, device=device)
+        self.v_slots = torch.zeros(num_slots, page_size, head_dim, dtype=dtype, device=device)
+        shape = (max_seqs, num_layers, num_kv_heads, max_share)
+        self.res_slot = torch.full(shape, -1, dtype=torch.int32, device=device)
+        self.res_page = torch.full(shape, -1, dtype=torch.int32, device=device)
+        self.res_last_use = torch.full(shape, _NEVER, dtype=torch.int32, device=device)
+        self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        self._row_slots: dict[int, list[int]] = {}
+        # Device counters, read once per step: lookups, hits, misses.
+        self.counters = torch.zeros(3, dtype=torch.int64, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.k_slots.shape[0]
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def slots_per_column(self) -> int:
+        """Slots one column of share takes across all layers and heads."""
+        return self.num_layers * self.num_kv_heads
+
+    def share_for(self, mandatory: int, num_waiting: int) -> int:
+        """Columns per head for a newcomer; 0 if its mandatory pages don't fit."""
+        free_cols = self.num_free_slots // self.slots_per_column()
+        share = min(self.max_share, max(mandatory, free_cols // (1 + num_waiting)))
+        return share if share <= free_cols else 0
+
+    def attach(self, row: int, share: int) -> None:
+        n = share * self.slots_per_column()
+        if share < 1 or share > self.max_share or n > len(self._free_slots):
+            raise RuntimeError(f"cannot give a share of {share} columns ({self.num_free_slots} slots free)")
+        ids = self._free_slots[-n:]
+        del self._free_slots[-n:]
+        self._row_slots[row] = ids
+        block = torch.tensor(ids, dtype=torch.int32).view(self.num_layers, self.num_kv_heads, share)
+        self.res_slot[row, :, :, :share] = block.to(self.res_slot.device)
+        self.res_page[row] = -1
+        self.res_last_use[row] = _NEVER
+
+    def detach(self, row: int) -> None:
+        self._free_slots.extend(self._row_slots.pop(row, []))
+        self.res_slot[row] = -1
+        self.res_page[row] = -1
+        self.res_last_use[row] = _NEVER
+
+    def share_of(self, row: int) -> int:
+        return len(self._row_slots.get(row, ())) // self.slots_per_column()
+
+    def lookup(self, rows: torch.Tensor, layer: int, want: torch.Tensor, now: int) -> tuple[Lookup, torch.Tensor]:
+        """Resolve selected pages to slots and update the shares.
+
+        rows: [B] int64 rows; want: [B, Hkv, K] int logical pages, -1 padding (all valid
+        entries of a head distinct). Returns the Lookup and the [B, Hkv, K] miss mask.
+        """
+        B, Hkv, K = want.shape
+        C = self.max_share
+        res_page = self.res_page[rows, layer]  # [B, Hkv, C]
+        res_slot = self.res_slot[rows, layer]  # [B, Hkv, C]
+        last_use = self.res_last_use[rows, layer]  # [B, Hkv, C]
+        valid = want >= 0  # [B, Hkv, K]
+        match = (want[..., :, None] == res_page[..., None, :]) & valid[..., None]  # [B, Hkv, K, C]
+        hit = match.any(-1)  # [B, Hkv, K]
+        hit_col = match.to(torch.int8).argmax(-1)  # [B, Hkv, K]
+        miss = valid & ~hit
+        protected = match.any(-2)  # [B, Hkv, C] columns selected this step
+        evictable = (res_slot >= 0) & ~protected
+        victims, _ = select_victims_batched(
+            last_use.view(B * Hkv, C),
+            evictable.view(B * Hkv, C),
+            now,
+            miss.sum(-1).view(-1),
+            num_buckets=self.num_buckets,
+        )
+        victims = victims.view(B, Hkv, C)
+        # The i-th miss of a head takes the i-th victim column of that head.
+        miss_rank = miss.cumsum(-1) - 1  # [B, Hkv, K]
+        victim_rank = victims.cumsum(-1) - 1  # [B, Hkv, C]
+        rank_to_col = torch.zeros(B, Hkv, K + 1, dtype=torch.long, device=want.device)
+        cols = torch.arange(C, device=want.device).expand(B, Hkv, C)
+        rank_to_col.scatter_(-1, torch.where(victims, victim_rank, K).clamp(max=K), cols)
+        miss_col = rank_to_col.gather(-1, miss_rank.clamp(min=0))
+        col = torch.where(hit, hit_col.long(), torch.where(miss, miss_col, 0))  # [B, Hkv, K]
+        slots = res_slot.gather(-1, col)  # [B, Hkv, K]
+
+        # Update the shares: misses now hold their page; every selected column was used now.
+        new_page = _scatter_masked(res_page, col, want.int(), miss)
+        new_last = _scatter_masked(last_use, col, torch.full_like(want, now, dtype=torch.int32), valid)
+        self.res_page[rows, layer] = new_page
+        self.res_last_use[rows, layer] = new_last
+        self.counters += torch.stack([valid.sum(), hit.sum(), miss.sum()])
+        neg = torch.full_like(col, -1)
+        return (
+            Lookup(
+                slots=torch.where(valid, slots, 0).int(),
+                miss_src=neg.view(-1),  # filled by the caller, which knows host pages
+                miss_dst=torch.where(miss, slots.long(), -1).view(-1),
+            ),
+            miss,
+        )
+
+    # ---- integrity --------------------------------------------------------------------------
+
+    def check_integrity(self, live_rows: set[int]) -> None:
+        owned = [s for ids in self._row_slots.values() for s in ids]
+        if len(set(owned)) != len(owned) or set(owned) & set(self._free_slots):
+            raise AssertionError("a buffer slot is owned twice or owned and free")
+        if len(owned) + len(self._free_slots) != self.num_slots:
+            raise AssertionError(f"buffer slots lost: {self.num_slots} total, {len(owned)} owned, {len(self._free_slots)} free")
+        if set(self._row_slots) - live_rows:
+            raise AssertionError(f"buffer shares held by rows without a request: {sorted(set(self._row_slots) - live_rows)}")
+        for row, ids in self._row_slots.items():
+            share = len(ids) // self.slots_per_column()
+            dev = self.res_slot[row, :, :, :share].reshape(-1).cpu().tolist()
+            if sorted(dev) != sorted(ids):
+                raise AssertionError(f"buffer share of row {row} disagrees with its slot list")
+            pages = self.res_page[row].cpu()
+            for l in range(self.num_layers):
+                for h in range(self.num_kv_heads):
+                    held = [p for p in pages[l, h].tolist() if p >= 0]
+                    if len(held) != len(set(held)):
+                        raise AssertionError(f"row {row} layer {l} head {h} caches a page twice")
+
+
+def _scatter_masked(base: torch.Tensor, col: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """base [.., C] with base[.., col[k]] = values[k] where mask[k]; other entries kept."""
+    C = base.shape[-1]
+    padded = torch.nn.functional.pad(base, (0, 1))  # extra column C swallows masked-off writes
+    padded.scatter_(-1, torch.where(mask, col, C), values.to(base.dtype))
+    return padded[..., :C]

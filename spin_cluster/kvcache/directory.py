@@ -1,0 +1,159 @@
+"""Two-level page table for the offloaded cache.
+
+Level 1, on the GPU, is a small directory: per (request row, layer, KV head), one entry per
+*segment* of E logical pages, holding the host segment id (or -1 before it exists)::
+
+    directory[row, layer, kv_head, p // E] = seg      (int32)
+
+Level 2 is the segment itself, allocated in host memory on demand as the request grows:
+E consecutive host pages, so that the host page of logical page p is arithmetic and the
+second level stores no entries at all::
+
+    host_page(p) = directory[row, layer, kv_head, p // E] * E + p % E
+
+Which pages are *in the GPU buffer* is the buffer's business (``buffer.py``): its metadata
+is sized by the buffer, not by the context. A flat table (one entry per logical page on the
+GPU) needs E times the directory's bytes; ``metadata_bytes`` reports both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spin_cluster.kvcache.host_tier import HostTier
+
+_ENTRY_BYTES = 4  # int32
+
+
+class SegmentDirectory:
+    def __init__(
+        self,
+        host: HostTier,
+        num_layers: int,
+        num_kv_heads: int,
+        page_size: int,
+        max_pages_per_seq: int,
+        max_seqs: int,
+        device: torch.device | str,
+    ) -> None:
+        self.host = host
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.page_size = page_size
+        self.segment_pages = host.segment_pages
+        self.max_pages_per_seq = max_pages_per_seq
+        self.max_segments_per_seq = -(-max_pages_per_seq // self.segment_pages)
+        # [R, L, Hkv, n_seg] int32
+        self.directory = torch.full(
+            (max_seqs, num_layers, num_kv_heads, self.max_segments_per_seq), -1, dtype=torch.int32, device=device
+        )
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._request_to_row: dict[str, int] = {}
+        # Host mirror: request -> one list of L*Hkv segment ids per logical segment, [L, Hkv] order.
+        self._request_to_segments: dict[str, list[list[int]]] = {}
+
+    @property
+    def segments_per_logical_segment(self) -> int:
+        return self.num_layers * self.num_kv_heads
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._request_to_row
+
+    def has_free_row(self) -> bool:
+        return bool(self._free_rows)
+
+    def row(self, request_id: str) -> int:
+        return self._request_to_row[request_id]
+
+    def request_ids(self) -> list[str]:
+        return list(self._request_to_row)
+
+    def add(self, request_id: str) -> int:
+        if request_id in self._request_to_row:
+            raise KeyError(f"request {request_id!r} already has a directory row")
+        row = self._free_rows.pop()
+        self._request_to_row[request_id] = row
+        self._request_to_segments[request_id] = []
+        return row
+
+    def remove(self, request_id: str) -> list[int]:
+        """Drop the request; return its host segment ids for the host tier to free."""
+        row = self._request_to_row.pop(request_id)
+        self._free_rows.append(row)
+        self.directory[row] = -1
+        segs = self._request_to_segments.pop(request_id)
+        return [s for group in segs for s in group]
+
+    def num_new_segments(self, request_id: str, num_tokens: int) -> int:
+        have = len(self._request_to_segments[request_id]) if request_id in self else 0
+        need = -(-(-(-num_tokens // self.page_size)) // self.segment_pages)
+        return max(0, need - have) * self.segments_per_logical_segment
+
+    def grow(self, request_id: str, num_tokens: int) -> None:
+        """Allocate host segments so that the request can hold ``num_tokens`` tokens."""
+        n = self.num_new_segments(request_id, num_tokens)
+        if not n:
+            return
+        per = self.segments_per_logical_segment
+        ids = self.host.allocate(n)
+        groups = self._request_to_segments[request_id]
+        start = len(groups)
+        if start + n // per > self.max_segments_per_seq:
+            self.host.free(ids)
+            raise ValueError(f"request {request_id!r} would exceed max_model_len")
+        groups.extend(ids[i * per : (i + 1) * per] for i in range(n // per))
+        # [n, L, Hkv] -> [L, Hkv, n]
+        block = torch.tensor(ids, dtype=torch.int32).view(-1, self.num_layers, self.num_kv_heads)
+        self.directory[self.row(request_id), :, :, start : start + block.shape[0]] = block.permute(1, 2, 0).to(
+            self.directory.device
+        )
+
+    # ---- lookups, on the directory's device, fixed shapes -----------------------------------
+
+    def host_pages(self, rows: torch.Tensor, layer: int, logical: torch.Tensor) -> torch.Tensor:
+        """Host page ids of logical pages.
+
+        rows: [B] int64; logical: [B, Hkv, K] int (entries < 0 give -1).
+        Returns [B, Hkv, K] int64.
+        """
+        E = self.segment_pages
+        safe = logical.clamp(min=0).long()
+        seg = self.directory[rows, layer]  # [B, Hkv, n_seg]
+        seg_ids = seg.gather(2, safe // E).long()  # [B, Hkv, K]
+        return torch.where(logical >= 0, seg_ids * E + safe % E, -1)
+
+    def token_slots(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[L, T, Hkv] flat host slots (host_page * S + offset) of each token's K/V.
+
+            page  = directory[row, l, h, (pos // S) // E] * E + (pos // S) % E
+        """
+        S, E = self.page_size, self.segment_pages
+        page_idx = positions // S  # [T]
+        seg = self.directory[token_rows, :, :, page_idx // E].long()  # [T, L, Hkv]
+        page = seg * E + (page_idx % E)[:, None, None]
+        return (page * S + (positions % S)[:, None, None]).permute(1, 0, 2).contiguous()
+
+    def request_host_pages(self, request_id: str, layer: int, num_pages: int) -> torch.Tensor:
+        """[Hkv, num_pages] host page ids of the request's first pages, for prefill gathers."""
+        logical = torch.arange(num_pages, device=self.directory.device).expand(self.num_kv_heads, num_pages)
+        rows = torch.tensor([self.row(request_id)], device=self.directory.device)
+        return self.host_pages(rows, layer, logical[None])[0]
+
+    # ---- accounting -------------------------------------------------------------------------
+
+    def owned_segment_ids(self) -> list[int]:
+        return [s for groups in self._request_to_segments.values() for g in groups for s in g]
+
+    def host_mirror(self, request_id: str) -> list[list[int]]:
+        return self._request_to_segments[request_id]
+
+    def metadata_bytes(self) -> dict[str, int]:
+        """GPU bytes of the directory, host bytes of allocated level-2 entries, and the GPU
+        bytes a flat table (one int32 per logical page) would take for the same capacity."""
+        rows, L, Hkv, _ = self.directory.shape
+        allocated = len(self.owned_segment_ids())
+        return {
+            "gpu": self.directory.numel() * _ENTRY_BYTES,
+            "host": allocated * _ENTRY_BYTES,
+            "flat_gpu": rows * L * Hkv * self.max_pages_per_seq * _ENTRY_BYTES,
+        }

@@ -1,0 +1,68 @@
+"""The host tier: the home of every KV page when the cache is offloaded.
+
+Pages live in pinned host memory (plain host memory on CPU-only machines), and are handed
+out in *segments* of E consecutive pages of one (request, layer, KV head)::
+
+    host_k[seg * E + i] : [S, D]    page i of segment seg
+
+Allocating by segment is what lets the page table's second level be implicit (a
+segment's pages are contiguous, so one id per segment locates all of them; see
+``directory.py``) and lets the GPU gather kernel read the host pages directly through
+unified addressing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostTier:
+    def __init__(
+        self,
+        num_segments: int,
+        segment_pages: int,
+        page_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        pin_memory: bool,
+    ) -> None:
+        if num_segments < 1:
+            raise ValueError(
+                f"the host KV tier needs at least one segment of {segment_pages} pages; "
+                f"raise cache.host_kv_gib"
+            )
+        self.num_segments = num_segments
+        self.segment_pages = segment_pages
+        self.page_size = page_size
+        n = num_segments * segment_pages
+        # [N_host, S, D] each
+        self.k_pages = torch.zeros(n, page_size, head_dim, dtype=dtype, pin_memory=pin_memory)
+        self.v_pages = torch.zeros(n, page_size, head_dim, dtype=dtype, pin_memory=pin_memory)
+        self._free_segments: list[int] = list(range(num_segments - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_segment(segment_pages: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
+        return segment_pages * 2 * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def num_free_segments(self) -> int:
+        return len(self._free_segments)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free_segments)
+
+    def allocate(self, n: int) -> list[int]:
+        if not self.can_allocate(n):
+            raise RuntimeError(f"host KV tier exhausted: asked {n} segments, {self.num_free_segments} free")
+        if n == 0:
+            return []
+        ids = self._free_segments[-n:]
+        del self._free_segments[-n:]
+        ids.reverse()
+        return ids
+
+    def free(self, segment_ids: list[int]) -> None:
+        self._free_segments.extend(reversed(segment_ids))
+
+    def free_segment_ids(self) -> list[int]:
+        return list(self._free_segments)

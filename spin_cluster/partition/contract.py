@@ -1,0 +1,83 @@
+"""Sparse attention as five operations over per-head KV pages.
+
+    Index      algorithm   keep per-page summaries up to date as K/V are appended
+    Select     algorithm   score pages for this step's queries; the system takes the top
+                           pages per head within the head's budget, plus sink and local pages
+    Attention  system      attend over the selected pages (Triton paged decode, per-head
+                           lengths); an algorithm may not replace it in this version
+    Offload    system      write new K/V to their pages (and through to the host tier)
+    Retrieve   system      bring selected pages missing from the GPU buffer into it
+
+Who mutates what: an algorithm owns only its own index tensors; it never touches pages,
+tables or the buffer. The system owns everything else and calls the algorithm at fixed
+points with typed arguments (no shared mutable context object).
+
+Shapes: B decode requests, T tokens, H query heads, Hkv KV heads, D head dim, P pages.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+
+class SparseAlgorithm(ABC):
+    """Policy: Index + Select. Subclasses register under ``name``."""
+
+    name: ClassVar[str]
+    # True when every page is selected (the dense oracle): no scoring, no budget.
+    selects_all: ClassVar[bool] = False
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 max_seqs: int, max_pages_per_seq: int, device: torch.device) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.page_size = page_size
+        self.max_seqs = max_seqs
+        self.max_pages_per_seq = max_pages_per_seq
+        self.device = device
+
+    def on_append(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor) -> None:
+        """Index: K of new tokens. rows [T] request rows, positions [T], k [T, Hkv, D].
+
+        Called by Offload for prefill chunks and decode tokens alike. Default: no index.
+        """
+
+    def on_free(self, row: int) -> None:
+        """The request in ``row`` left; forget its index."""
+
+    @abstractmethod
+    def score(self, layer: int, q: torch.Tensor, rows: torch.Tensor, num_pages: int) -> torch.Tensor | None:
+        """Select: q [B, H, D] -> scores [B, Hkv, num_pages] (higher is more important), or
+        None to select no page beyond sink and local ones. Pages past a request's length
+        are masked by the system."""
+
+
+_REGISTRY: dict[str, type[SparseAlgorithm]] = {}
+
+
+def register(cls: type[SparseAlgorithm]) -> type[SparseAlgorithm]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered_algorithms() -> list[str]:
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def get_algorithm(name: str) -> type[SparseAlgorithm]:
+    _load_builtins()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown sparse algorithm {name!r}; choose one of {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def _load_builtins() -> None:
+    import spin_cluster.sparse  # noqa: F401  (registers the built-in algorithms)

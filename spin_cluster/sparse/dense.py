@@ -1,0 +1,12 @@
+"""dense: every page, every step. The oracle the others are measured against."""
+
+from spin_cluster.partition.contract import SparseAlgorithm, register
+
+
+@register
+class Dense(SparseAlgorithm):
+    name = "dense"
+    selects_all = True
+
+    def score(self, layer, q, rows, num_pages):
+        return None

@@ -1,0 +1,14 @@
+"""streaming: attention sinks plus a local window (StreamingLLM); no index, no scoring.
+
+Sink and window sizes are the system's ``sparse.sink_tokens`` / ``sparse.local_tokens``.
+"""
+
+from spin_cluster.partition.contract import SparseAlgorithm, register
+
+
+@register
+class Streaming(SparseAlgorithm):
+    name = "streaming"
+
+    def score(self, layer, q, rows, num_pages):
+        return None

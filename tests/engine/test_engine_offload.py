@@ -1,0 +1,119 @@
+"""The Spin data path end to end on SmolLM2: offloaded pages, GPU buffer, Retrieve."""
+
+import pytest
+import torch
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.partition.contract import SparseAlgorithm, register
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village, there lived",
+    "List of prime numbers: 2, 3, 5, 7,",
+]
+PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@register
+class _Scattered(SparseAlgorithm):
+    """Test-only Select: pseudo-random page scores that change every step (no locality),
+    so that the buffer evicts all the time."""
+
+    name = "_test_scattered"
+    _calls = 0
+
+    def score(self, layer, q, rows, num_pages):
+        _Scattered._calls += 1
+        g = torch.Generator().manual_seed(_Scattered._calls)
+        return torch.rand(q.shape[0], self.num_kv_heads, num_pages, generator=g).to(q.device)
+
+
+def _engine(path, cache=None, sparse=None, max_len=256):
+    cfg = {
+        "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": max_len},
+        "cache": {"page_size": 4, **(cache or {})},
+        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
+        "sparse": sparse or {},
+    }
+    return Engine(SpinConfig.from_dict(cfg), progress=False)
+
+
+def _run(engine, prompts=PROMPTS):
+    outs = engine.generate(prompts, PARAMS)
+    engine.check_integrity()
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def gpu_only_tokens(smollm2_path):
+    return _run(_engine(smollm2_path))
+
+
+def test_dense_over_the_offloaded_cache_equals_the_gpu_only_cache(smollm2_path, gpu_only_tokens):
+    eng = _engine(smollm2_path, cache={"offload": True, "segment_pages": 4})
+    assert _run(eng) == gpu_only_tokens
+    lookups, hits, misses = eng.kv.buffer.counters.tolist()
+    assert lookups == hits + misses and hits > misses > 0
+
+
+@pytest.mark.parametrize("algorithm", ["streaming", "_test_scattered"])
+def test_a_tight_buffer_gives_the_same_tokens_as_a_roomy_one(smollm2_path, algorithm):
+    sparse = {"algorithm": algorithm, "budget": 16, "sink_tokens": 4, "local_tokens": 8}
+    # mandatory = 1 sink + 4 budget + 2 local = 7 pages per head
+    roomy = _engine(smollm2_path, cache={"offload": True, "buffer_pages_per_head": 64}, sparse=sparse)
+    tight = _engine(smollm2_path, cache={"offload": True, "buffer_pages_per_head": 7}, sparse=sparse)
+    _Scattered._calls = 0
+    a = _run(roomy)
+    _Scattered._calls = 0
+    b = _run(tight)
+    assert a == b
+    ra, rb = roomy.kv.buffer.counters.tolist(), tight.kv.buffer.counters.tolist()
+    assert ra[0] == rb[0]  # same selections
+    assert rb[2] >= ra[2]  # the tight buffer misses at least as often
+    if algorithm == "_test_scattered":
+        assert rb[2] > ra[2]
+
+
+def test_streaming_differs_from_dense_once_the_context_outgrows_the_window(smollm2_path, gpu_only_tokens):
+    sparse = {"algorithm": "streaming", "budget": 16, "sink_tokens": 4, "local_tokens": 8}
+    toks = _run(_engine(smollm2_path, cache={"offload": True}, sparse=sparse))
+    assert toks != gpu_only_tokens
+
+
+def test_aborted_offloaded_requests_free_host_segments_and_buffer_slots(smollm2_path):
+    eng = _engine(smollm2_path, cache={"offload": True}, sparse={"algorithm": "streaming", "budget": 16})
+    ids = [eng.add_request(p, PARAMS) for p in PROMPTS]
+    for _ in range(4):
+        eng.step()
+    assert eng.kv.buffer.num_free_slots < eng.kv.buffer.num_slots
+    for rid in ids:
+        eng.abort(rid)
+    eng.check_integrity()
+    assert eng.kv.buffer.num_free_slots == eng.kv.buffer.num_slots
+    assert eng.kv.num_free_pages == eng.kv.num_total_pages
+
+
+def test_a_full_host_tier_makes_requests_wait_not_fail(smollm2_path, gpu_only_tokens):
+    # 1 segment = 4 pages x 4 tokens = 16 tokens per (layer, head); 90 heads -> 2 requests' worth
+    eng = _engine(smollm2_path, cache={"offload": True, "segment_pages": 4, "host_kv_gib": 90 * 8 * 4 * 2 * 4 * 64 * 4 / 2**30},
+                  sparse={"algorithm": "dense"})
+    assert eng.kv.host.num_segments == 2 * 90 * 4
+    assert _run(eng) == gpu_only_tokens  # requests queued and ran as space freed
+    with pytest.raises(ValueError, match="KV pages"):
+        eng.add_request(list(range(100, 240)))
+
+
+def test_bad_sparse_config_names_the_fix(smollm2_path):
+    with pytest.raises(ValueError, match="unknown sparse algorithm 'nope'"):
+        _engine(smollm2_path, sparse={"algorithm": "nope"})
+    with pytest.raises(ValueError, match="cache.offload=true"):
+        _engine(smollm2_path, sparse={"algorithm": "streaming", "budget": 16})
+    with pytest.raises(ValueError, match="larger than the context"):
+        _engine(smollm2_path, cache={"offload": True}, sparse={"algorithm": "streaming", "budget": 1000})
+    with pytest.raises(ValueError, match="must be > 0"):
+        _engine(smollm2_path, cache={"offload": True}, sparse={"algorithm": "streaming", "budget": 0})
+    with pytest.raises(ValueError, match="buffer_pages_per_head"):
+        _engine(smollm2_path, cache={"offload": True, "buffer_pages_per_head": 3}, sparse={"algorithm": "streaming", "budget": 16})

@@ -1,0 +1,62 @@
+"""The GPU buffer's lookup on tiny shares: exact columns, victims and counters."""
+
+import torch
+
+from spin_cluster.kvcache.buffer import GpuBuffer
+
+
+def _buf(share=4, slots=64):
+    b = GpuBuffer(slots, page_size=2, head_dim=4, num_layers=1, num_kv_heads=1, max_seqs=2,
+                  max_share=share, dtype=torch.float32, device="cpu", num_buckets=8)
+    b.attach(0, share)
+    return b
+
+
+def _look(b, pages, now):
+    want = torch.tensor([[pages + [-1] * (4 - len(pages))]])
+    lookup, miss = b.lookup(torch.tensor([0]), 0, want, now)
+    return lookup, miss[0, 0, : len(pages)].tolist()
+
+
+def test_misses_fill_empty_columns_then_hits_keep_them():
+    b = _buf()
+    slots = b.res_slot[0, 0, 0].tolist()  # the share's 4 slots, column order
+    lookup, miss = _look(b, [10, 11], now=1)
+    assert miss == [True, True]
+    assert lookup.slots[0, 0, :2].tolist() == slots[:2]  # oldest (empty) columns, lowest first
+    assert lookup.miss_dst.tolist()[:2] == slots[:2] and lookup.miss_dst.tolist()[2:] == [-1, -1]
+    lookup, miss = _look(b, [11, 12], now=2)
+    assert miss == [False, True]
+    assert lookup.slots[0, 0, :2].tolist() == [slots[1], slots[2]]
+    assert b.res_page[0, 0, 0].tolist() == [10, 11, 12, -1]
+    assert b.counters.tolist() == [4, 1, 3]
+
+
+def test_lru_victim_is_the_least_recently_used_unselected_page():
+    b = _buf()
+    slots = b.res_slot[0, 0, 0].tolist()
+    _look(b, [1, 2, 3, 4], now=1)  # columns 0..3 hold pages 1..4
+    _look(b, [1, 3], now=2)
+    _look(b, [3], now=3)
+    # Unselected now: 1 (used at 2), 2 (at 1), 4 (at 1). Two misses take 2 then 4 (same
+    # bucket: lower column first); page 1, used more recently, stays.
+    lookup, miss = _look(b, [3, 7, 8], now=4)
+    assert miss == [False, True, True]
+    assert lookup.slots[0, 0, :3].tolist() == [slots[2], slots[1], slots[3]]
+    assert b.res_page[0, 0, 0].tolist() == [1, 7, 3, 8]
+
+
+def test_shares_are_elastic_and_freed():
+    b = GpuBuffer(24, 2, 4, 1, 2, max_seqs=4, max_share=6, dtype=torch.float32, device="cpu")
+    # 24 slots / 2 heads = 12 columns free: alone a request gets its max share of 6...
+    assert b.share_for(mandatory=2, num_waiting=0) == 6
+    # ... with two more waiting, an equal part of what is free (12 / 3 = 4)
+    assert b.share_for(mandatory=2, num_waiting=2) == 4
+    b.attach(0, 6)
+    b.attach(1, 4)
+    assert b.share_for(mandatory=2, num_waiting=0) == 2
+    assert b.share_for(mandatory=3, num_waiting=0) == 0  # mandatory pages don't fit: wait
+    b.check_integrity({0, 1})
+    b.detach(0)
+    assert b.num_free_slots == 24 - 8
+    b.check_integrity({1})

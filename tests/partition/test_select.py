@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from spin_cluster.partition import SelectPlan, get_algorithm, registered_algorithms, select_pages
+
+
+def _plan(num_pages, sink=1, local=2, budget=2, tail=3, hkv=2):
+    n = torch.tensor(num_pages)
+    b = torch.full((len(num_pages), hkv), budget) if isinstance(budget, int) else torch.tensor(budget)
+    return SelectPlan(
+        num_pages=n, tail_len=torch.full((len(num_pages),), tail, dtype=torch.int32), sink_pages=sink,
+        local_pages=local, budget_pages=b, max_pages=max(num_pages), max_budget=int(b.max()),
+    )
+
+
+def test_top_pages_per_head_plus_sink_and_local_in_page_order():
+    plan = _plan([8, 3], budget=[[2, 1], [2, 2]])
+    scores = torch.zeros(2, 2, 8)
+    scores[0, 0, [2, 5, 4]] = torch.tensor([3.0, 2.0, 1.0])
+    scores[0, 1, [4, 1]] = torch.tensor([5.0, 4.0])
+    want, n = select_pages(scores, False, plan, 2)
+    assert want.tolist() == [
+        [[0, 2, 5, 6, 7], [0, 4, 6, 7, -1]],
+        [[0, 1, 2, -1, -1], [0, 1, 2, -1, -1]],  # 3 pages: sink + local cover them all
+    ]
+    assert n.tolist() == [[5, 4], [3, 3]]
+
+
+def test_streaming_takes_only_sink_and_local_and_dense_takes_all():
+    plan = _plan([6])
+    want, n = select_pages(None, False, plan, 2)
+    assert want.tolist() == [[[0, 4, 5], [0, 4, 5]]]
+    want, n = select_pages(None, True, plan, 2)
+    assert want.tolist() == [[[0, 1, 2, 3, 4, 5]] * 2] and n.tolist() == [[6, 6]]
+
+
+def test_registry_and_unknown_algorithm():
+    assert {"dense", "streaming"} <= set(registered_algorithms())
+    with pytest.raises(ValueError, match="unknown sparse algorithm 'nope'; choose one of"):
+        get_algorithm("nope")
