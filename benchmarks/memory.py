@@ -288,6 +288,40 @@ def eviction_table(r):
     return lines
 
 
+def metadata_rows(page_size=16, segment_pages=64, requests=64, layers=32, kv_heads=8,
+                  contexts=(131072, 1048576), budget_tokens=2048):
+    """GPU bytes of the page table: flat (one int32 per logical page) vs the two-level
+    directory, for Llama-3.1-8B shapes. Arithmetic on the real classes (meta tensors)."""
+    from spin_cluster.kvcache.directory import SegmentDirectory
+    from spin_cluster.kvcache.host_tier import HostTier
+
+    import torch
+
+    host = HostTier(1, segment_pages, page_size, 1, torch.bfloat16, pin_memory=False)
+    # The buffer's own per-column bookkeeping (slot, page, last use: 3 x int32), which a flat
+    # design needs too, for a share of twice the pages a 2K-token budget selects.
+    share = 2 * (budget_tokens // page_size + 1 + 4)
+    buffer_bytes = requests * layers * kv_heads * share * 3 * 4
+    rows = []
+    for ctx in contexts:
+        d = SegmentDirectory(host, layers, kv_heads, page_size, -(-ctx // page_size), requests, "meta")
+        m = d.metadata_bytes()
+        rows.append({"context": ctx, "flat_gpu_bytes": m["flat_gpu"], "directory_gpu_bytes": m["gpu"],
+                     "ratio": m["flat_gpu"] / m["gpu"], "buffer_bookkeeping_gpu_bytes": buffer_bytes,
+                     "page_size": page_size, "segment_pages": segment_pages, "requests": requests})
+    return rows
+
+
+def metadata_table(rows):
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"
+    lines = ["| context | flat table (GPU) | two-level directory (GPU) | smaller by | buffer bookkeeping (both designs) |",
+             "|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['context'] // 1024}K | {mib(r['flat_gpu_bytes'])} | {mib(r['directory_gpu_bytes'])} | "
+                     f"{r['ratio']:.0f}x | {mib(r['buffer_bookkeeping_gpu_bytes'])} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -302,7 +336,14 @@ def main() -> None:
     ap.add_argument("--max-age", type=int, default=128, help="ages drawn from [0, max_age)")
     ap.add_argument("--skip-retrieve", action="store_true")
     ap.add_argument("--skip-eviction", action="store_true")
+    ap.add_argument("--metadata-only", action="store_true", help="page-table bytes only (no GPU needed)")
     args = ap.parse_args()
+    meta = metadata_rows()
+    meta_lines = ["## Page-table metadata on the GPU: Llama-3.1-8B shapes (32 layers, 8 KV heads), 64 requests,"
+                  " page 16 tokens, segments of 64 pages", ""] + metadata_table(meta) + [""]
+    if args.metadata_only:
+        print("\n".join(meta_lines))
+        return
 
     import torch
     import triton
@@ -327,7 +368,8 @@ def main() -> None:
         result["eviction"] = bench_eviction(lru, args)
         print(json.dumps(result["eviction"]), flush=True)
 
-    lines = []
+    result["metadata"] = meta
+    lines = list(meta_lines)
     if result["retrieve"]:
         lines += ["## Retrieve: scattered pages, pinned host -> GPU (bf16, D=128, K+V)", ""]
         lines += retrieve_table(result["retrieve"]) + [""]

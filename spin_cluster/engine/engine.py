@@ -138,8 +138,26 @@ class Engine:
             num_free_pages=self.kv.num_free_pages,
             num_total_pages=self.kv.num_total_pages,
             step_s=time.perf_counter() - t0,
+            **self._cache_stats(),
         )
         return outputs
+
+    def _cache_stats(self) -> dict[str, int]:
+        buffer = getattr(self.kv, "buffer", None)
+        if buffer is None:
+            return {}
+        lookups, hits, misses, evicted = buffer.counters.tolist()  # one read per step
+        meta = self.kv.metadata_bytes()
+        return {
+            "buffer_lookups_total": lookups,
+            "buffer_hits_total": hits,
+            "buffer_misses_total": misses,
+            "evicted_pages_total": evicted,
+            "retrieved_bytes_total": misses * buffer.page_bytes,
+            "metadata_gpu_bytes": meta["gpu"] + meta["gpu_buffer"],
+            "metadata_host_bytes": meta["host"],
+            "metadata_flat_gpu_bytes": meta["flat_gpu"],
+        }
 
     def _suppress_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         """min_tokens: no end-of-sequence or stop token until that many are generated."""

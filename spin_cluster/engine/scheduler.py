@@ -121,17 +121,18 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n):
+            queued = len(self.waiting) - 1  # behind this one: they will want buffer shares too
+            if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n, queued):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            prefill.append(self._take(req, n))
+            prefill.append(self._take(req, n, queued))
             budget -= n
         return budget
 
-    def _take(self, req: Request, n: int) -> ScheduledChunk:
+    def _take(self, req: Request, n: int, num_queued: int = 0) -> ScheduledChunk:
         start = req.num_computed_tokens
-        self.kv.allocate(req.request_id, start + n)
+        self.kv.allocate(req.request_id, start + n, num_queued)
         is_decode = start >= len(req.prompt_token_ids) and n == 1 and req.num_uncomputed_tokens == 1
         return ScheduledChunk(request=req, start=start, num_tokens=n, is_decode=is_decode)

@@ -14,3 +14,14 @@ class StepStats:
     num_free_pages: int = 0
     num_total_pages: int = 0
     step_s: float = 0.0
+    # Offloaded cache only (cumulative since start): buffer lookups of selected pages, hits,
+    # misses (pages retrieved from the host tier), evictions, bytes retrieved.
+    buffer_lookups_total: int = 0
+    buffer_hits_total: int = 0
+    buffer_misses_total: int = 0
+    evicted_pages_total: int = 0
+    retrieved_bytes_total: int = 0
+    # Page-table bytes: GPU directory, host level 2, and a flat GPU table's for comparison.
+    metadata_gpu_bytes: int = 0
+    metadata_host_bytes: int = 0
+    metadata_flat_gpu_bytes: int = 0

@@ -67,8 +67,14 @@ class GpuBuffer:
         self.res_last_use = torch.full(shape, _NEVER, dtype=torch.int32, device=device)
         self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self._row_slots: dict[int, list[int]] = {}
-        # Device counters, read once per step: lookups, hits, misses.
-        self.counters = torch.zeros(3, dtype=torch.int64, device=device)
+        # Device counters, read once per step: lookups, hits, misses, evictions (a miss that
+        # replaced a cached page rather than filling an empty column).
+        self.counters = torch.zeros(4, dtype=torch.int64, device=device)
+
+    @property
+    def page_bytes(self) -> int:
+        """K and V bytes of one slot."""
+        return 2 * self.k_slots[0].numel() * self.k_slots.element_size()
 
     @property
     def num_slots(self) -> int:
@@ -150,7 +156,8 @@ class GpuBuffer:
         new_last = _scatter_masked(last_use, col, torch.full_like(want, now, dtype=torch.int32), valid)
         self.res_page[rows, layer] = new_page
         self.res_last_use[rows, layer] = new_last
-        self.counters += torch.stack([valid.sum(), hit.sum(), miss.sum()])
+        evicted = (victims & (res_page >= 0)).sum()
+        self.counters += torch.stack([valid.sum(), hit.sum(), miss.sum(), evicted])
         neg = torch.full_like(col, -1)
         return (
             Lookup(

@@ -48,13 +48,16 @@ class KVCacheManager:
         need = _ceil_div(num_tokens, self.page_size)
         return max(0, need - have) * self.table.pages_per_token_page
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Could the request hold ``num_tokens`` tokens in total after ``allocate``?"""
+    def can_allocate(self, request_id: str, num_tokens: int, num_queued: int = 0) -> bool:
+        """Could the request hold ``num_tokens`` tokens in total after ``allocate``?
+
+        ``num_queued`` (requests waiting behind it) matters only to caches with per-request
+        buffer shares; here it is ignored."""
         if request_id not in self.table and not self.table.has_free_row():
             return False
         return self.pool.can_allocate(self.num_new_pages(request_id, num_tokens))
 
-    def allocate(self, request_id: str, num_tokens: int) -> None:
+    def allocate(self, request_id: str, num_tokens: int, num_queued: int = 0) -> None:
         if num_tokens > self.max_model_len:
             raise ValueError(f"{num_tokens} tokens exceed max_model_len={self.max_model_len}")
         if request_id not in self.table:

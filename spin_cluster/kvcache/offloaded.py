@@ -77,19 +77,21 @@ class OffloadedKVManager:
     def num_free_pages(self) -> int:
         return self.host.num_free_segments * self.host.segment_pages
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+    def can_allocate(self, request_id: str, num_tokens: int, num_queued: int = 0) -> bool:
+        """As ``KVCacheManager.can_allocate``; a newcomer also needs its buffer share, sized
+        with ``num_queued`` requests waiting behind it (see ``GpuBuffer.share_for``)."""
         if request_id not in self.directory:
             if not self.directory.has_free_row():
                 return False
-            if self.buffer.share_for(self.mandatory_pages_per_head, 0) == 0:
+            if self.buffer.share_for(self.mandatory_pages_per_head, num_queued) == 0:
                 return False
         return self.host.can_allocate(self.directory.num_new_segments(request_id, num_tokens))
 
-    def allocate(self, request_id: str, num_tokens: int) -> None:
+    def allocate(self, request_id: str, num_tokens: int, num_queued: int = 0) -> None:
         if num_tokens > self.max_model_len:
             raise ValueError(f"{num_tokens} tokens exceed max_model_len={self.max_model_len}")
         if request_id not in self.directory:
-            share = self.buffer.share_for(self.mandatory_pages_per_head, 0)
+            share = self.buffer.share_for(self.mandatory_pages_per_head, num_queued)
             row = self.directory.add(request_id)
             self.buffer.attach(row, share)
         self.directory.grow(request_id, num_tokens)

@@ -55,8 +55,14 @@ def gpu_only_tokens(smollm2_path):
 def test_dense_over_the_offloaded_cache_equals_the_gpu_only_cache(smollm2_path, gpu_only_tokens):
     eng = _engine(smollm2_path, cache={"offload": True, "segment_pages": 4})
     assert _run(eng) == gpu_only_tokens
-    lookups, hits, misses = eng.kv.buffer.counters.tolist()
-    assert lookups == hits + misses and hits > misses > 0
+    lookups, hits, misses, evicted = eng.kv.buffer.counters.tolist()
+    assert lookups == hits + misses and hits > misses > 0 and evicted == 0
+    st = eng.last_stats
+    assert (st.buffer_lookups_total, st.buffer_hits_total) == (lookups, hits)
+    assert st.retrieved_bytes_total == misses * 2 * 4 * 64 * 4  # K+V of a 4-token fp32 page, D=64
+    meta = eng.kv.metadata_bytes()
+    assert meta["flat_gpu"] == 4 * meta["gpu"]  # segments of 4 pages
+    assert st.metadata_gpu_bytes == meta["gpu"] + meta["gpu_buffer"] and st.metadata_flat_gpu_bytes == meta["flat_gpu"]
 
 
 @pytest.mark.parametrize("algorithm", ["streaming", "_test_scattered"])

@@ -29,7 +29,7 @@ def test_misses_fill_empty_columns_then_hits_keep_them():
     assert miss == [False, True]
     assert lookup.slots[0, 0, :2].tolist() == [slots[1], slots[2]]
     assert b.res_page[0, 0, 0].tolist() == [10, 11, 12, -1]
-    assert b.counters.tolist() == [4, 1, 3]
+    assert b.counters.tolist() == [4, 1, 3, 0]
 
 
 def test_lru_victim_is_the_least_recently_used_unselected_page():
@@ -44,6 +44,7 @@ def test_lru_victim_is_the_least_recently_used_unselected_page():
     assert miss == [False, True, True]
     assert lookup.slots[0, 0, :3].tolist() == [slots[2], slots[1], slots[3]]
     assert b.res_page[0, 0, 0].tolist() == [1, 7, 3, 8]
+    assert b.counters[3].item() == 2  # two cached pages evicted
 
 
 def test_shares_are_elastic_and_freed():
