@@ -12,15 +12,18 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
 
 
 def _engine(path, **cache_sparse):
+    cache = {"page_size": 16, **cache_sparse.get("cache", {})}
     cfg = {"model": {"path": path, "device": "cuda", "dtype": "float32", "max_model_len": 512},
-           "cache": {"page_size": 16, **cache_sparse.get("cache", {})}, "sparse": cache_sparse.get("sparse", {})}
+           "cache": cache, "sparse": cache_sparse.get("sparse", {})}
     return Engine(SpinConfig.from_dict(cfg), progress=False)
 
 
 def test_decode_layers_never_synchronise_with_the_host(smollm2_path):
-    eng = _engine(smollm2_path, cache={"offload": True, "buffer_pages_per_head": 8},
-                  sparse={"algorithm": "streaming", "budget": 32, "sink_tokens": 16, "local_tokens": 32})
-    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    # Pages of 4 tokens and shares of 12 pages per head: 60 new tokens outgrow the share, so
+    # the checked layers evict.
+    eng = _engine(smollm2_path, cache={"offload": True, "page_size": 4, "buffer_pages_per_head": 12},
+                  sparse={"algorithm": "streaming", "budget": 32, "sink_tokens": 4, "local_tokens": 8})
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     for p in PROMPTS:
         eng.add_request(p, params)
     eng.step()  # prefill
@@ -37,9 +40,9 @@ def test_decode_layers_never_synchronise_with_the_host(smollm2_path):
             calls.append(1)
 
     attention.forward = checked
-    for _ in range(40):  # decode steps, with page turnover and evictions
+    for _ in range(60):  # decode steps, with page turnover and evictions
         eng.step()
-    assert len(calls) == 40 * eng.model.config.num_layers
+    assert len(calls) == 60 * eng.model.config.num_layers
     assert eng.kv.buffer.counters[3].item() > 0  # evictions happened inside the checked layers
     attention.forward = plain
     while eng.has_unfinished():
