@@ -58,6 +58,9 @@ class CacheConfig:
     segment_pages: int = 64
     # Recency buckets of the buffer's LRU, 2..1024.
     lru_buckets: int = 64
+    # Size each newcomer's buffer share from the free slots and the queue behind it (down to
+    # its mandatory pages); false: every request takes buffer_pages_per_head or waits.
+    elastic_shares: bool = True
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size > 256 or self.page_size & (self.page_size - 1):

@@ -75,7 +75,7 @@ def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, de
         segment_pages=cc.segment_pages, num_host_segments=int(host_gib * 2**30 // seg_bytes),
         num_buffer_slots=num_slots, buffer_pages_per_head=share, mandatory_pages_per_head=mandatory,
         max_seqs=sc.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
-        num_buckets=cc.lru_buckets,
+        num_buckets=cc.lru_buckets, elastic_shares=cc.elastic_shares,
     )
     return kv, SpinAttention(kv, algorithm, config.sparse, max_model_len, decode_attention)
 

@@ -167,8 +167,9 @@ class SpinAttention:
         """q [Bd, H, D]; k, v [Bd, Hkv, D] of the new tokens; writes out [Bd, H, D]."""
         plan, kv = self.plan, self.kv
         sel = plan.select
-        if self._side is not None:  # this layer's tail-page write must land before Retrieve reads it
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        # No wait for this layer's host write: Retrieve may copy the tail page without the new
+        # token, and the write-through below puts it into the slot after Retrieve, on this
+        # stream. Earlier steps' writes have landed (end_step waits).
         scores = None
         if not self.algorithm.selects_all:
             scores = self.algorithm.score(layer, q, plan.decode_rows, sel.max_pages)

@@ -88,9 +88,11 @@ class GpuBuffer:
         """Slots one column of share takes across all layers and heads."""
         return self.num_layers * self.num_kv_heads
 
-    def share_for(self, mandatory: int, num_waiting: int) -> int:
-        """Columns per head for a newcomer; 0 if its mandatory pages don't fit."""
+    def share_for(self, mandatory: int, num_waiting: int, elastic: bool = True) -> int:
+        """Columns per head for a newcomer; 0 if they don't fit (it waits)."""
         free_cols = self.num_free_slots // self.slots_per_column()
+        if not elastic:
+            return self.max_share if self.max_share <= free_cols else 0
         share = min(self.max_share, max(mandatory, free_cols // (1 + num_waiting)))
         return share if share <= free_cols else 0
 

@@ -39,6 +39,7 @@ class OffloadedKVManager:
         dtype: torch.dtype,
         device: torch.device | str,
         num_buckets: int = 64,
+        elastic_shares: bool = True,
     ) -> None:
         device = torch.device(device)
         if buffer_pages_per_head < mandatory_pages_per_head:
@@ -51,6 +52,7 @@ class OffloadedKVManager:
         self.num_kv_heads = num_kv_heads
         self.max_model_len = max_model_len
         self.mandatory_pages_per_head = mandatory_pages_per_head
+        self.elastic_shares = elastic_shares
         self.host = HostTier(
             num_host_segments, segment_pages, page_size, head_dim, dtype, pin_memory=device.type == "cuda"
         )
@@ -83,7 +85,7 @@ class OffloadedKVManager:
         if request_id not in self.directory:
             if not self.directory.has_free_row():
                 return False
-            if self.buffer.share_for(self.mandatory_pages_per_head, num_queued) == 0:
+            if self.buffer.share_for(self.mandatory_pages_per_head, num_queued, self.elastic_shares) == 0:
                 return False
         return self.host.can_allocate(self.directory.num_new_segments(request_id, num_tokens))
 
@@ -91,7 +93,7 @@ class OffloadedKVManager:
         if num_tokens > self.max_model_len:
             raise ValueError(f"{num_tokens} tokens exceed max_model_len={self.max_model_len}")
         if request_id not in self.directory:
-            share = self.buffer.share_for(self.mandatory_pages_per_head, num_queued)
+            share = self.buffer.share_for(self.mandatory_pages_per_head, num_queued, self.elastic_shares)
             row = self.directory.add(request_id)
             self.buffer.attach(row, share)
         self.directory.grow(request_id, num_tokens)

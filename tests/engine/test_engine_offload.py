@@ -123,3 +123,26 @@ def test_bad_sparse_config_names_the_fix(smollm2_path):
         _engine(smollm2_path, cache={"offload": True}, sparse={"algorithm": "streaming", "budget": 0})
     with pytest.raises(ValueError, match="buffer_pages_per_head"):
         _engine(smollm2_path, cache={"offload": True, "buffer_pages_per_head": 3}, sparse={"algorithm": "streaming", "budget": 16})
+
+
+def test_quest_with_the_whole_context_as_budget_equals_dense(smollm2_path, gpu_only_tokens):
+    sparse = {"algorithm": "quest", "budget": 256, "sink_tokens": 4, "local_tokens": 8}
+    assert _run(_engine(smollm2_path, cache={"offload": True}, sparse=sparse)) == gpu_only_tokens
+
+
+def test_elastic_shares_run_more_requests_at_once(smollm2_path):
+    sparse = {"algorithm": "quest", "budget": 16, "sink_tokens": 4, "local_tokens": 8}
+    # mandatory 7 pages per head, max share 28; the buffer holds 4 x 28 columns per head
+    gib = 4 * 28 * 30 * 3 * (2 * 4 * 64 * 4) / 2**30
+    peak = {}
+    for elastic in (True, False):
+        eng = _engine(smollm2_path, cache={"offload": True, "buffer_pages_per_head": 28, "kv_cache_gib": gib,
+                                           "elastic_shares": elastic}, sparse=sparse)
+        for p in PROMPTS * 2:
+            eng.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        peak[elastic] = 0
+        while eng.has_unfinished():
+            eng.step()
+            peak[elastic] = max(peak[elastic], eng.last_stats.num_running)
+        eng.check_integrity()
+    assert peak[False] == 4 and peak[True] == 8

@@ -53,8 +53,10 @@ def test_shares_are_elastic_and_freed():
     assert b.share_for(mandatory=2, num_waiting=0) == 6
     # ... with two more waiting, an equal part of what is free (12 / 3 = 4)
     assert b.share_for(mandatory=2, num_waiting=2) == 4
+    assert b.share_for(mandatory=2, num_waiting=2, elastic=False) == 6  # fixed shares
     b.attach(0, 6)
     b.attach(1, 4)
+    assert b.share_for(mandatory=2, num_waiting=0, elastic=False) == 0
     assert b.share_for(mandatory=2, num_waiting=0) == 2
     assert b.share_for(mandatory=3, num_waiting=0) == 0  # mandatory pages don't fit: wait
     b.check_integrity({0, 1})
