@@ -70,9 +70,12 @@ def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, de
         )
     host_gib = cc.host_kv_gib or _DEFAULT_HOST_KV_GIB
     seg_bytes = HostTier.bytes_per_segment(cc.segment_pages, S, mc.head_dim, dtype)
+    # Never more than every request row could use at full length.
+    most_segments = sc.max_num_seqs * -(-max_pages // cc.segment_pages) * per_column
     kv = OffloadedKVManager(
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=S,
-        segment_pages=cc.segment_pages, num_host_segments=int(host_gib * 2**30 // seg_bytes),
+        segment_pages=cc.segment_pages,
+        num_host_segments=min(int(host_gib * 2**30 // seg_bytes), most_segments),
         num_buffer_slots=num_slots, buffer_pages_per_head=share, mandatory_pages_per_head=mandatory,
         max_seqs=sc.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
         num_buckets=cc.lru_buckets, elastic_shares=cc.elastic_shares,

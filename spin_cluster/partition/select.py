@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spin_cluster.kernels.page_select import topk_ragged
+
 
 @dataclass(frozen=True)
 class SelectPlan:
@@ -63,6 +65,13 @@ def select_pages(scores: torch.Tensor | None, select_all: bool, plan: SelectPlan
 def _top_middle(scores: torch.Tensor, is_mid: torch.Tensor, plan: SelectPlan) -> torch.Tensor:
     """[B, Hkv, P] mask of the top ``budget_pages[b, h]`` middle pages by score."""
     masked = torch.where(is_mid, scores.float(), float("-inf"))  # [B, Hkv, P]
+    if masked.is_cuda and masked.shape[-1] <= 16384:
+        # Triton: threshold by bisection, no sort; indices ascending, -1 padded.
+        idx = topk_ragged(masked, plan.budget_pages, max(1, plan.max_budget))  # [B, Hkv, K]
+        P = masked.shape[-1]
+        mid = torch.zeros(*masked.shape[:2], P + 1, dtype=torch.bool, device=masked.device)
+        mid.scatter_(-1, torch.where(idx >= 0, idx, P), True)
+        return mid[..., :P]
     k = min(plan.max_budget, masked.shape[-1])
     top = masked.topk(k, dim=-1)  # [B, Hkv, k]
     rank = torch.arange(k, device=scores.device)

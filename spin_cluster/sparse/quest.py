@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from spin_cluster.kernels.page_select import page_scores, page_scores_ref
 from spin_cluster.partition.contract import SparseAlgorithm, register
 
 
@@ -44,16 +45,7 @@ class Quest(SparseAlgorithm):
         kmax.scatter_reduce_(0, expanded, k.float(), "amax")
 
     def score(self, layer, q, rows, num_pages):
-        # q: [B, H, D] -> [B, Hkv, num_pages]
-        B, H, D = q.shape
-        G = H // self.num_kv_heads
-        P = self.max_pages_per_seq
-        pages = rows[:, None] * P + torch.arange(num_pages, device=q.device)  # [B, P']
-        kmin = self.kmin[layer][pages]  # [B, P', Hkv, D]
-        kmax = self.kmax[layer][pages]
-        center = ((kmin + kmax) / 2).nan_to_num(0.0, posinf=0.0, neginf=0.0).permute(0, 2, 3, 1)  # [B, Hkv, D, P']
-        radius = ((kmax - kmin) / 2).nan_to_num(0.0, posinf=0.0, neginf=0.0).clamp(min=0).permute(0, 2, 3, 1)
-        qg = q.float().view(B, self.num_kv_heads, G, D)
-        q_sum = qg.sum(2, keepdim=True)  # [B, Hkv, 1, D]
-        q_abs = qg.abs().sum(2, keepdim=True)
-        return (q_sum @ center + q_abs @ radius)[:, :, 0]  # [B, Hkv, P']
+        # q: [B, H, D] -> [B, Hkv, num_pages]; Triton on CUDA, the torch reference elsewhere
+        pages = rows[:, None] * self.max_pages_per_seq + torch.arange(num_pages, device=q.device)  # [B, P']
+        fn = page_scores if q.device.type == "cuda" else page_scores_ref
+        return fn(q, self.kmin[layer], self.kmax[layer], pages)

@@ -1,0 +1,68 @@
+"""Triton bodies of ``page_select.py`` (launchers, checks and references live there)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _page_scores(q_ptr, kmin_ptr, kmax_ptr, pages_ptr, out_ptr,
+                 stride_qb, stride_qh, stride_mn, stride_mh, stride_xn, stride_xh,
+                 stride_pb, P,
+                 HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                 D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+    pid = tl.program_id(0)  # b * HKV + h
+    b = pid // HKV
+    h = pid % HKV
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_g < G)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [G_PAD, D_PAD]
+    qsum = tl.sum(q, 0)  # [D_PAD]
+    qabs = tl.sum(tl.abs(q), 0)
+    offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_ok = offs_p < P
+    rows = tl.load(pages_ptr + b.to(tl.int64) * stride_pb + offs_p, mask=p_ok, other=0).to(tl.int64)
+    m = p_ok[:, None] & d_ok[None, :]
+    lo = tl.load(kmin_ptr + rows[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+    hi = tl.load(kmax_ptr + rows[:, None] * stride_xn + h * stride_xh + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+    written = hi >= lo  # never-written pages hold +inf / -inf
+    center = tl.where(written, (lo + hi) * 0.5, 0.0)
+    radius = tl.where(written, (hi - lo) * 0.5, 0.0)
+    score = tl.sum(center * qsum[None, :] + radius * qabs[None, :], 1)  # [BLOCK_P]
+    tl.store(out_ptr + pid.to(tl.int64) * P + offs_p, score, mask=p_ok)
+
+
+@triton.jit
+def _sortable(x):
+    """float32 -> int64 key with the same order (finite values and +-inf)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+
+
+@triton.jit
+def _topk_ragged(s_ptr, bud_ptr, out_ptr, P, K, P_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, P_PAD)
+    ok = offs < P
+    x = tl.load(s_ptr + row * P + offs, mask=ok, other=float("-inf"))
+    valid = ok & (x > float("-inf"))
+    key = _sortable(x)
+    n_valid = tl.sum(valid.to(tl.int32), 0)
+    budget = tl.minimum(tl.minimum(tl.load(bud_ptr + row), K), n_valid)
+    # Largest threshold t with at least `budget` valid keys >= t (bisection over int32 keys).
+    lo = tl.full((), -2147483648, tl.int64)
+    hi = tl.full((), 2147483647, tl.int64)
+    for _ in range(33):
+        mid = (lo + hi + 1) // 2
+        cnt = tl.sum((valid & (key >= mid)).to(tl.int32), 0)
+        take = cnt >= budget
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid - 1)
+    above = valid & (key > lo)
+    n_above = tl.sum(above.to(tl.int32), 0)
+    equal = valid & (key == lo)
+    eq_rank = tl.cumsum(equal.to(tl.int32), 0)  # 1-based among ties, lowest index first
+    sel = above | (equal & (eq_rank <= budget - n_above))
+    pos = tl.cumsum(sel.to(tl.int32), 0) - 1  # ascending page order
+    tl.store(out_ptr + row * K + pos, offs.to(tl.int64), mask=sel & (pos < K))

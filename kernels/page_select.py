@@ -1,0 +1,135 @@
+"""Select kernels: Quest page scoring and per-head top-k with ragged budgets.
+
+Page scoring (Quest bounds), per request b, KV head h and page p::
+
+    q        : [B, H, D]        H = Hkv * G
+    kmin/kmax: [N, Hkv, D]      per-page key bounds, N index rows
+    pages    : [B, P]           int, index row of each of the request's P pages
+    scores   : [B, Hkv, P]      float32
+    score[b, h, p] = sum_g sum_d max(q[b, hG+g, d] * kmin[pages[b,p], h, d],
+                                     q[b, hG+g, d] * kmax[pages[b,p], h, d])
+                   = qsum . (kmin + kmax) / 2 + qabs . (kmax - kmin) / 2
+
+with qsum = sum_g q, qabs = sum_g |q|. Pages never written hold kmin = +inf, kmax = -inf:
+their score is 0 here (the caller masks pages past a request's length anyway).
+
+Ragged top-k::
+
+    scores  : [B, Hkv, P]  float32
+    budgets : [B, Hkv]     int, pages to take per head (0 .. k)
+    returns : [B, Hkv, k]  int64 indices of the top min(budgets[b, h], k) scores (ties:
+                           lower index first; -inf scores never taken), in ascending index
+                           order, -1 padded at the end.
+
+Each has a Triton kernel and a torch reference of the same signature; neither syncs with
+the host. This module imports only torch (and Triton, lazily).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["page_scores", "page_scores_ref", "topk_ragged", "topk_ragged_ref"]
+
+
+def _check_scores(q, kmin, kmax, pages):
+    if q.dim() != 3 or kmin.dim() != 3 or kmax.shape != kmin.shape:
+        raise ValueError(f"q must be [B, H, D], kmin/kmax [N, Hkv, D]; got {tuple(q.shape)}, {tuple(kmin.shape)}")
+    B, H, D = q.shape
+    if kmin.shape[2] != D or H % kmin.shape[1]:
+        raise ValueError(f"head dims or head counts disagree: q {tuple(q.shape)}, kmin {tuple(kmin.shape)}")
+    if pages.dim() != 2 or pages.shape[0] != B or pages.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"pages must be [B={B}, P] int32/int64, got {tuple(pages.shape)} {pages.dtype}")
+
+
+def page_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    _check_scores(q, kmin, kmax, pages)
+    B, H, D = q.shape
+    hkv = kmin.shape[1]
+    lo, hi = kmin[pages.long()].float(), kmax[pages.long()].float()  # [B, P, Hkv, D]
+    center = ((lo + hi) / 2).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    radius = ((hi - lo) / 2).nan_to_num(0.0, posinf=0.0, neginf=0.0).clamp(min=0)
+    qg = q.float().view(B, hkv, H // hkv, D)
+    qsum, qabs = qg.sum(2), qg.abs().sum(2)  # [B, Hkv, D]
+    return torch.einsum("bhd,bphd->bhp", qsum, center) + torch.einsum("bhd,bphd->bhp", qabs, radius)
+
+
+def _check_topk(scores, budgets, k):
+    if scores.dim() != 3 or budgets.shape != scores.shape[:2]:
+        raise ValueError(f"scores must be [B, Hkv, P] and budgets [B, Hkv]; got {tuple(scores.shape)}, {tuple(budgets.shape)}")
+    if not 1 <= k:
+        raise ValueError(f"k must be >= 1, got {k}")
+
+
+def topk_ragged_ref(scores: torch.Tensor, budgets: torch.Tensor, k: int) -> torch.Tensor:
+    _check_topk(scores, budgets, k)
+    P = scores.shape[-1]
+    kk = min(k, P)
+    # Stable order: descending score, then ascending index.
+    order = torch.sort(scores.float(), dim=-1, descending=True, stable=True)
+    idx, val = order.indices[..., :kk], order.values[..., :kk]
+    rank = torch.arange(kk, device=scores.device)
+    ok = (rank < budgets[..., None]) & (val > float("-inf"))
+    # Ascending index order, -1 last.
+    out = torch.sort(torch.where(ok, idx, P), dim=-1).values
+    out = torch.where(out == P, -1, out)
+    if kk < k:
+        out = torch.nn.functional.pad(out, (0, k - kk), value=-1)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    from . import _page_select_kernel as kmod
+
+    return kmod
+
+
+def _interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    _check_scores(q, kmin, kmax, pages)
+    if q.device.type != "cuda" and not _interpreted():
+        raise ValueError("the Triton page-score kernel needs CUDA tensors (or TRITON_INTERPRET=1); use page_scores_ref")
+    B, H, D = q.shape
+    hkv, P = kmin.shape[1], pages.shape[1]
+    out = torch.empty(B, hkv, P, dtype=torch.float32, device=q.device)
+    if B == 0 or P == 0:
+        return out
+    block_p = 64
+    d_pad = 1 << max(4, (D - 1).bit_length())
+    g_pad = 1 << max(0, (H // hkv - 1).bit_length())
+    _kernels()._page_scores[(B * hkv, -(-P // block_p))](
+        q, kmin, kmax, pages, out,
+        q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1),
+        pages.stride(0), P,
+        HKV=hkv, G=H // hkv, G_PAD=g_pad, D=D, D_PAD=d_pad, BLOCK_P=block_p,
+    )
+    return out
+
+
+def topk_ragged(scores: torch.Tensor, budgets: torch.Tensor, k: int) -> torch.Tensor:
+    """Triton: per row, a threshold by bisection over the scores' order-preserving integer
+    keys (33 counting passes over the row, no sort), then the pages above it (and the
+    lowest-index ties) compacted by a prefix sum. One program per row, up to 16K pages
+    (256K tokens at S=16)."""
+    _check_topk(scores, budgets, k)
+    if scores.device.type != "cuda" and not _interpreted():
+        raise ValueError("the Triton top-k kernel needs CUDA tensors (or TRITON_INTERPRET=1); use topk_ragged_ref")
+    B, hkv, P = scores.shape
+    if P > 16384:
+        raise ValueError(f"topk_ragged handles up to 16384 pages per row, got {P}")
+    out = torch.full((B, hkv, k), -1, dtype=torch.int64, device=scores.device)
+    if B == 0 or P == 0:
+        return out
+    s = scores.float().contiguous()
+    bud = budgets.to(torch.int32).contiguous()
+    p_pad = 1 << max(4, (P - 1).bit_length())
+    _kernels()._topk_ragged[(B * hkv,)](s, bud, out, P, k, P_PAD=p_pad)
+    return out

@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from spin_cluster.kernels.page_select import page_scores, page_scores_ref, topk_ragged, topk_ragged_ref
+
+
+def _index(N=9, hkv=2, D=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(N, hkv, D, generator=g), torch.randn(N, hkv, D, generator=g)
+    kmin, kmax = torch.minimum(a, b).to(dtype), torch.maximum(a, b).to(dtype)
+    kmin[-1], kmax[-1] = float("inf"), float("-inf")  # a page never written
+    return kmin, kmax
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_page_scores_kernel_equals_reference_and_bounds_every_key(group):
+    g = torch.Generator().manual_seed(1)
+    kmin, kmax = _index()
+    q = torch.randn(3, 2 * group, 16, generator=g)
+    pages = torch.tensor([[0, 1, 2, 8], [3, 4, 5, 6], [7, 8, 0, 0]])
+    ref = page_scores_ref(q, kmin, kmax, pages)
+    got = page_scores(q, kmin, kmax, pages)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert ref[0, :, 3].abs().max() == 0  # never-written page
+    # Any key inside the bounds scores at most the page's score.
+    t = torch.rand(16, generator=g)
+    key = kmin[4, 1] + t * (kmax[4, 1] - kmin[4, 1])
+    qs = q[1, group : 2 * group]  # query heads of KV head 1
+    assert (qs @ key).sum() <= ref[1, 1, 1] + 1e-4
+
+
+def test_topk_ragged_kernel_equals_reference_with_ties_and_minus_inf():
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(3, 2, 40, generator=g)
+    scores[0, 0, [5, 9, 30]] = 7.0  # a three-way tie at the top
+    scores[1, 1, :35] = float("-inf")  # only 5 valid pages
+    budgets = torch.tensor([[2, 6], [0, 9], [40, 1]])
+    ref = topk_ragged_ref(scores, budgets, 8)
+    got = topk_ragged(scores, budgets, 8)
+    assert torch.equal(got, ref)
+    assert ref[0, 0].tolist() == [5, 9] + [-1] * 6  # ties: lowest indices first
+    assert ref[1, 0].tolist() == [-1] * 8
+    assert ref[1, 1].tolist() == [35, 36, 37, 38, 39, -1, -1, -1]
+    assert (ref[2, 0] >= 0).sum() == 8  # budget above k: k pages
+
+
+def test_topk_ragged_random_rows():
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(4, 3, 200, generator=g).round(decimals=1)  # many ties
+    budgets = torch.randint(0, 30, (4, 3), generator=g)
+    assert torch.equal(topk_ragged(scores, budgets, 24), topk_ragged_ref(scores, budgets, 24))
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="budgets"):
+        topk_ragged_ref(torch.zeros(2, 3, 4), torch.zeros(2, 2), 2)
+    with pytest.raises(ValueError, match="pages"):
+        page_scores_ref(torch.zeros(1, 2, 4), torch.zeros(3, 2, 4), torch.zeros(3, 2, 4), torch.zeros(2, 2))
