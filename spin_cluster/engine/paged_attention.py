@@ -117,31 +117,40 @@ class PagedAttention:
         self, layer_id: int, seg: PrefillSegment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q: [n, H, D]; k, v: [n, Hkv, D] (this chunk) -> [n, H, D]."""
-        n = seg.num_tokens
-        if seg.context_start == 0:
-            # The whole context is this chunk: attend to k/v directly, no gather.
-            k_ctx, v_ctx = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, n, D]
-            mask, causal = None, True
-        else:
-            end = seg.context_start + n
-            k_ctx = self._gather(self.pool.k_pages, seg.pages[layer_id], end)  # [Hkv, end, D]
-            v_ctx = self._gather(self.pool.v_pages, seg.pages[layer_id], end)
-            # Query i sits at position context_start + i and sees keys 0 .. context_start + i.
-            q_pos = torch.arange(seg.context_start, end, device=q.device)
-            mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]  # [n, end]
-            causal = False
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
-            k_ctx.unsqueeze(0).to(q.dtype),
-            v_ctx.unsqueeze(0).to(q.dtype),
-            attn_mask=mask,
-            is_causal=causal,
-            enable_gqa=True,
-        )
-        return o[0].transpose(0, 1)  # [n, H, D]
+        if seg.context_start == 0:  # the whole context is this chunk: no gather
+            return prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0)
+        end = seg.context_start + seg.num_tokens
+        k_ctx = self._gather(self.pool.k_pages, seg.pages[layer_id], end)  # [Hkv, end, D]
+        v_ctx = self._gather(self.pool.v_pages, seg.pages[layer_id], end)
+        return prefill_attention(q, k_ctx, v_ctx, seg.context_start)
 
     @staticmethod
     def _gather(pages: torch.Tensor, page_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """pages [N, S, D], page_ids [Hkv, P'] -> [Hkv, num_tokens, D] contiguous in position."""
         hkv, p = page_ids.shape
         return pages[page_ids.long()].reshape(hkv, p * pages.shape[1], pages.shape[2])[:, :num_tokens]
+
+
+def prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, context_start: int) -> torch.Tensor:
+    """Causal SDPA of a prefill chunk against its request's context.
+
+    q: [n, H, D] at positions context_start .. context_start + n - 1;
+    k_ctx, v_ctx: [Hkv, context_start + n, D] (positions 0 ..). Returns [n, H, D].
+    """
+    n = q.shape[0]
+    if context_start == 0:
+        mask, causal = None, True
+    else:
+        # Query i sits at position context_start + i and sees keys 0 .. context_start + i.
+        q_pos = torch.arange(context_start, context_start + n, device=q.device)
+        mask = torch.arange(context_start + n, device=q.device)[None, :] <= q_pos[:, None]  # [n, end]
+        causal = False
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+        k_ctx.unsqueeze(0).to(q.dtype),
+        v_ctx.unsqueeze(0).to(q.dtype),
+        attn_mask=mask,
+        is_causal=causal,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)  # [n, H, D]

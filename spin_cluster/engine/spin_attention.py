@@ -20,10 +20,9 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from spin_cluster.config import SparseConfig
-from spin_cluster.engine.paged_attention import decode_impl
+from spin_cluster.engine.paged_attention import decode_impl, prefill_attention
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import offload, retrieve
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
@@ -192,20 +191,10 @@ class SpinAttention:
 
     def _prefill(self, layer: int, seg: SpinPrefill, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, H, D]; k, v [n, Hkv, D] -> [n, H, D]."""
-        n = seg.num_tokens
         if seg.context_start == 0:
-            k_ctx, v_ctx, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
-        else:
-            end = seg.context_start + n
-            k_ctx, v_ctx = self._gather_context(layer, seg.request_id, end)  # [Hkv, end, D]
-            q_pos = torch.arange(seg.context_start, end, device=q.device)
-            mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]  # [n, end]
-            causal = False
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k_ctx.unsqueeze(0).to(q.dtype), v_ctx.unsqueeze(0).to(q.dtype),
-            attn_mask=mask, is_causal=causal, enable_gqa=True,
-        )
-        return o[0].transpose(0, 1)
+            return prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0)
+        k_ctx, v_ctx = self._gather_context(layer, seg.request_id, seg.context_start + seg.num_tokens)
+        return prefill_attention(q, k_ctx, v_ctx, seg.context_start)
 
     def _gather_context(self, layer: int, request_id: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's first num_tokens K/V of this layer from the host tier: [Hkv, T, D]."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spin_cluster.kvcache.free_list import FreeList, check_partition
 from spin_cluster.kvcache.lru import DEFAULT_NUM_BUCKETS, select_victims_batched
 
 _NEVER = -(2**30)  # last_use of an empty column: older than any real step
@@ -65,7 +66,7 @@ class GpuBuffer:
         self.res_slot = torch.full(shape, -1, dtype=torch.int32, device=device)
         self.res_page = torch.full(shape, -1, dtype=torch.int32, device=device)
         self.res_last_use = torch.full(shape, _NEVER, dtype=torch.int32, device=device)
-        self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        self._free_slots = FreeList(num_slots)
         self._row_slots: dict[int, list[int]] = {}
         # Device counters, read once per step: lookups, hits, misses, evictions (a miss that
         # replaced a cached page rather than filling an empty column).
@@ -100,8 +101,7 @@ class GpuBuffer:
         n = share * self.slots_per_column()
         if share < 1 or share > self.max_share or n > len(self._free_slots):
             raise RuntimeError(f"cannot give a share of {share} columns ({self.num_free_slots} slots free)")
-        ids = self._free_slots[-n:]
-        del self._free_slots[-n:]
+        ids = self._free_slots.take(n)
         self._row_slots[row] = ids
         block = torch.tensor(ids, dtype=torch.int32).view(self.num_layers, self.num_kv_heads, share)
         self.res_slot[row, :, :, :share] = block.to(self.res_slot.device)
@@ -109,7 +109,7 @@ class GpuBuffer:
         self.res_last_use[row] = _NEVER
 
     def detach(self, row: int) -> None:
-        self._free_slots.extend(self._row_slots.pop(row, []))
+        self._free_slots.give(self._row_slots.pop(row, []))
         self.res_slot[row] = -1
         self.res_page[row] = -1
         self.res_last_use[row] = _NEVER
@@ -173,11 +173,7 @@ class GpuBuffer:
     # ---- integrity --------------------------------------------------------------------------
 
     def check_integrity(self, live_rows: set[int]) -> None:
-        owned = [s for ids in self._row_slots.values() for s in ids]
-        if len(set(owned)) != len(owned) or set(owned) & set(self._free_slots):
-            raise AssertionError("a buffer slot is owned twice or owned and free")
-        if len(owned) + len(self._free_slots) != self.num_slots:
-            raise AssertionError(f"buffer slots lost: {self.num_slots} total, {len(owned)} owned, {len(self._free_slots)} free")
+        check_partition([s for ids in self._row_slots.values() for s in ids], self._free_slots, "buffer slots")
         if set(self._row_slots) - live_rows:
             raise AssertionError(f"buffer shares held by rows without a request: {sorted(set(self._row_slots) - live_rows)}")
         for row, ids in self._row_slots.items():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from spin_cluster.kvcache.free_list import FreeList
 from spin_cluster.kvcache.host_tier import HostTier
 
 _ENTRY_BYTES = 4  # int32
@@ -47,7 +48,7 @@ class SegmentDirectory:
         self.directory = torch.full(
             (max_seqs, num_layers, num_kv_heads, self.max_segments_per_seq), -1, dtype=torch.int32, device=device
         )
-        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._free_rows = FreeList(max_seqs)
         self._request_to_row: dict[str, int] = {}
         # Host mirror: request -> one list of L*Hkv segment ids per logical segment, [L, Hkv] order.
         self._request_to_segments: dict[str, list[list[int]]] = {}
@@ -60,7 +61,7 @@ class SegmentDirectory:
         return request_id in self._request_to_row
 
     def has_free_row(self) -> bool:
-        return bool(self._free_rows)
+        return len(self._free_rows) > 0
 
     def row(self, request_id: str) -> int:
         return self._request_to_row[request_id]
@@ -71,7 +72,7 @@ class SegmentDirectory:
     def add(self, request_id: str) -> int:
         if request_id in self._request_to_row:
             raise KeyError(f"request {request_id!r} already has a directory row")
-        row = self._free_rows.pop()
+        row = self._free_rows.take(1)[0]
         self._request_to_row[request_id] = row
         self._request_to_segments[request_id] = []
         return row
@@ -79,7 +80,7 @@ class SegmentDirectory:
     def remove(self, request_id: str) -> list[int]:
         """Drop the request; return its host segment ids for the host tier to free."""
         row = self._request_to_row.pop(request_id)
-        self._free_rows.append(row)
+        self._free_rows.give([row])
         self.directory[row] = -1
         segs = self._request_to_segments.pop(request_id)
         return [s for group in segs for s in group]

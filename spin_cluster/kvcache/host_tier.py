@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from spin_cluster.kvcache.free_list import FreeList
+
 
 class HostTier:
     def __init__(
@@ -38,7 +40,7 @@ class HostTier:
         # [N_host, S, D] each
         self.k_pages = torch.zeros(n, page_size, head_dim, dtype=dtype, pin_memory=pin_memory)
         self.v_pages = torch.zeros(n, page_size, head_dim, dtype=dtype, pin_memory=pin_memory)
-        self._free_segments: list[int] = list(range(num_segments - 1, -1, -1))
+        self.free_list = FreeList(num_segments)
 
     @staticmethod
     def bytes_per_segment(segment_pages: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -46,23 +48,15 @@ class HostTier:
 
     @property
     def num_free_segments(self) -> int:
-        return len(self._free_segments)
+        return len(self.free_list)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free_segments)
+        return self.free_list.can_take(n)
 
     def allocate(self, n: int) -> list[int]:
         if not self.can_allocate(n):
             raise RuntimeError(f"host KV tier exhausted: asked {n} segments, {self.num_free_segments} free")
-        if n == 0:
-            return []
-        ids = self._free_segments[-n:]
-        del self._free_segments[-n:]
-        ids.reverse()
-        return ids
+        return self.free_list.take(n)
 
     def free(self, segment_ids: list[int]) -> None:
-        self._free_segments.extend(reversed(segment_ids))
-
-    def free_segment_ids(self) -> list[int]:
-        return list(self._free_segments)
+        self.free_list.give(segment_ids)

@@ -6,10 +6,9 @@ id. The model runner asks for ``slot_mapping`` and ``block_tables`` once per ste
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 
+from spin_cluster.kvcache.free_list import check_partition
 from spin_cluster.kvcache.page_pool import PagePool
 from spin_cluster.kvcache.page_table import PageTable
 
@@ -117,16 +116,7 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Every page is free or owned by exactly one request; table and pool agree."""
-        owned = self.table.owned_page_ids()
-        free = self.pool.free_ids()
-        counts = Counter(owned) + Counter(free)
-        dup = [pid for pid, c in counts.items() if c > 1]
-        if dup:
-            raise AssertionError(f"pages owned or freed twice: {sorted(dup)[:10]}")
-        if len(counts) != self.pool.num_pages or len(owned) + len(free) != self.pool.num_pages:
-            raise AssertionError(
-                f"pages lost: {self.pool.num_pages} total, {len(owned)} owned + {len(free)} free"
-            )
+        check_partition(self.table.owned_page_ids(), self.pool.free_list, "pages")
         for rid in self.table.request_ids():
             host = self.table.host_pages(rid)
             if not host:

@@ -12,12 +12,11 @@ newest one (the scheduler's rule), so a full host tier never corrupts a running 
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 
 from spin_cluster.kvcache.buffer import GpuBuffer
 from spin_cluster.kvcache.directory import SegmentDirectory
+from spin_cluster.kvcache.free_list import check_partition
 from spin_cluster.kvcache.host_tier import HostTier
 
 
@@ -126,16 +125,7 @@ class OffloadedKVManager:
     # ---- integrity ----------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        owned = self.directory.owned_segment_ids()
-        free = self.host.free_segment_ids()
-        counts = Counter(owned) + Counter(free)
-        dup = [s for s, c in counts.items() if c > 1]
-        if dup:
-            raise AssertionError(f"host segments owned or freed twice: {sorted(dup)[:10]}")
-        if len(owned) + len(free) != self.host.num_segments:
-            raise AssertionError(
-                f"host segments lost: {self.host.num_segments} total, {len(owned)} owned + {len(free)} free"
-            )
+        check_partition(self.directory.owned_segment_ids(), self.host.free_list, "host segments")
         rows = set()
         for rid in self.directory.request_ids():
             row = self.directory.row(rid)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from spin_cluster.kvcache.free_list import FreeList
+
 
 class PagePool:
     def __init__(
@@ -31,8 +33,7 @@ class PagePool:
         # [N, S, D] each
         self.k_pages = torch.zeros(num_pages, page_size, head_dim, dtype=dtype, device=device)
         self.v_pages = torch.zeros(num_pages, page_size, head_dim, dtype=dtype, device=device)
-        # Popped from the end: the lowest ids go out first, which keeps tests' ids readable.
-        self._free_ids: list[int] = list(range(num_pages - 1, -1, -1))
+        self.free_list = FreeList(num_pages)
 
     @staticmethod
     def bytes_per_page(page_size: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -41,27 +42,19 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free_ids)
+        return len(self.free_list)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free_ids)
+        return self.num_pages - len(self.free_list)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free_ids)
+        return self.free_list.can_take(n)
 
     def allocate(self, n: int) -> list[int]:
         if not self.can_allocate(n):
             raise RuntimeError(f"page pool exhausted: asked {n}, {self.num_free} free")
-        if n == 0:
-            return []
-        ids = self._free_ids[-n:]
-        del self._free_ids[-n:]
-        ids.reverse()
-        return ids
+        return self.free_list.take(n)
 
     def free(self, page_ids: list[int]) -> None:
-        self._free_ids.extend(reversed(page_ids))
-
-    def free_ids(self) -> list[int]:
-        return list(self._free_ids)
+        self.free_list.give(page_ids)

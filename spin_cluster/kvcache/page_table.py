@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from spin_cluster.kvcache.free_list import FreeList
+
 
 class PageTable:
     def __init__(
@@ -31,7 +33,7 @@ class PageTable:
         self.table = torch.zeros(
             max_seqs, num_layers, num_kv_heads, max_pages_per_seq, dtype=torch.int32, device=device
         )
-        self._free_rows: list[int] = list(range(max_seqs - 1, -1, -1))
+        self._free_rows = FreeList(max_seqs)
         self._request_to_row: dict[str, int] = {}
         # Host mirror: request -> one list of L*Hkv ids per logical page, ordered [L, Hkv].
         self._request_to_pages: dict[str, list[list[int]]] = {}
@@ -45,14 +47,14 @@ class PageTable:
         return request_id in self._request_to_row
 
     def has_free_row(self) -> bool:
-        return bool(self._free_rows)
+        return len(self._free_rows) > 0
 
     def add(self, request_id: str) -> int:
         if request_id in self._request_to_row:
             raise KeyError(f"request {request_id!r} already has a page table row")
-        if not self._free_rows:
+        if not len(self._free_rows):
             raise RuntimeError("page table full: no free request row")
-        row = self._free_rows.pop()
+        row = self._free_rows.take(1)[0]
         self._request_to_row[request_id] = row
         self._request_to_pages[request_id] = []
         return row
@@ -60,7 +62,7 @@ class PageTable:
     def remove(self, request_id: str) -> list[int]:
         """Drop the request; return every physical page id it held, for the pool to free."""
         row = self._request_to_row.pop(request_id)
-        self._free_rows.append(row)
+        self._free_rows.give([row])
         pages = self._request_to_pages.pop(request_id)
         return [pid for page in pages for pid in page]
 
