@@ -88,12 +88,17 @@ class SparseConfig:
     local_tokens: int = 64
     # Optional per-(layer, KV head) budgets in tokens, [L][Hkv]; overrides budget.
     per_head_budgets: tuple[tuple[int, ...], ...] | None = None
+    # Keyword options of the algorithm, e.g. {"gate_path": "gate.safetensors"} for seer,
+    # {"outlier_fraction": 0.01} for shadowkv, {"num_clusters": 16} for retroinfer.
+    options: dict | None = None
 
     def validate(self) -> None:
         if not self.budget > 0:
             raise ValueError(f"sparse.budget={self.budget}: must be > 0 (tokens, or a fraction of the context)")
         if self.sink_tokens < 0 or self.local_tokens < 0:
             raise ValueError("sparse.sink_tokens and sparse.local_tokens must be >= 0")
+        if self.options is not None and not isinstance(self.options, dict):
+            raise ValueError(f"sparse.options must be a mapping of the algorithm's options, got {self.options!r}")
         if self.per_head_budgets is not None:
             rows = tuple(tuple(int(b) for b in row) for row in self.per_head_budgets)
             object.__setattr__(self, "per_head_budgets", rows)

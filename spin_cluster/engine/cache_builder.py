@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from spin_cluster.config import SpinConfig
@@ -53,7 +55,8 @@ def build_cache(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, device:
 def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, decode_attention):
     cc, sc, S = config.cache, config.scheduler, config.cache.page_size
     max_pages = -(-max_model_len // S)
-    algorithm = algorithm_cls(
+    algorithm = _make_algorithm(
+        algorithm_cls, config,
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=S,
         max_seqs=sc.max_num_seqs, max_pages_per_seq=max_pages, device=device,
     )
@@ -81,6 +84,17 @@ def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, de
         num_buckets=cc.lru_buckets, elastic_shares=cc.elastic_shares,
     )
     return kv, SpinAttention(kv, algorithm, config.sparse, max_model_len, decode_attention)
+
+
+def _make_algorithm(cls, config: SpinConfig, **shape):
+    options = dict(config.sparse.options or {})
+    accepted = inspect.signature(cls.__init__).parameters
+    if "model_path" in accepted:  # lets an algorithm check a trained file against the model
+        options.setdefault("model_path", config.model.resolved_path())
+    try:
+        return cls(**shape, **options)
+    except TypeError as e:
+        raise ValueError(f"sparse.options {sorted(options)} do not fit algorithm {cls.name!r}: {e}") from None
 
 
 def _mandatory_pages(config: SpinConfig, algorithm, max_model_len: int) -> int:
