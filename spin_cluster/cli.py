@@ -3,6 +3,8 @@
     spin-cluster models prepare            convert the default model once
     spin-cluster generate PROMPT...        print completions
     spin-cluster chat [MESSAGE]            chat through the model's template
+    spin-cluster eval                      RULER-style accuracy of sparse algorithms
+    spin-cluster profile train-gate        train the seer gate
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("message", nargs="*", metavar="MESSAGE")
     chat.set_defaults(func=_cmd_chat)
+
+    from spin_cluster.profiling.cli import add_eval_parser
+    from spin_cluster.sparse.seer_gate import add_train_gate_parser
+
+    add_eval_parser(sub)  # spin-cluster eval
+    add_train_gate_parser(sub)  # spin-cluster profile train-gate
     return p
 
 

@@ -1,0 +1,98 @@
+"""``spin-cluster eval``: accuracy of sparse attention on RULER-style tasks.
+
+    spin-cluster eval --lengths 2048 --samples 3 --algorithms dense streaming quest \\
+        --budgets 0.125 0.0625 0.03125 --out results.json --plot accuracy.png --fidelity
+
+Prints a markdown table per length; ``--out`` writes every sample's output as JSON,
+``--plot`` average accuracy vs budget as a PNG. Hooked into the main parser by
+``add_eval_parser(subparsers)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from spin_cluster.profiling import ruler
+from spin_cluster.profiling.evaluate import EvalConfig
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``eval`` on the ``add_subparsers()`` object of the main parser."""
+    d = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(EvalConfig)})  # no validation: no torch
+    p = subparsers.add_parser("eval", help="accuracy of sparse attention on RULER-style tasks",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model folder (default: the prepared default model)")
+    p.add_argument("--tasks", nargs="+", default=list(d.tasks), metavar="TASK",
+                   help=f"of: {', '.join(ruler.task_names())} (default: all)")
+    p.add_argument("--lengths", nargs="+", type=int, default=list(d.lengths), metavar="TOKENS",
+                   help="context lengths, prompt + answer (default: %(default)s)")
+    p.add_argument("--samples", type=int, default=d.samples_per_task,
+                   help="samples per task and length (default: %(default)s)")
+    p.add_argument("--algorithms", nargs="+", default=list(d.algorithms), metavar="NAME",
+                   help="registered sparse algorithms; dense always runs: it is the reference")
+    p.add_argument("--budgets", nargs="+", type=float, default=list(d.budgets), metavar="B",
+                   help="middle tokens per head: fractions (0, 1) of the context or token counts")
+    p.add_argument("--sink-tokens", type=int, default=d.sink_tokens)
+    p.add_argument("--local-tokens", type=int, default=d.local_tokens)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="greedy tokens per answer")
+    p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests running at once per engine")
+    p.add_argument("--dense-threshold", type=float, default=d.dense_threshold,
+                   help="dense accuracy below this marks a task as failed densely (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--out", default=None, metavar="JSON", help="write all results here")
+    p.add_argument("--plot", default=None, metavar="PNG", help="plot accuracy vs budget here")
+    p.add_argument("--fidelity", action="store_true",
+                   help="also measure the attention-output error vs dense (one prompt per task and length)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_eval)
+    return p
+
+
+def eval_config(args: argparse.Namespace) -> EvalConfig:
+    """The ``EvalConfig`` of parsed arguments; raises ValueError (unknown algorithm or task,
+    bad numbers) before any model is loaded."""
+    return EvalConfig(
+        model_path=args.model, tasks=tuple(args.tasks), lengths=tuple(args.lengths),
+        samples_per_task=args.samples, algorithms=tuple(args.algorithms), budgets=tuple(args.budgets),
+        sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, max_tokens=args.max_tokens,
+        max_batch=args.max_batch, device=args.device, dtype=args.dtype,
+        dense_threshold=args.dense_threshold, seed=args.seed,
+    )
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from spin_cluster.profiling import fidelity, report
+    from spin_cluster.profiling.evaluate import evaluate
+
+    config = eval_config(args)
+    results = evaluate(config, progress=not args.quiet)
+    if args.fidelity:
+        results.fidelity = fidelity.measure(config, progress=not args.quiet)
+    print(report.markdown(results), end="")
+    print(f"\n{len(results.samples)} generations in {results.elapsed_s:.0f} s")
+    if args.out:
+        report.write_json(results, args.out)
+    if args.plot:
+        report.plot(results, args.plot)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m spin_cluster.profiling.cli eval ...``: the same command on its own."""
+    import sys
+
+    parser = argparse.ArgumentParser(prog="spin-cluster")
+    add_eval_parser(parser.add_subparsers(metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

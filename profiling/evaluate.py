@@ -1,0 +1,233 @@
+"""Accuracy of sparse attention on the synthetic tasks, measured through the engine.
+
+    prompts   task x length x sample, each built once (``ruler.make_sample``)
+    methods   dense (the reference), then each algorithm at each budget (``methods.py``)
+    run       per method one Engine, all prompts in one batch, greedy decoding
+    score     RULER's string match per output; accuracy = mean over samples
+
+A prompt fills ``length - max_tokens`` tokens so that prompt and answer fit ``length``
+(RULER's rule), and the engines' ``max_model_len`` is the longest length. Only decoding is
+sparse: prefill attends densely, as in the engine.
+
+A task the model fails densely (dense accuracy below ``dense_threshold`` at that length)
+says nothing about sparse attention: its row is marked and left out of the averages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.profiling import ruler
+from spin_cluster.profiling.methods import Method, make_methods
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    # Model folder; None: the default model (SmolLM2-135M-Instruct).
+    model_path: str | None = None
+    # Task names (``ruler.task_names()``).
+    tasks: tuple[str, ...] = tuple(ruler.task_names())
+    # Context lengths in tokens, prompt + answer; each <= the model's context.
+    lengths: tuple[int, ...] = (2048, 4096, 8192)
+    # Samples per (task, length), >= 1.
+    samples_per_task: int = 5
+    # Registered sparse algorithms; dense always runs as the reference.
+    algorithms: tuple[str, ...] = ("dense", "streaming", "quest")
+    # Middle tokens per head: fractions (0, 1) of the context, or token counts >= 1.
+    budgets: tuple[float, ...] = (0.125, 0.0625, 0.03125)
+    # Always-kept first / last tokens of every sparse method, >= 0.
+    sink_tokens: int = 16
+    local_tokens: int = 64
+    # Greedy tokens generated per prompt, >= 1.
+    max_tokens: int = 48
+    # Requests running at once per engine (the rest queue), >= 1. Host/GPU KV is sized for it.
+    max_batch: int = 8
+    # model.device and model.dtype of the engines ("auto": cuda + bf16 if available).
+    device: str = "auto"
+    dtype: str = "auto"
+    # Tokens per KV page, as cache.page_size.
+    page_size: int = 16
+    # Dense accuracy below this (0..1) marks a task as failed densely at that length.
+    dense_threshold: float = 0.2
+    # Samples are seeds seed, seed + 1, ...
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tasks", "lengths", "algorithms", "budgets"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for task in self.tasks:
+            ruler.get_task(task)
+        if not self.tasks or not self.lengths:
+            raise ValueError("give at least one task and one length")
+        if self.samples_per_task < 1:
+            raise ValueError(f"samples_per_task={self.samples_per_task}: must be >= 1")
+        if self.max_tokens < 1 or self.max_batch < 1:
+            raise ValueError("max_tokens and max_batch must be >= 1")
+        if min(self.lengths) <= self.max_tokens:
+            raise ValueError(
+                f"lengths must exceed max_tokens ({self.max_tokens}): the prompt fills length - max_tokens"
+            )
+        if not 0 <= self.dense_threshold <= 1:
+            raise ValueError(f"dense_threshold={self.dense_threshold}: use 0..1")
+        if self.sink_tokens < 0 or self.local_tokens < 0:
+            raise ValueError("sink_tokens and local_tokens must be >= 0")
+        self.methods()  # unknown algorithms and bad budgets fail here, before any model loads
+
+    def methods(self) -> list[Method]:
+        return make_methods(self.algorithms, self.budgets)
+
+    def resolved_model_path(self) -> str:
+        if self.model_path:
+            return self.model_path
+        from spin_cluster.model_store import prepare_default_model
+
+        return str(prepare_default_model())
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    task: str
+    length: int  # the context length asked for (prompt + answer)
+    seed: int
+    num_prompt_tokens: int
+    method: str  # Method.label
+    answers: tuple[str, ...]
+    output: str
+    score: float  # 0..1
+
+
+@dataclass
+class EvalResults:
+    config: EvalConfig
+    methods: list[Method]
+    samples: list[SampleResult]
+    elapsed_s: float = 0.0
+    fidelity: list = field(default_factory=list)  # fidelity.FidelityRow, when measured
+
+    def accuracy(self, task: str, length: int, method: str) -> float:
+        scores = [s.score for s in self.samples if (s.task, s.length, s.method) == (task, length, method)]
+        if not scores:
+            raise KeyError(f"no samples of {task!r} at {length} for {method!r}")
+        return sum(scores) / len(scores)
+
+    def dense_failures(self, length: int) -> list[str]:
+        """Tasks whose dense accuracy at ``length`` is below the threshold."""
+        return [t for t in self.config.tasks if self.accuracy(t, length, "dense") < self.config.dense_threshold]
+
+    def average(self, length: int, method: str) -> float | None:
+        """Mean accuracy over the tasks not failed densely; None if every task failed."""
+        kept = [t for t in self.config.tasks if t not in self.dense_failures(length)]
+        return sum(self.accuracy(t, length, method) for t in kept) / len(kept) if kept else None
+
+    def to_dict(self) -> dict:
+        c = self.config
+        return {
+            "config": dataclasses.asdict(c),
+            "methods": [{"label": m.label, "algorithm": m.algorithm, "budget": m.budget} for m in self.methods],
+            "elapsed_s": self.elapsed_s,
+            "accuracy": {
+                str(n): {
+                    m.label: {t: self.accuracy(t, n, m.label) for t in c.tasks} | {"average": self.average(n, m.label)}
+                    for m in self.methods
+                }
+                for n in c.lengths
+            },
+            "dense_failures": {str(n): self.dense_failures(n) for n in c.lengths},
+            "samples": [dataclasses.asdict(s) for s in self.samples],
+            "fidelity": [dataclasses.asdict(r) for r in self.fidelity],
+        }
+
+
+EngineFactory = Callable[[SpinConfig], object]
+
+
+def build_samples(config: EvalConfig, tokenizer) -> list[tuple[int, ruler.Sample]]:
+    """(length, sample) for every task x length x seed, the prompts every method gets."""
+    return [
+        (n, ruler.make_sample(task, tokenizer, n - config.max_tokens, config.seed + i))
+        for n in config.lengths for task in config.tasks for i in range(config.samples_per_task)
+    ]
+
+
+def evaluate(config: EvalConfig, *, engine_factory: EngineFactory | None = None, progress: bool = True) -> EvalResults:
+    """Run every method on every prompt. ``engine_factory(SpinConfig) -> Engine`` builds the
+    engines (default: ``Engine(config, progress=False)``), one per method (one per method and
+    length for window-only methods at fractional budgets, whose window depends on it)."""
+    from tqdm.auto import tqdm
+
+    from spin_cluster.engine import Engine, SamplingParams
+    from spin_cluster.tokenizer import Tokenizer
+
+    t0 = time.perf_counter()
+    methods = config.methods()
+    path = config.resolved_model_path()
+    factory = engine_factory or (lambda cfg: Engine(cfg, progress=False))
+    work = build_samples(config, Tokenizer(path))
+    params = SamplingParams(temperature=0, max_tokens=config.max_tokens)
+    results: list[SampleResult] = []
+    with tqdm(total=len(methods) * len(work), unit="prompt", disable=not progress) as bar:
+        for method in methods:
+            bar.set_description(method.label)
+            for lengths in _engine_groups(method, config.lengths):
+                batch = [(n, s) for n, s in work if n in lengths]
+                engine = factory(spin_config(config, path, method, max(lengths)))
+                texts = _generate(engine, [list(s.prompt_ids) for _, s in batch], params, bar)
+                del engine
+                gc.collect()  # the next engine's cache goes where this one's was
+                results.extend(
+                    SampleResult(s.task, n, s.seed, s.num_tokens, method.label, s.answers, text, s.score(text))
+                    for (n, s), text in zip(batch, texts)
+                )
+    return EvalResults(config, methods, results, time.perf_counter() - t0)
+
+
+def _engine_groups(method: Method, lengths: Sequence[int]) -> list[tuple[int, ...]]:
+    return [(n,) for n in lengths] if method.depends_on_length() else [tuple(lengths)]
+
+
+def _generate(engine, prompts: list[list[int]], params, bar) -> list[str]:
+    """``engine.generate`` with the progress bar advanced as each request finishes."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    texts: dict[str, str] = {}
+    while len(texts) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                texts[out.request_id] = out.text
+                bar.update(1)
+    return [texts[i] for i in ids]
+
+
+def spin_config(config: EvalConfig, model_path: str, method: Method, length: int) -> SpinConfig:
+    """The engine config of ``method`` for prompts of up to ``length`` tokens (with answer)."""
+    max_len = max(config.lengths)
+    cache = {"page_size": config.page_size, "offload": method.offloaded}
+    cache.update(_cache_sizes(config, model_path, max_len))
+    return SpinConfig.from_dict({
+        "model": {"path": model_path, "device": config.device, "dtype": config.dtype, "max_model_len": max_len},
+        "cache": cache,
+        "scheduler": {"max_num_seqs": config.max_batch},
+        "sparse": method.sparse_options(length, config.sink_tokens, config.local_tokens),
+    })
+
+
+def _cache_sizes(config: EvalConfig, model_path: str, max_len: int) -> dict:
+    """GPU pages (or buffer) and host tier for ``max_batch`` requests of ``max_len`` tokens,
+    instead of the engine's machine-wide defaults."""
+    from spin_cluster.engine.engine import resolve_device, resolve_dtype
+    from spin_cluster.kvcache.host_tier import HostTier
+    from spin_cluster.kvcache.page_pool import PagePool
+    from spin_cluster.models.config import ModelConfig
+
+    mc = ModelConfig.from_folder(model_path)
+    dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+    columns = mc.num_layers * mc.num_kv_heads  # pages of one token position
+    S, E = config.page_size, SpinConfig().cache.segment_pages
+    pages = -(-max_len // S)
+    gpu_bytes = config.max_batch * pages * columns * PagePool.bytes_per_page(S, mc.head_dim, dtype)
+    host_bytes = config.max_batch * -(-pages // E) * columns * HostTier.bytes_per_segment(E, S, mc.head_dim, dtype)
+    return {"kv_cache_gib": gpu_bytes / 2**30, "host_kv_gib": host_bytes / 2**30}

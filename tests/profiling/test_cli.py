@@ -1,0 +1,42 @@
+"""`spin-cluster eval` arguments: defaults, and errors before any model loads."""
+
+import argparse
+
+import pytest
+
+from spin_cluster.profiling import cli, ruler
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="spin-cluster")
+    cli.add_eval_parser(parser.add_subparsers(metavar="COMMAND"))
+    return parser.parse_args(argv)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("evaluate must not run")
+
+    monkeypatch.setattr("spin_cluster.profiling.evaluate.evaluate", refuse)
+
+
+def test_defaults():
+    args = _parse(["eval"])
+    assert args.func is cli.run_eval
+    assert args.tasks == ruler.task_names() and args.lengths == [2048, 4096, 8192]
+    assert args.algorithms == ["dense", "streaming", "quest"] and args.budgets == [0.125, 0.0625, 0.03125]
+    cfg = cli.eval_config(_parse(["eval", "--lengths", "1024", "--samples", "2", "--budgets", "0.25", "--fidelity"]))
+    assert cfg.lengths == (1024,) and cfg.samples_per_task == 2 and cfg.budgets == (0.25,)
+
+
+def test_unknown_algorithm_fails_with_the_registry_error(no_model):
+    args = _parse(["eval", "--algorithms", "dense", "shadow", "--lengths", "1024"])
+    with pytest.raises(ValueError, match=r"^unknown sparse algorithm 'shadow'; choose one of .*streaming"):
+        args.func(args)
+
+
+def test_unknown_task_fails_before_loading(no_model):
+    args = _parse(["eval", "--tasks", "qa"])
+    with pytest.raises(ValueError, match="unknown task 'qa'"):
+        args.func(args)

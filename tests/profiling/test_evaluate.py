@@ -1,0 +1,77 @@
+"""evaluate(): which engines it builds and what they are given (with a stand-in engine), and
+one small real run of SmolLM2 through the engine."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from spin_cluster.profiling import report
+from spin_cluster.profiling.evaluate import EvalConfig, evaluate
+
+
+class _EchoEngine:
+    """Stands in for Engine: finishes every request at the next step with a fixed text."""
+
+    def __init__(self, config, text):
+        self.config, self.text, self.pending, self.prompts = config, text, [], []
+
+    def add_request(self, prompt, params):
+        self.prompts.append(prompt)
+        self.pending.append(f"r{len(self.prompts)}")
+        return self.pending[-1]
+
+    def step(self):
+        done, self.pending = self.pending, []
+        return [SimpleNamespace(request_id=r, finished=True, text=self.text) for r in done]
+
+
+def test_one_engine_per_method_and_one_per_length_for_streaming_fractions(smollm2_path):
+    cfg = EvalConfig(model_path=smollm2_path, tasks=("niah_single", "vt"), lengths=(600, 700), samples_per_task=2,
+                     algorithms=("streaming", "quest"), budgets=(0.25,), max_tokens=8, max_batch=3)
+    built = []
+
+    def factory(spin):
+        built.append(_EchoEngine(spin, "no idea"))
+        return built[-1]
+
+    res = evaluate(cfg, engine_factory=factory, progress=False)
+    kinds = [(e.config.sparse.algorithm, e.config.cache.offload, e.config.sparse.local_tokens, len(e.prompts))
+             for e in built]
+    assert kinds == [("dense", False, 64, 8), ("streaming", True, 64 + 150, 4), ("streaming", True, 64 + 175, 4),
+                     ("quest", True, 64, 8)]
+    assert all(e.config.model.max_model_len == 700 and e.config.scheduler.max_num_seqs == 3 for e in built)
+    assert len(res.samples) == 3 * 8 and all(s.score == 0.0 for s in res.samples)
+    assert res.dense_failures(600) == ["niah_single", "vt"] and res.average(600, "quest 1/4") is None
+    prompt_lens = sorted({len(p) for p in built[0].prompts})
+    assert max(prompt_lens) <= 700 - 8 and min(prompt_lens) >= 0.95 * (600 - 8)
+
+
+@pytest.mark.slow
+def test_a_small_real_run_gives_a_well_formed_table(smollm2_path, tmp_path):
+    cfg = EvalConfig(model_path=smollm2_path, tasks=("niah_single",), lengths=(512,), samples_per_task=1,
+                     algorithms=("dense", "streaming", "quest"), budgets=(0.125,), max_tokens=12, device="cpu")
+    res = evaluate(cfg, progress=False)
+    assert [m.label for m in res.methods] == ["dense", "streaming 1/8", "quest 1/8"]
+    assert len(res.samples) == 3 and all(0.0 <= s.score <= 1.0 for s in res.samples)
+    assert res.accuracy("niah_single", 512, "dense") == 1.0  # SmolLM2 finds one needle densely
+    table = report.markdown(res)
+    assert "| task | dense | streaming 1/8 | quest 1/8 |" in table and "| niah_single |" in table
+    assert "**average**" in table
+    out = tmp_path / "r.json"
+    report.write_json(res, out)
+    data = json.loads(out.read_text())
+    assert set(data["accuracy"]["512"]) == {"dense", "streaming 1/8", "quest 1/8"}
+    assert data["accuracy"]["512"]["dense"]["niah_single"] == 1.0 and len(data["samples"]) == 3
+    pytest.importorskip("matplotlib")
+    report.plot(res, tmp_path / "a.png")
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_config_errors_say_what_to_change():
+    with pytest.raises(ValueError, match="unknown task 'nia'"):
+        EvalConfig(tasks=("nia",))
+    with pytest.raises(ValueError, match="lengths must exceed max_tokens"):
+        EvalConfig(lengths=(32,), max_tokens=48)
+    with pytest.raises(ValueError, match="unknown sparse algorithm 'nope'"):
+        EvalConfig(algorithms=("nope",))
