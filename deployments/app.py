@@ -1,0 +1,68 @@
+"""``build_app``: the whole Serve application from one config.
+
+    HTTP ─▶ OpenAIIngress (1) ──route──▶ ClusterPlanner (1)
+                  │                               ▲ register / report
+                  └── generate(stream, route_to) ─┴─▶ EngineServer (1 per node)
+
+Used three ways: ``spin-cluster serve`` (``local.py``), ``serve.run(build_app(args))`` in
+Python and tests, and a Serve deploy config (a KubeRay ``RayService``) whose application
+says ``import_path: spin_cluster.deployments.app:build_app`` with the config as ``args``
+(``deploy_config`` writes one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from spin_cluster.deployments.engine_server import EngineServer
+from spin_cluster.deployments.ingress import OpenAIIngress
+from spin_cluster.deployments.planner import ClusterPlanner
+from spin_cluster.deployments.routing import PlannerRouter
+from spin_cluster.deployments.settings import AppConfig, load_app_config
+
+IMPORT_PATH = "spin_cluster.deployments.app:build_app"
+# Calls that are not requests (checks, stats) may be in flight beside a full queue.
+_SPARE_CALLS = 16
+_INGRESS_MAX_ONGOING = 4096
+
+
+def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
+    """``args``: {"config": YAML file or bundled name, <section>: overrides} (see settings.py)."""
+    config = load_app_config(args)
+    opts = config.serve
+    planner = serve.deployment(ClusterPlanner, name="ClusterPlanner").options(
+        num_replicas=1,
+        max_ongoing_requests=_INGRESS_MAX_ONGOING,
+        ray_actor_options={"num_cpus": opts.planner_num_cpus},
+        logging_config={"enable_access_log": False},  # reports every stats_interval_s
+    ).bind(config)
+    engine = EngineServer.options(
+        num_replicas=opts.num_engine_replicas,
+        max_replicas_per_node=1,
+        max_ongoing_requests=config.spin.scheduler.max_num_seqs + opts.max_waiting_requests + _SPARE_CALLS,
+        ray_actor_options={"num_cpus": opts.engine_num_cpus, "num_gpus": opts.engine_num_gpus},
+        request_router_config=RequestRouterConfig(request_router_class=PlannerRouter),
+        graceful_shutdown_timeout_s=5,
+    ).bind(config, planner)
+    return OpenAIIngress.options(
+        num_replicas=1,
+        max_ongoing_requests=_INGRESS_MAX_ONGOING,
+        ray_actor_options={"num_cpus": opts.ingress_num_cpus},
+        graceful_shutdown_timeout_s=5,
+    ).bind(config, planner, engine)
+
+
+def deploy_config(args: dict[str, Any], *, name: str = "spin", route_prefix: str = "/",
+                  host: str = "0.0.0.0", port: int = 8000) -> dict[str, Any]:
+    """A Serve deploy config (``serve deploy``, KubeRay ``serveConfigV2``) for this app."""
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": host, "port": port},
+        "applications": [
+            {"name": name, "route_prefix": route_prefix, "import_path": IMPORT_PATH, "args": dict(args)}
+        ],
+    }

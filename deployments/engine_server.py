@@ -1,0 +1,161 @@
+"""``EngineServer``: one replica per node, wrapping that node's ``Engine``.
+
+    ingress ──generate(GenerateRequest)──▶ [validate, queue limit] ──submit──▶ EngineLoop thread
+    ingress ◀──Admitted | Failed, Delta...── asyncio.Queue ◀──sink (call_soon_threadsafe)──┘
+
+The engine runs on the loop's own thread (``engine_loop.py``); this class only validates,
+applies the queue limit, relays outputs and reports to the planner. A stream that is closed
+or cancelled before its request finished (the client went away) aborts the request, which
+frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from spin_cluster.deployments.engine_loop import EngineLoop
+from spin_cluster.deployments.engine_stats import engine_report
+from spin_cluster.deployments.messages import Delta, EngineReport, Failed, GenerateRequest
+from spin_cluster.deployments.settings import AppConfig
+
+logger = logging.getLogger(__name__)
+
+# Helpers sit above the deployment class: Serve serializes the class when it is decorated,
+# with the module globals defined by then.
+
+
+class _Prompt:
+    """Text, token ids or chat messages; turned into ids on the engine's thread, where the
+    tokenizer lives (it is not safe to share between threads)."""
+
+    def __init__(self, value: Any, is_chat: bool) -> None:
+        self.value, self.is_chat = value, is_chat
+
+    def token_ids(self, engine: Any) -> list[int]:
+        if self.is_chat:
+            return engine.tokenizer.chat_prompt_ids([dict(m) for m in self.value])
+        if isinstance(self.value, str):
+            return engine.tokenizer.encode(self.value)
+        return [int(t) for t in self.value]
+
+
+def _sampling_params(fields: dict[str, Any]):
+    from spin_cluster.engine import SamplingParams
+
+    return SamplingParams(**fields)
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams messages start with 'name=value'."""
+    head = message.split("=", 1)[0]
+    return head if head.isidentifier() else None
+
+
+@serve.deployment(name="EngineServer")
+class EngineServer:
+    async def __init__(self, config: AppConfig, planner: DeploymentHandle) -> None:
+        from spin_cluster.engine import Engine
+
+        self._serve = config.serve
+        self._planner = planner
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        plan = await planner.register.remote(self.replica_id)
+        spin = config.spin.replace(sparse=plan.sparse)
+        self._engine = await asyncio.to_thread(Engine, spin, progress=False)
+        self._loop = EngineLoop(self._engine, idle_wait_s=self._serve.stats_interval_s)
+        self._report: EngineReport = engine_report(self._engine, self.replica_id)
+        self._report_s = 0.0
+        self._loop.on_step(self._refresh_report)
+        self._loop.start()
+        self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
+
+    # ---- requests ----------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest, route_to: str | None = None) -> AsyncIterator[object]:
+        """Admitted or Failed first, then Deltas until one is finished. ``route_to`` is the
+        planner's pick, read by the request router; the replica itself ignores it."""
+        try:
+            params = _sampling_params(request.sampling)
+        except ValueError as e:
+            yield Failed(400, str(e), param=_param_of(str(e)), code="invalid_value")
+            return
+        if self._loop.num_queued() >= self._serve.max_waiting_requests:
+            yield Failed(429, f"the engine's queue is full ({self._serve.max_waiting_requests} requests "
+                         "waiting); retry later", code="queue_full")
+            return
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[object] = asyncio.Queue()
+        prompt = request.messages if request.messages is not None else request.prompt
+        if prompt is None:
+            prompt = request.prompt_token_ids
+        self._loop.submit(request.request_id, _Prompt(prompt, request.messages is not None), params,
+                          lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item))
+        done = False
+        try:
+            while not done:
+                item = await outputs.get()
+                done = isinstance(item, Failed) or (isinstance(item, Delta) and item.finished)
+                yield item
+        finally:
+            if not done:  # closed or cancelled early: the client is gone
+                self._loop.abort(request.request_id)
+
+    # ---- checks and debugging -----------------------------------------------------------
+
+    async def check_integrity(self) -> dict[str, Any]:
+        """Runs the engine's own check between steps; raises if pages leaked or doubled."""
+
+        def check(engine: Any) -> dict[str, Any]:
+            engine.check_integrity()
+            return {
+                "replica_id": self.replica_id,
+                "num_free_pages": engine.kv.num_free_pages,
+                "num_total_pages": engine.kv.num_total_pages,
+                "num_running": engine.scheduler.num_running(),
+                "num_waiting": engine.scheduler.num_waiting(),
+            }
+
+        return await asyncio.wait_for(asyncio.wrap_future(self._loop.call(check)), self._serve.handle_timeout_s)
+
+    def replica_info(self) -> dict[str, str]:
+        """This replica's id and Ray actor name (what an operator passes to ``ray.kill``)."""
+        return {"replica_id": self.replica_id, "actor_name": ray.get_runtime_context().get_actor_name()}
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; raising makes it replace the replica."""
+        if not self._loop.is_alive():
+            raise RuntimeError("the engine loop thread has stopped")
+        if self._loop.failure is not None:
+            raise RuntimeError(f"an engine step failed: {self._loop.failure}")
+
+    def __del__(self) -> None:
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            loop.stop(timeout_s=1.0)
+
+    # ---- reports ------------------------------------------------------------------------
+
+    def _refresh_report(self, engine: Any) -> None:
+        now = time.monotonic()
+        if now - self._report_s >= self._serve.stats_interval_s / 2:
+            self._report = engine_report(engine, self.replica_id)
+            self._report_s = now
+
+    async def _report_forever(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._planner.report.remote(self._report), self._serve.handle_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.warning("could not report to the planner", exc_info=True)
+            await asyncio.sleep(self._serve.stats_interval_s)
+

@@ -1,0 +1,57 @@
+"""An engine's plain step stats and cache sizes, turned into the report the planner collects.
+
+Runs on the engine loop's thread (it reads the engine's cache between steps).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from spin_cluster.deployments.messages import EngineReport
+
+# Token pages used to measure a cache's pages per token page; a multiple of every
+# segment size (cache.segment_pages <= 1024), so whole segments divide it.
+_PROBE_TOKEN_PAGES = 1024
+
+
+def free_kv_tokens(kv: Any, num_free_pages: int) -> int:
+    """Tokens (all layers and heads) that the free pages could still hold."""
+    S = kv.page_size
+    pages_per_token_page = kv.pages_for_tokens(S * _PROBE_TOKEN_PAGES) / _PROBE_TOKEN_PAGES
+    return int(num_free_pages // pages_per_token_page) * S
+
+
+def engine_report(engine: Any, replica_id: str) -> EngineReport:
+    st = engine.last_stats
+    kv = engine.kv
+    buffer = getattr(kv, "buffer", None)
+    if buffer is None:  # device pages only
+        kv_pages = _pages("gpu", kv.num_free_pages, kv.num_total_pages)
+    else:  # home pages on the host, the buffer's page slots on the device
+        kv_pages = {
+            **_pages("host", kv.num_free_pages, kv.num_total_pages),
+            **_pages("gpu", buffer.num_free_slots, buffer.num_slots),
+        }
+    return EngineReport(
+        replica_id=replica_id,
+        reported_s=time.time(),
+        free_kv_tokens=free_kv_tokens(kv, kv.num_free_pages),
+        num_running=engine.scheduler.num_running(),
+        num_waiting=engine.scheduler.num_waiting(),
+        kv_pages=kv_pages,
+        metadata_bytes={"gpu": st.metadata_gpu_bytes, "host": st.metadata_host_bytes},
+        counters={
+            "buffer_lookups": st.buffer_lookups_total,
+            "buffer_hits": st.buffer_hits_total,
+            "retrieved_bytes": st.retrieved_bytes_total,
+            "evicted_pages": st.evicted_pages_total,
+            # Head-parallel attention is not split into ranks yet: one rank, no bubble.
+            "attention_bubble_s": getattr(st, "attention_bubble_s_total", 0.0),
+        },
+        attention_rank_s=dict(getattr(st, "attention_rank_s_total", None) or {"0": 0.0}),
+    )
+
+
+def _pages(tier: str, num_free: int, num_total: int) -> dict[tuple[str, str], int]:
+    return {(tier, "free"): num_free, (tier, "used"): num_total - num_free}

@@ -1,0 +1,241 @@
+"""``OpenAIIngress``: the OpenAI-compatible HTTP front (FastAPI on Ray Serve).
+
+    POST /v1/completions, /v1/chat/completions   (JSON, or SSE with stream=true)
+    GET  /v1/models, /health (200 / 503), /metrics (Prometheus text)
+
+A request: auth, size limit, parse and validate (400s), ask the planner where to run it,
+call that engine's ``generate`` as a stream; its first item says admitted (or why not: 400,
+429), then outputs are relayed as they come. Every wait on another deployment has a
+timeout, so a dead or stuck engine gives 503 (or an SSE error event), never a hang. A client
+that goes away cancels the engine call, and the engine aborts the request.
+"""
+
+import asyncio
+import hmac
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from spin_cluster.deployments.errors import ApiError, install_handlers
+from spin_cluster.deployments.messages import Admitted, Failed, GenerateRequest
+from spin_cluster.deployments.metrics import CONTENT_TYPE, RequestMetrics, ServingMetrics
+from spin_cluster.deployments.openai_protocol import (
+    ChatCompletionRequest,
+    ChatFormat,
+    CompletionFormat,
+    CompletionRequest,
+    new_id,
+    parse_body,
+    sse,
+    usage,
+)
+from spin_cluster.deployments.settings import API_KEY_ENV, AppConfig
+
+# No `from __future__ import annotations` here: Serve rebuilds the route methods, and FastAPI
+# must see real classes (Request) in their signatures, not strings.
+api = FastAPI(title="spin-cluster", docs_url=None, redoc_url=None, openapi_url=None)
+install_handlers(api)
+
+# Helpers sit above the deployment class: Serve serializes the class when it is decorated,
+# with the module globals defined by then.
+
+# Planner demand estimate when the prompt is text: about four characters per token.
+_CHARS_PER_TOKEN = 4
+
+
+async def _read_body(request: Request, limit_bytes: int) -> bytes:
+    too_big = ApiError(413, f"the request body is larger than {limit_bytes} bytes", code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit_bytes:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit_bytes:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, config: AppConfig, planner: DeploymentHandle, engine: DeploymentHandle) -> None:
+        self._opts = config.serve
+        self.model_name = config.model_name
+        self._max_model_len = config.spin.model.max_model_len
+        self._planner = planner
+        self._engine = engine.options(stream=True)
+        self._metrics = ServingMetrics(self.model_name)
+        self._api_key = os.environ.get(API_KEY_ENV) or None
+        self._created = int(time.time())
+
+    # ---- service endpoints --------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        try:
+            num_ready = await self._call(self._planner.num_ready.remote())
+        except ApiError:
+            num_ready = 0
+        return JSONResponse({"status": "ok" if num_ready else "unavailable", "engines": num_ready},
+                            status_code=200 if num_ready else 503)
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        try:
+            stats = await self._call(self._planner.cluster_stats.remote())
+        except ApiError:
+            stats = None  # the planner is unreachable: keep the last engine stats
+        return Response(self._metrics.render(stats), media_type=CONTENT_TYPE)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        card = {"id": self.model_name, "object": "model", "created": self._created,
+                "owned_by": "spin-cluster", "max_model_len": self._max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._openai(request, CompletionRequest, CompletionFormat)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._openai(request, ChatCompletionRequest, ChatFormat)
+
+    # ---- one OpenAI request -------------------------------------------------------------
+
+    async def _openai(self, request: Request, model: type, fmt_cls: type[CompletionFormat]) -> Response:
+        self._authorize(request)
+        body = parse_body(await _read_body(request, self._opts.max_body_bytes), model)
+        if body.model != self.model_name:
+            raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+        request_id = new_id(fmt_cls.prefix)
+        fmt = fmt_cls(request_id, self.model_name)
+        timeline = self._metrics.request()
+        stream, admitted = await self._start(body.to_generate(request_id), timeline)
+        if body.stream:
+            return StreamingResponse(self._sse(stream, admitted, fmt, body.include_usage, timeline),
+                                     media_type="text/event-stream")
+        return JSONResponse(await self._collect(stream, admitted, fmt, timeline))
+
+    async def _start(self, gen: GenerateRequest,
+                     timeline: RequestMetrics) -> tuple[DeploymentResponseGenerator, Admitted]:
+        try:
+            target = await self._call(self._planner.route.remote(self._demand_tokens(gen)))
+        except ApiError:
+            target = None  # no planner: Serve's own routing still reaches an engine
+        stream = self._engine.generate.remote(gen, route_to=target)
+        try:
+            first = await self._next(stream, self._opts.handle_timeout_s)
+        except BaseException:
+            stream.cancel()
+            raise
+        if isinstance(first, Failed):
+            raise ApiError(first.status, first.message, param=first.param, code=first.code)
+        timeline.admitted(first.num_prompt_tokens)
+        return stream, first
+
+    async def _collect(self, stream: DeploymentResponseGenerator, admitted: Admitted,
+                       fmt: CompletionFormat, timeline: RequestMetrics) -> dict[str, Any]:
+        texts: list[str] = []
+        num_tokens, reason = 0, None
+        try:
+            while reason is None:
+                item = await self._next_output(stream)
+                texts.append(item.text)
+                num_tokens += len(item.token_ids)
+                timeline.tokens(len(item.token_ids))
+                if item.finished:
+                    reason = item.finish_reason or "stop"
+        except asyncio.CancelledError:
+            timeline.finished("abort")
+            raise
+        finally:
+            if reason is None:
+                stream.cancel()
+        timeline.finished(reason)
+        return fmt.response("".join(texts), reason, usage(admitted.num_prompt_tokens, num_tokens))
+
+    async def _sse(self, stream: DeploymentResponseGenerator, admitted: Admitted, fmt: CompletionFormat,
+                   include_usage: bool, timeline: RequestMetrics) -> AsyncIterator[str]:
+        num_tokens, reason = 0, None
+        try:
+            for chunk in fmt.start_chunks(include_usage):
+                yield sse(chunk)
+            while reason is None:
+                item = await self._next_output(stream)
+                num_tokens += len(item.token_ids)
+                timeline.tokens(len(item.token_ids))
+                if item.text:  # empty while a multi-byte character is incomplete
+                    yield sse(fmt.chunk(item.text, None, include_usage))
+                if item.finished:
+                    reason = item.finish_reason or "stop"
+                    yield sse(fmt.chunk("", reason, include_usage))
+            timeline.finished(reason)
+            if include_usage:
+                yield sse(fmt.usage_chunk(usage(admitted.num_prompt_tokens, num_tokens)))
+        except ApiError as e:  # headers are sent: the error goes in the stream
+            yield sse(e.body())
+        except (asyncio.CancelledError, GeneratorExit):
+            timeline.finished("abort")
+            raise
+        finally:
+            if reason is None:
+                stream.cancel()
+        yield sse("[DONE]")
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    async def _next_output(self, stream: DeploymentResponseGenerator):
+        item = await self._next(stream, self._opts.token_timeout_s)
+        if isinstance(item, Failed):
+            raise ApiError(item.status, item.message, param=item.param, code=item.code)
+        return item
+
+    async def _next(self, stream: DeploymentResponseGenerator, timeout_s: float) -> object:
+        try:
+            return await asyncio.wait_for(stream.__anext__(), timeout_s)
+        except StopAsyncIteration:
+            raise ApiError(503, "the engine closed the stream early", code="engine_unavailable") from None
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"no output from the engine within {timeout_s:g}s", code="timeout") from None
+        except Exception as e:  # the replica died, or Serve could not reach it
+            raise ApiError(503, f"the engine is unavailable ({type(e).__name__}); retry",
+                           code="engine_unavailable") from None
+
+    async def _call(self, response: Any) -> Any:
+        try:
+            return await asyncio.wait_for(response, self._opts.handle_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(503, "the planner did not answer in time", code="timeout") from None
+        except Exception as e:
+            raise ApiError(503, f"the planner is unavailable ({type(e).__name__})",
+                           code="planner_unavailable") from None
+
+    def _authorize(self, request: Request) -> None:
+        if self._api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+            raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def _demand_tokens(self, gen: GenerateRequest) -> int:
+        """Prompt plus output tokens, roughly: what the planner reserves on the engine."""
+        if gen.prompt_token_ids is not None:
+            prompt = len(gen.prompt_token_ids)
+        else:
+            text = gen.prompt or "".join(str(m.get("content", "")) for m in gen.messages or ())
+            prompt = len(text) // _CHARS_PER_TOKEN + 1
+        limit = self._max_model_len or 1 << 20
+        return min(limit, prompt + int(gen.sampling.get("max_tokens", 0)))
+

@@ -1,0 +1,96 @@
+"""What the deployments send each other: plain frozen dataclasses, pickled by Ray.
+
+    ingress --GenerateRequest--> EngineServer --Admitted | Failed, then Delta...--> ingress
+    EngineServer --EngineReport (every stats_interval_s)--> ClusterPlanner
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    # SamplingParams fields by name; the engine server builds (and validates) them.
+    sampling: dict[str, Any]
+    # Exactly one of: text, token ids, chat messages (rendered by the model's template).
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """First item of every accepted stream: the request is in the engine."""
+
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request was refused (first item) or failed while running (a later item)."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one engine step for one request."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvUsage:
+    """Requests, KV pages and cumulative counters: what one engine reports and what the
+    planner sums over engines."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    # (tier, state) -> pages; tier "gpu" (the device pool or buffer) or "host".
+    kv_pages: dict[tuple[str, str], int] = field(default_factory=dict)
+    # tier -> bytes of page-table metadata.
+    metadata_bytes: dict[str, int] = field(default_factory=dict)
+    # Cumulative: buffer_lookups, buffer_hits, retrieved_bytes, evicted_pages,
+    # attention_bubble_s.
+    counters: dict[str, float] = field(default_factory=dict)
+    # rank -> cumulative attention seconds of that head-parallel rank.
+    attention_rank_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineReport(KvUsage):
+    """One engine's capacity and cumulative counters (since it started), as of
+    ``reported_s`` (time.time())."""
+
+    replica_id: str
+    reported_s: float
+    free_kv_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What the planner tells an engine at start: its sparse settings (and, once S-HPLB
+    profiles are loaded, per-head budgets and the heads each rank owns)."""
+
+    sparse: dict[str, Any]
+    # rank -> (layer, KV head) pairs; None: every rank holds every head (no placement yet).
+    head_placement: dict[int, tuple[tuple[int, int], ...]] | None = None
+    # max rank load / mean rank load - 1 of the placement; 0 when balanced or not placed.
+    imbalance: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterStats(KvUsage):
+    """The planner's sum over live engines (counters also keep those of engines gone)."""
+
+    num_engines: int = 0
+    head_placement_imbalance: float = 0.0

@@ -1,0 +1,229 @@
+"""The OpenAI HTTP protocol: request models, their validation, and response/chunk bodies.
+
+Supported: one choice per request (``n`` > 1 is refused with 400), text or token-id prompts
+(one per request), text chat content, ``stream`` with ``stream_options.include_usage``, and
+vLLM's extra sampling fields (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``).
+Refused with 400: logprobs, echo, suffix, best_of > 1, tools, penalties other than 0.
+Unknown fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from spin_cluster.deployments.errors import ApiError
+from spin_cluster.deployments.messages import GenerateRequest
+
+# Chat without max_tokens runs to the end of the context; the engine stops there.
+_UNBOUNDED_MAX_TOKENS = 1 << 30
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_tokens: int = 0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    best_of: int | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise ApiError(400, f"n={self.n}: this server returns one choice per request; "
+                           "send n separate requests instead", param="n", code="unsupported_value")
+        if self.best_of not in (None, 1):
+            raise ApiError(400, "best_of is not supported", param="best_of", code="unsupported_value")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ApiError(400, f"{name} is not supported (use 0)", param=name, code="unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
+        """SamplingParams fields; the engine server builds them and reports bad values."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        out: dict[str, Any] = {
+            "max_tokens": default_max_tokens if self.max_tokens is None else self.max_tokens,
+            "stop": tuple(stop),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "seed": self.seed,
+        }
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("echo", "suffix", "logprobs"):
+            if getattr(self, name) not in (None, False):
+                raise ApiError(400, f"{name} is not supported", param=name, code="unsupported_value")
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, list) and p and not all(isinstance(t, int) for t in p):
+            raise ApiError(400, f"{len(p)} prompts in one request: send one prompt per request",
+                           param="prompt", code="unsupported_value")
+        sampling = self.sampling(16)
+        if isinstance(p, str):
+            return GenerateRequest(request_id, sampling, prompt=p)
+        return GenerateRequest(request_id, sampling, prompt_token_ids=tuple(p))
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"content part of type {part.get('type')!r}: only text is supported",
+                               param="messages", code="unsupported_value")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    tools: list[Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise ApiError(400, "logprobs is not supported", param="logprobs", code="unsupported_value")
+        if self.tools:
+            raise ApiError(400, "tools are not supported", param="tools", code="unsupported_value")
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        sampling = self.sampling(_UNBOUNDED_MAX_TOKENS)
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            sampling["max_tokens"] = self.max_completion_tokens
+        messages = tuple({"role": m.role, "content": m.text()} for m in self.messages)
+        return GenerateRequest(request_id, sampling, messages=messages)
+
+
+def parse_body(raw: bytes, model: type[_Common]) -> _Common:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param,
+                       code="invalid_value") from None
+    req.check_supported()
+    return req
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class CompletionFormat:
+    """Bodies of /v1/completions."""
+
+    prefix = "cmpl"
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.id, self.model, self.created = request_id, model, int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self, text: str, finish_reason: str | None, use: dict[str, int]) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": use}
+
+    def start_chunks(self, with_usage: bool) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, text: str, finish_reason: str | None, with_usage: bool) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice], **({"usage": None} if with_usage else {})}
+
+    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+        return {**self._head("text_completion"), "choices": [], "usage": use}
+
+
+class ChatFormat(CompletionFormat):
+    """Bodies of /v1/chat/completions."""
+
+    prefix = "chatcmpl"
+
+    def response(self, text: str, finish_reason: str | None, use: dict[str, int]) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": use}
+
+    def start_chunks(self, with_usage: bool) -> list[dict[str, Any]]:
+        body = self._chunk({"role": "assistant", "content": ""}, None)
+        return [{**body, **({"usage": None} if with_usage else {})}]
+
+    def chunk(self, text: str, finish_reason: str | None, with_usage: bool) -> dict[str, Any]:
+        body = self._chunk({"content": text} if text else {}, finish_reason)
+        return {**body, **({"usage": None} if with_usage else {})}
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": use}

@@ -1,0 +1,100 @@
+"""``ClusterPlanner``: one per application. Plans the engines, routes requests, sums stats.
+
+    EngineServer ──register(replica_id)──▶ planner ──EnginePlan──▶ EngineServer
+    EngineServer ──report(EngineReport), every stats_interval_s──▶ planner
+    ingress ──route(demand_tokens)──▶ planner ──replica id (most free KV tokens)──▶ ingress
+    ingress ──cluster_stats()──▶ planner ──ClusterStats──▶ /metrics
+
+Routing: the live engine with the most free KV tokens, less the tokens already routed to it
+since its last report (so a burst between two reports spreads instead of piling on one).
+An engine silent for ``serve.engine_stale_s`` is dropped; its counters are kept so that the
+exported sums never go backwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+
+from spin_cluster.deployments.messages import ClusterStats, EnginePlan, EngineReport
+from spin_cluster.deployments.settings import AppConfig
+
+
+class ClusterPlanner:
+    def __init__(self, config: AppConfig) -> None:
+        self._config = config
+        self._stale_s = config.serve.engine_stale_s
+        self.plan = self.plan_engines()
+        self._reports: dict[str, EngineReport] = {}
+        self._reserved_tokens: Counter[str] = Counter()
+        self._retired_counters: Counter[str] = Counter()
+        self._retired_rank_s: Counter[str] = Counter()
+
+    def plan_engines(self) -> EnginePlan:
+        """The S-HPLB hook. Later: load the offline per-head profile, shift budgets from sparse
+        to dense heads (max-min), place heads on ranks (greedy partition) and report the
+        placement's imbalance. Now: the config's sparse settings as they are, no placement."""
+        return EnginePlan(sparse=dataclasses.asdict(self._config.spin.sparse))
+
+    # ---- engines ------------------------------------------------------------------------
+
+    def register(self, replica_id: str) -> EnginePlan:
+        self._reports.setdefault(replica_id, EngineReport(replica_id=replica_id, reported_s=0.0))
+        return self.plan
+
+    def report(self, report: EngineReport) -> None:
+        self._reports[report.replica_id] = report
+        self._reserved_tokens.pop(report.replica_id, None)
+
+    def live_reports(self, now_s: float | None = None) -> list[EngineReport]:
+        self._retire_stale(time.time() if now_s is None else now_s)
+        return [r for r in self._reports.values() if r.reported_s > 0]
+
+    def num_ready(self) -> int:
+        return len(self.live_reports())
+
+    def _retire_stale(self, now_s: float) -> None:
+        for rid, rep in list(self._reports.items()):
+            registered_only = rep.reported_s == 0
+            if not registered_only and now_s - rep.reported_s > self._stale_s:
+                self._retired_counters.update(rep.counters)
+                self._retired_rank_s.update(rep.attention_rank_s)
+                del self._reports[rid]
+                self._reserved_tokens.pop(rid, None)
+
+    # ---- routing ------------------------------------------------------------------------
+
+    def route(self, demand_tokens: int) -> str | None:
+        """The replica id to run a request of ``demand_tokens`` (prompt + output); None when
+        no engine has reported yet (Serve's own routing then picks one)."""
+        live = self.live_reports()
+        if not live:
+            return None
+        best = max(live, key=lambda r: (r.free_kv_tokens - self._reserved_tokens[r.replica_id], -r.num_waiting))
+        self._reserved_tokens[best.replica_id] += max(0, demand_tokens)
+        return best.replica_id
+
+    # ---- stats --------------------------------------------------------------------------
+
+    def cluster_stats(self) -> ClusterStats:
+        live = self.live_reports()
+        kv_pages: Counter = Counter()
+        metadata: Counter[str] = Counter()
+        counters = Counter(self._retired_counters)
+        rank_s = Counter(self._retired_rank_s)
+        for r in live:
+            kv_pages.update(r.kv_pages)
+            metadata.update(r.metadata_bytes)
+            counters.update(r.counters)
+            rank_s.update(r.attention_rank_s)
+        return ClusterStats(
+            num_engines=len(live),
+            num_running=sum(r.num_running for r in live),
+            num_waiting=sum(r.num_waiting for r in live),
+            kv_pages=dict(kv_pages),
+            metadata_bytes=dict(metadata),
+            counters=dict(counters),
+            attention_rank_s=dict(rank_s),
+            head_placement_imbalance=self.plan.imbalance,
+        )

@@ -1,0 +1,144 @@
+"""The Serve application's configuration: the engine's ``SpinConfig`` plus a ``serve`` section.
+
+One YAML file holds both (``deployments/configs/*.yaml``)::
+
+    model:     {path: null, max_model_len: 2048}      # SpinConfig sections, as in config.py
+    scheduler: {max_num_seqs: 64}
+    serve:     {max_waiting_requests: 256}            # ServeOptions below
+
+``load_app_config`` reads a file and lays per-section overrides over it, so that a Serve
+deploy config can say ``args: {config: default, model: {path: /models/x}}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from spin_cluster.config import SpinConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+DEFAULT_CONFIG = "default"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    # Name clients pass as `model`; None: the model folder's name.
+    model_name: str | None = None
+    # EngineServer replicas, one per node, >= 1.
+    num_engine_replicas: int = 1
+    # Logical Ray resources of one EngineServer replica; GPUs: that node's GPUs, >= 0.
+    engine_num_cpus: float = 1.0
+    engine_num_gpus: float = 0.0
+    # Logical CPUs of the ingress and of the planner, > 0.
+    ingress_num_cpus: float = 0.1
+    planner_num_cpus: float = 0.1
+    # Largest request body in bytes; larger ones get 413. >= 1024.
+    max_body_bytes: int = 4 * 2**20
+    # Per engine: requests admitted but not yet running beyond which new ones get 429. >= 0.
+    max_waiting_requests: int = 256
+    # Seconds to wait for a planner or engine reply (routing, admission, stats), > 0.
+    handle_timeout_s: float = 30.0
+    # Seconds to wait for a request's next output while it runs (one engine step), > 0.
+    token_timeout_s: float = 120.0
+    # Seconds between an engine's capacity/stats reports to the planner, > 0.
+    stats_interval_s: float = 0.5
+    # An engine silent this long is dropped from routing and /health, > stats_interval_s.
+    engine_stale_s: float = 5.0
+
+    def validate(self) -> None:
+        if self.num_engine_replicas < 1:
+            raise ValueError(f"serve.num_engine_replicas={self.num_engine_replicas}: must be >= 1")
+        if self.engine_num_cpus < 0 or self.engine_num_gpus < 0:
+            raise ValueError("serve.engine_num_cpus and serve.engine_num_gpus must be >= 0")
+        if self.ingress_num_cpus <= 0 or self.planner_num_cpus <= 0:
+            raise ValueError("serve.ingress_num_cpus and serve.planner_num_cpus must be > 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"serve.max_body_bytes={self.max_body_bytes}: must be >= 1024")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"serve.max_waiting_requests={self.max_waiting_requests}: must be >= 0")
+        for name in ("handle_timeout_s", "token_timeout_s", "stats_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"serve.{name}={getattr(self, name)}: must be > 0")
+        if not self.engine_stale_s > self.stats_interval_s:
+            raise ValueError(
+                f"serve.engine_stale_s={self.engine_stale_s} must exceed "
+                f"serve.stats_interval_s={self.stats_interval_s}"
+            )
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    spin: SpinConfig = field(default_factory=SpinConfig)
+    serve: ServeOptions = field(default_factory=ServeOptions)
+
+    def __post_init__(self) -> None:
+        self.serve.validate()
+
+    @property
+    def model_name(self) -> str:
+        return self.serve.model_name or Path(self.spin.model.resolved_path()).name
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> AppConfig:
+        data = dict(data or {})
+        serve = data.pop("serve", None) or {}
+        if not isinstance(serve, dict):
+            raise ValueError(f"config section 'serve' must be a mapping, got {type(serve).__name__}")
+        known = {f.name for f in dataclasses.fields(ServeOptions)}
+        unknown = set(serve) - known
+        if unknown:
+            raise ValueError(f"unknown key(s) {sorted(unknown)} in config section 'serve'; known: {sorted(known)}")
+        return cls(spin=SpinConfig.from_dict(data), serve=ServeOptions(**serve))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.spin.to_dict(), "serve": dataclasses.asdict(self.serve)}
+
+
+def config_path(name: str | Path) -> Path:
+    """A YAML path, or the name of a bundled config (``default``, ``spin-quest``)."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    bundled = CONFIG_DIR / (path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml")
+    if bundled.is_file():
+        return bundled
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise ValueError(f"config {str(name)!r} is neither a file nor a bundled config ({', '.join(names)})")
+
+
+def read_config_file(name: str | Path) -> dict[str, Any]:
+    data = yaml.safe_load(config_path(name).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {name}: the top level must be a mapping of sections")
+    return data
+
+
+def load_app_config(args: dict[str, Any] | AppConfig | None = None) -> AppConfig:
+    """``args``: {"config": file or bundled name, <section>: {key: value}, ...}.
+
+    Sections given in ``args`` override the file's key by key."""
+    if isinstance(args, AppConfig):
+        return args
+    args = dict(args or {})
+    base = read_config_file(args.pop("config", None) or DEFAULT_CONFIG)
+    return AppConfig.from_dict(merge_sections(base, args))
+
+
+def merge_sections(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in overrides.items():
+        if isinstance(values, dict) and isinstance(out.get(section), dict):
+            out[section] = {**out[section], **values}
+        else:
+            out[section] = values
+    return out
+
+
+# When set (to a non-empty key), /v1/* requires "Authorization: Bearer <key>". Read by the
+# ingress replica from its own environment, so the key never travels in the Serve config.
+API_KEY_ENV = "SPIN_API_KEY"

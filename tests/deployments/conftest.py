@@ -1,0 +1,106 @@
+"""A real Ray Serve cluster on 127.0.0.1 for the deployments tests.
+
+One Ray instance for this test package (started by the first test that needs it, shut
+down after the package's last test); the apps on it are deployed once each. Ray's usage
+reporting is off and everything binds to 127.0.0.1.
+"""
+
+import contextlib
+import os
+import socket
+import time
+
+import pytest
+
+API_KEY = "test-key-123"
+APP = "spin"  # the SmolLM2 app: Spin's offloaded cache with Quest selection
+SMALL_APP = "small"  # a toy model with tiny limits: queue-full and fault tests
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spin_app_config(model_path: str) -> dict:
+    """SmolLM2 on Spin's offloaded cache with Quest: small enough tiers for a test machine,
+    a budget small enough that selection really selects (prompts past 112 tokens)."""
+    return {
+        "config": "spin-quest",
+        "model": {"path": model_path, "device": "cpu", "dtype": "float32", "max_model_len": 1024},
+        "cache": {"offload": True, "page_size": 16, "host_kv_gib": 1.0, "kv_cache_gib": 0.5, "segment_pages": 8},
+        "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 1024},
+        "sparse": {"algorithm": "quest", "budget": 64, "sink_tokens": 16, "local_tokens": 32},
+        "serve": {"model_name": "smollm2", "max_waiting_requests": 64, "engine_num_cpus": 1.0,
+                  "handle_timeout_s": 60, "token_timeout_s": 60},
+    }
+
+
+@pytest.fixture(scope="package")
+def serve_port():
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    old_key = os.environ.get("SPIN_API_KEY")
+    os.environ["SPIN_API_KEY"] = API_KEY  # replicas inherit the environment of ray.init
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        if old_key is None:
+            os.environ.pop("SPIN_API_KEY", None)
+        else:
+            os.environ["SPIN_API_KEY"] = old_key
+
+
+@pytest.fixture(scope="package")
+def spin_app(serve_port, smollm2_path):
+    """The SmolLM2 app at /; yields (base url, app config args)."""
+    from ray import serve
+
+    from spin_cluster.deployments.app import build_app
+
+    args = spin_app_config(smollm2_path)
+    serve.run(build_app(args), name=APP, route_prefix="/")
+    base = f"http://127.0.0.1:{serve_port}"
+    wait_healthy(base)
+    yield base, args
+    serve.delete(APP)
+
+
+def wait_healthy(base: str, timeout_s: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{base}/health did not turn 200 within {timeout_s}s")
+
+
+def engine_handle(app_name: str):
+    from ray import serve
+
+    return serve.get_deployment_handle("EngineServer", app_name=app_name)
+
+
+def wait_engine_idle(app_name: str, timeout_s: float = 60.0) -> dict:
+    """Polls the engine's integrity check until nothing runs or waits; returns its last
+    answer (the check itself raises if a page is leaked or owned twice)."""
+    handle = engine_handle(app_name)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = handle.check_integrity.remote().result(timeout_s=30)
+        if info["num_running"] == 0 and info["num_waiting"] == 0:
+            return info
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine is still busy after {timeout_s}s: {info}")
+        time.sleep(0.25)

@@ -1,0 +1,115 @@
+"""The engine loop (one thread owns the Engine) on a toy model, without Ray."""
+
+import queue
+
+import pytest
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.deployments.engine_loop import EngineLoop
+from spin_cluster.deployments.engine_stats import engine_report, free_kv_tokens
+from spin_cluster.deployments.messages import Admitted, Delta, Failed
+from spin_cluster.engine import Engine, SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_path):
+    cfg = {"model": {"path": tiny_llama_path, "device": "cpu", "dtype": "float32", "max_model_len": 256},
+           "cache": {"kv_cache_gib": 0.01}, "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 256}}
+    return Engine(SpinConfig.from_dict(cfg), progress=False)
+
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    """The engine's own outputs, before any loop thread owns it."""
+    return [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
+
+
+@pytest.fixture
+def loop(engine, expected):
+    lp = EngineLoop(engine, idle_wait_s=0.05)
+    lp.start()
+    yield lp
+    lp.stop()
+    engine.check_integrity()
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+def _items(q: "queue.Queue", timeout_s: float = 60.0):
+    while True:
+        item = q.get(timeout=timeout_s)
+        yield item
+        if isinstance(item, Failed) or (isinstance(item, Delta) and item.finished):
+            return
+
+
+def test_outputs_equal_the_engines_own(loop, expected):
+    sinks = [queue.Queue() for _ in PROMPTS]
+    for i, (ids, q) in enumerate(zip(PROMPTS, sinks)):
+        loop.submit(f"r{i}", ids, PARAMS, q.put)
+    for ids, q, want in zip(PROMPTS, sinks, expected):
+        items = list(_items(q))
+        assert items[0] == Admitted(len(ids))
+        assert [t for d in items[1:] for t in d.token_ids] == want
+        assert items[-1].finish_reason == "length"
+
+
+def test_a_bad_prompt_fails_alone(loop):
+    q = queue.Queue()
+    loop.submit("bad", [1] * 300, PARAMS, q.put)  # past max_model_len
+    item = q.get(timeout=30)
+    assert isinstance(item, Failed) and item.status == 400 and "context" in item.message
+
+
+def test_abort_stops_the_request_and_frees_its_pages(loop):
+    q = queue.Queue()
+    loop.submit("long", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True), q.put)
+    assert isinstance(q.get(timeout=30), Admitted)
+    assert isinstance(q.get(timeout=30), Delta)
+    loop.abort("long")
+    info = loop.call(lambda e: (e.check_integrity(), e.has_unfinished(), e.kv.num_free_pages == e.kv.num_total_pages))
+    assert info.result(timeout=30) == (None, False, True)
+
+
+def test_queue_counts_follow_aborts_at_once(engine, expected):
+    """Admission control reads num_queued(): it must not wait for the loop's idle wake-up."""
+    lp = EngineLoop(engine, idle_wait_s=5.0)
+    lp.start()
+    try:
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        for i in range(6):  # max_num_seqs is 4: at least two wait
+            lp.submit(f"q{i}", [5, 6, 7], long, lambda item: None)
+        lp.call(lambda e: None).result(timeout=30)  # a barrier: the commands before it have run
+        assert lp.num_queued() >= 2
+        for i in range(6):
+            lp.abort(f"q{i}")
+        lp.call(lambda e: None).result(timeout=30)
+        assert lp.num_queued() == 0
+    finally:
+        lp.stop()
+    engine.check_integrity()
+
+
+def test_a_sink_that_fails_aborts_its_request(loop):
+    calls = []
+
+    def broken(item):
+        calls.append(item)
+        raise RuntimeError("reader gone")
+
+    loop.submit("orphan", [5, 6], SamplingParams(max_tokens=200, ignore_eos=True), broken)
+    # Commands run in order: by the time this one runs, the add and its abort have.
+    assert loop.call(lambda e: e.has_unfinished()).result(timeout=30) is False
+    assert len(calls) == 1 and isinstance(calls[0], Admitted)
+
+
+def test_report_counts_free_capacity(engine, expected):
+    rep = engine_report(engine, "r")
+    assert rep.kv_pages[("gpu", "free")] == engine.kv.num_total_pages
+    assert rep.free_kv_tokens == free_kv_tokens(engine.kv, engine.kv.num_total_pages) > 0
+    assert rep.free_kv_tokens == engine.kv.free_token_capacity()
+    assert rep.attention_rank_s == {"0": 0.0}

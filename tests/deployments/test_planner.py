@@ -1,0 +1,100 @@
+"""The planner's routing and stats, the request router's ranking, and the metrics text,
+as plain objects (no Ray cluster)."""
+
+from types import SimpleNamespace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from spin_cluster.deployments.messages import ClusterStats, EngineReport
+from spin_cluster.deployments.metrics import ServingMetrics
+from spin_cluster.deployments.planner import ClusterPlanner
+from spin_cluster.deployments.routing import rank_replicas
+from spin_cluster.deployments.settings import load_app_config
+
+NOW = 1000.0
+
+
+def _planner(**serve) -> ClusterPlanner:
+    return ClusterPlanner(load_app_config({"config": "spin-quest", "serve": {"engine_stale_s": 5.0, **serve}}))
+
+
+def _report(rid: str, free: int, at: float = NOW, waiting: int = 0, **counters) -> EngineReport:
+    return EngineReport(replica_id=rid, reported_s=at, free_kv_tokens=free, num_waiting=waiting,
+                        num_running=1, kv_pages={("host", "free"): free}, counters=counters)
+
+
+def test_register_hands_out_the_configs_sparse_settings():
+    plan = _planner().register("a")
+    assert plan.sparse["algorithm"] == "quest" and plan.sparse["budget"] == 256
+    assert plan.head_placement is None and plan.imbalance == 0.0
+
+
+def test_routes_to_the_most_free_kv_and_reserves_what_it_routed(monkeypatch):
+    monkeypatch.setattr("time.time", lambda: NOW)
+    p = _planner()
+    assert p.route(100) is None  # nobody reported yet: Serve picks
+    p.report(_report("a", 1000))
+    p.report(_report("b", 600))
+    assert [p.route(300) for _ in range(3)] == ["a", "a", "b"]  # 1000, 700, then 400 < 600
+    p.report(_report("a", 1000))  # a fresh report clears a's reservations
+    assert p.route(1) == "a"
+
+
+def test_silent_engines_are_dropped_and_their_counters_kept(monkeypatch):
+    clock = [NOW]
+    monkeypatch.setattr("time.time", lambda: clock[0])
+    p = _planner()
+    p.report(_report("a", 10, buffer_hits=5.0))
+    p.report(_report("b", 20, at=NOW + 4, buffer_hits=7.0))
+    assert p.num_ready() == 2 and p.cluster_stats().counters["buffer_hits"] == 12
+    clock[0] = NOW + 6  # a is 6 s silent, b 2 s
+    assert [r.replica_id for r in p.live_reports()] == ["b"]
+    stats = p.cluster_stats()
+    assert stats.num_engines == 1 and stats.counters["buffer_hits"] == 12  # a's 5 retired, not lost
+    assert stats.kv_pages == {("host", "free"): 20}
+    assert p.route(1) == "b"
+
+
+def _replica(rid: str):
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid))
+
+
+def test_router_ranks_the_planners_pick_first_and_falls_back_to_the_rest():
+    a, b, c = _replica("a"), _replica("b"), _replica("c")
+    assert rank_replicas([a, b, c], "b") == [[b], [a, c]]
+    assert rank_replicas([a, c], "b") == [[a, c]]  # the pick is gone
+    assert rank_replicas([a, b], None) == [[a, b]]
+    assert rank_replicas([], "a") == []
+
+
+def test_metrics_text_has_every_series_at_zero_before_traffic():
+    m = ServingMetrics("m")
+    fams = {f.name: f for f in text_string_to_metric_families(m.render(None).decode())}
+    for name in ("spin_requests_running", "spin_buffer_hits", "spin_attention_rank_seconds",
+                 "spin_attention_bubble_seconds", "spin_head_placement_imbalance", "spin_kv_pages",
+                 "spin_metadata_bytes", "spin_request_success", "spin_time_to_first_token_seconds"):
+        assert fams[name].samples and all(s.labels["model_name"] == "m" for s in fams[name].samples), name
+    reasons = {s.labels["finished_reason"] for s in fams["spin_request_success"].samples if s.name.endswith("_total")}
+    assert reasons == {"stop", "length", "abort"}
+
+
+def test_metrics_follow_a_request_and_the_cluster_stats():
+    m = ServingMetrics("m")
+    req = m.request()
+    req.admitted(5)
+    req.tokens(1)
+    req.tokens(2)
+    req.finished("length")
+    stats = ClusterStats(num_engines=1, num_running=3, counters={"buffer_lookups": 10, "buffer_hits": 8},
+                         attention_rank_s={"0": 1.5, "1": 2.0}, head_placement_imbalance=0.25)
+    value = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for f in text_string_to_metric_families(m.render(stats).decode()) for s in f.samples}
+    assert value[("spin_prompt_tokens_total", (("model_name", "m"),))] == 5
+    assert value[("spin_generation_tokens_total", (("model_name", "m"),))] == 3
+    assert value[("spin_inter_token_latency_seconds_count", (("model_name", "m"),))] == 2
+    assert value[("spin_time_to_first_token_seconds_count", (("model_name", "m"),))] == 1
+    assert value[("spin_request_success_total", (("finished_reason", "length"), ("model_name", "m")))] == 1
+    assert value[("spin_requests_running", (("model_name", "m"),))] == 3
+    assert value[("spin_buffer_hits_total", (("model_name", "m"),))] == 8
+    assert value[("spin_attention_rank_seconds_total", (("model_name", "m"), ("rank", "1")))] == 2.0
+    assert value[("spin_head_placement_imbalance", (("model_name", "m"),))] == 0.25

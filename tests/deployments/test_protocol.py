@@ -1,0 +1,101 @@
+"""Request validation and response bodies of the OpenAI protocol, without a server."""
+
+import json
+
+import pytest
+
+from spin_cluster.deployments.errors import ApiError
+from spin_cluster.deployments.openai_protocol import (
+    ChatCompletionRequest,
+    ChatFormat,
+    CompletionFormat,
+    CompletionRequest,
+    parse_body,
+    usage,
+)
+from spin_cluster.engine import SamplingParams
+
+
+def _parse(model, body):
+    return parse_body(json.dumps(body).encode(), model)
+
+
+def _error(model, body) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        _parse(model, body) if isinstance(body, dict) else parse_body(body, model)
+    return e.value
+
+
+def test_completion_maps_to_sampling_params_fields():
+    req = _parse(CompletionRequest, {"model": "m", "prompt": "Hi", "temperature": 0, "stop": "\n", "top_k": 5,
+                                     "seed": 3, "ignore_eos": True, "min_tokens": 2, "max_tokens": 9})
+    gen = req.to_generate("cmpl-1")
+    params = SamplingParams(**gen.sampling)
+    assert (params.temperature, params.top_k, params.seed, params.stop) == (0, 5, 3, ("\n",))
+    assert (params.max_tokens, params.min_tokens, params.ignore_eos) == (9, 2, True)
+    assert gen.prompt == "Hi" and gen.request_id == "cmpl-1"
+
+
+def test_completion_defaults_to_16_tokens_and_chat_to_the_context():
+    assert _parse(CompletionRequest, {"model": "m", "prompt": "Hi"}).to_generate("a").sampling["max_tokens"] == 16
+    chat = _parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.to_generate("b").sampling["max_tokens"] >= 2**20
+    capped = _parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                                            "max_completion_tokens": 7})
+    assert capped.to_generate("c").sampling["max_tokens"] == 7
+
+
+def test_token_prompts_and_one_element_lists():
+    assert _parse(CompletionRequest, {"model": "m", "prompt": [1, 2, 3]}).to_generate("a").prompt_token_ids == (1, 2, 3)
+    assert _parse(CompletionRequest, {"model": "m", "prompt": [[4, 5]]}).to_generate("a").prompt_token_ids == (4, 5)
+    assert _parse(CompletionRequest, {"model": "m", "prompt": ["x"]}).to_generate("a").prompt == "x"
+
+
+def test_chat_text_parts_are_joined():
+    req = _parse(ChatCompletionRequest, {"model": "m", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]})
+    assert req.to_generate("a").messages == ({"role": "system", "content": "Be brief."},
+                                             {"role": "user", "content": "Hello"})
+
+
+@pytest.mark.parametrize("model, body, param", [
+    (CompletionRequest, b"{oops", None),
+    (CompletionRequest, b"[1, 2]", None),
+    (CompletionRequest, {"prompt": "Hi"}, "model"),
+    (CompletionRequest, {"model": "m", "prompt": "Hi", "n": 2}, "n"),
+    (CompletionRequest, {"model": "m", "prompt": "Hi", "best_of": 3}, "best_of"),
+    (CompletionRequest, {"model": "m", "prompt": "Hi", "echo": True}, "echo"),
+    (CompletionRequest, {"model": "m", "prompt": "Hi", "presence_penalty": 0.5}, "presence_penalty"),
+    (CompletionRequest, {"model": "m", "prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    (ChatCompletionRequest, {"model": "m", "messages": []}, "messages"),
+    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
+    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+     "logprobs"),
+])
+def test_refused_requests_are_400_with_the_param(model, body, param):
+    err = _error(model, body)
+    assert err.status == 400 and err.type == "invalid_request_error"
+    assert err.param == param
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_image_parts_are_refused_when_converted():
+    req = _parse(ChatCompletionRequest, {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    with pytest.raises(ApiError, match="only text"):
+        req.to_generate("a")
+
+
+def test_response_bodies():
+    use = usage(3, 4)
+    assert use == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    chat = ChatFormat("chatcmpl-1", "m")
+    body = chat.response("Hi", "stop", use)
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant", "content": "Hi"}
+    first = chat.start_chunks(True)[0]
+    assert first["choices"][0]["delta"]["role"] == "assistant" and first["usage"] is None
+    assert chat.usage_chunk(use)["choices"] == []
+    comp = CompletionFormat("cmpl-1", "m")
+    assert comp.chunk("a", None, False)["choices"][0]["text"] == "a"
+    assert "usage" not in comp.chunk("a", None, False) and comp.chunk("a", None, True)["usage"] is None

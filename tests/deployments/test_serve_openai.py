@@ -1,0 +1,208 @@
+"""The OpenAI API of a real Serve app (SmolLM2, Spin's offloaded cache, Quest), through the
+openai client, against the engine's own output for the same config."""
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.deployments.settings import load_app_config
+from spin_cluster.engine import Engine, SamplingParams
+
+from .conftest import API_KEY, APP, engine_handle, wait_engine_idle
+
+# A real Serve cluster; the timeout (which includes starting it) stops a hang, not a slow run.
+pytestmark = [pytest.mark.serve, pytest.mark.timeout(600)]
+
+MODEL = "smollm2"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+# Past sink + budget + local (112 tokens): Quest really selects pages for this one.
+LONG_PROMPT = "The river runs through the old town, past the mill and the church. " * 12 + "Then"
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def client(spin_app):
+    base, _ = spin_app
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engine(spin_app):
+    """The same config's engine, in this process."""
+    _, args = spin_app
+    spin: SpinConfig = load_app_config(args).spin
+    return Engine(spin, progress=False)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+@pytest.mark.parametrize("prompt", [*PROMPTS, LONG_PROMPT])
+def test_greedy_completion_equals_the_engine(client, engine, prompt):
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    ref = engine.generate([prompt], GREEDY)[0]
+    assert out.choices[0].text == ref.text
+    assert out.choices[0].finish_reason == ref.finish_reason
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_greedy_chat_equals_the_engine(client, engine):
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+    ref = engine.chat(MESSAGES, GREEDY)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == ref.text
+    assert out.usage.prompt_tokens == len(engine.tokenizer.chat_prompt_ids(MESSAGES))
+    assert out.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_token_id_prompt(client, engine):
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert out.choices[0].text == engine.generate([ids], SamplingParams(temperature=0, max_tokens=8))[0].text
+
+
+def test_streamed_chat_equals_the_plain_answer_and_ends_with_usage(client, engine):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    ref = engine.chat(MESSAGES, GREEDY)
+    assert text == ref.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_streamed_completion_ends_with_done(spin_app):
+    base, _ = spin_app
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=_auth(), timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+
+
+def test_the_planner_routes_to_the_engine_replica_it_hears_from(spin_app):
+    from ray import serve
+
+    planner = serve.get_deployment_handle("ClusterPlanner", app_name=APP)
+    engine_id = engine_handle(APP).replica_info.remote().result(timeout_s=30)["replica_id"]
+    reports = planner.live_reports.remote().result(timeout_s=30)
+    assert [r.replica_id for r in reports] == [engine_id] and reports[0].free_kv_tokens > 0
+    assert planner.route.remote(10).result(timeout_s=30) == engine_id
+
+
+def test_n_greater_than_one_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, n=2)
+    assert e.value.status_code == 400 and e.value.body["param"] == "n"
+
+
+# ---- bad input: status and OpenAI error body ---------------------------------------------
+
+_BAD = {
+    "unknown model": ({"model": "gpt-5", "prompt": "Hi"}, 400, "model"),
+    "negative temperature": ({"model": MODEL, "prompt": "Hi", "temperature": -1}, 400, "temperature"),
+    "top_p zero": ({"model": MODEL, "prompt": "Hi", "top_p": 0}, 400, "top_p"),
+    "max_tokens zero": ({"model": MODEL, "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    "wrong type": ({"model": MODEL, "prompt": "Hi", "max_tokens": "many"}, 400, "max_tokens"),
+    "missing prompt": ({"model": MODEL}, 400, "prompt"),
+    "empty prompt": ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    "prompt over the context": ({"model": MODEL, "prompt": "hello " * 1100}, 400, "prompt"),
+    "two prompts": ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    "n": ({"model": MODEL, "prompt": "Hi", "n": 3}, 400, "n"),
+    "logprobs": ({"model": MODEL, "prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD))
+def test_bad_completion_request(spin_app, case):
+    body, status, param = _BAD[case]
+    r = httpx.post(f"{spin_app[0]}/v1/completions", json=body, headers=_auth(), timeout=60)
+    _assert_error(r, status)
+    assert r.json()["error"]["param"] == param
+
+
+def test_bad_chat_requests(spin_app):
+    url = f"{spin_app[0]}/v1/chat/completions"
+    for body in ({"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+                 {"model": MODEL, "messages": MESSAGES, "stream_options": {"include_usage": True}}):
+        _assert_error(httpx.post(url, json=body, headers=_auth(), timeout=60), 400)
+
+
+def test_malformed_json_is_400(spin_app):
+    r = httpx.post(f"{spin_app[0]}/v1/completions", content=b"{not json", timeout=30,
+                   headers={**_auth(), "content-type": "application/json"})
+    _assert_error(r, 400)
+    assert r.json()["error"]["code"] == "invalid_json"
+
+
+def test_body_over_the_limit_is_413(spin_app):
+    limit = 4 * 2**20
+    body = b'{"model": "smollm2", "prompt": "' + b"a" * limit + b'"}'
+    r = httpx.post(f"{spin_app[0]}/v1/completions", content=body, timeout=60,
+                   headers={**_auth(), "content-type": "application/json"})
+    _assert_error(r, 413)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])
+def test_api_key_is_required_on_v1(spin_app, headers):
+    base = spin_app[0]
+    _assert_error(httpx.get(f"{base}/v1/models", headers=headers, timeout=30), 401)
+    _assert_error(httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Hi"}, headers=headers,
+                             timeout=30), 401)
+    assert httpx.get(f"{base}/health", timeout=30).status_code == 200  # not under /v1
+
+
+def test_unknown_route_is_a_json_404(spin_app):
+    _assert_error(httpx.get(f"{spin_app[0]}/v1/nothing", headers=_auth(), timeout=30), 404)
+
+
+# ---- disconnects -----------------------------------------------------------------------
+
+def test_fifty_abandoned_streams_free_every_page(spin_app):
+    base, _ = spin_app
+    before = wait_engine_idle(APP)
+    asyncio.run(_abandon_streams(base, 50))
+    after = wait_engine_idle(APP)  # polls until nothing runs: each was aborted, none finished
+    assert after["num_free_pages"] == after["num_total_pages"] == before["num_total_pages"]
+
+
+async def _abandon_streams(base: str, count: int) -> None:
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 500, "min_tokens": 500,
+            "stream": True}
+    limits = httpx.Limits(max_connections=count)
+    async with httpx.AsyncClient(base_url=base, headers=_auth(), timeout=120, limits=limits) as http:
+
+        async def one() -> None:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        return  # leave mid-stream: the connection closes here
+
+        await asyncio.wait_for(asyncio.gather(*(one() for _ in range(count))), 300)
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _assert_error(r: httpx.Response, status: int) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]

@@ -1,0 +1,64 @@
+"""The app config: bundled YAML files, overrides, validation, and Ray's own Serve schema."""
+
+import pytest
+import yaml
+from ray.serve import Application
+from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+
+from spin_cluster.deployments.app import IMPORT_PATH, build_app, deploy_config
+from spin_cluster.deployments.settings import CONFIG_DIR, AppConfig, load_app_config
+
+BUNDLED = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def test_bundled_configs_exist():
+    assert {"default", "spin-quest"} <= set(BUNDLED)
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_config_loads_and_builds_an_application(name):
+    cfg = load_app_config({"config": name})
+    assert isinstance(cfg, AppConfig)
+    assert isinstance(build_app({"config": name}), Application)
+
+
+def test_spin_quest_config_turns_on_the_offloaded_cache():
+    cfg = load_app_config({"config": "spin-quest"})
+    assert cfg.spin.cache.offload and cfg.spin.sparse.algorithm == "quest"
+
+
+def test_overrides_replace_single_keys_of_a_section():
+    cfg = load_app_config({"config": "default", "model": {"path": "/models/x"}, "serve": {"max_waiting_requests": 3}})
+    assert cfg.spin.model.path == "/models/x"
+    assert cfg.spin.model.max_model_len == 2048  # kept from the file
+    assert cfg.serve.max_waiting_requests == 3
+    assert cfg.model_name == "x"
+
+
+def test_a_yaml_file_path_works(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump({"serve": {"model_name": "mine"}}))
+    assert load_app_config({"config": str(path)}).model_name == "mine"
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"serve": {"max_body_bytes": 10}}, "max_body_bytes"),
+    ({"serve": {"no_such_key": 1}}, "no_such_key"),
+    ({"serve": {"engine_stale_s": 0.1, "stats_interval_s": 0.5}}, "engine_stale_s"),
+    ({"scheduler": {"max_num_seqs": 0}}, "max_num_seqs"),
+    ({"config": "no-such-config"}, "no-such-config"),
+])
+def test_bad_settings_say_what_to_change(bad, words):
+    with pytest.raises(ValueError, match=words):
+        load_app_config(bad)
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_generated_serve_config_passes_rays_schema(name):
+    args = {"config": name, **yaml.safe_load((CONFIG_DIR / f"{name}.yaml").read_text())}
+    serve_cfg = deploy_config(args, port=8000)
+    schema = ServeDeploySchema.model_validate(serve_cfg)
+    app = schema.applications[0]
+    assert isinstance(app, ServeApplicationSchema)
+    assert app.import_path == IMPORT_PATH and app.args == args
+    assert isinstance(build_app(app.args), Application)  # what Serve calls with those args
