@@ -31,7 +31,8 @@ class SparseAlgorithm(ABC):
     selects_all: ClassVar[bool] = False
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 max_seqs: int, max_pages_per_seq: int, device: torch.device) -> None:
+                 max_seqs: int, max_pages_per_seq: int, device: torch.device,
+                 index_dtype: torch.dtype | str = torch.float32) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -39,6 +40,9 @@ class SparseAlgorithm(ABC):
         self.max_seqs = max_seqs
         self.max_pages_per_seq = max_pages_per_seq
         self.device = device
+        # Floating dtype of the algorithm's index tensors (``sparse.options.index_dtype``):
+        # 16-bit halves the bytes Select reads per step, which at long context is most of them.
+        self.index_dtype = _index_dtype(index_dtype)
 
     def on_append(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor) -> None:
         """Index: K of new tokens. rows [T] request rows, positions [T], k [T, Hkv, D].
@@ -54,6 +58,16 @@ class SparseAlgorithm(ABC):
         """Select: q [B, H, D] -> scores [B, Hkv, num_pages] (higher is more important), or
         None to select no page beyond sink and local ones. Pages past a request's length
         are masked by the system."""
+
+
+_INDEX_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _index_dtype(value: torch.dtype | str) -> torch.dtype:
+    dtype = _INDEX_DTYPES.get(value, value) if isinstance(value, str) else value
+    if dtype not in _INDEX_DTYPES.values():
+        raise ValueError(f"sparse.options.index_dtype={value!r}: choose one of {', '.join(_INDEX_DTYPES)}")
+    return dtype
 
 
 _REGISTRY: dict[str, type[SparseAlgorithm]] = {}

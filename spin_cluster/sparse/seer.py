@@ -52,8 +52,7 @@ def gate_path_from_env() -> str | None:
 class Seer(SparseAlgorithm):
     name = "seer"
 
-    def __init__(self, *, gate_path: str | None = None, model_path: str | None = None,
-                 index_dtype: torch.dtype = torch.float32, **kw) -> None:
+    def __init__(self, *, gate_path: str | None = None, model_path: str | None = None, **kw) -> None:
         super().__init__(**kw)
         path = gate_path or gate_path_from_env()
         if path is None:
@@ -68,7 +67,7 @@ class Seer(SparseAlgorithm):
         self.w_k = gate.w_k.to(self.device)  # [L, Hkv, 2D, d_g]
         d_g = self.w_q.shape[-1]
         L, Hkv, D, R = self.num_layers, self.num_kv_heads, self.head_dim, self.max_seqs
-        self.keys = torch.zeros(L, R * self.max_pages_per_seq + 1, Hkv, d_g, dtype=index_dtype, device=self.device)
+        self.keys = torch.zeros(L, R * self.max_pages_per_seq + 1, Hkv, d_g, dtype=self.index_dtype, device=self.device)
         self.open_sum = torch.zeros(L, R + 1, Hkv, D, device=self.device)
         self.open_max = torch.zeros(L, R + 1, Hkv, D, device=self.device)
 

@@ -50,15 +50,14 @@ class ShadowKV(SparseAlgorithm):
     # Share of a request's full pages kept as outliers, per KV head (ShadowKV: ~0.3% of chunks).
     outlier_fraction = 1 / 256
 
-    def __init__(self, *, outlier_fraction: float | None = None, index_dtype: torch.dtype = torch.float32,
-                 **kw) -> None:
+    def __init__(self, *, outlier_fraction: float | None = None, **kw) -> None:
         super().__init__(**kw)
         self.outlier_fraction = type(self).outlier_fraction if outlier_fraction is None else outlier_fraction
         if not 0 <= self.outlier_fraction <= 1:
             raise ValueError(f"shadowkv outlier_fraction={self.outlier_fraction}: use a share in [0, 1]")
         n = self.max_seqs * self.max_pages_per_seq + 1
         shape = (self.num_layers, n, self.num_kv_heads, self.head_dim + 1)
-        self.sums = torch.zeros(shape, dtype=index_dtype, device=self.device)
+        self.sums = torch.zeros(shape, dtype=self.index_dtype, device=self.device)
         self.lengths = torch.zeros(self.max_seqs + 1, dtype=torch.long, device=self.device)
 
     def on_append(self, layer, rows, positions, k):

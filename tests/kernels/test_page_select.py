@@ -56,3 +56,23 @@ def test_bad_shapes_raise():
         topk_ragged_ref(torch.zeros(2, 3, 4), torch.zeros(2, 2), 2)
     with pytest.raises(ValueError, match="pages"):
         page_scores_ref(torch.zeros(1, 2, 4), torch.zeros(3, 2, 4), torch.zeros(3, 2, 4), torch.zeros(2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("index_dtype", [torch.float32, torch.bfloat16])
+def test_full_size_select_on_gpu(index_dtype):
+    """Llama-3.1-8B attention shapes at 128K tokens (8192 pages of 16), ragged budgets."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    B, hkv, G, D, P = 2, 8, 4, 128, 8192
+    a = torch.randn(B * P + 1, hkv, D, generator=g, device=dev)
+    b = torch.randn(B * P + 1, hkv, D, generator=g, device=dev)
+    kmin, kmax = torch.minimum(a, b).to(index_dtype), torch.maximum(a, b).to(index_dtype)
+    q = torch.randn(B, hkv * G, D, generator=g, device=dev, dtype=torch.bfloat16)
+    pages = torch.arange(B, device=dev)[:, None] * P + torch.arange(P, device=dev)
+    ref = page_scores_ref(q, kmin, kmax, pages)
+    got = page_scores(q, kmin, kmax, pages)
+    assert torch.allclose(got, ref, atol=1e-2, rtol=1e-4)
+    budgets = torch.randint(0, 129, (B, hkv), generator=g, device=dev)
+    assert torch.equal(topk_ragged(ref, budgets, 128), topk_ragged_ref(ref, budgets, 128))

@@ -1,11 +1,12 @@
+import pytest
 import torch
 
 from spin_cluster.partition import get_algorithm
 
 
-def _quest(P=4, S=4, Hkv=2, D=8, R=2):
+def _quest(P=4, S=4, Hkv=2, D=8, R=2, **options):
     return get_algorithm("quest")(num_layers=1, num_kv_heads=Hkv, head_dim=D, page_size=S,
-                                  max_seqs=R, max_pages_per_seq=P, device=torch.device("cpu"))
+                                  max_seqs=R, max_pages_per_seq=P, device=torch.device("cpu"), **options)
 
 
 def test_score_bounds_every_key_and_is_tight_for_single_key_pages():
@@ -33,3 +34,26 @@ def test_a_reused_row_forgets_the_previous_request():
     small = torch.ones(4, 2, 8)
     q_alg.on_append(0, torch.zeros(4, dtype=torch.long), torch.arange(4), small)
     assert q_alg.kmax[0, 0].max().item() == 1.0
+
+
+@pytest.mark.parametrize("index_dtype", ["bfloat16", "float16"])
+def test_a_16_bit_index_still_bounds_every_key(index_dtype):
+    g = torch.Generator().manual_seed(1)
+    half, full = _quest(P=8, index_dtype=index_dtype), _quest(P=8)
+    assert half.kmin.dtype == getattr(torch, index_dtype)
+    k = torch.randn(29, 2, 8, generator=g) * 3
+    for alg in (half, full):
+        alg.on_append(0, torch.zeros(29, dtype=torch.long), torch.arange(29), k)
+    for p in range(8):
+        keys = k[4 * p : 4 * p + 4]  # [<=4, Hkv, D]
+        assert (half.kmin[0, p].float() <= keys.amin(0)).all() and (half.kmax[0, p].float() >= keys.amax(0)).all()
+    q = torch.randn(3, 4, 8, generator=g)
+    rows = torch.zeros(3, dtype=torch.long)
+    s_half, s_full = half.score(0, q, rows, 8), full.score(0, q, rows, 8)
+    assert (s_half >= s_full - 1e-4).all()  # looser bounds: never a lower score
+    assert torch.allclose(s_half, s_full, rtol=0.05, atol=0.05)
+
+
+def test_an_unknown_index_dtype_is_refused():
+    with pytest.raises(ValueError, match="index_dtype='int8'.*bfloat16"):
+        _quest(index_dtype="int8")

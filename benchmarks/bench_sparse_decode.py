@@ -1,0 +1,163 @@
+"""Sparse decode attention vs dense SDPA decode at long context on a GPU (not a test).
+
+    python benchmarks/bench_sparse_decode.py [--batches 1 16] [--context 131072] [--budget 2048]
+                                             [--out results.json]
+
+One decode step of one layer at Llama-3.1-8B attention shapes (H=32, Hkv=8, D=128, bf16,
+page size 16), every request holding ``--context`` tokens, pages already resident on the GPU
+(scattered: each (request, KV head) visits its pages in shuffled order). Timed, same run:
+
+* ``dense``      torch SDPA over the contiguous [B, Hkv, T, D] cache (the G query heads of a
+                 KV head as a length-G query, exact for decode): what a dense engine reads.
+* ``sparse``     the engine's decode path without the buffer: Quest ``score`` (page-bound
+                 scores, Triton), ``select_pages`` (sink + local + ragged per-head top-k,
+                 Triton), the gather of selected pages' physical ids, and the Triton paged
+                 decode kernel over the selected tokens with per-head lengths.
+                 ``select`` = score + top-k + gather, ``attention`` = the decode kernel.
+
+Each part is timed in a CUDA graph (no Python launch cost, as the engine's decode graphs
+run it) and with plain launches. The Quest index is timed in float32 (the default) and in
+bfloat16 (``sparse.options: {index_dtype: bfloat16}``). The HBM copy bandwidth of the same
+GPU is measured in the same run, and the attention part's bandwidth is given against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--budget", type=int, default=2048, help="middle tokens per KV head")
+    ap.add_argument("--sink-tokens", type=int, default=16)
+    ap.add_argument("--local-tokens", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+    import triton
+    import triton.testing
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_sparse_decode needs a CUDA GPU")
+    sys.path.insert(0, _ROOT)
+    from spin_cluster.kernels.paged_decode import paged_decode_attention
+    from spin_cluster.partition import SelectPlan, get_algorithm, select_pages
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    dtype = torch.bfloat16
+    H, Hkv, D, S = args.heads, args.kv_heads, args.head_dim, args.page_size
+    G, T = H // Hkv, args.context
+    if T % S:
+        sys.exit(f"--context {T} must be a multiple of the page size {S}")
+    P = T // S
+    sink_p, local_p, budget_p = -(-args.sink_tokens // S), -(-args.local_tokens // S), args.budget // S
+    props = torch.cuda.get_device_properties(dev)
+    head = (f"{props.name} | torch {torch.__version__}, triton {triton.__version__} | H={H} Hkv={Hkv} "
+            f"D={D} S={S} bf16 | context {T} | budget {args.budget} + sink {args.sink_tokens} + "
+            f"local {args.local_tokens} tokens per KV head")
+    print(head, flush=True)
+
+    def graph_us(fn) -> float:
+        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
+
+    def plain_us(fn) -> float:
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+
+    # HBM copy bandwidth (read + write) on 4 GiB.
+    src = torch.empty(4 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() / (graph_us(lambda: dst.copy_(src)) * 1e-6) / 1e9
+    del src, dst
+    print(f"HBM copy bandwidth: {copy_gbs:.0f} GB/s (read + write)", flush=True)
+
+    results = {"gpu": props.name, "torch": torch.__version__, "triton": triton.__version__,
+               "context": T, "budget_tokens": args.budget, "sink_tokens": args.sink_tokens,
+               "local_tokens": args.local_tokens, "heads": H, "kv_heads": Hkv, "head_dim": D,
+               "page_size": S, "copy_gbs": copy_gbs, "rows": []}
+    hdr = (f"{'B':>3} {'index':>8} | {'dense us':>9} | {'select us':>9} {'attn us':>8} {'total us':>9} "
+           f"{'plain us':>9} | {'speedup':>7} {'sel %':>6} {'attn GB/s':>9} {'% copy':>6}")
+    print(hdr)
+    print("-" * len(hdr))
+    for B in args.batches:
+        k_dense = torch.randn(B, Hkv, T, D, device=dev, dtype=dtype)
+        v_dense = torch.randn(B, Hkv, T, D, device=dev, dtype=dtype)
+        q = torch.randn(B, H, D, device=dev, dtype=dtype)
+        q_sdpa = q.view(B, Hkv, G, D)
+        t_dense = graph_us(lambda: F.scaled_dot_product_attention(q_sdpa, k_dense, v_dense))
+
+        # The same tokens as scattered pages: (b, h, p) lives in physical page phys[b, h, p].
+        k_pages = k_dense.view(B * Hkv * P, S, D)
+        v_pages = v_dense.view(B * Hkv * P, S, D)
+        base = torch.arange(B * Hkv, device=dev).view(B, Hkv, 1) * P
+        perm = torch.argsort(torch.rand(B, Hkv, P, device=dev), dim=-1)
+        phys = base + perm  # [B, Hkv, P] physical page of each logical page
+        quest = get_algorithm("quest")(num_layers=1, num_kv_heads=Hkv, head_dim=D, page_size=S,
+                                       max_seqs=B, max_pages_per_seq=P, device=dev)
+        for b in range(B):  # the index the engine's Index step would have built
+            pages_k = k_pages[phys[b]]  # [Hkv, P, S, D]
+            quest.kmin[0, b * P:(b + 1) * P] = pages_k.amin(2).transpose(0, 1).float()
+            quest.kmax[0, b * P:(b + 1) * P] = pages_k.amax(2).transpose(0, 1).float()
+            del pages_k
+        rows = torch.arange(B, device=dev)
+        plan = SelectPlan(
+            num_pages=torch.full((B,), P, device=dev, dtype=torch.int64),
+            tail_len=torch.full((B,), S, device=dev, dtype=torch.int32),
+            sink_pages=sink_p, local_pages=local_p,
+            budget_pages=torch.full((B, Hkv), budget_p, device=dev, dtype=torch.int64),
+            max_pages=P, max_budget=budget_p)
+        out = torch.empty_like(q)
+        sel: dict = {}
+
+        def select():
+            scores = quest.score(0, q, rows, P)
+            want, num_selected = select_pages(scores, False, plan, Hkv)
+            sel["tables"] = phys.gather(-1, want.clamp(min=0)).to(torch.int32)
+            sel["lens"] = ((num_selected - 1) * S + plan.tail_len[:, None]).to(torch.int32)
+
+        def attend():
+            paged_decode_attention(q, k_pages, v_pages, sel["tables"], sel["lens"], out=out)
+
+        def step():
+            select()
+            attend()
+
+        for index_dtype in (torch.float32, torch.bfloat16):
+            quest.kmin, quest.kmax = quest.kmin.to(index_dtype), quest.kmax.to(index_dtype)
+            select()
+            attend()
+            torch.cuda.synchronize()
+            tokens = sel["lens"].sum().item()  # selected tokens over all (request, KV head)
+            t_sel, t_attn, t_total, t_plain = graph_us(select), graph_us(attend), graph_us(step), plain_us(step)
+            attn_gbs = 2 * tokens * D * k_dense.element_size() / (t_attn * 1e-6) / 1e9
+            row = {"batch": B, "index_dtype": str(index_dtype).removeprefix("torch."),
+                   "dense_us": t_dense, "select_us": t_sel, "attention_us": t_attn, "total_us": t_total,
+                   "total_plain_us": t_plain, "speedup": t_dense / t_total,
+                   "select_share": t_sel / (t_sel + t_attn), "attention_gbs": attn_gbs,
+                   "attention_of_copy": attn_gbs / copy_gbs, "selected_tokens_per_head": tokens / (B * Hkv)}
+            results["rows"].append(row)
+            print(f"{B:>3} {row['index_dtype']:>8} | {t_dense:9.1f} | {t_sel:9.1f} {t_attn:8.1f} {t_total:9.1f} "
+                  f"{t_plain:9.1f} | {row['speedup']:6.1f}x {100 * row['select_share']:5.1f}% "
+                  f"{attn_gbs:9.0f} {100 * row['attention_of_copy']:5.0f}%", flush=True)
+        del k_dense, v_dense, k_pages, v_pages, quest, sel
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
