@@ -51,6 +51,17 @@ def test_topk_ragged_random_rows():
     assert torch.equal(topk_ragged(scores, budgets, 24), topk_ragged_ref(scores, budgets, 24))
 
 
+def test_topk_ragged_keys_that_share_leading_bytes():
+    """Radix select resolves the threshold byte by byte: scores equal in their first 3 bytes
+    (1 + tiny steps), of both signs, with +inf and zeros among them."""
+    g = torch.Generator().manual_seed(4)
+    base = torch.tensor([1.0, -1.0, 0.0, -0.0, float("inf"), 3e-39])
+    steps = torch.randint(0, 6, (2, 2, 300), generator=g)
+    scores = base[torch.randint(0, 6, (2, 2, 300), generator=g)] + steps * 1e-7
+    budgets = torch.tensor([[1, 17], [150, 299]])
+    assert torch.equal(topk_ragged(scores, budgets, 160), topk_ragged_ref(scores, budgets, 160))
+
+
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="budgets"):
         topk_ragged_ref(torch.zeros(2, 3, 4), torch.zeros(2, 2), 2)
