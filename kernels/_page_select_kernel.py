@@ -41,18 +41,14 @@ def _sortable(x):
 
 
 @triton.jit
-def _topk_ragged(s_ptr, bud_ptr, out_ptr, P, K, P_PAD: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, P_PAD)
-    ok = offs < P
-    x = tl.load(s_ptr + row * P + offs, mask=ok, other=float("-inf"))
-    valid = ok & (x > float("-inf"))
+def _take_top(x, valid, budget, P_PAD: tl.constexpr):
+    """Mask of the ``budget`` largest valid entries of the row ``x`` (ties: lowest index).
+
+    The threshold comes from a radix select: the largest key t with at least ``budget`` valid
+    keys >= t, found in four passes of 8 bits from the most significant, each a 256-bin
+    histogram of the keys that match the digits found so far (no sort; a bisection needs 33
+    counting passes)."""
     key = _sortable(x)
-    n_valid = tl.sum(valid.to(tl.int32), 0)
-    budget = tl.minimum(tl.minimum(tl.load(bud_ptr + row), K), n_valid)
-    # Largest key t with at least `budget` valid keys >= t, by radix select: four passes of
-    # 8 bits from the most significant, each a 256-bin histogram of the keys that match the
-    # digits found so far (the bisection this replaces needed 33 counting passes).
     ukey = key + 2147483648  # [0, 2^32), same order
     bins = tl.arange(0, 256)
     prefix = tl.full((), 0, tl.int64)
@@ -72,6 +68,38 @@ def _topk_ragged(s_ptr, bud_ptr, out_ptr, P, K, P_PAD: tl.constexpr):
     n_above = tl.sum(above.to(tl.int32), 0)
     equal = valid & (key == lo)
     eq_rank = tl.cumsum(equal.to(tl.int32), 0)  # 1-based among ties, lowest index first
-    sel = (above | (equal & (eq_rank <= budget - n_above))) & (budget > 0)
+    return (above | (equal & (eq_rank <= budget - n_above))) & (budget > 0)
+
+
+@triton.jit
+def _topk_ragged(s_ptr, bud_ptr, out_ptr, P, K, P_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, P_PAD)
+    ok = offs < P
+    x = tl.load(s_ptr + row * P + offs, mask=ok, other=float("-inf"))
+    valid = ok & (x > float("-inf"))
+    n_valid = tl.sum(valid.to(tl.int32), 0)
+    budget = tl.minimum(tl.minimum(tl.load(bud_ptr + row), K), n_valid)
+    sel = _take_top(x, valid, budget, P_PAD)
     pos = tl.cumsum(sel.to(tl.int32), 0) - 1  # ascending page order
     tl.store(out_ptr + row * K + pos, offs.to(tl.int64), mask=sel & (pos < K))
+
+
+@triton.jit
+def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL,
+                   HKV: tl.constexpr, P_PAD: tl.constexpr, W_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # b * HKV + h
+    offs = tl.arange(0, P_PAD)
+    n = tl.load(n_ptr + row // HKV)
+    in_ctx = offs < n
+    edge = in_ctx & ((offs < SINK) | (offs >= n - LOCAL))  # sink and local pages
+    x = tl.load(s_ptr + row * P + offs, mask=offs < P, other=float("-inf"))
+    valid = in_ctx & ~edge & (x > float("-inf"))
+    budget = tl.minimum(tl.load(bud_ptr + row).to(tl.int32), tl.sum(valid.to(tl.int32), 0))
+    keep = edge | _take_top(x, valid, budget, P_PAD)
+    pos = tl.cumsum(keep.to(tl.int32), 0) - 1  # ascending page order
+    tl.store(want_ptr + row * W + pos, offs.to(tl.int64), mask=keep & (pos < W))
+    count = tl.sum(keep.to(tl.int32), 0)
+    offs_w = tl.arange(0, W_PAD)
+    tl.store(want_ptr + row * W + offs_w, tl.full((W_PAD,), -1, tl.int64), mask=(offs_w >= count) & (offs_w < W))
+    tl.store(count_ptr + row, count.to(tl.int64))

@@ -21,8 +21,17 @@ Ragged top-k::
                            lower index first; -inf scores never taken), in ascending index
                            order, -1 padded at the end.
 
-Each has a Triton kernel and a torch reference of the same signature; neither syncs with
-the host. This module imports only torch (and Triton, lazily).
+Fused Select (what the engine runs on the GPU: one launch per layer instead of a dozen)::
+
+    scores    : [B, Hkv, P]  float32, the algorithm's page scores
+    num_pages : [B]          int, pages in each request's context (tail included)
+    budgets   : [B, Hkv]     int, middle pages each head may take
+    returns   : want [B, Hkv, W] int64 page ids kept, ascending, -1 padded: the first
+                ``sink_pages``, the last ``local_pages`` and the top ``budgets[b, h]`` middle
+                pages by score (as ``topk_ragged``); num_selected [B, Hkv] int64
+
+Each has a Triton kernel and a torch reference of the same signature; none syncs with the
+host. This module imports only torch (and Triton, lazily).
 """
 
 from __future__ import annotations
@@ -31,7 +40,10 @@ import functools
 
 import torch
 
-__all__ = ["page_scores", "page_scores_ref", "topk_ragged", "topk_ragged_ref"]
+__all__ = ["page_scores", "page_scores_ref", "select_ragged", "select_ragged_ref", "topk_ragged", "topk_ragged_ref"]
+
+# One program holds a whole row of page scores in registers.
+MAX_ROW_PAGES = 16384
 
 
 def _check_scores(q, kmin, kmax, pages):
@@ -123,15 +135,69 @@ def topk_ragged(scores: torch.Tensor, budgets: torch.Tensor, k: int) -> torch.Te
     if scores.device.type != "cuda" and not _interpreted():
         raise ValueError("the Triton top-k kernel needs CUDA tensors (or TRITON_INTERPRET=1); use topk_ragged_ref")
     B, hkv, P = scores.shape
-    if P > 16384:
-        raise ValueError(f"topk_ragged handles up to 16384 pages per row, got {P}")
+    if P > MAX_ROW_PAGES:
+        raise ValueError(f"topk_ragged handles up to {MAX_ROW_PAGES} pages per row, got {P}")
     out = torch.full((B, hkv, k), -1, dtype=torch.int64, device=scores.device)
     if B == 0 or P == 0:
         return out
-    s = scores.float().contiguous()
-    bud = budgets.to(torch.int32).contiguous()
-    p_pad = 1 << max(4, (P - 1).bit_length())
-    # About 32 keys per thread: the row stays in registers without spilling.
-    num_warps = min(16, max(4, p_pad // 1024))
-    _kernels()._topk_ragged[(B * hkv,)](s, bud, out, P, k, P_PAD=p_pad, num_warps=num_warps)
+    p_pad, num_warps = _row_launch(P)
+    _kernels()._topk_ragged[(B * hkv,)](scores.float().contiguous(), budgets.to(torch.int32).contiguous(), out,
+                                        P, k, P_PAD=p_pad, num_warps=num_warps)
     return out
+
+
+def _row_launch(P: int) -> tuple[int, int]:
+    """(P_PAD, num_warps) of a one-row-per-program kernel: about 32 keys per thread, so the
+    row stays in registers without spilling."""
+    p_pad = 1 << max(4, (P - 1).bit_length())
+    return p_pad, min(16, max(4, p_pad // 1024))
+
+
+def _check_select(scores, num_pages, sink_pages, local_pages, budgets, width):
+    _check_topk(scores, budgets, 1)
+    if num_pages.shape != scores.shape[:1]:
+        raise ValueError(f"num_pages must be [B={scores.shape[0]}], got {tuple(num_pages.shape)}")
+    if min(sink_pages, local_pages) < 0 or width < 1:
+        raise ValueError(f"need sink_pages, local_pages >= 0 and width >= 1; got {sink_pages}, {local_pages}, {width}")
+
+
+def select_ragged_ref(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, local_pages: int,
+                      budgets: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_select(scores, num_pages, sink_pages, local_pages, budgets, width)
+    B, hkv, P = scores.shape
+    p = torch.arange(P, device=scores.device)
+    n = num_pages[:, None, None]
+    in_ctx = p < n
+    edge = in_ctx & ((p < sink_pages) | (p >= n - local_pages))  # [B, 1, P]
+    masked = torch.where(in_ctx & ~edge, scores.float(), float("-inf"))
+    idx = topk_ragged_ref(masked, budgets, max(1, min(width, P)))  # ascending, -1 padded
+    mid = torch.zeros(B, hkv, P + 1, dtype=torch.bool, device=scores.device)
+    mid.scatter_(-1, torch.where(idx >= 0, idx, P), True)
+    keep = edge | mid[..., :P]
+    pos = keep.cumsum(-1) - 1
+    want = torch.full((B, hkv, width + 1), -1, dtype=torch.int64, device=scores.device)
+    want.scatter_(-1, torch.where(keep & (pos < width), pos, width), p.expand(B, hkv, P))
+    return want[..., :width], keep.sum(-1)
+
+
+def select_ragged(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, local_pages: int,
+                  budgets: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton: one program per (request, KV head) row: the edge masks, the radix-select
+    threshold of ``topk_ragged`` over the middle pages, and the compaction, in one launch."""
+    _check_select(scores, num_pages, sink_pages, local_pages, budgets, width)
+    if scores.device.type != "cuda" and not _interpreted():
+        raise ValueError("the Triton Select kernel needs CUDA tensors (or TRITON_INTERPRET=1); use select_ragged_ref")
+    B, hkv, P = scores.shape
+    if P > MAX_ROW_PAGES:
+        raise ValueError(f"select_ragged handles up to {MAX_ROW_PAGES} pages per row, got {P}")
+    want = torch.empty(B, hkv, width, dtype=torch.int64, device=scores.device)
+    count = torch.zeros(B, hkv, dtype=torch.int64, device=scores.device)
+    if B == 0 or P == 0:
+        return want.fill_(-1), count
+    p_pad, num_warps = _row_launch(P)
+    _kernels()._select_ragged[(B * hkv,)](
+        scores.float().contiguous(), num_pages.contiguous(), budgets.contiguous(), want, count,
+        P, width, sink_pages, local_pages,
+        HKV=hkv, P_PAD=p_pad, W_PAD=1 << max(0, (width - 1).bit_length()), num_warps=num_warps,
+    )
+    return want, count

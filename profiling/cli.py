@@ -6,6 +6,12 @@
 Prints a markdown table per length; ``--out`` writes every sample's output as JSON,
 ``--plot`` average accuracy vs budget as a PNG. Hooked into the main parser by
 ``add_eval_parser(subparsers)``.
+
+    spin-cluster profile --lengths 2048 --samples 2 --out profile.json --plot heatmap.png
+
+``spin-cluster profile`` measures a model's per-head sparsity profile (S-HPLB,
+``head_profile.py``); ``add_profile_parser(subparsers)`` registers it before ``profile
+train-gate`` joins it as an ACTION.
 """
 
 from __future__ import annotations
@@ -33,6 +39,13 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="registered sparse algorithms; dense always runs: it is the reference")
     p.add_argument("--budgets", nargs="+", type=float, default=list(d.budgets), metavar="B",
                    help="middle tokens per head: fractions (0, 1) of the context or token counts")
+    p.add_argument("--budget-modes", nargs="+", default=list(d.budget_modes), metavar="MODE",
+                   help="how scored algorithms spread each budget over heads, at one total: uniform "
+                        "(top-k), top_p (online, --top-p), maxmin (S-HPLB, --profile) (default: uniform)")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="attention mass of top_p mode (default: %(default)s)")
+    p.add_argument("--profile", default=None, metavar="JSON", help="head profile of maxmin mode (`spin-cluster profile`)")
+    p.add_argument("--floor-fraction", type=float, default=d.floor_fraction,
+                   help="maxmin: each head keeps at least this share of the uniform budget (default: %(default)s)")
     p.add_argument("--sink-tokens", type=int, default=d.sink_tokens)
     p.add_argument("--local-tokens", type=int, default=d.local_tokens)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="greedy tokens per answer")
@@ -57,6 +70,8 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
     return EvalConfig(
         model_path=args.model, tasks=tuple(args.tasks), lengths=tuple(args.lengths),
         samples_per_task=args.samples, algorithms=tuple(args.algorithms), budgets=tuple(args.budgets),
+        budget_modes=tuple(args.budget_modes), top_p=args.top_p, profile_path=args.profile,
+        floor_fraction=args.floor_fraction,
         sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, max_tokens=args.max_tokens,
         max_batch=args.max_batch, device=args.device, dtype=args.dtype,
         dense_threshold=args.dense_threshold, seed=args.seed,
@@ -80,12 +95,74 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``profile`` on the main parser: without an ACTION it measures the head profile
+    (S-HPLB); ACTIONs such as ``train-gate`` (``add_train_gate_parser``) join its subparsers."""
+    from spin_cluster.profiling.head_profile import FAMILIES, ProfileConfig
+
+    d = ProfileConfig()
+    p = subparsers.add_parser(
+        "profile", help="offline profiling: per-head sparsity (S-HPLB), or an ACTION such as train-gate",
+        description="Measure the attention mass each (layer, KV head) recovers at each budget, on "
+                    "calibration prompts (RULER-style tasks and docstring prose); write it as JSON.")
+    p.add_argument("--model", default=None, help="model folder (default: the prepared default model)")
+    p.add_argument("--out", default="profile.json", metavar="JSON", help="profile to write (default: %(default)s)")
+    p.add_argument("--input", default=None, metavar="JSON",
+                   help="summarize (and --plot) this existing profile instead of measuring one")
+    p.add_argument("--plot", default=None, metavar="PNG", help="per-(layer, KV head) heatmap of the profile")
+    p.add_argument("--lengths", nargs="+", type=int, default=list(d.lengths), metavar="TOKENS",
+                   help="prompt lengths (default: %(default)s)")
+    p.add_argument("--samples", type=int, default=d.samples, help="prompts per task and length (default: %(default)s)")
+    p.add_argument("--queries", type=int, default=d.queries,
+                   help="decode-like query positions per prompt, its last ones (default: %(default)s)")
+    p.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(d.families),
+                   help="calibration prompt families (default: all)")
+    p.add_argument("--coverage", type=float, default=0.9,
+                   help="attention mass whose per-head need the summary and heatmap show (default: %(default)s)")
+    p.add_argument("--page-size", type=int, default=d.page_size, help="must equal cache.page_size")
+    p.add_argument("--sink-tokens", type=int, default=d.sink_tokens)
+    p.add_argument("--local-tokens", type=int, default=d.local_tokens)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--seed", type=int, default=d.seed, help="first calibration seed (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_subparsers(metavar="ACTION")
+    p.set_defaults(func=run_profile)
+    return p
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from spin_cluster.hplb.profile import load_profile, save_profile
+    from spin_cluster.profiling import head_profile
+
+    if not 0 < args.coverage <= 1:
+        raise ValueError(f"--coverage {args.coverage}: use an attention mass in (0, 1]")
+    if args.input:
+        profile = load_profile(args.input, model_path=args.model)
+    else:
+        config = head_profile.ProfileConfig(
+            model_path=args.model, lengths=tuple(args.lengths), samples=args.samples, queries=args.queries,
+            families=tuple(args.families), page_size=args.page_size, sink_tokens=args.sink_tokens,
+            local_tokens=args.local_tokens, device=args.device, dtype=args.dtype, seed=args.seed,
+        )
+        profile = head_profile.profile_model(config, progress=not args.quiet)
+        save_profile(profile, args.out)
+        print(f"wrote {args.out}")
+    print(head_profile.summary_markdown(profile, args.coverage), end="")
+    if args.plot:
+        head_profile.plot_heatmap(profile, args.plot, args.coverage)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m spin_cluster.profiling.cli eval ...``: the same command on its own."""
+    """``python -m spin_cluster.profiling.cli eval|profile ...``: the same commands on their own."""
     import sys
 
     parser = argparse.ArgumentParser(prog="spin-cluster")
-    add_eval_parser(parser.add_subparsers(metavar="COMMAND", required=True))
+    commands = parser.add_subparsers(metavar="COMMAND", required=True)
+    add_eval_parser(commands)
+    add_profile_parser(commands)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

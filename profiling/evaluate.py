@@ -6,8 +6,11 @@
     score     RULER's string match per output; accuracy = mean over samples
 
 A prompt fills ``length - max_tokens`` tokens so that prompt and answer fit ``length``
-(RULER's rule), and the engines' ``max_model_len`` is the longest length. Only decoding is
-sparse: prefill attends densely, as in the engine.
+(RULER's rule), and the engines' ``max_model_len`` is the longest length. Prefill attends
+densely, except in the sparse-prefill methods (``prefill_modes``), which run one engine per
+length so that each length's computed share of key blocks (``prefill_density``) is reported;
+their threshold and S-HPLB budgets are calibrated once, on an unscored prompt of the first
+task at the longest length, to compute as many blocks as uniform.
 
 A task the model fails densely (dense accuracy below ``dense_threshold`` at that length)
 says nothing about sparse attention: its row is marked and left out of the averages.
@@ -16,6 +19,7 @@ says nothing about sparse attention: its row is marked and left out of the avera
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.profiling import ruler
-from spin_cluster.profiling.methods import Method, make_methods
+from spin_cluster.profiling.methods import Method, budget_mode_options, make_methods
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,20 @@ class EvalConfig:
     algorithms: tuple[str, ...] = ("dense", "streaming", "quest")
     # Middle tokens per head: fractions (0, 1) of the context, or token counts >= 1.
     budgets: tuple[float, ...] = (0.125, 0.0625, 0.03125)
+    # Block-sparse prefill budget modes (uniform, threshold, hplb) run with dense decode, at the
+    # key blocks of uniform prefill_budget (a fraction (0, 1) of each query block's middle
+    # blocks), in blocks of prefill_block_size positions.
+    prefill_modes: tuple[str, ...] = ()
+    prefill_budget: float = 0.25
+    prefill_block_size: int = 64
+    # How scored algorithms spread each budget over heads (``methods.BUDGET_MODES``): uniform
+    # top-k, online top-p at mass top_p (0, 1], or S-HPLB max-min per-head budgets from the head
+    # profile at profile_path (``spin-cluster profile``) with floors of floor_fraction (0..1)
+    # of the uniform budget. All at the same total.
+    budget_modes: tuple[str, ...] = ("uniform",)
+    top_p: float = 0.9
+    profile_path: str | None = None
+    floor_fraction: float = 0.25
     # Always-kept first / last tokens of every sparse method, >= 0.
     sink_tokens: int = 16
     local_tokens: int = 64
@@ -58,7 +76,7 @@ class EvalConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tasks", "lengths", "algorithms", "budgets"):
+        for name in ("tasks", "lengths", "algorithms", "budgets", "prefill_modes", "budget_modes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for task in self.tasks:
             ruler.get_task(task)
@@ -76,10 +94,16 @@ class EvalConfig:
             raise ValueError(f"dense_threshold={self.dense_threshold}: use 0..1")
         if self.sink_tokens < 0 or self.local_tokens < 0:
             raise ValueError("sink_tokens and local_tokens must be >= 0")
+        if not 0 < self.top_p <= 1 or not 0 <= self.floor_fraction <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1] and floor_fraction={self.floor_fraction} in 0..1")
+        if "maxmin" in self.budget_modes and not self.profile_path:
+            raise ValueError("budget mode maxmin needs a head profile: make one with "
+                             "`spin-cluster profile --out F` and pass --profile F")
         self.methods()  # unknown algorithms and bad budgets fail here, before any model loads
 
     def methods(self) -> list[Method]:
-        return make_methods(self.algorithms, self.budgets)
+        return make_methods(self.algorithms, self.budgets, self.prefill_modes, self.prefill_budget,
+                            self.budget_modes)
 
     def resolved_model_path(self) -> str:
         if self.model_path:
@@ -108,6 +132,8 @@ class EvalResults:
     samples: list[SampleResult]
     elapsed_s: float = 0.0
     fidelity: list = field(default_factory=list)  # fidelity.FidelityRow, when measured
+    # "label@length" -> computed / causal key blocks of a sparse-prefill method's prefills.
+    prefill_density: dict[str, float] = field(default_factory=dict)
 
     def accuracy(self, task: str, length: int, method: str) -> float:
         scores = [s.score for s in self.samples if (s.task, s.length, s.method) == (task, length, method)]
@@ -128,7 +154,8 @@ class EvalResults:
         c = self.config
         return {
             "config": dataclasses.asdict(c),
-            "methods": [{"label": m.label, "algorithm": m.algorithm, "budget": m.budget} for m in self.methods],
+            "methods": [{"label": m.label, "algorithm": m.algorithm, "budget": m.budget, "budget_mode": m.budget_mode}
+                        for m in self.methods],
             "elapsed_s": self.elapsed_s,
             "accuracy": {
                 str(n): {
@@ -140,6 +167,7 @@ class EvalResults:
             "dense_failures": {str(n): self.dense_failures(n) for n in c.lengths},
             "samples": [dataclasses.asdict(s) for s in self.samples],
             "fidelity": [dataclasses.asdict(r) for r in self.fidelity],
+            "prefill_density": self.prefill_density,
         }
 
 
@@ -169,25 +197,56 @@ def evaluate(config: EvalConfig, *, engine_factory: EngineFactory | None = None,
     factory = engine_factory or (lambda cfg: Engine(cfg, progress=False))
     work = build_samples(config, Tokenizer(path))
     params = SamplingParams(temperature=0, max_tokens=config.max_tokens)
+    calibration = _calibrate_prefill(config, path) if any(m.prefill for m in methods) else None
     results: list[SampleResult] = []
+    density: dict[str, float] = {}
     with tqdm(total=len(methods) * len(work), unit="prompt", disable=not progress) as bar:
         for method in methods:
             bar.set_description(method.label)
             for lengths in _engine_groups(method, config.lengths):
                 batch = [(n, s) for n, s in work if n in lengths]
-                engine = factory(spin_config(config, path, method, max(lengths)))
+                engine = factory(spin_config(config, path, method, max(lengths), calibration))
                 texts = _generate(engine, [list(s.prompt_ids) for _, s in batch], params, bar)
+                if method.prefill:
+                    density[f"{method.label}@{lengths[0]}"] = engine.runner.attention.sparse_prefill.density()
                 del engine
                 gc.collect()  # the next engine's cache goes where this one's was
                 results.extend(
                     SampleResult(s.task, n, s.seed, s.num_tokens, method.label, s.answers, text, s.score(text))
                     for (n, s), text in zip(batch, texts)
                 )
-    return EvalResults(config, methods, results, time.perf_counter() - t0)
+    return EvalResults(config, methods, results, time.perf_counter() - t0, prefill_density=density)
 
 
 def _engine_groups(method: Method, lengths: Sequence[int]) -> list[tuple[int, ...]]:
-    return [(n,) for n in lengths] if method.depends_on_length() else [tuple(lengths)]
+    return [(n,) for n in lengths] if method.depends_on_length() or method.prefill else [tuple(lengths)]
+
+
+def _calibrate_prefill(config: EvalConfig, model_path: str):
+    """``sparse.prefill.calibrate`` on an unscored prompt (the seed after the samples)."""
+    from spin_cluster.config import SparsePrefillConfig
+    from spin_cluster.engine.engine import resolve_device, resolve_dtype
+    from spin_cluster.models import load_model
+    from spin_cluster.sparse.prefill import calibrate
+    from spin_cluster.tokenizer import Tokenizer
+
+    device = resolve_device(config.device)
+    model = load_model(model_path, dtype=resolve_dtype(config.dtype, device), device=device, progress=False).eval()
+    n = max(config.lengths)
+    sample = ruler.make_sample(config.tasks[0], Tokenizer(model_path), n - config.max_tokens,
+                               config.seed + config.samples_per_task)
+    prefill = SparsePrefillConfig(algorithm="block", block_size=config.prefill_block_size, budget=config.prefill_budget)
+    return calibrate(model, sample.prompt_ids, prefill)
+
+
+def _prefill_options(config: EvalConfig, method: Method, calibration) -> dict:
+    """The ``sparse.prefill`` section of a sparse-prefill method (``calibrate``'s budgets)."""
+    section = {"algorithm": "block", "block_size": config.prefill_block_size, "budget": method.prefill_budget}
+    if method.prefill == "threshold":
+        return {**section, "budgets": "threshold", "threshold": calibration.threshold}
+    if method.prefill == "hplb":
+        return {**section, "budgets": "per_head", "per_head_budgets": calibration.per_head_budgets}
+    return section
 
 
 def _generate(engine, prompts: list[list[int]], params, bar) -> list[str]:
@@ -202,8 +261,15 @@ def _generate(engine, prompts: list[list[int]], params, bar) -> list[str]:
     return [texts[i] for i in ids]
 
 
-def spin_config(config: EvalConfig, model_path: str, method: Method, length: int) -> SpinConfig:
-    """The engine config of ``method`` for prompts of up to ``length`` tokens (with answer)."""
+def spin_config(config: EvalConfig, model_path: str, method: Method, length: int, calibration=None) -> SpinConfig:
+    """The engine config of ``method`` for prompts of up to ``length`` tokens (with answer);
+    ``calibration`` (``sparse.prefill.PrefillCalibration``) for sparse-prefill methods."""
+    sparse = method.sparse_options(length, config.sink_tokens, config.local_tokens)
+    if method.prefill:
+        sparse["prefill"] = _prefill_options(config, method, calibration)
+    profile = _head_profile(config.profile_path, model_path) if method.budget_mode == "maxmin" else None
+    sparse.update(budget_mode_options(method, length, page_size=config.page_size, top_p=config.top_p,
+                                      profile=profile, floor_fraction=config.floor_fraction))
     max_len = max(config.lengths)
     cache = {"page_size": config.page_size, "offload": method.offloaded}
     cache.update(_cache_sizes(config, model_path, max_len))
@@ -211,8 +277,15 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
         "model": {"path": model_path, "device": config.device, "dtype": config.dtype, "max_model_len": max_len},
         "cache": cache,
         "scheduler": {"max_num_seqs": config.max_batch},
-        "sparse": method.sparse_options(length, config.sink_tokens, config.local_tokens),
+        "sparse": sparse,
     })
+
+
+@functools.lru_cache(maxsize=2)
+def _head_profile(profile_path: str, model_path: str):
+    from spin_cluster.hplb.profile import load_profile
+
+    return load_profile(profile_path, model_path=model_path)
 
 
 def _cache_sizes(config: EvalConfig, model_path: str, max_len: int) -> dict:

@@ -8,25 +8,55 @@
 Window-only algorithms (streaming) score no middle page, so the budget would change nothing;
 they get the budget as a wider local window instead, so that at every budget each method
 attends to the same number of tokens (sink + budget + local).
+
+A scored algorithm's budget is spread over heads in one of ``BUDGET_MODES``, all at the same
+total (the uniform budget times the number of (layer, KV head) pairs):
+
+    uniform   every head takes its top BUDGET pages (top-k)
+    top_p     online: per step each head takes its fewest top pages reaching mass p, a layer's
+              heads sharing their uniform total (``sparse.top_p``)
+    maxmin    offline: S-HPLB per-head budgets by max-min shifting over a head profile
+              (``sparse.per_head_budgets``, ``spin_cluster.hplb``); fixed tokens per length
+
+    dense + prefill MODE at F   dense decode after block-sparse prefill (``sparse.prefill``)
+                                computing the key blocks of uniform budget F (a fraction of
+                                each query block's middle blocks): MODE uniform, threshold
+                                (XAttention) or hplb (S-HPLB per-head budgets), the latter two
+                                calibrated to uniform's block count (``sparse.prefill.calibrate``)
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 # Algorithms whose Select keeps only sink and local pages (see the module docstring).
 WINDOW_ONLY = frozenset({"streaming"})
+PREFILL_MODES = ("uniform", "threshold", "hplb")
+BUDGET_MODES = ("uniform", "top_p", "maxmin")
+_MODE_LABELS = {"uniform": "", "top_p": " top-p", "maxmin": " max-min"}
 
 
 @dataclass(frozen=True)
 class Method:
     algorithm: str
     budget: float | None = None  # None for dense; fraction (0, 1) of the context, or tokens
+    prefill: str | None = None  # block-sparse prefill budgets (PREFILL_MODES); None: dense prefill
+    prefill_budget: float | None = None  # its uniform-equivalent fraction of the middle blocks
+    budget_mode: str = "uniform"  # how decode budgets spread over heads (BUDGET_MODES)
 
     def __post_init__(self) -> None:
+        if self.prefill is not None and (self.prefill not in PREFILL_MODES or not 0 < (self.prefill_budget or 0) < 1):
+            raise ValueError(f"prefill {self.prefill!r} at {self.prefill_budget}: choose one of "
+                             f"{', '.join(PREFILL_MODES)} and a fraction in (0, 1)")
         cls = _algorithm(self.algorithm)  # unknown names: the registry's ValueError
+        if self.budget_mode not in BUDGET_MODES:
+            raise ValueError(f"budget mode {self.budget_mode!r}: choose one of {', '.join(BUDGET_MODES)}")
+        if self.budget_mode != "uniform" and (cls.selects_all or self.algorithm in WINDOW_ONLY):
+            raise ValueError(f"budget mode {self.budget_mode!r} needs an algorithm that scores pages, "
+                             f"not {self.algorithm!r}")
         if cls.selects_all and self.budget is not None:
             raise ValueError(f"{self.algorithm!r} attends to every page; it takes no budget")
         if not cls.selects_all and (self.budget is None or not self.budget > 0):
@@ -43,7 +73,11 @@ class Method:
 
     @property
     def label(self) -> str:
-        return self.algorithm if self.is_dense else f"{self.algorithm} {budget_label(self.budget)}"
+        label = self.algorithm if self.is_dense else f"{self.algorithm} {budget_label(self.budget)}"
+        label += _MODE_LABELS[self.budget_mode]
+        if self.prefill is not None:
+            label += f" + prefill {self.prefill} {budget_label(self.prefill_budget)}"
+        return label
 
     def budget_tokens(self, context_tokens: int) -> int:
         """Middle tokens per head at this context length (the engine's rounding)."""
@@ -62,7 +96,13 @@ class Method:
 
     def depends_on_length(self) -> bool:
         """Whether ``sparse_options`` changes with the context (then one engine per length)."""
-        return self.algorithm in WINDOW_ONLY and self.budget is not None and self.budget < 1
+        fixed_tokens = self.algorithm in WINDOW_ONLY or self.budget_mode == "maxmin"
+        return fixed_tokens and self.budget is not None and self.budget < 1
+
+    @property
+    def series(self) -> str:
+        """The label without the budget: one line of an accuracy-vs-budget plot."""
+        return self.algorithm + _MODE_LABELS[self.budget_mode]
 
 
 def budget_label(budget: float) -> str:
@@ -75,8 +115,11 @@ def budget_label(budget: float) -> str:
     return f"{budget:g}"
 
 
-def make_methods(algorithms: Sequence[str], budgets: Sequence[float]) -> list[Method]:
-    """Dense (always: it is the reference) first, then each sparse algorithm at each budget."""
+def make_methods(algorithms: Sequence[str], budgets: Sequence[float], prefill_modes: Sequence[str] = (),
+                 prefill_budget: float = 0.25, budget_modes: Sequence[str] = ("uniform",)) -> list[Method]:
+    """Dense (always: it is the reference) first, then each sparse algorithm at each budget (in
+    each of ``budget_modes`` if it scores pages), then dense decode after sparse prefill in each
+    of ``prefill_modes``."""
     out = [Method("dense")]
     for name in algorithms:
         cls = _algorithm(name)
@@ -86,8 +129,33 @@ def make_methods(algorithms: Sequence[str], budgets: Sequence[float]) -> list[Me
             continue
         if not budgets:
             raise ValueError(f"algorithm {name!r} needs at least one budget (--budgets)")
-        out.extend(Method(name, float(b)) for b in budgets)
+        modes = ("uniform",) if name in WINDOW_ONLY else budget_modes
+        out.extend(Method(name, float(b), budget_mode=mode) for b in budgets for mode in modes)
+    out.extend(Method("dense", prefill=mode, prefill_budget=prefill_budget) for mode in prefill_modes)
     return list(dict.fromkeys(out))  # repeated names or budgets run once
+
+
+def budget_mode_options(method: Method, context_tokens: int, *, page_size: int, top_p: float,
+                        profile=None, floor_fraction: float = 0.25) -> dict:
+    """``sparse`` options that spread ``method``'s budget in its mode at ``context_tokens``:
+    {} (uniform), ``top_p``, or ``per_head_budgets`` from ``profile`` (a ``HeadProfile``) whose
+    total is the uniform budget in whole pages times the heads, each head at least
+    ``floor_fraction`` of the uniform budget."""
+    if method.budget_mode == "top_p":
+        return {"top_p": top_p}
+    if method.budget_mode != "maxmin":
+        return {}
+    from spin_cluster.hplb.budget import maxmin_budgets
+
+    if profile is None:
+        raise ValueError("budget mode 'maxmin' needs a head profile: `spin-cluster profile --out F`, then --profile F")
+    if profile.page_size != page_size:
+        raise ValueError(f"the head profile counts pages of {profile.page_size} tokens, the run {page_size}: "
+                         f"profile again with the run's page size")
+    uniform = -(-method.budget_tokens(context_tokens) // page_size) * page_size  # whole pages, as Select takes them
+    total = uniform * profile.num_layers * profile.num_kv_heads
+    floor = math.ceil(floor_fraction * uniform)
+    return {"per_head_budgets": maxmin_budgets(profile, total, floor, context_tokens=context_tokens)}
 
 
 def _algorithm(name: str):

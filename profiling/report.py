@@ -51,7 +51,7 @@ def write_json(results: EvalResults, path: str | Path) -> None:
 
 def plot(results: EvalResults, path: str | Path) -> None:
     """Average accuracy vs budget (fraction of the context, log scale), a line per algorithm
-    and dense as a dashed level; one panel per length."""
+    (and budget mode) and dense as a dashed level; one panel per length."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,13 +60,13 @@ def plot(results: EvalResults, path: str | Path) -> None:
     lengths = results.config.lengths
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
     for ax, n in zip(axes[0], lengths):
-        for algorithm in dict.fromkeys(m.algorithm for m in results.methods if not m.is_dense):
+        for series in dict.fromkeys(m.series for m in results.methods if not m.is_dense):
             points = sorted(
                 (m.budget_tokens(n) / n, results.average(n, m.label))
-                for m in results.methods if m.algorithm == algorithm
+                for m in results.methods if m.series == series
             )
             points = [(x, 100 * y) for x, y in points if y is not None]
-            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=algorithm)
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=series)
         dense = results.average(n, "dense")
         if dense is not None:
             ax.axhline(100 * dense, linestyle="--", color="black", label="dense")

@@ -4,8 +4,10 @@
     spin-cluster generate PROMPT...        print completions
     spin-cluster chat [MESSAGE]            chat through the model's template
     spin-cluster eval                      RULER-style accuracy of sparse algorithms
+    spin-cluster profile [--out F]         per-head sparsity profile (S-HPLB)
     spin-cluster profile train-gate        train the seer gate
     spin-cluster serve [--config F]        OpenAI-compatible server on a local Ray (Ctrl-C stops)
+    spin-cluster dashboards export DIR     write the Grafana dashboards; `push --url U` uploads them
 """
 
 from __future__ import annotations
@@ -54,11 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("message", nargs="*", metavar="MESSAGE")
     chat.set_defaults(func=_cmd_chat)
 
-    from spin_cluster.profiling.cli import add_eval_parser
+    from spin_cluster.deployments.dashboards import add_dashboards_parser
+    from spin_cluster.profiling.cli import add_eval_parser, add_profile_parser
     from spin_cluster.sparse.seer_gate import add_train_gate_parser
 
     add_eval_parser(sub)  # spin-cluster eval
+    add_profile_parser(sub)  # spin-cluster profile
     add_train_gate_parser(sub)  # spin-cluster profile train-gate
+    add_dashboards_parser(sub)  # spin-cluster dashboards export|push
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible server on a local Ray (Ctrl-C stops)")
     srv.add_argument("--config", default="default",

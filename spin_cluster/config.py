@@ -77,6 +77,76 @@ class CacheConfig:
             raise ValueError(f"cache.lru_buckets={self.lru_buckets}: use 2..1024")
 
 
+_PREFILL_ALGORITHMS = ("dense", "block")
+_PREFILL_ESTIMATORS = ("antidiagonal", "pooled")
+_PREFILL_BUDGETS = ("uniform", "threshold", "per_head")
+
+
+@dataclass(frozen=True)
+class SparsePrefillConfig:
+    """``sparse.prefill``: block-sparse attention of prompt chunks (``spin_cluster.sparse.prefill``).
+
+    It changes which scores prefill computes, never what it stores: every prompt token's K/V
+    is written, so decode (``sparse.algorithm``) and the memory system work unchanged."""
+
+    # "dense": every causal key (SDPA); "block": block-sparse prefill.
+    algorithm: str = "dense"
+    # Positions per query block and key block, a power of two in 16..128.
+    block_size: int = 64
+    # Key-block importance estimate: "antidiagonal" (XAttention: q.k summed along every
+    # stride-th antidiagonal) or "pooled" (block-mean q . block-mean k).
+    estimator: str = "antidiagonal"
+    # antidiagonal: positions between sampled antidiagonals, a power of two dividing block_size.
+    stride: int = 8
+    # Always-kept first key blocks (attention sinks) and key blocks just left of the diagonal
+    # (local band), >= 0. The diagonal block is always kept.
+    sink_blocks: int = 1
+    local_blocks: int = 1
+    # More key blocks per (KV head, query block): "uniform" (budget for every head),
+    # "threshold" (the fewest best blocks whose estimated mass, with the kept ones, reaches
+    # threshold: XAttention), "per_head" (per_head_budgets, or S-HPLB budgets from profile).
+    budgets: str = "uniform"
+    # Middle key blocks per query block: a fraction (0, 1) of its middle blocks, or a count >= 1.
+    budget: float = 0.25
+    # threshold: estimated attention mass to reach, (0, 1].
+    threshold: float = 0.9
+    # per_head: [L][Hkv] budgets, each with budget's meaning.
+    per_head_budgets: tuple[tuple[float, ...], ...] | None = None
+    # per_head without per_head_budgets: an S-HPLB head profile (``spin_cluster.hplb``); the
+    # heads' needs at `coverage` (0, 1] shift the fraction `budget` between heads (max-min,
+    # same total).
+    profile: str | None = None
+    coverage: float = 0.9
+
+    def validate(self) -> None:
+        for name, value, choices in (("algorithm", self.algorithm, _PREFILL_ALGORITHMS),
+                                     ("estimator", self.estimator, _PREFILL_ESTIMATORS),
+                                     ("budgets", self.budgets, _PREFILL_BUDGETS)):
+            if value not in choices:
+                raise ValueError(f"sparse.prefill.{name}={value!r}: choose one of {', '.join(choices)}")
+        bs = self.block_size
+        if not 16 <= bs <= 128 or bs & (bs - 1):
+            raise ValueError(f"sparse.prefill.block_size={bs}: use a power of two in 16..128")
+        if self.stride < 1 or self.stride & (self.stride - 1) or bs % self.stride:
+            raise ValueError(f"sparse.prefill.stride={self.stride}: use a power of two dividing block_size={bs}")
+        if self.sink_blocks < 0 or self.local_blocks < 0:
+            raise ValueError("sparse.prefill.sink_blocks and local_blocks must be >= 0")
+        if not self.budget > 0:
+            raise ValueError(f"sparse.prefill.budget={self.budget}: must be > 0 (a fraction, or blocks)")
+        for name in ("threshold", "coverage"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"sparse.prefill.{name}={getattr(self, name)}: use a mass in (0, 1]")
+        if self.per_head_budgets is not None:
+            rows = tuple(tuple(float(b) for b in row) for row in self.per_head_budgets)
+            object.__setattr__(self, "per_head_budgets", rows)
+            if any(b < 0 for row in rows for b in row):
+                raise ValueError("sparse.prefill.per_head_budgets must be >= 0")
+        if self.budgets == "per_head" and self.per_head_budgets is None and self.profile is None:
+            raise ValueError("sparse.prefill.budgets='per_head' needs per_head_budgets ([L][Hkv]) or a profile")
+        if self.profile is not None and self.budget >= 1:
+            raise ValueError(f"sparse.prefill.budget={self.budget}: with a profile give the mean as a fraction in (0, 1)")
+
+
 @dataclass(frozen=True)
 class SparseConfig:
     # Registered algorithm: dense, streaming, ... (`spin_cluster.partition.registered_algorithms()`).
@@ -88,15 +158,24 @@ class SparseConfig:
     local_tokens: int = 64
     # Optional per-(layer, KV head) budgets in tokens, [L][Hkv]; overrides budget.
     per_head_budgets: tuple[tuple[int, ...], ...] | None = None
+    # Online top-p Select in (0, 1]: per step each head takes the fewest top pages whose
+    # estimated attention mass reaches top_p, the heads of a layer sharing the pages their
+    # budgets add up to (so the buffer reserves that layer total per head). None: top-k.
+    top_p: float | None = None
     # Keyword options of the algorithm, e.g. {"gate_path": "gate.safetensors"} for seer,
     # {"outlier_fraction": 0.01} for shadowkv, {"num_clusters": 16} for retroinfer.
     options: dict | None = None
+    # Block-sparse prefill; default: dense.
+    prefill: SparsePrefillConfig = field(default_factory=SparsePrefillConfig)
 
     def validate(self) -> None:
+        self.prefill.validate()
         if not self.budget > 0:
             raise ValueError(f"sparse.budget={self.budget}: must be > 0 (tokens, or a fraction of the context)")
         if self.sink_tokens < 0 or self.local_tokens < 0:
             raise ValueError("sparse.sink_tokens and sparse.local_tokens must be >= 0")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"sparse.top_p={self.top_p}: use a mass in (0, 1], or null for top-k")
         if self.options is not None and not isinstance(self.options, dict):
             raise ValueError(f"sparse.options must be a mapping of the algorithm's options, got {self.options!r}")
         if self.per_head_budgets is not None:
@@ -171,6 +250,7 @@ _SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "sparse": SparseConfig,
 }
+_SUBSECTIONS: dict[type, dict[str, type]] = {SparseConfig: {"prefill": SparsePrefillConfig}}
 
 
 def _build(kind: type, values: dict[str, Any], section: str) -> Any:
@@ -182,4 +262,7 @@ def _build(kind: type, values: dict[str, Any], section: str) -> Any:
         raise ValueError(
             f"unknown key(s) {sorted(unknown)} in config section {section!r}; known: {sorted(known)}"
         )
+    for name, sub in _SUBSECTIONS.get(kind, {}).items():  # nested sections arrive as mappings
+        if name in values and not isinstance(values[name], sub):
+            values = {**values, name: _build(sub, values[name] or {}, f"{section}.{name}")}
     return kind(**values)

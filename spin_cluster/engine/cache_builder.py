@@ -13,13 +13,14 @@ import torch
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.paged_attention import PagedAttention
-from spin_cluster.engine.spin_attention import SpinAttention
+from spin_cluster.engine.spin_attention import SpinAttention, max_middle_pages
 from spin_cluster.kvcache.host_tier import HostTier
 from spin_cluster.kvcache.manager import KVCacheManager
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.kvcache.page_pool import PagePool
 from spin_cluster.models.config import ModelConfig
 from spin_cluster.partition import get_algorithm
+from spin_cluster.sparse.prefill import BlockSparsePrefill
 
 _CPU_DEFAULT_KV_GIB = 2.0
 _DEFAULT_HOST_KV_GIB = 8.0
@@ -48,7 +49,7 @@ def build_cache(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, device:
             page_size=config.cache.page_size, num_pages=_num_gpu_pages(config, mc, dtype, device, max_model_len),
             max_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
         )
-        return kv, PagedAttention(kv, decode_attention)
+        return kv, PagedAttention(kv, decode_attention, _sparse_prefill(config, mc, device))
     return _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, decode_attention)
 
 
@@ -83,7 +84,16 @@ def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, de
         max_seqs=sc.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
         num_buckets=cc.lru_buckets, elastic_shares=cc.elastic_shares,
     )
-    return kv, SpinAttention(kv, algorithm, config.sparse, max_model_len, decode_attention)
+    return kv, SpinAttention(kv, algorithm, config.sparse, max_model_len, decode_attention,
+                             _sparse_prefill(config, mc, device))
+
+
+def _sparse_prefill(config: SpinConfig, mc: ModelConfig, device: torch.device) -> BlockSparsePrefill | None:
+    """Block-sparse prefill of ``sparse.prefill``; None: dense. Either cache takes it: prefill
+    still writes every token's K/V, so decode and the memory system see the same cache."""
+    if config.sparse.prefill.algorithm == "dense":
+        return None
+    return BlockSparsePrefill(config.sparse.prefill, mc.num_layers, mc.num_kv_heads, device)
 
 
 def _make_algorithm(cls, config: SpinConfig, **shape):
@@ -101,10 +111,7 @@ def _mandatory_pages(config: SpinConfig, algorithm, max_model_len: int) -> int:
     S, sp = config.cache.page_size, config.sparse
     if algorithm.selects_all:
         return -(-max_model_len // S)
-    if sp.per_head_budgets is not None:
-        budget = max(-(-b // S) for row in sp.per_head_budgets for b in row)
-    else:
-        budget = -(-sp.budget_tokens(max_model_len) // S)
+    budget = max_middle_pages(sp, S, algorithm.num_kv_heads, max_model_len)
     return -(-sp.sink_tokens // S) + budget + max(1, -(-sp.local_tokens // S))
 
 

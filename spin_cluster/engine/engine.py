@@ -52,8 +52,7 @@ class Engine:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         path = config.model.resolved_path()
-        self.model = load_model(path, dtype=self.dtype, device=self.device, progress=progress)
-        self.model.eval()
+        self.model = self._load_model(path, progress)
         self.tokenizer = Tokenizer(path)
         mc = self.model.config
         self.max_model_len = config.model.max_model_len or mc.max_position_embeddings
@@ -68,7 +67,7 @@ class Engine:
                 f"without chunked prefill, scheduler.max_num_batched_tokens "
                 f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
-        self.kv, attention = build_cache(config, mc, self.dtype, self.device, self.max_model_len, decode_attention)
+        self.kv, attention = self._build_cache(decode_attention)
         self.scheduler = Scheduler(sc, self.kv)
         self.runner = ModelRunner(self.model, attention, self.device)
         self.sampler = Sampler(self.device)
@@ -79,6 +78,17 @@ class Engine:
         self._ids = itertools.count()
         self.last_stats = StepStats()
         self.num_preemptions_total = 0
+
+    # ---- construction hooks (a head-parallel rank shards the model and sizes its own cache) ----
+
+    def _load_model(self, path: str, progress: bool) -> torch.nn.Module:
+        return load_model(path, dtype=self.dtype, device=self.device, progress=progress).eval()
+
+    def _build_cache(self, decode_attention: str):
+        """(kv manager, attention backend) for ``self.model``; runs after max_model_len is known."""
+        return build_cache(
+            self.config, self.model.config, self.dtype, self.device, self.max_model_len, decode_attention
+        )
 
     # ---- requests ---------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ CPU); each prefill chunk attends with torch SDPA to its request's earlier pages 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ import torch.nn.functional as F
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import paged_decode
 from spin_cluster.kvcache.manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from spin_cluster.sparse.prefill import BlockSparsePrefill
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,9 @@ def decode_impl(name: str, device: torch.device):
 
 
 class PagedAttention:
-    def __init__(self, kv: KVCacheManager, decode: str = "auto") -> None:
+    def __init__(self, kv: KVCacheManager, decode: str = "auto", prefill: BlockSparsePrefill | None = None) -> None:
         self.kv = kv
+        self.sparse_prefill = prefill  # None: dense prefill
         self.pool = kv.pool
         self.device = kv.pool.k_pages.device
         self._decode = decode_impl(decode, self.device)
@@ -118,11 +123,11 @@ class PagedAttention:
     ) -> torch.Tensor:
         """q: [n, H, D]; k, v: [n, Hkv, D] (this chunk) -> [n, H, D]."""
         if seg.context_start == 0:  # the whole context is this chunk: no gather
-            return prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0)
+            return prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, self.sparse_prefill, layer_id)
         end = seg.context_start + seg.num_tokens
         k_ctx = self._gather(self.pool.k_pages, seg.pages[layer_id], end)  # [Hkv, end, D]
         v_ctx = self._gather(self.pool.v_pages, seg.pages[layer_id], end)
-        return prefill_attention(q, k_ctx, v_ctx, seg.context_start)
+        return prefill_attention(q, k_ctx, v_ctx, seg.context_start, self.sparse_prefill, layer_id)
 
     @staticmethod
     def _gather(pages: torch.Tensor, page_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -131,12 +136,16 @@ class PagedAttention:
         return pages[page_ids.long()].reshape(hkv, p * pages.shape[1], pages.shape[2])[:, :num_tokens]
 
 
-def prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, context_start: int) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, context_start: int,
+                      sparse: BlockSparsePrefill | None = None, layer: int = 0) -> torch.Tensor:
     """Causal SDPA of a prefill chunk against its request's context.
 
     q: [n, H, D] at positions context_start .. context_start + n - 1;
     k_ctx, v_ctx: [Hkv, context_start + n, D] (positions 0 ..). Returns [n, H, D].
+    ``sparse``: block-sparse prefill instead (``sparse.prefill``), with ``layer``'s budgets.
     """
+    if sparse is not None:
+        return sparse(layer, q, k_ctx, v_ctx, context_start)
     n = q.shape[0]
     if context_start == 0:
         mask, causal = None, True

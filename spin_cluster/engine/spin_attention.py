@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import offload, retrieve
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.partition import SelectPlan, SparseAlgorithm, select_pages
+
+if TYPE_CHECKING:
+    from spin_cluster.sparse.prefill import BlockSparsePrefill
 
 
 @dataclass(frozen=True)
@@ -50,8 +54,9 @@ class SpinStepPlan:
 
 class SpinAttention:
     def __init__(self, kv: OffloadedKVManager, algorithm: SparseAlgorithm, sparse: SparseConfig,
-                 max_model_len: int, decode: str = "auto") -> None:
+                 max_model_len: int, decode: str = "auto", prefill: BlockSparsePrefill | None = None) -> None:
         self.kv = kv
+        self.sparse_prefill = prefill  # None: dense prefill
         self.algorithm = algorithm
         self.sparse = sparse
         self.max_model_len = max_model_len
@@ -84,10 +89,7 @@ class SpinAttention:
         return self.sink_pages + self._max_budget_pages(context_tokens) + self.local_pages
 
     def _max_budget_pages(self, context_tokens: int) -> int:
-        S = self.kv.page_size
-        if self.sparse.per_head_budgets is not None:
-            return max(-(-b // S) for row in self.sparse.per_head_budgets for b in row)
-        return -(-self.sparse.budget_tokens(context_tokens) // S)
+        return max_middle_pages(self.sparse, self.kv.page_size, self.kv.num_kv_heads, context_tokens)
 
     def row(self, request_id: str) -> int:
         return self.kv.row(request_id)
@@ -112,7 +114,8 @@ class SpinAttention:
                 budget_pages=torch.tensor(budgets, dtype=torch.long)[:, None]
                 .expand(bd, self.kv.num_kv_heads).contiguous().to(self.device),
                 max_pages=max(num_pages),
-                max_budget=max(budgets) if self._layer_budgets is None else int(self._layer_budgets.max()),
+                max_budget=self._max_budget_pages(max(lens)),
+                top_p=self.sparse.top_p,
             )
         prefill, start = [], bd
         for c in chunks[bd:]:
@@ -174,6 +177,8 @@ class SpinAttention:
             scores = self.algorithm.score(layer, q, plan.decode_rows, sel.max_pages)
             if self._layer_budgets is not None:  # per-(layer, head) budgets
                 sel = dataclasses.replace(sel, budget_pages=self._layer_budgets[layer].expand_as(sel.budget_pages))
+            if sel.top_p is not None:  # scores are q.k summed over the G query heads of a KV head
+                sel = dataclasses.replace(sel, score_scale=kv.num_kv_heads / (q.shape[1] * q.shape[2] ** 0.5))
         want, num_selected = select_pages(scores, self.algorithm.selects_all, sel, kv.num_kv_heads)  # [Bd, Hkv, K]
         lookup, miss = kv.buffer.lookup(plan.decode_rows, layer, want, self.step_index)
         src = kv.directory.host_pages(plan.decode_rows, layer, want).view(-1)
@@ -192,9 +197,9 @@ class SpinAttention:
     def _prefill(self, layer: int, seg: SpinPrefill, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, H, D]; k, v [n, Hkv, D] -> [n, H, D]."""
         if seg.context_start == 0:
-            return prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0)
+            return prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, self.sparse_prefill, layer)
         k_ctx, v_ctx = self._gather_context(layer, seg.request_id, seg.context_start + seg.num_tokens)
-        return prefill_attention(q, k_ctx, v_ctx, seg.context_start)
+        return prefill_attention(q, k_ctx, v_ctx, seg.context_start, self.sparse_prefill, layer)
 
     def _gather_context(self, layer: int, request_id: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's first num_tokens K/V of this layer from the host tier: [Hkv, T, D]."""
@@ -210,3 +215,14 @@ class SpinAttention:
         dst = torch.arange(hkv * p, device=self.device)
         self._retrieve(kv.host.k_pages, kv.host.v_pages, k, v, pages.reshape(-1), dst)
         return k.view(hkv, p * S, D)[:, :num_tokens], v.view(hkv, p * S, D)[:, :num_tokens]
+
+
+def max_middle_pages(sparse: SparseConfig, page_size: int, num_kv_heads: int, context_tokens: int) -> int:
+    """Most middle pages one KV head may select per step at ``context_tokens``: its budget, the
+    largest per-head budget, or under top-p the largest total of a layer's heads."""
+    S = page_size
+    if sparse.per_head_budgets is not None:
+        rows = [[-(-b // S) for b in row] for row in sparse.per_head_budgets]
+        return max(sum(row) for row in rows) if sparse.top_p is not None else max(max(row) for row in rows)
+    pages = -(-sparse.budget_tokens(context_tokens) // S)
+    return pages * num_kv_heads if sparse.top_p is not None else pages

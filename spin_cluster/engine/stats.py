@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -25,3 +25,11 @@ class StepStats:
     metadata_gpu_bytes: int = 0
     metadata_host_bytes: int = 0
     metadata_flat_gpu_bytes: int = 0
+    # Head-parallel engines only. This step: attention seconds of each rank (summed over
+    # layers) and the bubble, summed over layers: slowest rank minus mean rank, i.e. what an
+    # average rank waits at the output-projection all-reduce. Totals: cumulative since start,
+    # per rank keyed "0", "1", ...
+    attention_rank_s: tuple[float, ...] = ()
+    attention_bubble_s: float = 0.0
+    attention_rank_s_total: dict[str, float] = field(default_factory=dict)
+    attention_bubble_s_total: float = 0.0

@@ -10,6 +10,16 @@ Selected pages are listed per (request, KV head) in ascending page order, padded
 so the tail page is always the last valid entry and a head attends to
 ``(num_selected - 1) * S + tail_len`` tokens. Budgets may differ per head. All of it is
 fixed-shape tensor work on the device.
+
+Two rules pick the middle pages:
+
+    top-k   (default) each head takes its ``budget_pages`` best pages
+    top-p   (``top_p`` set) each head takes the fewest best pages whose share of its middle
+            pages' estimated attention mass reaches ``top_p``, so heads with peaked attention
+            take few pages and heads with flat attention many; a request's heads take at most
+            ``sum(budget_pages[b])`` pages in all (the same total as top-k), the least massive
+            wanted pages dropped first. A head may take up to that whole total, so
+            ``max_budget`` must allow for it.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spin_cluster.kernels.page_select import topk_ragged
+from spin_cluster.kernels.page_select import MAX_ROW_PAGES, select_ragged
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,10 @@ class SelectPlan:
     budget_pages: torch.Tensor  # [B, Hkv] int64 middle pages each head may take
     max_pages: int  # P: pages of the longest request in the batch
     max_budget: int  # K_mid: most middle pages of any head in the batch
+    # Top-p mass in (0, 1]; None: top-k. Scores times score_scale are read as log attention
+    # mass (up to a constant per head), e.g. 1 / (G sqrt(D)) for q.k summed over G query heads.
+    top_p: float | None = None
+    score_scale: float = 1.0
 
 
 def select_pages(scores: torch.Tensor | None, select_all: bool, plan: SelectPlan, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +52,11 @@ def select_pages(scores: torch.Tensor | None, select_all: bool, plan: SelectPlan
     scores: [B, Hkv, P] from the algorithm, or None (no middle pages unless select_all).
     """
     B, P = plan.num_pages.shape[0], plan.max_pages
+    if (scores is not None and scores.is_cuda and not select_all and plan.max_budget > 0
+            and plan.top_p is None and P <= MAX_ROW_PAGES):
+        # The top-k rule below, fused into one Triton launch (same result, tested equal).
+        width = min(P, plan.sink_pages + plan.max_budget + plan.local_pages)
+        return select_ragged(scores, plan.num_pages, plan.sink_pages, plan.local_pages, plan.budget_pages, width)
     dev = plan.num_pages.device
     p = torch.arange(P, device=dev)  # [P]
     n = plan.num_pages[:, None, None]  # [B, 1, 1]
@@ -51,6 +70,9 @@ def select_pages(scores: torch.Tensor | None, select_all: bool, plan: SelectPlan
     elif scores is None or plan.max_budget == 0:
         mid = torch.zeros(B, num_kv_heads, P, dtype=torch.bool, device=dev)
         width = min(P, plan.sink_pages + plan.local_pages)
+    elif plan.top_p is not None:
+        mid = _top_p_middle(scores, is_mid, plan)
+        width = min(P, plan.sink_pages + plan.max_budget + plan.local_pages)
     else:
         mid = _top_middle(scores, is_mid, plan)
         width = min(P, plan.sink_pages + plan.max_budget + plan.local_pages)
@@ -65,13 +87,6 @@ def select_pages(scores: torch.Tensor | None, select_all: bool, plan: SelectPlan
 def _top_middle(scores: torch.Tensor, is_mid: torch.Tensor, plan: SelectPlan) -> torch.Tensor:
     """[B, Hkv, P] mask of the top ``budget_pages[b, h]`` middle pages by score."""
     masked = torch.where(is_mid, scores.float(), float("-inf"))  # [B, Hkv, P]
-    if masked.is_cuda and masked.shape[-1] <= 16384:
-        # Triton: threshold by bisection, no sort; indices ascending, -1 padded.
-        idx = topk_ragged(masked, plan.budget_pages, max(1, plan.max_budget))  # [B, Hkv, K]
-        P = masked.shape[-1]
-        mid = torch.zeros(*masked.shape[:2], P + 1, dtype=torch.bool, device=masked.device)
-        mid.scatter_(-1, torch.where(idx >= 0, idx, P), True)
-        return mid[..., :P]
     k = min(plan.max_budget, masked.shape[-1])
     top = masked.topk(k, dim=-1)  # [B, Hkv, k]
     rank = torch.arange(k, device=scores.device)
@@ -79,3 +94,20 @@ def _top_middle(scores: torch.Tensor, is_mid: torch.Tensor, plan: SelectPlan) ->
     mid = torch.zeros_like(is_mid.expand_as(masked))
     mid.scatter_(-1, top.indices, ok)
     return mid
+
+
+def _top_p_middle(scores: torch.Tensor, is_mid: torch.Tensor, plan: SelectPlan) -> torch.Tensor:
+    """[B, Hkv, P] mask of each head's fewest top middle pages reaching mass ``top_p``, at most
+    ``budget_pages[b].sum()`` pages per request."""
+    B, Hkv, P = scores.shape
+    # An infinite score (a page an algorithm forces in) becomes the largest finite logit.
+    logits = (scores.float() * plan.score_scale).clamp(max=torch.finfo(torch.float32).max / 2)
+    mass = torch.where(is_mid, logits, float("-inf")).softmax(-1).nan_to_num(0.0)  # [B, Hkv, P]
+    val, order = mass.sort(dim=-1, descending=True, stable=True)  # [B, Hkv, P]; ties: lower page first
+    wanted = (val.cumsum(-1) - val < plan.top_p) & (val > 0)  # mass before the page is short of p
+    flat = torch.where(wanted, val, -1.0).flatten(1)  # [B, Hkv * P]
+    rank = flat.argsort(dim=-1, descending=True, stable=True).argsort(-1).view(B, Hkv, P)
+    total = plan.budget_pages.sum(-1)  # [B] pages the request's heads share
+    fits = torch.arange(P, device=scores.device) < plan.max_budget  # no head past the plan's width
+    take = wanted & (rank < total[:, None, None]) & fits
+    return torch.zeros_like(take).scatter_(-1, order, take)

@@ -7,8 +7,11 @@ reporting is off and everything binds to 127.0.0.1.
 
 import contextlib
 import os
+import shutil
 import socket
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -74,6 +77,19 @@ def spin_app(serve_port, smollm2_path):
     serve.delete(APP)
 
 
+# Past the Quest budget of spin_app_config, so that selection (and the buffer) really works.
+LONG_PROMPT = "The river runs through the old town, past the mill and the church. " * 12 + "Then"
+
+
+def complete(base: str, prompt: str, max_tokens: int = 8) -> None:
+    """One completion on the SmolLM2 app, which must succeed."""
+    import httpx
+
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens}
+    r = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    assert r.status_code == 200, r.text
+
+
 def wait_healthy(base: str, timeout_s: float = 120.0) -> None:
     import httpx
 
@@ -104,3 +120,62 @@ def wait_engine_idle(app_name: str, timeout_s: float = 60.0) -> dict:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the engine is still busy after {timeout_s}s: {info}")
         time.sleep(0.25)
+
+
+@pytest.fixture
+def prometheus(spin_app, tmp_path):
+    """Debian's Prometheus server scraping the SmolLM2 app's /metrics every second; yields its URL."""
+    binary = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)
+    if binary is None:
+        pytest.skip("no prometheus binary (make test installs Debian's prometheus)")
+    target = spin_app[0].removeprefix("http://")
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: spin, metrics_path: /metrics, static_configs: [{{targets: ['{target}']}}]}}]\n"
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle"],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def requests_while_scraped(base: str, prom: str, num_requests: int, max_tokens: int) -> None:
+    """Long-prompt completions on the SmolLM2 app, between scrapes: the first scrape comes
+    before them (rates need two samples); after them, a few more scrapes and the engine's next
+    stats report."""
+    wait_for_series(prom, 'up{job="spin"} == 1')
+    for i in range(num_requests):
+        complete(base, f"{LONG_PROMPT} {i}", max_tokens=max_tokens)
+    time.sleep(3)
+
+
+def prometheus_query(prom: str, promql: str) -> list:
+    """The instant query's result vector (raises on a malformed query)."""
+    import httpx
+
+    r = httpx.get(f"{prom}/api/v1/query", params={"query": promql}, timeout=10)
+    r.raise_for_status()
+    return r.json()["data"]["result"]
+
+
+def wait_for_series(prom: str, promql: str, timeout_s: float = 60.0) -> list:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            result = prometheus_query(prom, promql)
+            if result:
+                return result
+        time.sleep(0.5)
+    raise TimeoutError(f"no series for {promql!r} within {timeout_s}s")

@@ -1,16 +1,12 @@
 """/metrics of the SmolLM2 app, read directly and scraped by a real Prometheus server."""
 
-import contextlib
-import shutil
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import API_KEY, free_port
+from .conftest import LONG_PROMPT, complete, requests_while_scraped, wait_for_series
 
 # A real Serve cluster; the timeout (which includes starting it) stops a hang, not a slow run.
 pytestmark = [pytest.mark.serve, pytest.mark.timeout(600)]
@@ -31,7 +27,6 @@ QUERIES = {
     "bubble ratio": "sum(rate(spin_attention_bubble_seconds_total[1m])) "
                     "/ clamp_min(sum(rate(spin_attention_rank_seconds_total[1m])), 1e-9)",
 }
-LONG_PROMPT = "The river runs through the old town, past the mill and the church. " * 12 + "Then"
 
 
 def _families(base: str) -> dict:
@@ -40,15 +35,9 @@ def _families(base: str) -> dict:
     return {f.name: f for f in text_string_to_metric_families(r.text)}
 
 
-def _complete(base: str, prompt: str, max_tokens: int = 8) -> None:
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens}
-    r = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
-    assert r.status_code == 200, r.text
-
-
 def test_every_series_is_exported_with_model_name(spin_app):
     base, _ = spin_app
-    _complete(base, LONG_PROMPT)
+    complete(base, LONG_PROMPT)
     # Engine counters reach /metrics through the planner's next stats report (every 0.5 s).
     deadline = time.monotonic() + 30
     while True:
@@ -68,58 +57,12 @@ def test_every_series_is_exported_with_model_name(spin_app):
     assert tiers == {(t, s) for t in ("gpu", "host") for s in ("free", "used")}
 
 
-@pytest.fixture
-def prometheus(spin_app, tmp_path):
-    binary = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)
-    if binary is None:
-        pytest.skip("no prometheus binary (make test installs Debian's prometheus)")
-    target = spin_app[0].removeprefix("http://")
-    (tmp_path / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"scrape_configs: [{{job_name: spin, metrics_path: /metrics, static_configs: [{{targets: ['{target}']}}]}}]\n"
-    )
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle"],
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
-    )
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _query(prom: str, promql: str) -> list:
-    r = httpx.get(f"{prom}/api/v1/query", params={"query": promql}, timeout=10)
-    r.raise_for_status()
-    return r.json()["data"]["result"]
-
-
-def _wait_for(prom: str, promql: str, timeout_s: float = 60.0) -> list:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            result = _query(prom, promql)
-            if result:
-                return result
-        time.sleep(0.5)
-    raise TimeoutError(f"no series for {promql!r} within {timeout_s}s")
-
-
 def test_prometheus_scrapes_and_answers_the_dashboard_queries(spin_app, prometheus):
     base, _ = spin_app
-    _wait_for(prometheus, 'up{job="spin"} == 1')  # scraping before the traffic: rates need two samples
-    for i in range(3):
-        _complete(base, f"{LONG_PROMPT} {i}", max_tokens=6)
-    time.sleep(3)  # a few more scrapes, and the engine's next stats report
-    hit_ratio = _wait_for(prometheus, QUERIES["buffer hit ratio"])
+    requests_while_scraped(base, prometheus, num_requests=3, max_tokens=6)
+    hit_ratio = wait_for_series(prometheus, QUERIES["buffer hit ratio"])
     assert 0 < float(hit_ratio[0]["value"][1]) <= 1
-    ttft = _wait_for(prometheus, QUERIES["TTFT p99"])
+    ttft = wait_for_series(prometheus, QUERIES["TTFT p99"])
     assert float(ttft[0]["value"][1]) > 0
-    bubble = _wait_for(prometheus, QUERIES["bubble ratio"])
+    bubble = wait_for_series(prometheus, QUERIES["bubble ratio"])
     assert float(bubble[0]["value"][1]) == 0  # one rank until heads are placed

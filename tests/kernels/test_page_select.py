@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from spin_cluster.kernels.page_select import page_scores, page_scores_ref, topk_ragged, topk_ragged_ref
+from spin_cluster.kernels.page_select import (
+    page_scores,
+    page_scores_ref,
+    select_ragged,
+    select_ragged_ref,
+    topk_ragged,
+    topk_ragged_ref,
+)
 
 
 def _index(N=9, hkv=2, D=16, seed=0, dtype=torch.float32):
@@ -87,3 +94,30 @@ def test_full_size_select_on_gpu(index_dtype):
     assert torch.allclose(got, ref, atol=1e-2, rtol=1e-4)
     budgets = torch.randint(0, 129, (B, hkv), generator=g, device=dev)
     assert torch.equal(topk_ragged(ref, budgets, 128), topk_ragged_ref(ref, budgets, 128))
+    num_pages = torch.tensor([P, P - 1000], device=dev)
+    got = select_ragged(ref, num_pages, 1, 4, budgets, 133)
+    want = select_ragged_ref(ref, num_pages, 1, 4, budgets, 133)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _select_case(seed, B=3, hkv=2, P=70):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(B, hkv, P, generator=g).round(decimals=1)  # ties
+    scores[0, 1, 10:20] = float("-inf")
+    num_pages = torch.tensor([P, 5, 37])[:B]
+    budgets = torch.randint(0, 12, (B, hkv), generator=g)
+    budgets[1, 0] = 30  # more than the request has
+    return scores, num_pages, budgets
+
+
+@pytest.mark.parametrize("sink, local", [(1, 4), (0, 1), (2, 0)])
+def test_select_ragged_kernel_equals_reference(sink, local):
+    scores, num_pages, budgets = _select_case(5)
+    width = sink + 12 + local
+    want, count = select_ragged(scores, num_pages, sink, local, budgets, width)
+    ref_want, ref_count = select_ragged_ref(scores, num_pages, sink, local, budgets, width)
+    assert torch.equal(want, ref_want) and torch.equal(count, ref_count)
+    # sink and local pages are always there; budgets cap the middle
+    assert (want[2, :, :sink] == torch.arange(sink)).all()
+    assert ((want[2] >= 37 - local) & (want[2] < 37)).sum(-1).eq(local).all()
+    assert (count <= sink + local + budgets).all()

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from spin_cluster.kernels.page_select import select_ragged_ref
 from spin_cluster.partition import SelectPlan, get_algorithm, registered_algorithms, select_pages
 
 
@@ -24,6 +25,18 @@ def test_top_pages_per_head_plus_sink_and_local_in_page_order():
         [[0, 1, 2, -1, -1], [0, 1, 2, -1, -1]],  # 3 pages: sink + local cover them all
     ]
     assert n.tolist() == [[5, 4], [3, 3]]
+
+
+def test_the_fused_select_kernel_has_the_same_contract():
+    """On CUDA, select_pages runs kernels/page_select.select_ragged (tested against
+    select_ragged_ref under the interpreter); here the reference meets the torch path."""
+    g = torch.Generator().manual_seed(0)
+    plan = _plan([40, 9, 23], sink=2, local=3, budget=torch.randint(0, 9, (3, 2), generator=g).tolist())
+    scores = torch.randn(3, 2, 40, generator=g).round(decimals=1)
+    width = plan.sink_pages + plan.max_budget + plan.local_pages
+    ref = select_ragged_ref(scores, plan.num_pages, plan.sink_pages, plan.local_pages, plan.budget_pages, width)
+    got = select_pages(scores, False, plan, 2)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
 def test_streaming_takes_only_sink_and_local_and_dense_takes_all():

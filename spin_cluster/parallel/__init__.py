@@ -1,0 +1,21 @@
+"""Head-parallel ranks over torch.distributed (NCCL on GPU, gloo on CPU).
+
+Every rank runs the same engine on the same requests (SPMD); its model holds only the
+attention heads a ``HeadPlacement`` gives it, its KV cache only their pages, and the
+attention block's output projection is summed across ranks.
+"""
+
+from spin_cluster.parallel.engine import HeadParallelEngine, default_placement
+from spin_cluster.parallel.launch import ParallelResult, launch_generate
+from spin_cluster.parallel.shard import shard_attention
+from spin_cluster.parallel.timing import bubble_ratio, bubble_seconds
+
+__all__ = [
+    "HeadParallelEngine",
+    "ParallelResult",
+    "bubble_ratio",
+    "bubble_seconds",
+    "default_placement",
+    "launch_generate",
+    "shard_attention",
+]

@@ -1,0 +1,137 @@
+"""One rank of a head-parallel engine.
+
+SPMD: every rank runs this engine on the same requests in the same order. The scheduler's
+decisions depend only on token counts and on the cache's capacity in token pages, which is
+made equal on every rank (the smallest rank's); the logits are identical on every rank
+because the attention output is all-reduced before anything else reads it. So every rank
+schedules, samples (greedy, or seeded: the same generators) and stops identically, and
+collectives always line up.
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", ...)              # or use launch_generate()
+    engine = HeadParallelEngine(cfg, placement)       # placement: HeadPlacement or None
+    outs = engine.generate(prompts, SamplingParams(temperature=0))
+
+Supported: the GPU-only paged cache with dense attention (``cache.offload = false``) and
+dense prefill. The offloaded Spin cache and block-sparse prefill are refused with a
+ValueError for now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.engine.cache_builder import _num_gpu_pages, build_cache
+from spin_cluster.engine.engine import Engine
+from spin_cluster.hplb.placement import HeadPlacement, head_costs, place_heads
+from spin_cluster.kvcache.page_pool import PagePool
+from spin_cluster.models import ModelConfig
+from spin_cluster.parallel.attention import HeadParallelAttention
+from spin_cluster.parallel.group import all_reduce_min
+from spin_cluster.parallel.shard import shard_attention
+from spin_cluster.parallel.timing import bubble_seconds
+
+
+def default_placement(config: SpinConfig, mc: ModelConfig, num_ranks: int, method: str = "greedy") -> HeadPlacement:
+    """Place heads by the costs of the configured budgets: ``sparse.per_head_budgets`` if set,
+    else ``sparse.budget`` for every head (uniform costs: the contiguous split)."""
+    sp = config.sparse
+    context = config.model.max_model_len or mc.max_position_embeddings
+    budgets = sp.per_head_budgets or [[sp.budget_tokens(context)] * mc.num_kv_heads] * mc.num_layers
+    if len(budgets) != mc.num_layers or any(len(row) != mc.num_kv_heads for row in budgets):
+        raise ValueError(
+            f"sparse.per_head_budgets must be [{mc.num_layers}][{mc.num_kv_heads}] (layers x KV heads) for this model"
+        )
+    costs = head_costs(
+        budgets, sink_tokens=sp.sink_tokens, local_tokens=sp.local_tokens,
+        num_kv_groups=mc.num_kv_groups, context_tokens=context,
+    )
+    return place_heads(costs, num_ranks, method)
+
+
+class HeadParallelEngine(Engine):
+    """This process's rank of a head-parallel engine; ``placement`` None places the heads
+    with ``default_placement`` (the same on every rank: it depends only on the config)."""
+
+    def __init__(
+        self,
+        config: SpinConfig | None = None,
+        placement: HeadPlacement | None = None,
+        *,
+        group=None,
+        decode_attention: str = "auto",
+        progress: bool = True,
+    ) -> None:
+        config = config or SpinConfig()
+        if not dist.is_initialized():
+            raise ValueError(
+                "HeadParallelEngine needs torch.distributed initialised (one process per rank); "
+                "use spin_cluster.parallel.launch_generate or init_process_group first"
+            )
+        if config.cache.offload:
+            raise ValueError(
+                "head-parallel ranks support the GPU-only paged cache only for now: set cache.offload=false"
+            )
+        if config.sparse.prefill.algorithm != "dense":
+            raise ValueError(
+                "head-parallel ranks support dense prefill only for now: set sparse.prefill.algorithm=dense"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        if placement is not None and placement.num_ranks != self.num_ranks:
+            raise ValueError(f"the placement is for {placement.num_ranks} ranks, the process group has {self.num_ranks}")
+        self.placement = placement
+        self._rank_s_total = [0.0] * self.num_ranks
+        self._bubble_s_total = 0.0
+        super().__init__(config, decode_attention=decode_attention, progress=progress)
+
+    def _load_model(self, path: str, progress: bool):
+        model = super()._load_model(path, progress and self.rank == 0)
+        mc = model.config
+        if self.placement is None:
+            self.placement = default_placement(self.config, mc, self.num_ranks)
+        p = self.placement
+        if (p.num_layers, p.num_kv_heads) != (mc.num_layers, mc.num_kv_heads):
+            raise ValueError(
+                f"the placement is [{p.num_layers}][{p.num_kv_heads}] (layers x KV heads), "
+                f"the model has [{mc.num_layers}][{mc.num_kv_heads}]"
+            )
+        idle = [r for r in range(self.num_ranks) if not any(p.kv_heads_of(r))]
+        if idle:
+            raise ValueError(f"the placement gives ranks {idle} no KV head in any layer; use fewer ranks")
+        self.kv_heads = p.kv_heads_of(self.rank)  # [L] this rank's KV heads
+        return shard_attention(model, self.kv_heads, self.group)
+
+    def _build_cache(self, decode_attention: str):
+        """A one-layer paged cache with one column per owned (layer, KV head), holding the
+        same number of token pages as every other rank's (the smallest)."""
+        columns = sum(len(h) for h in self.kv_heads)
+        rank_mc = dataclasses.replace(self.model.config, num_layers=1, num_kv_heads=columns)
+        pages = _num_gpu_pages(self.config, rank_mc, self.dtype, self.device, self.max_model_len)
+        token_pages = all_reduce_min(pages // columns, self.group)
+        page_bytes = PagePool.bytes_per_page(self.config.cache.page_size, rank_mc.head_dim, self.dtype)
+        # An exact binary fraction: the builder gets back exactly token_pages * columns pages.
+        gib = token_pages * columns * page_bytes / 2**30
+        config = self.config.replace(cache={"kv_cache_gib": gib})
+        kv, paged = build_cache(config, rank_mc, self.dtype, self.device, self.max_model_len, decode_attention)
+        self.attention = HeadParallelAttention(paged, self.kv_heads, self.group)
+        return kv, self.attention
+
+    def _cache_stats(self) -> dict:
+        stats = super()._cache_stats()
+        rank_layer_s = self.attention.pop_rank_layer_s()  # [R][L] or None (no forward this step)
+        rank_s = [sum(t) for t in rank_layer_s] if rank_layer_s else [0.0] * self.num_ranks
+        bubble_s = bubble_seconds(rank_layer_s) if rank_layer_s else 0.0
+        self._rank_s_total = [a + b for a, b in zip(self._rank_s_total, rank_s)]
+        self._bubble_s_total += bubble_s
+        return {
+            **stats,
+            "attention_rank_s": tuple(rank_s),
+            "attention_bubble_s": bubble_s,
+            "attention_rank_s_total": {str(r): s for r, s in enumerate(self._rank_s_total)},
+            "attention_bubble_s_total": self._bubble_s_total,
+        }

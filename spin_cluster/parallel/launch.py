@@ -1,0 +1,105 @@
+"""Start N head-parallel ranks on this machine, generate, and collect rank 0's outputs.
+
+    result = launch_generate(cfg, ["The capital of France is"], SamplingParams(temperature=0),
+                             num_ranks=2)
+    result.outputs[0].text, result.attention_rank_s, result.bubble_ratio
+
+Each rank is a process (torch.multiprocessing, spawn) joined into one process group on
+127.0.0.1: NCCL with one GPU per rank when the model runs on CUDA, gloo on the CPU. As with
+any spawn start, a script must call it under ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.engine.engine import resolve_device
+from spin_cluster.engine.request import RequestOutput, SamplingParams
+from spin_cluster.hplb.placement import HeadPlacement
+from spin_cluster.parallel.engine import HeadParallelEngine
+from spin_cluster.parallel.group import backend_for, free_port
+
+_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class ParallelResult:
+    outputs: list[RequestOutput]  # rank 0's, in the order of the prompts
+    placement: HeadPlacement
+    attention_rank_s: tuple[float, ...]  # [R] attention seconds of each rank, whole run
+    attention_bubble_s: float  # summed over steps and layers: slowest rank minus mean rank
+    num_preemptions: int  # the same on every rank: they schedule alike
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Bubble over the attention critical path (sum of per-layer slowest ranks)."""
+        critical = self.attention_bubble_s + sum(self.attention_rank_s) / len(self.attention_rank_s)
+        return self.attention_bubble_s / critical if critical > 0 else 0.0
+
+
+def launch_generate(
+    config: SpinConfig,
+    prompts: Sequence[str | Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    num_ranks: int,
+    placement: HeadPlacement | None = None,
+) -> ParallelResult:
+    """Run ``HeadParallelEngine.generate`` on ``num_ranks`` local processes."""
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks={num_ranks}: must be >= 1")
+    if placement is not None and placement.num_ranks != num_ranks:
+        raise ValueError(f"the placement is for {placement.num_ranks} ranks, not num_ranks={num_ranks}")
+    device = resolve_device(config.model.device)
+    if device.type == "cuda" and torch.cuda.device_count() < num_ranks:
+        raise ValueError(f"{num_ranks} ranks need {num_ranks} GPUs, this machine has {torch.cuda.device_count()}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    args = (num_ranks, free_port(), device.type, config, list(prompts), params, placement, results)
+    procs = mp.start_processes(_rank_main, args=args, nprocs=num_ranks, join=False, start_method="spawn")
+    reports = {}
+    while len(reports) < num_ranks:
+        try:
+            rank, report = results.get(timeout=_POLL_S)
+        except queue_mod.Empty:
+            # join raises (with the rank's traceback) if a rank failed.
+            if procs.join(timeout=0) and results.empty():
+                raise RuntimeError(f"ranks {sorted(set(range(num_ranks)) - set(reports))} exited without a report")
+            continue
+        reports[rank] = report
+    while not procs.join():
+        pass
+    outputs, used_placement, rank_s, bubble_s, num_preemptions = reports[0]
+    if any(report[-1] != num_preemptions for report in reports.values()):
+        raise RuntimeError(f"ranks disagree on preemptions: {[reports[r][-1] for r in range(num_ranks)]}")
+    rank_s = tuple(rank_s[str(r)] for r in range(num_ranks))
+    return ParallelResult(outputs, used_placement, rank_s, bubble_s, num_preemptions)
+
+
+def _rank_main(rank, num_ranks, port, device_type, config, prompts, params, placement, results) -> None:
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        config = config.replace(model={"device": f"cuda:{rank}"})
+    else:  # share the cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
+    backend = backend_for(torch.device(device_type))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    try:
+        engine = HeadParallelEngine(config, placement, progress=False)
+        outputs = engine.generate(prompts, params)
+        st = engine.last_stats
+        report = (
+            outputs if rank == 0 else None, engine.placement,
+            st.attention_rank_s_total, st.attention_bubble_s_total, engine.num_preemptions_total,
+        )
+        results.put((rank, report))
+    finally:
+        dist.destroy_process_group()

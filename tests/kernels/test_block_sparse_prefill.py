@@ -1,0 +1,122 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spin_cluster.kernels.block_sparse_prefill import (
+    block_sparse_prefill,
+    block_sparse_prefill_ref,
+    causal_block_lists,
+    num_query_blocks,
+)
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _qkv(n, cs, H, Hkv, D, dtype, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, H, D, generator=g).to(device, dtype)
+    k = torch.randn(Hkv, cs + n, D, generator=g).to(device, dtype)
+    v = torch.randn(Hkv, cs + n, D, generator=g).to(device, dtype)
+    return q, k, v
+
+
+def _random_lists(Hkv, cs, n, bs, seed, device="cpu"):
+    """Ragged lists: the diagonal always, each earlier block with probability 1/2."""
+    g = torch.Generator().manual_seed(seed)
+    ids, counts = causal_block_lists(Hkv, cs, n, bs)
+    keep = (torch.rand(ids.shape, generator=g) < 0.5) & (ids >= 0)
+    diag = (torch.arange(num_query_blocks(cs, n, bs)) + cs // bs)[None, :, None]
+    keep |= ids == diag
+    J = ids.shape[-1]
+    order = torch.where(keep, ids, J).sort(-1).values
+    return torch.where(order < J, order, -1).int().to(device), keep.sum(-1).int().to(device)
+
+
+def _dense_causal(q, k, v, cs):
+    """Causal SDPA of the chunk against its context (the engine's dense prefill)."""
+    n = q.shape[0]
+    mask = torch.arange(cs + n)[None, :] <= torch.arange(cs, cs + n)[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k[None].float(), v[None].float(),
+                                       attn_mask=mask.to(q.device), enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("cs", [0, 8, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_reference_on_ragged_lists(cs, dtype):
+    n, H, Hkv, D, bs = 45, 4, 2, 16, 16
+    q, k, v = _qkv(n, cs, H, Hkv, D, dtype, seed=cs)
+    ids, counts = _random_lists(Hkv, cs, n, bs, seed=cs + 1)
+    assert len(set(counts.flatten().tolist())) > 1  # ragged
+    ref = block_sparse_prefill_ref(q, k, v, ids, counts, cs, bs)
+    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs)
+    assert got.dtype == dtype
+    assert torch.allclose(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    # Sparse lists change the result (the test would notice a kernel that ignores them).
+    assert not torch.allclose(ref.float(), _dense_causal(q, k, v, cs), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_block_listed_is_dense_causal_attention(dtype):
+    n, cs, H, Hkv, D, bs = 40, 21, 6, 2, 24, 16  # D not a power of two, unaligned chunk
+    q, k, v = _qkv(n, cs, H, Hkv, D, dtype, seed=3)
+    ids, counts = causal_block_lists(Hkv, cs, n, bs)
+    dense = _dense_causal(q, k, v, cs)
+    for fn in (block_sparse_prefill_ref, block_sparse_prefill):
+        got = fn(q, k, v, ids, counts, cs, bs)
+        assert torch.allclose(got.float(), dense, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_block_n_tiles_and_padding_past_the_count():
+    n, cs, H, Hkv, D, bs = 70, 0, 2, 1, 16, 32
+    q, k, v = _qkv(n, cs, H, Hkv, D, torch.float32, seed=4)
+    ids, counts = _random_lists(Hkv, cs, n, bs, seed=5)
+    ids = torch.cat([ids, torch.full_like(ids[..., :2], 1)], -1)  # junk past num_blocks: never read
+    ref = block_sparse_prefill_ref(q, k, v, ids, counts, cs, bs)
+    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=16)
+    assert torch.allclose(got, ref, atol=2e-5)
+
+
+def test_rows_without_keys_get_zeros():
+    n, cs, H, Hkv, D, bs = 20, 0, 2, 1, 16, 16
+    q, k, v = _qkv(n, cs, H, Hkv, D, torch.float32, seed=6)
+    ids, counts = causal_block_lists(Hkv, cs, n, bs)
+    counts = torch.tensor([[0, 2]], dtype=torch.int32)  # query block 0 lists nothing
+    for fn in (block_sparse_prefill_ref, block_sparse_prefill):
+        out = fn(q, k, v, ids, counts, cs, bs)
+        assert out[:16].abs().max() == 0
+        assert out[16:].abs().min() > 0
+
+
+def test_causal_block_lists_layout():
+    ids, counts = causal_block_lists(1, 40, 30, 16)  # positions 40..69: blocks 2, 3, 4
+    assert counts.tolist() == [[3, 4, 5]]
+    assert ids[0].tolist() == [[0, 1, 2, -1, -1], [0, 1, 2, 3, -1], [0, 1, 2, 3, 4]]
+
+
+def test_bad_inputs_raise():
+    q, k, v = _qkv(8, 0, 2, 1, 16, torch.float32)
+    ids, counts = causal_block_lists(1, 0, 8, 16)
+    with pytest.raises(ValueError, match="int32"):
+        block_sparse_prefill_ref(q, k, v, ids.long(), counts, 0, 16)
+    with pytest.raises(ValueError, match="positions"):
+        block_sparse_prefill_ref(q, k, v, ids, counts, 4, 16)
+    with pytest.raises(ValueError, match="block_size"):
+        block_sparse_prefill_ref(q, k, v, ids, counts, 0, 24)
+    with pytest.raises(ValueError, match="block_ids"):
+        block_sparse_prefill(q, k, v, torch.zeros(1, 2, 1, dtype=torch.int32), counts, 0, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cs", [0, 4096 + 64])
+def test_kernel_at_llama_shapes_on_gpu(cs):
+    """Llama-3.1-8B attention (32 q heads, 8 KV heads, d=128, bf16), 4K-token chunk."""
+    n, H, Hkv, D, bs = 4096, 32, 8, 128, 128
+    q, k, v = _qkv(n, cs, H, Hkv, D, torch.bfloat16, seed=7, device="cuda")
+    ids, counts = _random_lists(Hkv, cs, n, bs, seed=8, device="cuda")
+    ref = block_sparse_prefill_ref(q, k, v, ids, counts, cs, bs)
+    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs)
+    assert (got.float() - ref.float()).abs().max() < 2e-2
+    ids, counts = causal_block_lists(Hkv, cs, n, bs, device="cuda")
+    dense = _dense_causal(q, k, v, cs)
+    assert (block_sparse_prefill(q, k, v, ids, counts, cs, bs).float() - dense).abs().max() < 2e-2

@@ -1,0 +1,144 @@
+"""Head-parallel ranks over gloo give the tokens of one rank."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.hplb.placement import HeadPlacement
+from spin_cluster.models import ModelConfig, load_model
+from spin_cluster.parallel import (
+    HeadParallelEngine,
+    bubble_ratio,
+    bubble_seconds,
+    default_placement,
+    launch_generate,
+    shard_attention,
+)
+
+PAGE_BYTES = 2 * 4 * 8 * 4  # K and V of 4 tokens, head dim 8, float32
+PROMPTS = ["The capital of France is", "Once upon a time, a small robot", "1, 2, 3,"]
+
+# [L][Hkv] rank: rank 0 owns KV heads {0, 3} of layer 0, all of layer 1 and {1, 3} of layer
+# 2; rank 1 owns {1, 2}, none, and {0, 2}.
+INTERLEAVED = [[0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 1, 0]]
+
+
+def _config(path: str) -> SpinConfig:
+    return SpinConfig.from_dict({
+        "model": {"path": path, "device": "cpu", "dtype": "float32"},
+        # 64 pages of 4 tokens: room for one or two of the requests at a time, so the ranks
+        # must also agree on preemptions.
+        "cache": {"kv_cache_gib": 64 * PAGE_BYTES / 2**30, "page_size": 4},
+        # A small step budget: prompts are prefilled in chunks, decodes batched with prefills.
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 8},
+    })
+
+
+def test_two_gloo_ranks_give_the_tokens_of_one(four_kv_head_llama):
+    cfg = _config(four_kv_head_llama)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = Engine(cfg, progress=False)
+    expected = [o.token_ids for o in engine.generate(PROMPTS, params)]
+    assert engine.num_preemptions_total > 0
+    placement = HeadPlacement(2, INTERLEAVED, [[1] * 4] * 3)
+    result = launch_generate(cfg, PROMPTS, params, num_ranks=2, placement=placement)
+    assert [o.token_ids for o in result.outputs] == expected
+    assert result.placement == placement
+    assert result.num_preemptions > 0
+    assert len(result.attention_rank_s) == 2 and all(s > 0 for s in result.attention_rank_s)
+    assert 0 <= result.bubble_ratio < 1
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of this process alone: all-reduce is the identity."""
+    from spin_cluster.parallel.group import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _causal_attention(layer_id, q, k, v):
+    # q: [T, H, D], k/v: [T, Hkv, D] of one sequence -> [T, H, D]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    )
+    return o.transpose(0, 1)
+
+
+def test_sharded_layers_sum_to_the_unsharded_layer(four_kv_head_llama, one_rank_group):
+    """Each half of layer 0's heads, sharded on its own, gives a partial output (plus the
+    bias, added once per shard); the halves add up to the whole layer's output."""
+    backend = SimpleNamespace(forward=_causal_attention)
+    full = load_model(four_kv_head_llama, progress=False)
+    x = torch.randn(5, full.config.hidden_size)
+    cos, sin = full.rotary(torch.arange(5), x.dtype)
+    want = full.layers[0].self_attn(x, cos, sin, backend)  # [T, E]
+    parts = []
+    for heads in ([0, 3], [1, 2]):
+        model = shard_attention(load_model(four_kv_head_llama, progress=False), [heads, [], [0, 1, 2, 3]])
+        attn = model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (4, 2)
+        assert model.layers[1].self_attn.q_proj.weight.shape == (0, 64)
+        assert model.layers[1].self_attn(x, cos, sin, backend).shape == (5, 64)
+        parts.append(attn(x, cos, sin, backend))
+    bias = full.layers[0].self_attn.o_proj.bias
+    torch.testing.assert_close(parts[0] + parts[1] - bias, want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="ascending distinct ids"):
+        shard_attention(full, [[3, 0], [], []])
+
+
+def test_bubble_is_the_wait_for_the_slowest_rank_per_layer():
+    times = [[4.0, 1.0], [2.0, 3.0]]  # [R][L]: each rank is the slow one in one layer
+    assert bubble_seconds(times) == pytest.approx(1.0 + 1.0)
+    assert bubble_ratio(times) == pytest.approx(2.0 / 7.0)
+    assert bubble_ratio([[0.0], [0.0]]) == 0.0
+
+
+def test_default_placement_follows_per_head_budgets(four_kv_head_llama):
+    mc = ModelConfig.from_folder(four_kv_head_llama)
+    cfg = SpinConfig.from_dict({"sparse": {
+        "per_head_budgets": [[100, 100, 10, 10]] * 3, "sink_tokens": 0, "local_tokens": 0,
+    }})
+    placement = default_placement(cfg, mc, 2)
+    assert placement.kv_head_to_rank == ((0, 1, 0, 1),) * 3
+    assert placement.makespan == 3 * 110 * 2
+    uniform = default_placement(SpinConfig.from_dict({"sparse": {"budget": 64}}), mc, 2)
+    assert uniform.kv_head_to_rank == ((0, 0, 1, 1),) * 3
+    with pytest.raises(ValueError, match=r"must be \[3\]\[4\]"):
+        default_placement(SpinConfig.from_dict({"sparse": {"per_head_budgets": [[1, 2]]}}), mc, 2)
+
+
+def test_unsupported_combinations_raise(four_kv_head_llama):
+    cfg = _config(four_kv_head_llama)
+    with pytest.raises(ValueError, match="needs torch.distributed initialised"):
+        HeadParallelEngine(cfg)
+    with pytest.raises(ValueError, match="placement is for 3 ranks"):
+        launch_generate(cfg, PROMPTS, num_ranks=2, placement=HeadPlacement(3, INTERLEAVED, [[1] * 4] * 3))
+
+
+def test_one_rank_refuses_what_it_does_not_support(four_kv_head_llama, one_rank_group):
+    cfg = _config(four_kv_head_llama)
+    with pytest.raises(ValueError, match="set cache.offload=false"):
+        HeadParallelEngine(cfg.replace(cache={"offload": True}))
+    with pytest.raises(ValueError, match="set sparse.prefill.algorithm=dense"):
+        HeadParallelEngine(cfg.replace(sparse={"prefill": {"algorithm": "block"}}))
+    with pytest.raises(ValueError, match=r"the placement is \[1\]\[2\].*the model has \[3\]\[4\]"):
+        HeadParallelEngine(cfg, HeadPlacement(1, [[0, 0]], [[1, 1]]), progress=False)
+
+
+@pytest.mark.gpu
+def test_one_nccl_rank_gives_the_tokens_of_the_engine(four_kv_head_llama):
+    """NCCL, CUDA-event layer timing and the Triton decode path, on one GPU."""
+    cfg = _config(four_kv_head_llama).replace(model={"device": "cuda"})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in Engine(cfg, progress=False).generate(PROMPTS, params)]
+    result = launch_generate(cfg, PROMPTS, params, num_ranks=1)
+    assert [o.token_ids for o in result.outputs] == expected
+    assert result.attention_rank_s[0] > 0 and result.attention_bubble_s == 0.0

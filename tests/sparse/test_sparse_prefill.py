@@ -1,0 +1,162 @@
+"""Block-sparse prefill: mass estimates, block selection and budgets, config, engine wiring."""
+
+import pytest
+import torch
+
+from spin_cluster.config import SparsePrefillConfig, SpinConfig
+from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.engine.paged_attention import prefill_attention
+from spin_cluster.sparse.prefill import (
+    BlockSparsePrefill,
+    block_masses,
+    head_needs,
+    select_blocks,
+    shifted_budgets,
+    threshold_blocks,
+)
+
+
+def _qk(n, cs, H=4, Hkv=2, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, H, D, generator=g), torch.randn(Hkv, cs + n, D, generator=g)
+
+
+def _exact_masses(q, k, cs, bs):
+    """Dense softmax mass of each key block, averaged over each query block's rows and G heads."""
+    n, H, D = q.shape
+    Hkv, T, _ = k.shape
+    p = torch.einsum("nhd,htd->hnt", q, k.repeat_interleave(H // Hkv, 0)) * D**-0.5
+    p = p.masked_fill(torch.arange(T)[None, :] > torch.arange(cs, cs + n)[:, None], float("-inf")).softmax(-1)
+    rows = torch.arange(cs, cs + n) // bs - cs // bs
+    J = -(-T // bs)
+    per_block = torch.zeros(H, rows.max() + 1, J).index_add_(1, rows, torch.nn.functional.pad(p, (0, J * bs - T))
+                                                              .view(H, n, J, bs).sum(-1))
+    m = per_block.view(Hkv, H // Hkv, -1, J).mean(1)
+    return m / m.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("cs", [0, 32])
+def test_antidiagonal_masses_at_stride_one_are_the_exact_block_masses(cs):
+    q, k = _qk(64, cs)
+    got = block_masses(q, k, cs, 16, "antidiagonal", stride=1)
+    assert torch.allclose(got, _exact_masses(q, k, cs, 16), atol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["antidiagonal", "pooled"])
+def test_masses_are_causal_distributions(estimator):
+    q, k = _qk(50, 21)  # unaligned chunk: blocks 1..4
+    m = block_masses(q, k, 21, 16, estimator, stride=4)
+    assert m.shape == (2, 4, 5)
+    assert torch.allclose(m.sum(-1), torch.ones(2, 4), atol=1e-5)
+    for i in range(4):
+        assert m[:, i, 2 + i:].abs().sum() == 0  # right of query block i's diagonal (block 1 + i)
+
+
+def test_selection_keeps_sink_band_and_diagonal_and_takes_the_best_middle_blocks():
+    masses = torch.zeros(1, 1, 10)
+    masses[0, 0, [3, 6]] = torch.tensor([0.5, 0.3])  # query block 0 = key block 9 (cs = 9 * 16)
+    ids, num = select_blocks(masses, torch.tensor([[1]]), 9 * 16, 16, sink_blocks=1, local_blocks=2, max_budget=1)
+    assert ids[0, 0].tolist() == [0, 3, 7, 8, 9] and num.tolist() == [[5]]
+    ids, num = select_blocks(masses, torch.tensor([[2]]), 9 * 16, 16, 1, 2, max_budget=2)
+    assert ids[0, 0, : num[0, 0]].tolist() == [0, 3, 6, 7, 8, 9]
+
+
+def test_threshold_takes_few_blocks_for_peaked_heads_and_many_for_flat_ones():
+    J = 12
+    masses = torch.zeros(2, 1, J)
+    masses[0, 0, 5] = 0.95  # peaked head
+    masses[0, 0, :] += 0.05 / J
+    masses[1, 0, :] = 1.0 / J  # flat head
+    need = threshold_blocks(masses, (J - 1) * 16, 16, sink_blocks=1, local_blocks=1, threshold=0.9)
+    # flat: kept 3 blocks hold 3/12; 0.9 needs 8 more of the 9 middle ones
+    assert need.tolist() == [[1], [8]]
+
+
+def test_head_needs_and_shifted_budgets_keep_the_mean():
+    J = 12
+    masses = torch.zeros(2, 1, J)
+    masses[0, 0, 5] = 1.0
+    masses[1, 0, :] = 1.0 / J
+    needs = head_needs([masses], (J - 1) * 16, 16, 16, 1, 1, 0.9)
+    assert needs == [[pytest.approx(1 / 9), pytest.approx(8 / 9)]]
+    shifted = shifted_budgets(needs, 0.25)
+    assert sum(shifted[0]) == pytest.approx(0.5)
+    assert shifted[0][0] < 0.25 < shifted[0][1]
+
+
+def test_config_section_round_trips_and_rejects_bad_values():
+    cfg = SpinConfig.from_dict({"sparse": {"prefill": {"algorithm": "block", "budgets": "per_head",
+                                                       "per_head_budgets": [[0.5, 2]]}}})
+    assert cfg.sparse.prefill.per_head_budgets == ((0.5, 2.0),)
+    assert SpinConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown key"):
+        SpinConfig.from_dict({"sparse": {"prefill": {"budget_blocks": 3}}})
+    for bad, match in (({"block_size": 48}, "block_size"), ({"stride": 32, "block_size": 16}, "stride"),
+                       ({"budgets": "per_head"}, "per_head_budgets"), ({"threshold": 0}, "threshold"),
+                       ({"estimator": "exact"}, "estimator")):
+        with pytest.raises(ValueError, match=match):
+            SpinConfig.from_dict({"sparse": {"prefill": bad}})
+
+
+def test_every_block_selected_is_dense_prefill_and_a_budget_is_not():
+    q, k = _qk(70, 30, seed=3)
+    v = torch.randn_like(k)
+    dense = prefill_attention(q, k, v, 30)
+    full = BlockSparsePrefill(SparsePrefillConfig(algorithm="block", block_size=16, budget=64), 1, 2, torch.device("cpu"))
+    assert torch.allclose(full(0, q, k, v, 30), dense, atol=1e-5)
+    assert full.density() == 1.0
+    sparse = BlockSparsePrefill(SparsePrefillConfig(algorithm="block", block_size=16, budget=1, sink_blocks=0,
+                                                    local_blocks=0), 1, 2, torch.device("cpu"))
+    assert not torch.allclose(sparse(0, q, k, v, 30), dense, atol=1e-3)
+    assert 0 < sparse.density() < 1
+
+
+def test_per_head_budgets_are_ragged_per_layer():
+    q, k = _qk(16 * 12, 0, seed=4)
+    cfg = SparsePrefillConfig(algorithm="block", block_size=16, budgets="per_head", sink_blocks=0, local_blocks=0,
+                              per_head_budgets=((1, 4), (0.5, 0)))
+    sel = BlockSparsePrefill(cfg, 2, 2, torch.device("cpu"))
+    _, num = sel.select(0, q, k, 0)
+    assert num[:, -1].tolist() == [2, 5]  # diagonal + 1, diagonal + 4
+    _, num = sel.select(1, q, k, 0)
+    assert num[:, -1].tolist() == [1 + 6, 1]  # half the 11 middle blocks, rounded up
+    with pytest.raises(ValueError, match=r"\[3\]\[2\]"):
+        BlockSparsePrefill(cfg, 3, 2, torch.device("cpu"))
+
+
+def _engine(path, prefill, offload=False):
+    cfg = {
+        "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": 256},
+        "cache": {"page_size": 4, "offload": offload},
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 40},  # prompts in chunks
+        "sparse": {"prefill": prefill, **({"algorithm": "quest", "budget": 32} if offload else {})},
+    }
+    return Engine(SpinConfig.from_dict(cfg), progress=False)
+
+
+PROMPTS = [list(range(100, 230)), list(range(400, 517))]
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_engine_sparse_prefill_in_chunks(tiny_llama_path, offload):
+    dense = [o.token_ids for o in _engine(tiny_llama_path, {}, offload).generate(PROMPTS, PARAMS)]
+    every = _engine(tiny_llama_path, {"algorithm": "block", "block_size": 16, "budget": 1000}, offload)
+    assert [o.token_ids for o in every.generate(PROMPTS, PARAMS)] == dense
+    sparse = _engine(tiny_llama_path, {"algorithm": "block", "block_size": 16, "budget": 1, "estimator": "pooled"},
+                     offload)
+    assert all(len(o.token_ids) == 6 for o in sparse.generate(PROMPTS, PARAMS))
+    assert 0 < sparse.runner.attention.sparse_prefill.density() < 0.7
+    sparse.check_integrity()
+
+
+def test_calibration_matches_uniform_block_count(tiny_llama_path):
+    from spin_cluster.models import load_model
+    from spin_cluster.sparse.prefill import calibrate
+
+    model = load_model(tiny_llama_path, dtype=torch.float32, device=torch.device("cpu"), progress=False).eval()
+    cfg = SparsePrefillConfig(algorithm="block", block_size=16, budget=0.25, coverage=0.8)
+    cal = calibrate(model, list(range(100, 420)), cfg)
+    assert 0 < cal.threshold < 1 and 0 < cal.density < 1
+    assert len(cal.per_head_budgets) == 2 and len(cal.per_head_budgets[0]) == 2
+    assert sum(map(sum, cal.per_head_budgets)) == pytest.approx(0.25 * 4, abs=0.01)

@@ -1,0 +1,29 @@
+"""The sparse-prefill dimension of the accuracy harness: methods, engine configs, calibration."""
+
+import pytest
+
+from spin_cluster.profiling.evaluate import EvalConfig, evaluate, spin_config
+from spin_cluster.profiling.methods import Method, make_methods
+
+
+def test_prefill_methods_and_labels():
+    methods = make_methods(["dense"], [], ["uniform", "hplb"], 0.25)
+    assert [m.label for m in methods] == ["dense", "dense + prefill uniform 1/4", "dense + prefill hplb 1/4"]
+    with pytest.raises(ValueError, match="prefill"):
+        Method("dense", prefill="topk", prefill_budget=0.25)
+    with pytest.raises(ValueError, match="fraction"):
+        Method("dense", prefill="uniform", prefill_budget=4)
+
+
+def test_prefill_methods_run_at_equal_block_counts(tiny_llama_path):
+    cfg = EvalConfig(model_path=tiny_llama_path, tasks=("niah_single",), lengths=(400,), samples_per_task=1,
+                     algorithms=("dense",), budgets=(), prefill_modes=("uniform", "threshold", "hplb"),
+                     prefill_budget=0.25, prefill_block_size=16, max_tokens=4, device="cpu", dtype="float32")
+    uniform = spin_config(cfg, tiny_llama_path, cfg.methods()[1], 400)
+    assert uniform.sparse.prefill.budgets == "uniform" and uniform.sparse.prefill.block_size == 16
+    results = evaluate(cfg, progress=False)
+    density = results.prefill_density
+    assert sorted(density) == [f"dense + prefill {m} 1/4@400" for m in ("hplb", "threshold", "uniform")]
+    # Calibrated on another prompt: the three compute about as many blocks (and far fewer than all).
+    assert max(density.values()) < 0.7 and max(density.values()) - min(density.values()) < 0.1
+    assert "prefill_density" in results.to_dict()
