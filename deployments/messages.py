@@ -82,7 +82,7 @@ class EnginePlan:
     profiles are loaded, per-head budgets and the heads each rank owns)."""
 
     sparse: dict[str, Any]
-    # rank -> (layer, KV head) pairs; None: every rank holds every head (no placement yet).
+    # rank (one per GPU of the engine) -> the (layer, KV head) pairs it owns; None: not planned.
     head_placement: dict[int, tuple[tuple[int, int], ...]] | None = None
     # max rank load / mean rank load - 1 of the placement; 0 when balanced or not placed.
     imbalance: float = 0.0

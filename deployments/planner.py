@@ -19,6 +19,11 @@ from collections import Counter
 
 from spin_cluster.deployments.messages import ClusterStats, EnginePlan, EngineReport
 from spin_cluster.deployments.settings import AppConfig
+from spin_cluster.hplb.budget import maxmin_budgets
+from spin_cluster.hplb.profile import load_profile
+from spin_cluster.models.config import ModelConfig
+from spin_cluster.parallel.engine import default_placement
+from spin_cluster.partition import get_algorithm
 
 
 class ClusterPlanner:
@@ -32,10 +37,28 @@ class ClusterPlanner:
         self._retired_rank_s: Counter[str] = Counter()
 
     def plan_engines(self) -> EnginePlan:
-        """The S-HPLB hook. Later: load the offline per-head profile, shift budgets from sparse
-        to dense heads (max-min), place heads on ranks (greedy partition) and report the
-        placement's imbalance. Now: the config's sparse settings as they are, no placement."""
-        return EnginePlan(sparse=dataclasses.asdict(self._config.spin.sparse))
+        """S-HPLB for the whole cluster, decided once. With ``serve.hplb_profile``, the offline
+        per-head profile turns the uniform ``sparse.budget`` into per-head budgets at the same
+        total (max-min shifting, each head kept at ``serve.hplb_floor_fraction`` of uniform or
+        more). Either way the budgets' costs place each engine's heads on its ranks (one per
+        GPU) by greedy partitioning; the placement's imbalance is exported."""
+        spin, serve = self._config.spin, self._config.serve
+        model_path = spin.model.resolved_path()
+        mc = ModelConfig.from_folder(model_path)
+        if serve.hplb_profile and not get_algorithm(spin.sparse.algorithm).selects_all:
+            profile = load_profile(serve.hplb_profile, model_path=model_path)
+            unit = profile.page_size
+            uniform = spin.sparse.budget_tokens(spin.model.max_model_len or mc.max_position_embeddings)
+            uniform = max(unit, uniform // unit * unit)  # budgets are counted in whole pages
+            budgets = maxmin_budgets(profile, uniform * mc.num_layers * mc.num_kv_heads,
+                                     floor_tokens=int(serve.hplb_floor_fraction * uniform))
+            spin = spin.replace(sparse={"per_head_budgets": budgets})
+        ranks = max(1, int(serve.engine_num_gpus))
+        placement = default_placement(spin, mc, ranks)
+        heads = {r: tuple((layer, h) for layer, row in enumerate(placement.kv_heads_of(r)) for h in row)
+                 for r in range(ranks)}
+        return EnginePlan(sparse=dataclasses.asdict(spin.sparse), head_placement=heads,
+                          imbalance=placement.imbalance)
 
     # ---- engines ------------------------------------------------------------------------
 

@@ -49,6 +49,12 @@ class ServeOptions:
     stats_interval_s: float = 0.5
     # An engine silent this long is dropped from routing and /health, > stats_interval_s.
     engine_stale_s: float = 5.0
+    # S-HPLB: the offline per-head profile (`spin-cluster profile --out F`) of this model. The
+    # planner shifts the uniform sparse.budget to per-head budgets at the same total (max-min)
+    # and places each engine's heads on its GPUs; None: the config's budgets as they are.
+    hplb_profile: str | None = None
+    # Each head keeps at least this share of the uniform budget under max-min, 0..1.
+    hplb_floor_fraction: float = 0.25
 
     def validate(self) -> None:
         if self.num_engine_replicas < 1:
@@ -64,6 +70,8 @@ class ServeOptions:
         for name in ("handle_timeout_s", "token_timeout_s", "stats_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"serve.{name}={getattr(self, name)}: must be > 0")
+        if not 0 <= self.hplb_floor_fraction <= 1:
+            raise ValueError(f"serve.hplb_floor_fraction={self.hplb_floor_fraction}: use a share in [0, 1]")
         if not self.engine_stale_s > self.stats_interval_s:
             raise ValueError(
                 f"serve.engine_stale_s={self.engine_stale_s} must exceed "

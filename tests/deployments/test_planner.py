@@ -3,6 +3,9 @@ as plain objects (no Ray cluster)."""
 
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from spin_cluster.deployments.messages import ClusterStats, EngineReport
@@ -26,7 +29,42 @@ def _report(rid: str, free: int, at: float = NOW, waiting: int = 0, **counters) 
 def test_register_hands_out_the_configs_sparse_settings():
     plan = _planner().register("a")
     assert plan.sparse["algorithm"] == "quest" and plan.sparse["budget"] == 256
-    assert plan.head_placement is None and plan.imbalance == 0.0
+    assert plan.sparse["per_head_budgets"] is None
+    assert set(plan.head_placement) == {0} and len(plan.head_placement[0]) == 30 * 3  # one rank: every head
+    assert plan.imbalance == 0.0
+
+
+def _smollm2_profile(path, model_path, mass_of=None):
+    """A synthetic profile of SmolLM2's 30 x 3 KV heads: head (l, h) recovers mass like
+    f ** (1 / (1 + (l + h) % 7)), so heads differ in how many pages they need."""
+    from spin_cluster.hplb.profile import FamilyCurves, HeadProfile, model_identity, save_profile
+
+    fractions = np.linspace(0, 1, 17)
+    mass = np.array([[fractions ** (1.0 / (1 + (layer + h) % 7)) for h in range(3)] for layer in range(30)])
+    identity = model_identity(model_path) if mass_of is None else {"name": "other", **mass_of}
+    save_profile(HeadProfile(model=identity, page_size=16, sink_tokens=16, local_tokens=64, queries_per_prompt=4,
+                             context_tokens=(4096,), fractions=fractions, families={"all": FamilyCurves(3, mass)}),
+                 path)
+    return str(path)
+
+
+def test_a_profile_gives_per_head_budgets_at_the_same_total_placed_on_the_gpus(tmp_path, smollm2_path):
+    profile = _smollm2_profile(tmp_path / "profile.json", smollm2_path)
+    planner = _planner(hplb_profile=profile, engine_num_gpus=2)
+    plan = planner.register("a")
+    budgets = np.array(plan.sparse["per_head_budgets"])
+    assert budgets.shape == (30, 3) and budgets.sum() == 256 * 90  # max-min keeps the total
+    assert budgets.min() >= 64 and budgets.max() > 256 and (budgets % 16 == 0).all()  # floors, shifted, pages
+    owned = sorted(pair for heads in plan.head_placement.values() for pair in heads)
+    assert set(plan.head_placement) == {0, 1} and owned == [(lay, h) for lay in range(30) for h in range(3)]
+    assert 0 <= plan.imbalance < 0.5
+    assert planner.cluster_stats().head_placement_imbalance == plan.imbalance
+
+
+def test_a_profile_of_another_model_is_refused(tmp_path):
+    profile = _smollm2_profile(tmp_path / "other.json", None, mass_of={"num_layers": 30, "config_sha256": "0" * 64})
+    with pytest.raises(ValueError, match="spin-cluster profile"):
+        _planner(hplb_profile=profile)
 
 
 def test_routes_to_the_most_free_kv_and_reserves_what_it_routed(monkeypatch):

@@ -211,7 +211,10 @@ def test_hplb_profile_is_a_configmap_mounted_in_every_ray_pod():
         assert volumes["hplb-profile"]["configMap"]["name"] == config_map["metadata"]["name"]
         mounts = {m["name"]: m["mountPath"] for m in template["spec"]["containers"][0]["volumeMounts"]}
         assert mounts["hplb-profile"] == "/etc/spin-cluster/hplb"
+    (app,) = _serve_config(docs)["applications"]
+    assert app["args"]["serve"]["hplb_profile"] == "/etc/spin-cluster/hplb/profile.json"  # the planner reads it
     assert not [d for d in render() if d["metadata"]["name"].endswith("-hplb")]
+    assert "hplb_profile" not in _serve_config(render())["applications"][0]["args"]["serve"]
 
 
 # ---- serveConfigV2: the local mode's config ----------------------------------------------
@@ -243,6 +246,8 @@ def test_serve_config_is_deploy_config_of_the_bundled_app_config(case):
     served = values.get("model", {}).get("servedName")
     if served:
         shape["model_name"] = served
+    if values.get("hplb", {}).get("profile"):
+        shape["hplb_profile"] = "/etc/spin-cluster/hplb/profile.json"
     assert chart.serve == dataclasses.replace(local.serve, **overrides.get("serve", {}), **shape)
 
 

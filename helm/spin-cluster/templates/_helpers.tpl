@@ -39,7 +39,7 @@ spin_cluster.deployments.app.deploy_config(args), whose args name the app config
 the image, as local mode does, plus the keys the Kubernetes shape decides.
 */}}
 {{- define "spin-cluster.serveConfig" -}}
-{{- range $key, $from := dict "model.path" "model.mountPath and model.folder" "serve.num_engine_replicas" "workers.replicas" "serve.engine_num_gpus" "workers.gpusPerPod" "serve.model_name" "model.servedName" }}
+{{- range $key, $from := dict "model.path" "model.mountPath and model.folder" "serve.num_engine_replicas" "workers.replicas" "serve.engine_num_gpus" "workers.gpusPerPod" "serve.model_name" "model.servedName" "serve.hplb_profile" "hplb.profile" }}
 {{- $parts := splitList "." $key }}
 {{- if hasKey (index $.Values.app.overrides (first $parts) | default dict) (last $parts) }}
 {{- fail (printf "app.overrides.%s is set by the chart from %s; remove it from app.overrides" $key $from) }}
@@ -50,6 +50,9 @@ the image, as local mode does, plus the keys the Kubernetes shape decides.
       "serve" (dict "num_engine_replicas" .Values.workers.replicas "engine_num_gpus" .Values.workers.gpusPerPod) }}
 {{- with .Values.model.servedName }}
 {{- $_ := set $shape.serve "model_name" . }}
+{{- end }}
+{{- if .Values.hplb.profile }}
+{{- $_ := set $shape.serve "hplb_profile" (printf "%s/profile.json" .Values.hplb.mountPath) }}
 {{- end }}
 {{- $args := mergeOverwrite (deepCopy .Values.app.overrides) $shape }}
 {{- $_ := set $args "config" .Values.app.config }}
