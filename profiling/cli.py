@@ -50,6 +50,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--local-tokens", type=int, default=d.local_tokens)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="greedy tokens per answer")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests running at once per engine")
+    p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
+                   help="tokens per engine step (prefill chunk size)")
     p.add_argument("--dense-threshold", type=float, default=d.dense_threshold,
                    help="dense accuracy below this marks a task as failed densely (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -73,7 +75,7 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         budget_modes=tuple(args.budget_modes), top_p=args.top_p, profile_path=args.profile,
         floor_fraction=args.floor_fraction,
         sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, max_tokens=args.max_tokens,
-        max_batch=args.max_batch, device=args.device, dtype=args.dtype,
+        max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens, device=args.device, dtype=args.dtype,
         dense_threshold=args.dense_threshold, seed=args.seed,
     )
 

@@ -65,6 +65,9 @@ class EvalConfig:
     max_tokens: int = 48
     # Requests running at once per engine (the rest queue), >= 1. Host/GPU KV is sized for it.
     max_batch: int = 8
+    # Tokens per engine step (scheduler.max_num_batched_tokens), >= 1: prompts are prefilled in
+    # chunks of this size. Each step has a fixed host cost, so larger chunks finish sooner.
+    max_batched_tokens: int = 8192
     # model.device and model.dtype of the engines ("auto": cuda + bf16 if available).
     device: str = "auto"
     dtype: str = "auto"
@@ -84,8 +87,8 @@ class EvalConfig:
             raise ValueError("give at least one task and one length")
         if self.samples_per_task < 1:
             raise ValueError(f"samples_per_task={self.samples_per_task}: must be >= 1")
-        if self.max_tokens < 1 or self.max_batch < 1:
-            raise ValueError("max_tokens and max_batch must be >= 1")
+        if self.max_tokens < 1 or self.max_batch < 1 or self.max_batched_tokens < 1:
+            raise ValueError("max_tokens, max_batch and max_batched_tokens must be >= 1")
         if min(self.lengths) <= self.max_tokens:
             raise ValueError(
                 f"lengths must exceed max_tokens ({self.max_tokens}): the prompt fills length - max_tokens"
@@ -276,7 +279,7 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
     return SpinConfig.from_dict({
         "model": {"path": model_path, "device": config.device, "dtype": config.dtype, "max_model_len": max_len},
         "cache": cache,
-        "scheduler": {"max_num_seqs": config.max_batch},
+        "scheduler": {"max_num_seqs": config.max_batch, "max_num_batched_tokens": config.max_batched_tokens},
         "sparse": sparse,
     })
 
