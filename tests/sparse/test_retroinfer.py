@@ -1,14 +1,9 @@
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from spin_cluster.config import SpinConfig
-from spin_cluster.engine import Engine, SamplingParams
 from spin_cluster.partition import get_algorithm, register
 from spin_cluster.sparse.retroinfer import RetroInfer, kmeans
 
-PROMPTS = ["The capital of France is", "List of prime numbers: 2, 3, 5, 7,"]
-PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 @register
@@ -18,25 +13,6 @@ class _SmallSegments(RetroInfer):
     name = "_test_retroinfer_small"
     segment_pages = 2
     num_clusters = 3
-
-
-class OpLog(TorchDispatchMode):
-    """Every aten op run inside; flags host syncs and data-dependent shapes."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if name == "aten.index.Tensor" and any(i is not None and i.dtype == torch.bool for i in args[1]):
-            name += "[bool mask]"
-        self.ops.append(name)
-        return func(*args, **(kwargs or {}))
-
-    def syncs(self):
-        bad = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "lift_fresh", "[bool mask]")
-        return [op for op in self.ops if any(b in op for b in bad)]
 
 
 def _alg(R=2, P=16, S=4, Hkv=2, D=8, segment_pages=4, num_clusters=4):
@@ -157,12 +133,12 @@ def test_a_reused_row_forgets_the_previous_request():
     assert torch.equal(alg.centroids[0, 0], fresh.centroids[0, 0])
 
 
-def test_index_and_select_run_the_same_ops_for_any_token_count_without_host_syncs():
+def test_index_and_select_run_the_same_ops_for_any_token_count_without_host_syncs(op_log):
     g = torch.Generator().manual_seed(6)
     logs = []
     for T, pages in ((6, 6), (40, 10)):  # no size-1 dims: einsum may take other paths for them
         alg = _alg()
-        with OpLog() as log:
+        with op_log() as log:
             alg.on_append(0, torch.arange(T) // (T // 2), torch.arange(T) % (T // 2), torch.randn(T, 2, 8, generator=g))
             alg.score(0, torch.randn(2, 4, 8, generator=g), torch.arange(2), pages)
         assert log.syncs() == []
@@ -175,31 +151,9 @@ def test_bad_cluster_count_names_the_limit():
         _alg(segment_pages=4, num_clusters=20)
 
 
-@pytest.fixture(scope="module")
-def dense_tokens(smollm2_path):
-    # Dense over the offloaded cache equals the GPU-only cache (tests/engine) and runs faster here.
-    return _run(_engine(smollm2_path, cache={"offload": True}, sparse={"algorithm": "dense"}))
-
-
-def _engine(path, cache=None, sparse=None, max_len=256):
-    cfg = {
-        "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": max_len},
-        "cache": {"page_size": 4, **(cache or {})},
-        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64},
-        "sparse": sparse or {},
-    }
-    return Engine(SpinConfig.from_dict(cfg), progress=False)
-
-
-def _run(engine):
-    outs = engine.generate(PROMPTS, PARAMS)
-    engine.check_integrity()
-    return [o.token_ids for o in outs]
-
-
-def test_retroinfer_with_the_whole_context_as_budget_equals_dense(smollm2_path, dense_tokens):
+def test_retroinfer_with_the_whole_context_as_budget_equals_dense(offloaded_tokens, dense_tokens):
     sparse = {"algorithm": "_test_retroinfer_small", "budget": 256, "sink_tokens": 4, "local_tokens": 8}
-    engine = _engine(smollm2_path, cache={"offload": True}, sparse=sparse)
-    assert _run(engine) == dense_tokens
+    engine, tokens = offloaded_tokens(sparse)
+    assert tokens == dense_tokens
     alg = engine.runner.attention.algorithm
     assert alg.ready[:, :-1].any() and alg.lost_segments.sum().item() == 0  # segments were clustered

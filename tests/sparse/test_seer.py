@@ -2,37 +2,13 @@ import argparse
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from spin_cluster.config import SpinConfig
-from spin_cluster.engine import Engine, SamplingParams
 from spin_cluster.partition import get_algorithm
 from spin_cluster.sparse.seer_gate import (
     add_train_gate_parser, calibration_texts, gate_keys, initial_weights, load_gate, save_gate, train_gate,
 )
 
-PROMPTS = ["The capital of France is", "List of prime numbers: 2, 3, 5, 7,"]
-PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SMOLLM2 = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}
-
-
-class OpLog(TorchDispatchMode):
-    """Every aten op run inside; flags host syncs and data-dependent shapes."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if name == "aten.index.Tensor" and any(i is not None and i.dtype == torch.bool for i in args[1]):
-            name += "[bool mask]"
-        self.ops.append(name)
-        return func(*args, **(kwargs or {}))
-
-    def syncs(self):
-        bad = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "lift_fresh", "[bool mask]")
-        return [op for op in self.ops if any(b in op for b in bad)]
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +72,12 @@ def test_score_shape_determinism_and_a_planted_key_ranks_first(mean_key_gate):
     assert torch.allclose(scores[0, 1, 6], want, atol=1e-5)
 
 
-def test_index_and_select_run_the_same_ops_for_any_token_count_without_host_syncs(mean_key_gate):
+def test_index_and_select_run_the_same_ops_for_any_token_count_without_host_syncs(op_log, mean_key_gate):
     g = torch.Generator().manual_seed(2)
     logs = []
     for T, pages in ((6, 3), (40, 10)):  # no size-1 dims: einsum may take other paths for them
         alg = _seer(mean_key_gate)
-        with OpLog() as log:
+        with op_log() as log:
             alg.on_append(0, torch.arange(T) // (T // 2), torch.arange(T) % (T // 2), torch.randn(T, 2, 8, generator=g))
             alg.score(0, torch.randn(2, 4, 8, generator=g), torch.arange(2), pages)
         assert log.syncs() == []
@@ -152,29 +128,7 @@ def test_train_gate_joins_an_existing_profile_group():
     assert (args.steps, args.page_size, args.gate_dim, args.model) == (300, 16, 32, None)
 
 
-@pytest.fixture(scope="module")
-def dense_tokens(smollm2_path):
-    # Dense over the offloaded cache equals the GPU-only cache (tests/engine) and runs faster here.
-    return _run(_engine(smollm2_path, cache={"offload": True}, sparse={"algorithm": "dense"}))
-
-
-def _engine(path, cache=None, sparse=None, max_len=256):
-    cfg = {
-        "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": max_len},
-        "cache": {"page_size": 4, **(cache or {})},
-        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64},
-        "sparse": sparse or {},
-    }
-    return Engine(SpinConfig.from_dict(cfg), progress=False)
-
-
-def _run(engine):
-    outs = engine.generate(PROMPTS, PARAMS)
-    engine.check_integrity()
-    return [o.token_ids for o in outs]
-
-
-def test_seer_with_the_whole_context_as_budget_equals_dense(smollm2_path, smollm2_gate, dense_tokens, monkeypatch):
+def test_seer_with_the_whole_context_as_budget_equals_dense(smollm2_gate, offloaded_tokens, dense_tokens, monkeypatch):
     monkeypatch.setenv("SPIN_SEER_GATE", smollm2_gate)
     sparse = {"algorithm": "seer", "budget": 256, "sink_tokens": 4, "local_tokens": 8}
-    assert _run(_engine(smollm2_path, cache={"offload": True}, sparse=sparse)) == dense_tokens
+    assert offloaded_tokens(sparse)[1] == dense_tokens
