@@ -24,3 +24,9 @@ fi
 export PYTHONPATH=/tmp/pkg:/tmp/site:/tmp/gguf${PYTHONPATH:+:$PYTHONPATH}
 export SPIN_MODEL_DIR=/tmp/models
 export PYTHONUNBUFFERED=1
+# gpu_info: record the GPU and versions in $OUT/gpu.txt and prepare the default model.
+gpu_info() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  python3 -c "import torch,triton;print('torch',torch.__version__,'triton',triton.__version__)" | tee -a "$OUT/gpu.txt"
+  (cd /tmp && python3 -c "from spin_cluster.model_store import prepare_default_model as p; print(p())") 2>&1 | tail -1
+}

@@ -14,6 +14,7 @@ from typing import Any
 from spin_cluster import env
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,18 @@ class ModelOptions:
     device: str = "auto"
     # Longest prompt + output in tokens; None: the model's max_position_embeddings.
     max_model_len: int | None = None
+    # Replay decode-only steps as CUDA graphs, one per padded batch size up to
+    # scheduler.max_num_seqs, captured at start-up (GPU-only cache on CUDA; elsewhere unused).
+    cuda_graphs: bool = True
+    # "auto": weights from the folder's safetensors; "dummy": random weights at the shapes
+    # of its config.json (benchmarks of the system, where the weights do not matter).
+    load_format: str = "auto"
 
     def validate(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"model.dtype={self.dtype!r}: choose one of {', '.join(_DTYPES)}")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(f"model.load_format={self.load_format!r}: choose one of {', '.join(_LOAD_FORMATS)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"model.max_model_len={self.max_model_len}: must be >= 1 or null")
 
@@ -61,6 +70,9 @@ class CacheConfig:
     # Size each newcomer's buffer share from the free slots and the queue behind it (down to
     # its mandatory pages); false: every request takes buffer_pages_per_head or waits.
     elastic_shares: bool = True
+    # Keep selected pages in the GPU buffer between steps (temporal locality); false: every
+    # page a step selects is retrieved from the host tier again (the no-buffer baseline).
+    buffer_reuse: bool = True
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size > 256 or self.page_size & (self.page_size - 1):

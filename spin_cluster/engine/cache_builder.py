@@ -62,7 +62,8 @@ def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, de
         max_seqs=sc.max_num_seqs, max_pages_per_seq=max_pages, device=device,
     )
     mandatory = min(max_pages, _mandatory_pages(config, algorithm, max_model_len))
-    share = cc.buffer_pages_per_head or min(max_pages, 2 * mandatory)
+    # Without reuse a page never outlives its step: columns past the mandatory ones are idle.
+    share = cc.buffer_pages_per_head or min(max_pages, (2 if cc.buffer_reuse else 1) * mandatory)
     slot_bytes = PagePool.bytes_per_page(S, mc.head_dim, dtype)
     gpu_bytes = _gpu_budget_bytes(config, device)
     per_column = mc.num_layers * mc.num_kv_heads
@@ -82,7 +83,7 @@ def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, de
         num_host_segments=min(int(host_gib * 2**30 // seg_bytes), most_segments),
         num_buffer_slots=num_slots, buffer_pages_per_head=share, mandatory_pages_per_head=mandatory,
         max_seqs=sc.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
-        num_buckets=cc.lru_buckets, elastic_shares=cc.elastic_shares,
+        num_buckets=cc.lru_buckets, elastic_shares=cc.elastic_shares, reuse=cc.buffer_reuse,
     )
     return kv, SpinAttention(kv, algorithm, config.sparse, max_model_len, decode_attention,
                              _sparse_prefill(config, mc, device))

@@ -27,7 +27,7 @@ from spin_cluster.engine.sampler import Sampler
 from spin_cluster.engine.scheduler import Scheduler
 from spin_cluster.engine.stats import StepStats
 from spin_cluster.engine.cache_builder import build_cache
-from spin_cluster.models import load_model
+from spin_cluster.models import ModelConfig, load_model, random_model
 from spin_cluster.tokenizer import Tokenizer
 
 
@@ -69,7 +69,8 @@ class Engine:
             )
         self.kv, attention = self._build_cache(decode_attention)
         self.scheduler = Scheduler(sc, self.kv)
-        self.runner = ModelRunner(self.model, attention, self.device)
+        self.runner = ModelRunner(self.model, attention, self.device, progress=progress,
+                                  cuda_graph_max_batch=sc.max_num_seqs if config.model.cuda_graphs else 0)
         self.sampler = Sampler(self.device)
         self._eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -82,6 +83,8 @@ class Engine:
     # ---- construction hooks (a head-parallel rank shards the model and sizes its own cache) ----
 
     def _load_model(self, path: str, progress: bool) -> torch.nn.Module:
+        if self.config.model.load_format == "dummy":
+            return random_model(ModelConfig.from_folder(path), self.dtype, self.device)
         return load_model(path, dtype=self.dtype, device=self.device, progress=progress).eval()
 
     def _build_cache(self, decode_attention: str):

@@ -3,20 +3,38 @@
 The runner turns the scheduler's chunks into flat tensors (one host->device copy each), has
 the attention backend build the step plan that every layer reads (``begin_step``), runs the
 model, and returns the logits of the requests whose sequence is complete after this step.
+
+Decode-only steps on the GPU-only cache replay a CUDA graph (``model.cuda_graphs``): one
+graph per padded batch size, captured at start-up, so that a step costs one launch instead
+of one per operator (hundreds per layer). The batch is padded up to the next captured size;
+padding rows decode nothing and write their K/V to a scratch page.
 """
 
 from __future__ import annotations
 
 import torch
+from tqdm.auto import tqdm
 
+from spin_cluster.engine.paged_attention import DecodeBuffers, PagedAttention
 from spin_cluster.engine.scheduler import ScheduledChunk
 
 
+def cuda_graph_batch_sizes(max_batch: int) -> list[int]:
+    """Padded decode batch sizes to capture: 1, 2, 4, 8, then every multiple of 8 up to
+    ``max_batch`` (as vLLM), and ``max_batch`` itself."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
+    return sorted(set(sizes))
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, attention, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, attention, device: torch.device, *,
+                 cuda_graph_max_batch: int = 0, progress: bool = False) -> None:
         self.model = model
         self.attention = attention  # PagedAttention or SpinAttention: begin_step/forward/end_step
         self.device = device
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_max_batch and device.type == "cuda" and type(attention) is PagedAttention:
+            self.graphs = DecodeGraphs(model, attention, cuda_graph_max_batch, progress)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
@@ -33,9 +51,12 @@ class ModelRunner:
                 sample_idx.append(len(input_ids) - 1)
                 sampled.append(chunk)
         dev = self.device
-        input_ids_t = torch.tensor(input_ids, dtype=torch.long).to(dev)  # [T]
-        positions_t = torch.tensor(positions, dtype=torch.long).to(dev)  # [T]
-        token_rows_t = torch.tensor(token_rows, dtype=torch.long).to(dev)  # [T]
+        # [3, T] in one host->device copy: token ids, positions, table rows
+        inputs = torch.tensor([input_ids, positions, token_rows], dtype=torch.long).to(dev, non_blocking=True)
+        input_ids_t, positions_t, token_rows_t = inputs.unbind(0)  # [T] each
+        if self.graphs is not None and self.graphs.can_run(chunks):
+            hidden = self.graphs.run(input_ids_t, positions_t, token_rows_t)  # [Bd, hidden]
+            return self.model.compute_logits(hidden), sampled  # every decode request samples
         self.attention.begin_step(chunks, positions_t, token_rows_t)
         try:
             hidden = self.model(input_ids_t, positions_t, self.attention)  # [T, hidden]
@@ -43,5 +64,55 @@ class ModelRunner:
             self.attention.end_step()
         if not sample_idx:
             return torch.empty(0, device=dev), []
-        idx = torch.tensor(sample_idx, dtype=torch.long).to(dev)
-        return self.model.compute_logits(hidden[idx]), sampled  # [N, V]
+        if len(sample_idx) < len(input_ids):
+            hidden = hidden[torch.tensor(sample_idx, dtype=torch.long).to(dev, non_blocking=True)]
+        return self.model.compute_logits(hidden), sampled  # [N, V]
+
+
+class DecodeGraphs:
+    """CUDA graphs of the model's forward over decode-only batches, one per padded size.
+
+    Every tensor a graph reads is a persistent buffer (``DecodeBuffers``: token ids,
+    positions, slot mapping, block tables, lengths), written before each replay; the weights
+    and the page pool are persistent already. Block tables span ``max_model_len`` so that one
+    graph serves every context length (the decode kernel stops at each request's length).
+    """
+
+    def __init__(self, model: torch.nn.Module, attention: PagedAttention, max_batch: int, progress: bool) -> None:
+        self.model = model
+        self.attention = attention
+        self.buffers = DecodeBuffers(attention.kv, max_batch)
+        self.sizes = cuda_graph_batch_sizes(max_batch)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._hidden: dict[int, torch.Tensor] = {}  # padded size -> [Bp, E] graph output
+        self._capture(progress)
+
+    def can_run(self, chunks: list[ScheduledChunk]) -> bool:
+        return bool(chunks) and len(chunks) <= self.sizes[-1] and all(c.is_decode for c in chunks)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions, rows: [B] of a decode-only batch -> [B, E] final hidden states."""
+        B = input_ids.shape[0]
+        padded = next(s for s in self.sizes if s >= B)
+        self.buffers.fill(input_ids, positions, rows, padded)
+        self._graphs[padded].replay()
+        return self._hidden[padded][:B]
+
+    @torch.inference_mode()
+    def _capture(self, progress: bool) -> None:
+        pool = None
+        stream = torch.cuda.Stream(self.attention.device)
+        stream.wait_stream(torch.cuda.current_stream(self.attention.device))
+        # Largest first: smaller graphs reuse the largest one's memory pool.
+        for size in tqdm(sorted(self.sizes, reverse=True), desc="capturing decode CUDA graphs", disable=not progress):
+            self.attention.plan = self.buffers.plan(size)
+            ids, pos = self.buffers.input_ids[:size], self.buffers.positions[:size]
+            with torch.cuda.stream(stream):
+                self.model(ids, pos, self.attention)  # warm-up: Triton compiles, cuBLAS picks kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._hidden[size] = self.model(ids, pos, self.attention)
+            pool = graph.pool()
+            self._graphs[size] = graph
+        torch.cuda.current_stream(self.attention.device).wait_stream(stream)
+        self.attention.plan = None

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import paged_decode
@@ -31,14 +32,17 @@ class PrefillSegment:
     token_start: int  # first index of the chunk in the step's T tokens
     num_tokens: int  # n
     context_start: int  # position of the chunk's first token in its request
-    pages: torch.Tensor  # [L, Hkv, P'] page ids covering positions 0 .. context_start+n-1
+    pages: tuple[torch.Tensor, ...]  # per layer [Hkv, P'] int64 page ids of positions 0 .. context_start+n-1
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    slot_mapping: torch.Tensor  # [L, T, Hkv] flat slot of each token's K/V
+    """Everything a layer reads, indexed per layer in ``begin_step`` so that ``forward`` does
+    no per-step arithmetic again."""
+
+    slot_mapping: tuple[torch.Tensor, ...]  # per layer [T, Hkv] int64 flat slot of each token's K/V
     num_decode: int  # Bd
-    decode_block_tables: torch.Tensor | None  # [L, Bd, Hkv, P]
+    decode_block_tables: tuple[torch.Tensor, ...] | None  # per layer [Bd, Hkv, P] int32 (strided)
     decode_seq_lens: torch.Tensor | None  # [Bd] int32, including the token being decoded
     prefill: tuple[PrefillSegment, ...]
 
@@ -54,6 +58,54 @@ def decode_impl(name: str, device: torch.device):
     raise ValueError(f"decode attention {name!r}: choose auto, triton or torch")
 
 
+class DecodeBuffers:
+    """The decode plan of a padded batch in persistent tensors, for CUDA-graph replay.
+
+    A captured graph reads its inputs from fixed addresses, so a decode-only step copies its
+    plan into these tensors (``fill``) instead of building new ones. Rows past the batch are
+    padding: their K/V go to the pool's scratch page and their length is 0 (the kernel
+    writes zeros for them)::
+
+        rows:       0 .. B-1 (requests)  |  B .. Bp-1 (padding)
+        seq_lens:   lengths              |  0
+        slots:      their token slots    |  scratch page
+    """
+
+    def __init__(self, kv: KVCacheManager, max_batch: int) -> None:
+        L, Hkv, P = kv.num_layers, kv.num_kv_heads, kv.table.max_pages_per_seq
+        dev = kv.pool.k_pages.device
+        self.kv = kv
+        self.scratch_slot = kv.pool.scratch_page_id * kv.page_size
+        self.slot_mapping = torch.full((L, max_batch, Hkv), self.scratch_slot, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(max_batch, L, Hkv, P, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
+
+    def plan(self, padded: int) -> StepPlan:
+        """The plan over the first ``padded`` rows: the same views at capture and at replay."""
+        return StepPlan(
+            slot_mapping=tuple(self.slot_mapping[:, :padded].unbind(0)),
+            num_decode=padded,
+            decode_block_tables=tuple(self.block_tables[:padded].unbind(1)),
+            decode_seq_lens=self.seq_lens[:padded],
+            prefill=(),
+        )
+
+    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, padded: int) -> None:
+        """Copy a decode batch (B tokens, table ``rows``) in; rows B .. padded-1 become padding."""
+        B = input_ids.shape[0]
+        self.input_ids[:B].copy_(input_ids)
+        self.positions[:B].copy_(positions)
+        self.input_ids[B:padded].zero_()
+        self.positions[B:padded].zero_()
+        self.seq_lens[:B].copy_(positions + 1)
+        self.seq_lens[B:padded].zero_()
+        torch.index_select(self.kv.table.table, 0, rows, out=self.block_tables[:B])
+        self.slot_mapping[:, :B].copy_(self.kv.slot_mapping(rows, positions))
+        self.slot_mapping[:, B:padded].fill_(self.scratch_slot)
+
+
 class PagedAttention:
     def __init__(self, kv: KVCacheManager, decode: str = "auto", prefill: BlockSparsePrefill | None = None) -> None:
         self.kv = kv
@@ -61,6 +113,9 @@ class PagedAttention:
         self.pool = kv.pool
         self.device = kv.pool.k_pages.device
         self._decode = decode_impl(decode, self.device)
+        D = kv.pool.head_dim
+        self._k_flat = kv.pool.k_pages.view(-1, D)  # [(N+1)*S, D]: token slots
+        self._v_flat = kv.pool.v_pages.view(-1, D)
         self.plan: StepPlan | None = None
 
     def row(self, request_id: str) -> int:
@@ -73,18 +128,21 @@ class PagedAttention:
         block_tables = seq_lens = None
         if num_decode:
             lens = [c.start + 1 for c in decode]
-            rows = torch.tensor([self.row(c.request.request_id) for c in decode], dtype=torch.long).to(self.device)
-            block_tables = self.kv.block_tables(rows, -(-max(lens) // S))  # [L, Bd, Hkv, P]
-            seq_lens = torch.tensor(lens, dtype=torch.int32).to(self.device)  # [Bd]
+            rows = token_rows[:num_decode]
+            block_tables = self.kv.block_tables(rows, -(-max(lens) // S)).unbind(1)  # L x [Bd, Hkv, P]
+            seq_lens = (positions[:num_decode] + 1).to(torch.int32)  # [Bd]
         segments = []
         token_start = num_decode
         for chunk in chunks[num_decode:]:
             end = chunk.start + chunk.num_tokens
-            pages = self.kv.table.table[self.row(chunk.request.request_id), :, :, : -(-end // S)]  # [L, Hkv, P']
+            pages = ()
+            if chunk.start:  # a later chunk reads its request's earlier pages
+                row = self.row(chunk.request.request_id)
+                pages = self.kv.table.table[row, :, :, : -(-end // S)].long().unbind(0)  # L x [Hkv, P']
             segments.append(PrefillSegment(token_start, chunk.num_tokens, chunk.start, pages))
             token_start += chunk.num_tokens
         self.plan = StepPlan(
-            slot_mapping=self.kv.slot_mapping(token_rows, positions),
+            slot_mapping=self.kv.slot_mapping(token_rows, positions).unbind(0),
             num_decode=num_decode,
             decode_block_tables=block_tables,
             decode_seq_lens=seq_lens,
@@ -96,27 +154,29 @@ class PagedAttention:
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self.plan
-        T, H, D = q.shape
+        D = q.shape[-1]
         # Write this step's K/V into their pages. k, v: [T, Hkv, D] -> [T*Hkv, D]
-        slots = plan.slot_mapping[layer_id].reshape(-1)
-        self.pool.k_pages.view(-1, D).index_copy_(0, slots, k.reshape(-1, D).to(self.pool.k_pages.dtype))
-        self.pool.v_pages.view(-1, D).index_copy_(0, slots, v.reshape(-1, D).to(self.pool.v_pages.dtype))
-
-        out = torch.empty_like(q)  # [T, H, D]
+        slots = plan.slot_mapping[layer_id].view(-1)
+        self._k_flat.index_copy_(0, slots, k.reshape(-1, D))
+        self._v_flat.index_copy_(0, slots, v.reshape(-1, D))
         bd = plan.num_decode
+        if not plan.prefill:  # a decode-only step: the kernel's output is the layer's
+            return self._decode_rows(layer_id, q)
+        if not bd and len(plan.prefill) == 1:
+            return self._prefill(layer_id, plan.prefill[0], q, k, v)
+        out = torch.empty_like(q)  # [T, H, D]
         if bd:
-            self._decode(
-                q[:bd],
-                self.pool.k_pages,
-                self.pool.v_pages,
-                plan.decode_block_tables[layer_id],
-                plan.decode_seq_lens,
-                out=out[:bd],
-            )
+            self._decode_rows(layer_id, q[:bd], out[:bd])
         for seg in plan.prefill:
             rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
             out[rows] = self._prefill(layer_id, seg, q[rows], k[rows], v[rows])
         return out
+
+    def _decode_rows(self, layer_id: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [Bd, H, D] -> [Bd, H, D] (into ``out`` when given)."""
+        plan = self.plan
+        return self._decode(q, self.pool.k_pages, self.pool.v_pages, plan.decode_block_tables[layer_id],
+                            plan.decode_seq_lens, out=out)
 
     def _prefill(
         self, layer_id: int, seg: PrefillSegment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -131,9 +191,9 @@ class PagedAttention:
 
     @staticmethod
     def _gather(pages: torch.Tensor, page_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """pages [N, S, D], page_ids [Hkv, P'] -> [Hkv, num_tokens, D] contiguous in position."""
+        """pages [N, S, D], page_ids [Hkv, P'] int64 -> [Hkv, num_tokens, D] contiguous in position."""
         hkv, p = page_ids.shape
-        return pages[page_ids.long()].reshape(hkv, p * pages.shape[1], pages.shape[2])[:, :num_tokens]
+        return pages[page_ids].reshape(hkv, p * pages.shape[1], pages.shape[2])[:, :num_tokens]
 
 
 def prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, context_start: int,
@@ -146,20 +206,28 @@ def prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
     """
     if sparse is not None:
         return sparse(layer, q, k_ctx, v_ctx, context_start)
-    n = q.shape[0]
-    if context_start == 0:
-        mask, causal = None, True
-    else:
-        # Query i sits at position context_start + i and sees keys 0 .. context_start + i.
-        q_pos = torch.arange(context_start, context_start + n, device=q.device)
-        mask = torch.arange(context_start + n, device=q.device)[None, :] <= q_pos[:, None]  # [n, end]
-        causal = False
+    mask = None if context_start == 0 else chunk_causal_mask(q.shape[0], context_start, q.device)
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
-        k_ctx.unsqueeze(0).to(q.dtype),
-        v_ctx.unsqueeze(0).to(q.dtype),
+        k_ctx.unsqueeze(0),
+        v_ctx.unsqueeze(0),
         attn_mask=mask,
-        is_causal=causal,
+        is_causal=context_start == 0,
         enable_gqa=True,
     )
     return o[0].transpose(0, 1)  # [n, H, D]
+
+
+def chunk_causal_mask(n: int, context_start: int, device: torch.device):
+    """The mask of a chunk's n queries at positions context_start .. against keys 0 .. end-1.
+
+    Query i sees keys 0 .. context_start + i: causal, aligned to the lower right of the
+    [n, end] scores. On CUDA it is a ``CausalBias``, with which SDPA keeps its flash kernel
+    (a materialised mask would send it to a kernel that holds [H, n, end] scores: 32 GiB at
+    a 2K chunk of a 128K context); elsewhere the boolean [n, end] mask itself.
+    """
+    end = context_start + n
+    if device.type == "cuda":
+        return causal_lower_right(n, end)
+    q_pos = torch.arange(context_start, end, device=device)
+    return torch.arange(end, device=device)[None, :] <= q_pos[:, None]  # [n, end]

@@ -38,17 +38,23 @@ class SpinPrefill:
     token_start: int
     num_tokens: int
     context_start: int
-    request_id: str
+    # A later chunk's context, gathered from the host tier per layer into the same buffers:
+    # per layer [Hkv * P'] int64 host pages of positions 0 .. context_start+n-1, and
+    # [Hkv * P', S, D] K and V buffers (the layers run one after another on one stream)
+    # that the host pages fill in order (dst_ids: 0 .. Hkv * P' - 1).
+    host_pages: tuple[torch.Tensor, ...] = ()
+    dst_ids: torch.Tensor | None = None
+    k_ctx: torch.Tensor | None = None
+    v_ctx: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class SpinStepPlan:
-    host_slots: torch.Tensor  # [L, T, Hkv] flat host token slots
-    token_rows: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
+    host_slots: tuple[torch.Tensor, ...]  # per layer [T * Hkv] flat host token slots
+    append: object  # the algorithm's plan_append(token rows, positions), read by every layer
     num_decode: int  # Bd
     decode_rows: torch.Tensor | None  # [Bd]
-    select: SelectPlan | None
+    select: tuple[SelectPlan, ...] | None  # per layer (budgets may differ per layer)
     prefill: tuple[SpinPrefill, ...]
 
 
@@ -104,7 +110,7 @@ class SpinAttention:
         if bd:
             lens = [c.start + 1 for c in decode]
             num_pages = [-(-n // S) for n in lens]
-            rows = torch.tensor([self.kv.row(c.request.request_id) for c in decode], dtype=torch.long).to(self.device)
+            rows = token_rows[:bd]
             budgets = [-(-self.sparse.budget_tokens(n) // S) for n in lens]
             select = SelectPlan(
                 num_pages=torch.tensor(num_pages, dtype=torch.long).to(self.device),
@@ -117,20 +123,39 @@ class SpinAttention:
                 max_budget=self._max_budget_pages(max(lens)),
                 top_p=self.sparse.top_p,
             )
+            select = self._layer_select_plans(select)
         prefill, start = [], bd
         for c in chunks[bd:]:
-            prefill.append(SpinPrefill(start, c.num_tokens, c.start, c.request.request_id))
+            prefill.append(self._prefill_plan(c, start))
             start += c.num_tokens
         self.plan = SpinStepPlan(
-            host_slots=self.kv.directory.token_slots(token_rows, positions),
-            token_rows=token_rows,
-            positions=positions,
+            host_slots=self.kv.directory.token_slots(token_rows, positions).flatten(1).unbind(0),
+            append=self.algorithm.plan_append(token_rows, positions),
             num_decode=bd,
             decode_rows=rows,
             select=select,
             prefill=tuple(prefill),
         )
         self.step_index += 1
+
+    def _layer_select_plans(self, sel: SelectPlan) -> tuple[SelectPlan, ...]:
+        """One SelectPlan per layer: the step's, with the layer's per-head budgets if any."""
+        if self._layer_budgets is None:
+            return (sel,) * self.kv.num_layers
+        budgets = self._layer_budgets[:, None, :].expand(-1, *sel.budget_pages.shape).unbind(0)  # L x [Bd, Hkv]
+        return tuple(dataclasses.replace(sel, budget_pages=b) for b in budgets)
+
+    def _prefill_plan(self, chunk: ScheduledChunk, token_start: int) -> SpinPrefill:
+        if not chunk.start:
+            return SpinPrefill(token_start, chunk.num_tokens, 0)
+        kv, S = self.kv, self.kv.page_size
+        num_pages = -(-(chunk.start + chunk.num_tokens) // S)
+        pages = kv.directory.request_host_pages(chunk.request.request_id, num_pages)  # [L, Hkv, P']
+        k = torch.empty(kv.num_kv_heads * num_pages, S, kv.host.k_pages.shape[-1],
+                        dtype=kv.host.k_pages.dtype, device=self.device)
+        dst = torch.arange(k.shape[0], device=self.device)
+        return SpinPrefill(token_start, chunk.num_tokens, chunk.start, pages.flatten(1).unbind(0), dst, k,
+                           torch.empty_like(k))
 
     def end_step(self) -> None:
         self.plan = None
@@ -142,8 +167,8 @@ class SpinAttention:
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self.plan
         T, H, D = q.shape
-        self._offload(plan.host_slots[layer_id].reshape(-1), k.reshape(-1, D), v.reshape(-1, D))
-        self.algorithm.on_append(layer_id, plan.token_rows, plan.positions, k)
+        self._offload(plan.host_slots[layer_id], k.reshape(-1, D), v.reshape(-1, D))
+        self.algorithm.append(layer_id, plan.append, k)
         out = torch.empty_like(q)  # [T, H, D]
         if plan.num_decode:
             bd = plan.num_decode
@@ -168,15 +193,13 @@ class SpinAttention:
     def _decode_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         """q [Bd, H, D]; k, v [Bd, Hkv, D] of the new tokens; writes out [Bd, H, D]."""
         plan, kv = self.plan, self.kv
-        sel = plan.select
+        sel = plan.select[layer]
         # No wait for this layer's host write: Retrieve may copy the tail page without the new
         # token, and the write-through below puts it into the slot after Retrieve, on this
         # stream. Earlier steps' writes have landed (end_step waits).
         scores = None
         if not self.algorithm.selects_all:
             scores = self.algorithm.score(layer, q, plan.decode_rows, sel.max_pages)
-            if self._layer_budgets is not None:  # per-(layer, head) budgets
-                sel = dataclasses.replace(sel, budget_pages=self._layer_budgets[layer].expand_as(sel.budget_pages))
             if sel.top_p is not None:  # scores are q.k summed over the G query heads of a KV head
                 sel = dataclasses.replace(sel, score_scale=kv.num_kv_heads / (q.shape[1] * q.shape[2] ** 0.5))
         want, num_selected = select_pages(scores, self.algorithm.selects_all, sel, kv.num_kv_heads)  # [Bd, Hkv, K]
@@ -198,23 +221,18 @@ class SpinAttention:
         """q [n, H, D]; k, v [n, Hkv, D] -> [n, H, D]."""
         if seg.context_start == 0:
             return prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, self.sparse_prefill, layer)
-        k_ctx, v_ctx = self._gather_context(layer, seg.request_id, seg.context_start + seg.num_tokens)
+        k_ctx, v_ctx = self._gather_context(layer, seg)
         return prefill_attention(q, k_ctx, v_ctx, seg.context_start, self.sparse_prefill, layer)
 
-    def _gather_context(self, layer: int, request_id: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The request's first num_tokens K/V of this layer from the host tier: [Hkv, T, D]."""
-        kv = self.kv
-        if self._side is not None:
+    def _gather_context(self, layer: int, seg: SpinPrefill) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's first context_start + n K/V of this layer from the host tier: [Hkv, T, D]."""
+        if self._side is not None:  # this chunk's own K/V reach the host on the side stream
             torch.cuda.current_stream(self.device).wait_stream(self._side)
-        S = kv.page_size
-        pages = kv.directory.request_host_pages(request_id, layer, -(-num_tokens // S))  # [Hkv, P']
-        hkv, p = pages.shape
-        D = kv.host.k_pages.shape[-1]
-        k = torch.empty(hkv * p, S, D, dtype=kv.host.k_pages.dtype, device=self.device)
-        v = torch.empty_like(k)
-        dst = torch.arange(hkv * p, device=self.device)
-        self._retrieve(kv.host.k_pages, kv.host.v_pages, k, v, pages.reshape(-1), dst)
-        return k.view(hkv, p * S, D)[:, :num_tokens], v.view(hkv, p * S, D)[:, :num_tokens]
+        hkv, D = self.kv.num_kv_heads, seg.k_ctx.shape[-1]
+        host = self.kv.host
+        self._retrieve(host.k_pages, host.v_pages, seg.k_ctx, seg.v_ctx, seg.host_pages[layer], seg.dst_ids)
+        num_tokens = seg.context_start + seg.num_tokens
+        return seg.k_ctx.view(hkv, -1, D)[:, :num_tokens], seg.v_ctx.view(hkv, -1, D)[:, :num_tokens]
 
 
 def max_middle_pages(sparse: SparseConfig, page_size: int, num_kv_heads: int, context_tokens: int) -> int:

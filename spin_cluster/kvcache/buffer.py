@@ -54,8 +54,11 @@ class GpuBuffer:
         dtype: torch.dtype,
         device: torch.device | str,
         num_buckets: int = DEFAULT_NUM_BUCKETS,
+        reuse: bool = True,
     ) -> None:
         self.num_layers = num_layers
+        # False: lookups forget what a share holds, so every selected page is a miss.
+        self.reuse = reuse
         self.num_kv_heads = num_kv_heads
         self.max_share = max_share
         self.num_buckets = num_buckets
@@ -126,6 +129,8 @@ class GpuBuffer:
         B, Hkv, K = want.shape
         C = self.max_share
         res_page = self.res_page[rows, layer]  # [B, Hkv, C]
+        if not self.reuse:
+            res_page = torch.full_like(res_page, -1)
         res_slot = self.res_slot[rows, layer]  # [B, Hkv, C]
         last_use = self.res_last_use[rows, layer]  # [B, Hkv, C]
         valid = want >= 0  # [B, Hkv, K]

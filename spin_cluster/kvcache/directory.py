@@ -134,11 +134,14 @@ class SegmentDirectory:
         page = seg * E + (page_idx % E)[:, None, None]
         return (page * S + (positions % S)[:, None, None]).permute(1, 0, 2).contiguous()
 
-    def request_host_pages(self, request_id: str, layer: int, num_pages: int) -> torch.Tensor:
-        """[Hkv, num_pages] host page ids of the request's first pages, for prefill gathers."""
-        logical = torch.arange(num_pages, device=self.directory.device).expand(self.num_kv_heads, num_pages)
-        rows = torch.tensor([self.row(request_id)], device=self.directory.device)
-        return self.host_pages(rows, layer, logical[None])[0]
+    def request_host_pages(self, request_id: str, num_pages: int) -> torch.Tensor:
+        """[L, Hkv, num_pages] int64 host page ids of the request's first pages in every
+        layer, for prefill gathers (one lookup per step, not one per layer)."""
+        E = self.segment_pages
+        logical = torch.arange(num_pages, device=self.directory.device)  # [P']
+        seg = self.directory[self.row(request_id)].long()  # [L, Hkv, n_seg]
+        seg_ids = seg[:, :, logical // E]  # [L, Hkv, P']
+        return seg_ids * E + logical % E
 
     # ---- accounting -------------------------------------------------------------------------
 

@@ -96,9 +96,10 @@ class KVCacheManager:
         )
 
     def block_tables(self, rows: torch.Tensor, num_pages: int) -> torch.Tensor:
-        """[L, B, Hkv, P'] page ids for the requests in ``rows``, first ``num_pages`` pages."""
-        # [B, L, Hkv, P'] -> [L, B, Hkv, P']
-        return self.table.table[rows, :, :, :num_pages].permute(1, 0, 2, 3).contiguous()
+        """[B, L, Hkv, P'] page ids for the requests in ``rows``, first ``num_pages`` pages.
+
+        Layer l's tables are the strided view ``[:, l]``, which the decode kernels take as is."""
+        return self.table.table[rows, :, :, :num_pages]
 
     def slot_mapping(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[L, T, Hkv] flat slots (page_id * S + offset) where each token's K/V is written.

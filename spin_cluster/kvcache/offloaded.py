@@ -39,6 +39,7 @@ class OffloadedKVManager:
         device: torch.device | str,
         num_buckets: int = 64,
         elastic_shares: bool = True,
+        reuse: bool = True,
     ) -> None:
         device = torch.device(device)
         if buffer_pages_per_head < mandatory_pages_per_head:
@@ -60,7 +61,7 @@ class OffloadedKVManager:
         )
         self.buffer = GpuBuffer(
             num_buffer_slots, page_size, head_dim, num_layers, num_kv_heads, max_seqs,
-            buffer_pages_per_head, dtype, device, num_buckets,
+            buffer_pages_per_head, dtype, device, num_buckets, reuse,
         )
 
     # ---- capacity (token counts; "pages" are host pages) --------------------------------------

@@ -30,9 +30,11 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.head_dim = head_dim
-        # [N, S, D] each
-        self.k_pages = torch.zeros(num_pages, page_size, head_dim, dtype=dtype, device=device)
-        self.v_pages = torch.zeros(num_pages, page_size, head_dim, dtype=dtype, device=device)
+        # [N + 1, S, D] each. The last page is never handed out: padding tokens of a
+        # fixed-size batch (a CUDA graph's) write their K/V there instead of into a request's.
+        self.k_pages = torch.zeros(num_pages + 1, page_size, head_dim, dtype=dtype, device=device)
+        self.v_pages = torch.zeros(num_pages + 1, page_size, head_dim, dtype=dtype, device=device)
+        self.scratch_page_id = num_pages
         self.free_list = FreeList(num_pages)
 
     @staticmethod

@@ -3,7 +3,7 @@
 from spin_cluster.models.base import AttentionBackend
 from spin_cluster.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from spin_cluster.models.llama import CausalLM
-from spin_cluster.models.loader import SUPPORTED_DTYPES, load_model, resolve_dtype
+from spin_cluster.models.loader import SUPPORTED_DTYPES, load_model, random_model, resolve_dtype
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -12,5 +12,6 @@ __all__ = [
     "CausalLM",
     "ModelConfig",
     "load_model",
+    "random_model",
     "resolve_dtype",
 ]

@@ -28,12 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., dim] -> [..., dim], same dtype
-        in_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)  # [..., 1]
-        x32 = x32 * torch.rsqrt(variance + self.eps)
-        return self.weight * x32.to(in_dtype)
+        # x: [..., dim] -> [..., dim], same dtype. One fused op on CUDA instead of five.
+        normed = nn.functional.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -74,7 +71,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for the positions of this step, computed in float32 on the fly.
+    """cos/sin tables for the positions of this step, computed in float32 on the fly, once per
+    step for every layer.
 
     ``inv_freq`` is a plain attribute rather than a buffer so that ``model.to(bfloat16)`` never
     rounds it; it follows the positions' device.
@@ -87,26 +85,25 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] int -> cos, sin: [T, D] in `dtype`
+        """positions: [T] int -> (cos, signed sin): [T, 1, D] each in ``dtype``, as
+        ``apply_rope`` takes them. The sign of rotate_half's first half is folded into sin."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].to(torch.float32) * self.inv_freq  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    # x: [..., D] -> [..., D]: (x1, x2) -> (-x2, x1) over the two halves of D
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [T, 1, D]
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        sin[..., :half].neg_()
+        return emb.cos().to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D], cos/sin: [T, D] -> [T, heads, D]
-    cos = cos.unsqueeze(1)  # [T, 1, D]
-    sin = sin.unsqueeze(1)  # [T, 1, D]
-    return (x * cos) + (rotate_half(x) * sin)
+    """x: [T, heads, D]; cos, signed sin: [T, 1, D] from ``RotaryEmbedding`` -> [T, heads, D].
+
+    rotate_half(x) * sin, with rotate_half(x) = (-x2, x1), equals roll(x, D/2) * (-s1, s2):
+    one roll instead of two slices, a negation and a concatenation, and the same values
+    (a sign flip is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class MLP(nn.Module):
@@ -150,7 +147,7 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        # x: [T, E], cos/sin: [T, D] -> [T, E]
+        # x: [T, E], cos/sin: [T, 1, D] -> [T, E]
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -177,6 +174,6 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        # x: [T, E], cos/sin: [T, D] -> [T, E]
+        # x: [T, E], cos/sin: [T, 1, D] -> [T, E]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)  # [T, E]
         return x + self.mlp(self.post_attention_layernorm(x))  # [T, E]

@@ -55,7 +55,7 @@ class CausalLM(nn.Module):
                 f"and {tuple(positions.shape)}"
             )
         x = self.embed_tokens(input_ids)  # [T, E]
-        cos, sin = self.rotary(positions, x.dtype)  # [T, D] each
+        cos, sin = self.rotary(positions, x.dtype)  # [T, 1, D] each, shared by every layer
         for layer in self.layers:
             x = layer(x, cos, sin, attn)  # [T, E]
         return self.norm(x)  # [T, E]

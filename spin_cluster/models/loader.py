@@ -111,6 +111,21 @@ def load_model(
     return model.eval()
 
 
+def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> CausalLM:
+    """The model ``config`` describes with random weights (N(0, 0.02) matrices, unit norms),
+    drawn on ``device``: for measuring the system at a checkpoint's shapes without it."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = CausalLM(config).to(dtype)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=gen) if p.dim() > 1 else p.fill_(1.0)
+    model.tie_weights()
+    return model.eval()
+
+
 def resolve_dtype(
     dtype: torch.dtype | str, config: ModelConfig | None = None, files: list[Path] | None = None
 ) -> torch.dtype:

@@ -75,7 +75,7 @@ def _columns_plan(plan: StepPlan, cols: slice) -> StepPlan:
     tables = plan.decode_block_tables
     return dataclasses.replace(
         plan,
-        slot_mapping=plan.slot_mapping[:, :, cols].contiguous(),  # [1, T, n]
-        decode_block_tables=None if tables is None else tables[:, :, cols].contiguous(),  # [1, Bd, n, P]
-        prefill=tuple(dataclasses.replace(s, pages=s.pages[:, cols].contiguous()) for s in plan.prefill),  # [1, n, P']
+        slot_mapping=(plan.slot_mapping[0][:, cols].contiguous(),),  # [T, n]
+        decode_block_tables=None if tables is None else (tables[0][:, cols].contiguous(),),  # [Bd, n, P]
+        prefill=tuple(dataclasses.replace(s, pages=s.pages and (s.pages[0][cols].contiguous(),)) for s in plan.prefill),
     )

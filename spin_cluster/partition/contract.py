@@ -50,6 +50,16 @@ class SparseAlgorithm(ABC):
         Called by Offload for prefill chunks and decode tokens alike. Default: no index.
         """
 
+    def plan_append(self, rows: torch.Tensor, positions: torch.Tensor):
+        """Once per step, before any layer's ``append``: whatever ``append`` needs from the
+        step's [T] token rows and positions, computed once instead of once per layer.
+        Default: the two tensors themselves."""
+        return rows, positions
+
+    def append(self, layer: int, plan, k: torch.Tensor) -> None:
+        """Index: ``on_append`` with the step's ``plan_append`` result; what the engine calls."""
+        self.on_append(layer, *plan, k)
+
     def on_free(self, row: int) -> None:
         """The request in ``row`` left; forget its index."""
 

@@ -35,15 +35,22 @@ class Quest(SparseAlgorithm):
 
     def on_append(self, layer, rows, positions, k):
         # rows, positions: [T]; k: [T, Hkv, D]
+        self.append(layer, self.plan_append(rows, positions), k)
+
+    def plan_append(self, rows, positions):
+        """(flat page index of each token's K expanded to [T, Hkv, D], [T] rows to reset:
+        the page's own index where a token starts a page, else the dump row)."""
         P, S = self.max_pages_per_seq, self.page_size
         idx = rows * P + positions // S  # [T] flat page index
         first = positions % S == 0  # a page's first token: forget what a previous owner left
-        dump = self.kmin.shape[1] - 1
-        fresh = torch.where(first, idx, dump)
+        fresh = torch.where(first, idx, self.kmin.shape[1] - 1)
+        return idx[:, None, None].expand(-1, self.num_kv_heads, self.head_dim), fresh
+
+    def append(self, layer, plan, k):
+        expanded, fresh = plan
         kmin, kmax = self.kmin[layer], self.kmax[layer]
         kmin.index_fill_(0, fresh, float("inf"))
         kmax.index_fill_(0, fresh, float("-inf"))
-        expanded = idx[:, None, None].expand_as(k)
         k = k.float()
         # Outward rounding to a 16-bit index: nearest rounding errs by <= 2^-8 relative
         # (bfloat16; 2^-11 for float16), so a 2^-7 relative margin keeps the bound.

@@ -1,0 +1,398 @@
+"""End to end: four ways to serve long contexts, on the same workload in the same run.
+
+    python benchmarks/e2e.py --gpu-kv-gib 24 --out results/      # Llama-3.1-8B shapes, CUDA
+    python benchmarks/e2e.py --tiny --out /tmp/e2e                # toy shapes, CPU, < 1 minute
+
+The engine runs at Llama-3.1-8B shapes (32 layers, 32 query / 8 KV heads, D=128, bf16) with
+random weights (``model.load_format: dummy``): the tokens are meaningless, so what is measured
+is the system, the scheduler and the memory hierarchy. Modes:
+
+    dense             full attention, every page in GPU memory (``cache.kv_cache_gib`` =
+                      --gpu-kv-gib): the batch is what that capacity holds
+    dense-offload     full attention over the host tier, every page retrieved each step
+    sparse-no-buffer  Quest Select, every selected page retrieved each step (no reuse)
+    spin              Quest Select + elastic buffer + bucketed LRU + zero-copy Retrieve +
+                      S-HPLB per-head budgets (max-min shifted, same total)
+
+Workloads, per mode on one engine: offline batches (``--offline-lengths`` prompts of
+``--offline-batch`` requests, ``--output-tokens`` each, all arriving at once) and online
+Poisson arrivals at each of ``--rates`` requests/s. Each (mode, workload) gets an equal share
+of ``--deadline-s``; one that runs out is stopped and marked ``truncated`` (its figures
+cover the tokens produced). Outputs (in --out): e2e.json, e2e.md (table), e2e.png (plot).
+The dense batch-1 decode step at the longest prompt is compared with its roofline: weight
+and KV bytes over the HBM bandwidth measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = ("dense", "dense-offload", "sparse-no-buffer", "spin")
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "bos_token_id": 1,
+    "eos_token_id": 2, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}
+TINY = {**LLAMA_31_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152,
+        "rope_scaling": None}
+
+
+@dataclasses.dataclass
+class RequestTimes:
+    arrival_s: float
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    num_output: int = 0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="toy shapes and sizes on the CPU (smoke test)")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--gpu-kv-gib", type=float, default=24.0, help="GPU KV capacity of every mode (pages / buffer)")
+    ap.add_argument("--host-kv-gib", type=float, default=72.0, help="host tier of the offloaded modes")
+    ap.add_argument("--offline-lengths", type=int, nargs="+", default=[131072, 32768])
+    ap.add_argument("--offline-batch", type=int, default=4)
+    ap.add_argument("--output-tokens", type=int, default=256)
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.1, 0.2], help="requests/s")
+    ap.add_argument("--online-length", type=int, default=32768)
+    ap.add_argument("--online-requests", type=int, default=6)
+    ap.add_argument("--online-output-tokens", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=2048, help="sparse modes: mean middle tokens per head")
+    ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--deadline-s", type=float, default=480.0, help="wall time for all measurements")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.gpu_kv_gib, args.host_kv_gib = 0.002, 0.05
+        args.offline_lengths, args.offline_batch, args.output_tokens = [384, 192], 3, 8
+        args.rates, args.online_length, args.online_requests, args.online_output_tokens = [4.0, 8.0, 16.0], 128, 3, 4
+        args.budget, args.page_size, args.max_num_seqs, args.max_batched_tokens = 64, 16, 4, 256
+        args.deadline_s = min(args.deadline_s, 60.0)
+    return args
+
+
+def _import_package() -> None:
+    """The installed package (pip, or /tmp/pkg on the GPU machine), else this checkout's."""
+    try:
+        import spin_cluster.kernels  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, _ROOT)
+
+
+def model_folder(shape: dict, max_len: int) -> str:
+    """A folder with ``shape``'s config.json (room for ``max_len`` positions) and the default
+    model's tokenizer, for ``model.load_format: dummy``."""
+    from spin_cluster.model_store import prepare_default_model
+
+    folder = tempfile.mkdtemp(prefix="e2e-model-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**shape, "max_position_embeddings": max(shape["max_position_embeddings"], max_len)}, f)
+    source = str(prepare_default_model())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if os.path.exists(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), folder)
+    return folder
+
+
+def spin_budgets(num_layers: int, num_kv_heads: int, mean_tokens: int, page_size: int) -> list[list[int]]:
+    """S-HPLB budgets for random weights, which have no profile: seeded heterogeneous per-head
+    needs (log-normal), max-min shifted to the uniform total."""
+    from spin_cluster.hplb.budget import maxmin_budgets
+
+    rng = random.Random(0)
+    needs = [[max(page_size, int(rng.lognormvariate(0, 0.8) * mean_tokens)) for _ in range(num_kv_heads)]
+             for _ in range(num_layers)]
+    total = num_layers * num_kv_heads * (mean_tokens // page_size) * page_size
+    return [list(row) for row in maxmin_budgets(needs, total, page_size, unit_tokens=page_size)]
+
+
+def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict:
+    device = {"device": "cpu", "dtype": "float32"} if args.tiny else {"dtype": "bfloat16"}
+    cfg = {
+        "model": {"path": folder, "load_format": "dummy", "max_model_len": max_len, **device},
+        "cache": {"page_size": args.page_size, "kv_cache_gib": args.gpu_kv_gib},
+        "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens},
+        "sparse": {},
+    }
+    if mode == "dense":
+        return cfg
+    cfg["cache"].update(offload=True, host_kv_gib=args.host_kv_gib, buffer_reuse=mode == "spin")
+    if mode == "dense-offload":
+        return cfg
+    cfg["sparse"] = {"algorithm": "quest", "budget": args.budget, "local_tokens": 2 * args.page_size,
+                     "sink_tokens": args.page_size}
+    if mode == "spin":
+        cfg["sparse"]["per_head_budgets"] = spin_budgets(
+            shape["num_hidden_layers"], shape["num_key_value_heads"], args.budget, args.page_size)
+    return cfg
+
+
+# ---- driving the engine ------------------------------------------------------------------------
+
+
+def run_workload(engine, prompts: list[list[int]], arrivals_s: list[float], max_tokens: int, deadline: float) -> dict:
+    """Add each prompt at its arrival time (seconds from now), step until all finish or the
+    deadline passes; per-request times and per-step records."""
+    from spin_cluster.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.monotonic()
+    times: dict[str, RequestTimes] = {}
+    steps: list[tuple[float, int, bool]] = []  # (seconds, running requests, decode only)
+    pending = sorted(zip(arrivals_s, range(len(prompts))))
+    truncated = False
+    while pending or engine.has_unfinished():
+        now = time.monotonic() - start
+        while pending and pending[0][0] <= now:
+            at, i = pending.pop(0)
+            times[engine.add_request(prompts[i], params)] = RequestTimes(arrival_s=start + at)
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0][0] - now))
+            continue
+        if time.monotonic() > deadline:
+            truncated = True
+            break
+        decode_only = not engine.scheduler.waiting and all(
+            r.num_computed_tokens >= len(r.prompt_token_ids) for r in engine.scheduler.running)
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        _sync(engine)
+        steps.append((time.perf_counter() - t0, engine.last_stats.num_running, decode_only))
+        t = time.monotonic()
+        for out in outputs:
+            rt = times[out.request_id]
+            rt.num_output += len(out.new_token_ids)
+            rt.first_token_s = rt.first_token_s or t
+            if out.finished:
+                rt.finished_s = t
+    for rid, rt in times.items():
+        if rt.finished_s is None:
+            engine.abort(rid)
+    return summarize(list(times.values()), steps, time.monotonic() - start, truncated, engine)
+
+
+def summarize(times: list[RequestTimes], steps, wall_s: float, truncated: bool, engine) -> dict:
+    ttft = [r.first_token_s - r.arrival_s for r in times if r.first_token_s]
+    tpot = [(r.finished_s - r.first_token_s) / (r.num_output - 1) for r in times if r.finished_s and r.num_output > 1]
+    decode = [(s, n) for s, n, only in steps if only]
+    stats = engine.last_stats
+    return {
+        "requests": len(times), "finished": sum(r.finished_s is not None for r in times), "truncated": truncated,
+        "wall_s": wall_s, "output_tokens": sum(r.num_output for r in times),
+        "throughput_tok_s": sum(r.num_output for r in times) / wall_s if wall_s else 0.0,
+        "decode_tok_s": sum(n for _, n in decode) / sum(s for s, _ in decode) if decode else None,
+        "batch1_decode_step_s": _median([s for s, n in decode if n == 1]),
+        "peak_running": max((n for _, n, _ in steps), default=0),
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
+        "buffer_hits_total": stats.buffer_hits_total, "buffer_misses_total": stats.buffer_misses_total,
+    }
+
+
+def _pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _sync(engine) -> None:
+    import torch
+
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def workloads(args, vocab: int) -> list[tuple[str, list[list[int]], list[float], int]]:
+    """(name, prompts, arrival seconds, output tokens), the most telling first."""
+    rng = random.Random(0)
+
+    def prompt(n):
+        return [rng.randrange(1000, min(vocab, 40000)) for _ in range(n)]
+
+    out = [(f"offline-{n // 1024}K" if n >= 1024 else f"offline-{n}", [prompt(n) for _ in range(args.offline_batch)],
+            [0.0] * args.offline_batch, args.output_tokens) for n in args.offline_lengths]
+    for rate in sorted(args.rates, reverse=True):
+        gaps = [rng.expovariate(rate) for _ in range(args.online_requests)]
+        arrivals = [sum(gaps[:i]) for i in range(args.online_requests)]
+        out.append((f"online-{rate:g}rps", [prompt(args.online_length) for _ in range(args.online_requests)],
+                    arrivals, args.online_output_tokens))
+    return out
+
+
+# ---- roofline -----------------------------------------------------------------------------------
+
+
+def hbm_bandwidth_bytes_s() -> float | None:
+    """Device copy bandwidth (read + write) of a 2 GiB bf16 copy, best of 5."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return 2 * 2**31 / best
+
+
+def roofline(engine, context: int, step_s: float | None, bandwidth: float | None) -> dict:
+    """Batch-1 decode reads every weight but the embedding table once and the KV of
+    ``context`` tokens: that many bytes over the HBM bandwidth is the step's lower bound."""
+    model, mc = engine.model, engine.model.config
+    params = {id(p): p for p in model.parameters()}
+    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    if not mc.tie_word_embeddings:
+        weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    kv_bytes = 2 * context * mc.num_layers * mc.num_kv_heads * mc.head_dim * model.embed_tokens.weight.element_size()
+    bound_s = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None
+    return {"context": context, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "hbm_bytes_s": bandwidth,
+            "bound_step_s": bound_s, "measured_step_s": step_s,
+            "fraction_of_roofline": bound_s / step_s if bound_s and step_s else None}
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+def markdown(results: dict) -> str:
+    def f(x, scale=1.0, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x * scale)
+
+    lines = [f"GPU KV cap: {results['gpu_kv_gib']} GiB; host tier {results['host_kv_gib']} GiB; "
+             f"sparse budget {results['budget']} tokens/head; {results['device']}", "",
+             "| workload | mode | finished | throughput tok/s | decode tok/s | peak batch | TTFT p50 s | TTFT p99 s "
+             "| TPOT p50 ms | TPOT p99 ms | hit ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, by_mode in results["workloads"].items():
+        for mode, r in by_mode.items():
+            lookups = r["buffer_hits_total"] + r["buffer_misses_total"]
+            hit = r["buffer_hits_total"] / lookups if lookups else None
+            mark = " (truncated)" if r["truncated"] else ""
+            lines.append(
+                f"| {name} | {mode} | {r['finished']}/{r['requests']}{mark} | {f(r['throughput_tok_s'], fmt='{:.1f}')} "
+                f"| {f(r['decode_tok_s'], fmt='{:.1f}')} | {r['peak_running']} | {f(r['ttft_p50_s'])} "
+                f"| {f(r['ttft_p99_s'])} | {f(r['tpot_p50_s'], 1e3, '{:.1f}')} | {f(r['tpot_p99_s'], 1e3, '{:.1f}')} "
+                f"| {f(hit, 100, '{:.1f}%')} |")
+    rf = results.get("roofline")
+    if rf and rf.get("fraction_of_roofline"):
+        lines += ["", f"Dense batch-1 decode at {rf['context']} tokens: {1e3 * rf['measured_step_s']:.2f} ms/step, "
+                  f"roofline {1e3 * rf['bound_step_s']:.2f} ms ({(rf['weight_bytes'] + rf['kv_bytes']) / 1e9:.1f} GB "
+                  f"at {rf['hbm_bytes_s'] / 1e12:.2f} TB/s): {100 * rf['fraction_of_roofline']:.0f}% of roofline"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wl = results["workloads"]
+    offline = [w for w in wl if w.startswith("offline")]
+    online = [w for w in wl if w.startswith("online")]
+    modes = results["modes"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        xs = [j + i * width for j in range(len(offline))]
+        axes[0].bar(xs, [wl[w].get(mode, {}).get("decode_tok_s") or 0 for w in offline], width, label=mode)
+        rates = [float(w.split("-")[1].removesuffix("rps")) for w in online]
+        for ax, key in ((axes[1], "ttft_p99_s"), (axes[2], "tpot_p99_s")):
+            ax.plot(rates, [wl[w].get(mode, {}).get(key) or float("nan") for w in online], marker="o", label=mode)
+    axes[0].set_xticks([j + 0.4 - width / 2 for j in range(len(offline))], offline)
+    axes[0].set_ylabel("decode tokens/s")
+    axes[1].set_ylabel("TTFT p99 (s)")
+    axes[2].set_ylabel("TPOT p99 (s)")
+    for ax in axes[1:]:
+        ax.set_xlabel("request rate (1/s)")
+        ax.set_yscale("log")
+    axes[0].legend()
+    fig.suptitle(f"spin-cluster e2e ({results['device']}, GPU KV cap {results['gpu_kv_gib']} GiB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    _import_package()
+    import torch
+
+    from spin_cluster.config import SpinConfig
+    from spin_cluster.engine import Engine
+
+    shape = TINY if args.tiny else LLAMA_31_8B
+    longest = max(args.offline_lengths + [args.online_length])
+    max_len = longest + max(args.output_tokens, args.online_output_tokens) + args.page_size
+    folder = model_folder(shape, max_len)
+    runs = workloads(args, shape["vocab_size"])
+    start = time.monotonic()
+    bandwidth = None if args.tiny else hbm_bandwidth_bytes_s()
+    results = {"modes": args.modes, "gpu_kv_gib": args.gpu_kv_gib, "host_kv_gib": args.host_kv_gib,
+               "budget": args.budget, "shape": shape, "args": vars(args),
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu",
+               "workloads": {name: {} for name, *_ in runs}}
+    slices_left = len(args.modes) * len(runs)
+    for mode in args.modes:
+        t0 = time.monotonic()
+        engine = Engine(SpinConfig.from_dict(mode_config(mode, args, folder, max_len, shape)), progress=False)
+        engine.generate([[1000 + i for i in range(3 * args.page_size)]])  # warm-up: Triton compiles
+        print(f"[{mode}] engine ready in {time.monotonic() - t0:.1f} s", flush=True)
+        for name, prompts, arrivals, max_tokens in runs:
+            deadline = time.monotonic() + (start + args.deadline_s - time.monotonic()) / slices_left
+            slices_left -= 1
+            r = run_workload(engine, prompts, arrivals, max_tokens, deadline)
+            results["workloads"][name][mode] = r
+            print(f"[{mode}] {name}: {json.dumps({k: r[k] for k in ('finished', 'wall_s', 'decode_tok_s', 'ttft_p99_s', 'tpot_p99_s', 'peak_running')})}",
+                  flush=True)
+            if mode == "dense" and name == runs[0][0]:
+                results["roofline"] = roofline(engine, args.offline_lengths[0], r["batch1_decode_step_s"], bandwidth)
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "e2e.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    table = markdown(results)
+    with open(os.path.join(args.out, "e2e.md"), "w") as f:
+        f.write(table)
+    plot(results, os.path.join(args.out, "e2e.png"))
+    print(table)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""benchmarks/e2e.py at toy size on the CPU: every mode and workload runs and is reported
+(its figures are GPU ones)."""
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e.py"
+
+
+@pytest.mark.slow
+def test_e2e_tiny_runs_every_mode_and_workload(tmp_path):
+    bench = runpy.run_path(str(BENCH), run_name="e2e")
+    result = bench["main"](["--tiny", "--deadline-s", "600", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "e2e.json").read_text())
+    assert saved["workloads"].keys() == result["workloads"].keys()
+    assert len(saved["workloads"]) == 5  # two offline lengths, three rates
+    for name, by_mode in saved["workloads"].items():
+        assert sorted(by_mode) == sorted(bench["MODES"]), name
+        for mode, r in by_mode.items():
+            assert r["finished"] == r["requests"] == 3 and not r["truncated"], (name, mode)
+            assert r["ttft_p99_s"] >= r["ttft_p50_s"] > 0 and r["tpot_p99_s"] >= r["tpot_p50_s"] > 0
+    offline = saved["workloads"]["offline-384"]
+    # No buffer: nothing is ever a hit. Spin keeps pages between steps.
+    for mode in ("dense-offload", "sparse-no-buffer"):
+        assert offline[mode]["buffer_hits_total"] == 0 < offline[mode]["buffer_misses_total"]
+    assert offline["spin"]["buffer_hits_total"] > offline["spin"]["buffer_misses_total"]
+    assert "| offline-384 | spin |" in (tmp_path / "e2e.md").read_text()
+    assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
