@@ -70,9 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--offline-lengths", type=int, nargs="+", default=[131072, 32768])
     ap.add_argument("--offline-batch", type=int, default=4)
     ap.add_argument("--output-tokens", type=int, default=256)
-    ap.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.1, 0.2], help="requests/s")
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="requests/s")
     ap.add_argument("--online-length", type=int, default=32768)
-    ap.add_argument("--online-requests", type=int, default=6)
+    ap.add_argument("--online-requests", type=int, default=4)
     ap.add_argument("--online-output-tokens", type=int, default=64)
     ap.add_argument("--budget", type=int, default=2048, help="sparse modes: mean middle tokens per head")
     ap.add_argument("--page-size", type=int, default=32)
@@ -363,15 +363,19 @@ def main(argv=None) -> dict:
                "budget": args.budget, "shape": shape, "args": vars(args),
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu",
                "workloads": {name: {} for name, *_ in runs}}
-    slices_left = len(args.modes) * len(runs)
+    # Each (mode, workload) slice gets a share of the time left, weighted by its prefill work
+    # (an offline 128K batch needs four times a 32K one; an online rate, 1.5 times a 32K one).
+    weights = [len(prompts[0]) / args.online_length if name.startswith("offline") else 1.5
+               for name, prompts, *_ in runs]
+    weight_left = len(args.modes) * sum(weights)
     for mode in args.modes:
         t0 = time.monotonic()
         engine = Engine(SpinConfig.from_dict(mode_config(mode, args, folder, max_len, shape)), progress=False)
         engine.generate([[1000 + i for i in range(3 * args.page_size)]])  # warm-up: Triton compiles
         print(f"[{mode}] engine ready in {time.monotonic() - t0:.1f} s", flush=True)
-        for name, prompts, arrivals, max_tokens in runs:
-            deadline = time.monotonic() + (start + args.deadline_s - time.monotonic()) / slices_left
-            slices_left -= 1
+        for (name, prompts, arrivals, max_tokens), weight in zip(runs, weights):
+            deadline = time.monotonic() + (start + args.deadline_s - time.monotonic()) * weight / weight_left
+            weight_left -= weight
             r = run_workload(engine, prompts, arrivals, max_tokens, deadline)
             results["workloads"][name][mode] = r
             print(f"[{mode}] {name}: {json.dumps({k: r[k] for k in ('finished', 'wall_s', 'decode_tok_s', 'ttft_p99_s', 'tpot_p99_s', 'peak_running')})}",

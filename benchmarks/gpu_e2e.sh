@@ -6,6 +6,6 @@
 set -o pipefail
 source benchmarks/gpu_setup.sh
 gpu_info
-(cd /tmp && timeout 60 python3 -m pytest "$REPO/tests/engine/test_cuda_graphs.py" "$REPO/tests/engine/test_engine_gpu.py" \
+(cd /tmp && timeout 50 python3 -m pytest "$REPO/tests/engine/test_cuda_graphs.py" "$REPO/tests/engine/test_engine_gpu.py" \
   -m gpu -q -p no:cacheprovider 2>&1 | tail -8) | tee "$OUT/gpu_tests.log"
-timeout 510 python3 benchmarks/e2e.py --gpu-kv-gib 24 --deadline-s 420 --out "$OUT" 2>&1 | tee "$OUT/e2e.log"
+timeout 545 python3 benchmarks/e2e.py --gpu-kv-gib 24 --deadline-s 470 --out "$OUT" 2>&1 | tee "$OUT/e2e.log"

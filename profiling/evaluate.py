@@ -137,6 +137,14 @@ class EvalResults:
     fidelity: list = field(default_factory=list)  # fidelity.FidelityRow, when measured
     # "label@length" -> computed / causal key blocks of a sparse-prefill method's prefills.
     prefill_density: dict[str, float] = field(default_factory=dict)
+    # "label@length" -> Retrieve's page lookups in the GPU buffer of an offloaded method's
+    # engine: {"hits": n, "misses": n} (the real-pattern buffer hit ratio).
+    buffer_lookups: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def buffer_hit_ratio(self, key: str) -> float | None:
+        looked = self.buffer_lookups.get(key)
+        total = looked and looked["hits"] + looked["misses"]
+        return looked["hits"] / total if total else None
 
     def accuracy(self, task: str, length: int, method: str) -> float:
         scores = [s.score for s in self.samples if (s.task, s.length, s.method) == (task, length, method)]
@@ -171,6 +179,8 @@ class EvalResults:
             "samples": [dataclasses.asdict(s) for s in self.samples],
             "fidelity": [dataclasses.asdict(r) for r in self.fidelity],
             "prefill_density": self.prefill_density,
+            "buffer_lookups": self.buffer_lookups,
+            "buffer_hit_ratio": {k: self.buffer_hit_ratio(k) for k in self.buffer_lookups},
         }
 
 
@@ -203,6 +213,7 @@ def evaluate(config: EvalConfig, *, engine_factory: EngineFactory | None = None,
     calibration = _calibrate_prefill(config, path) if any(m.prefill for m in methods) else None
     results: list[SampleResult] = []
     density: dict[str, float] = {}
+    lookups: dict[str, dict[str, int]] = {}
     with tqdm(total=len(methods) * len(work), unit="prompt", disable=not progress) as bar:
         for method in methods:
             bar.set_description(method.label)
@@ -212,13 +223,18 @@ def evaluate(config: EvalConfig, *, engine_factory: EngineFactory | None = None,
                 texts = _generate(engine, [list(s.prompt_ids) for _, s in batch], params, bar)
                 if method.prefill:
                     density[f"{method.label}@{lengths[0]}"] = engine.runner.attention.sparse_prefill.density()
+                st = getattr(engine, "last_stats", None)
+                if method.offloaded and st is not None:
+                    lookups[f"{method.label}@{'+'.join(map(str, lengths))}"] = {
+                        "hits": st.buffer_hits_total, "misses": st.buffer_misses_total}
                 del engine
                 gc.collect()  # the next engine's cache goes where this one's was
                 results.extend(
                     SampleResult(s.task, n, s.seed, s.num_tokens, method.label, s.answers, text, s.score(text))
                     for (n, s), text in zip(batch, texts)
                 )
-    return EvalResults(config, methods, results, time.perf_counter() - t0, prefill_density=density)
+    return EvalResults(config, methods, results, time.perf_counter() - t0, prefill_density=density,
+                       buffer_lookups=lookups)
 
 
 def _engine_groups(method: Method, lengths: Sequence[int]) -> list[tuple[int, ...]]:

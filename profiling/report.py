@@ -32,9 +32,21 @@ def markdown(results: EvalResults) -> str:
             lines += ["", f"{FAILED_MARK} fails densely (dense accuracy < {c.dense_threshold:.0%}): "
                       "left out of the average."]
         parts.append("\n".join(lines))
+    if results.buffer_lookups:
+        parts.append(buffer_markdown(results))
     if results.fidelity:
         parts.append(fidelity_markdown(results))
     return "\n\n".join(parts) + "\n"
+
+
+def buffer_markdown(results: EvalResults) -> str:
+    """Each offloaded engine's GPU-buffer hit ratio over the run (Retrieve's page lookups)."""
+    lines = ["GPU buffer page lookups of the offloaded engines (decode steps of the whole run).", "",
+             "| method @ contexts | lookups | hit ratio |", "|---|---:|---:|"]
+    for key, looked in results.buffer_lookups.items():
+        ratio = results.buffer_hit_ratio(key)
+        lines.append(f"| {key} | {looked['hits'] + looked['misses']} | {_pct(ratio)} |")
+    return "\n".join(lines)
 
 
 def fidelity_markdown(results: EvalResults) -> str:

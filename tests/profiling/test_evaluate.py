@@ -58,11 +58,16 @@ def test_a_small_real_run_gives_a_well_formed_table(smollm2_path, tmp_path):
     table = report.markdown(res)
     assert "| task | dense | streaming 1/8 | quest 1/8 |" in table and "| niah_single |" in table
     assert "**average**" in table
+    # Quest's offloaded engine looked pages up in its GPU buffer; the table reports the ratio.
+    looked = res.buffer_lookups["quest 1/8@512"]
+    assert looked["hits"] + looked["misses"] > 0 and 0.0 <= res.buffer_hit_ratio("quest 1/8@512") <= 1.0
+    assert "| quest 1/8@512 |" in table and "dense@512" not in res.buffer_lookups
     out = tmp_path / "r.json"
     report.write_json(res, out)
     data = json.loads(out.read_text())
     assert set(data["accuracy"]["512"]) == {"dense", "streaming 1/8", "quest 1/8"}
     assert data["accuracy"]["512"]["dense"]["niah_single"] == 1.0 and len(data["samples"]) == 3
+    assert data["buffer_hit_ratio"]["quest 1/8@512"] == res.buffer_hit_ratio("quest 1/8@512")
     pytest.importorskip("matplotlib")
     report.plot(res, tmp_path / "a.png")
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
