@@ -79,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--deadline-s", type=float, default=480.0, help="wall time for all measurements")
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="folder with tokenizer.json (default: the prepared default model's)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -98,15 +100,15 @@ def _import_package() -> None:
         sys.path.insert(0, _ROOT)
 
 
-def model_folder(shape: dict, max_len: int) -> str:
-    """A folder with ``shape``'s config.json (room for ``max_len`` positions) and the default
-    model's tokenizer, for ``model.load_format: dummy``."""
+def model_folder(shape: dict, max_len: int, tokenizer: str | None = None) -> str:
+    """A folder with ``shape``'s config.json (room for ``max_len`` positions) and the tokenizer
+    files of ``tokenizer`` (default: the default model's), for ``model.load_format: dummy``."""
     from spin_cluster.model_store import prepare_default_model
 
     folder = tempfile.mkdtemp(prefix="e2e-model-")
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({**shape, "max_position_embeddings": max(shape["max_position_embeddings"], max_len)}, f)
-    source = str(prepare_default_model())
+    source = tokenizer or str(prepare_default_model())
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if os.path.exists(os.path.join(source, name)):
             shutil.copy(os.path.join(source, name), folder)
@@ -355,7 +357,7 @@ def main(argv=None) -> dict:
     shape = TINY if args.tiny else LLAMA_31_8B
     longest = max(args.offline_lengths + [args.online_length])
     max_len = longest + max(args.output_tokens, args.online_output_tokens) + args.page_size
-    folder = model_folder(shape, max_len)
+    folder = model_folder(shape, max_len, args.tokenizer)
     runs = workloads(args, shape["vocab_size"])
     start = time.monotonic()
     bandwidth = None if args.tiny else hbm_bandwidth_bytes_s()
@@ -368,11 +370,23 @@ def main(argv=None) -> dict:
     weights = [len(prompts[0]) / args.online_length if name.startswith("offline") else 1.5
                for name, prompts, *_ in runs]
     weight_left = len(args.modes) * sum(weights)
+    os.makedirs(args.out, exist_ok=True)
     for mode in args.modes:
         t0 = time.monotonic()
-        engine = Engine(SpinConfig.from_dict(mode_config(mode, args, folder, max_len, shape)), progress=False)
+        try:
+            engine = Engine(SpinConfig.from_dict(mode_config(mode, args, folder, max_len, shape)), progress=False)
+        except (RuntimeError, ValueError) as e:  # e.g. the host tier cannot be pinned: the other modes still run
+            print(f"[{mode}] could not build the engine: {type(e).__name__}: {e}", flush=True)
+            results.setdefault("errors", {})[mode] = f"{type(e).__name__}: {e}"
+            weight_left -= sum(weights)
+            continue
         engine.generate([[1000 + i for i in range(3 * args.page_size)]])  # warm-up: Triton compiles
         print(f"[{mode}] engine ready in {time.monotonic() - t0:.1f} s", flush=True)
+        if mode == "dense" and not args.tiny:  # one request alone: batch-1 decode against the roofline
+            n = max(args.offline_lengths)
+            r = run_workload(engine, [runs[0][1][0][:n]], [0.0], 32, time.monotonic() + 60)
+            results["roofline"] = roofline(engine, n, r["batch1_decode_step_s"], bandwidth)
+            print(f"[dense] roofline: {json.dumps(results['roofline'])}", flush=True)
         for (name, prompts, arrivals, max_tokens), weight in zip(runs, weights):
             deadline = time.monotonic() + (start + args.deadline_s - time.monotonic()) * weight / weight_left
             weight_left -= weight
@@ -380,14 +394,13 @@ def main(argv=None) -> dict:
             results["workloads"][name][mode] = r
             print(f"[{mode}] {name}: {json.dumps({k: r[k] for k in ('finished', 'wall_s', 'decode_tok_s', 'ttft_p99_s', 'tpot_p99_s', 'peak_running')})}",
                   flush=True)
-            if mode == "dense" and name == runs[0][0]:
-                results["roofline"] = roofline(engine, args.offline_lengths[0], r["batch1_decode_step_s"], bandwidth)
         del engine
         gc.collect()
+        with open(os.path.join(args.out, "e2e.json"), "w") as f:  # kept if a later mode fails
+            json.dump(results, f, indent=1)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     shutil.rmtree(folder, ignore_errors=True)
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "e2e.json"), "w") as f:
         json.dump(results, f, indent=1)
     table = markdown(results)

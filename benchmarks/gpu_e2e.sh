@@ -1,11 +1,34 @@
 #!/usr/bin/env bash
 # The end-to-end run (device tool, one call, within 10 minutes on one H200): GPU tests of the
 # decode CUDA graphs and the engine, then benchmarks/e2e.py at Llama-3.1-8B shapes with the
-# KV over a 24 GiB GPU cap (a 128K request's KV is 16 GiB). Results land in $OUT:
+# KV over a GPU cap (GPU_KV_GIB, default 24; a 128K request's KV is 16 GiB). The host tier is
+# 3/4 of the memory this machine lets us pin (probed first, 8 GiB at a time, at most 72 GiB),
+# and the offline batch is what that tier holds at 128K (at most 4). The tokenizer comes from
+# .carry/tok when carried, else from the prepared default model. Results land in $OUT:
 # gpu.txt, gpu_tests.log, e2e.{json,md,png,log}.
 set -o pipefail
 source benchmarks/gpu_setup.sh
-gpu_info
-(cd /tmp && timeout 50 python3 -m pytest "$REPO/tests/engine/test_cuda_graphs.py" "$REPO/tests/engine/test_engine_gpu.py" \
-  -m gpu -q -p no:cacheprovider 2>&1 | tail -8) | tee "$OUT/gpu_tests.log"
-timeout 545 python3 benchmarks/e2e.py --gpu-kv-gib 24 --deadline-s 470 --out "$OUT" 2>&1 | tee "$OUT/e2e.log"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch,triton;print('torch',torch.__version__,'triton',triton.__version__)" | tee -a "$OUT/gpu.txt"
+TOK=()
+[ -f .carry/tok/tokenizer.json ] && TOK=(--tokenizer "$REPO/.carry/tok")
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  (cd /tmp && timeout 50 python3 -m pytest "$REPO/tests/engine/test_cuda_graphs.py" "$REPO/tests/engine/test_engine_gpu.py" \
+    -m gpu -q -p no:cacheprovider 2>&1 | tail -8) | tee "$OUT/gpu_tests.log"
+fi
+PIN=$(python3 - <<'PY'
+import torch
+bufs = []
+try:
+    while len(bufs) < 12:
+        bufs.append(torch.empty(8 * 2**30, dtype=torch.uint8, pin_memory=True))
+except Exception:
+    pass
+print(8 * len(bufs))
+PY
+)
+HOST=$(( PIN * 3 / 4 )); [ "$HOST" -gt 72 ] && HOST=72
+BATCH=$(( HOST / 17 )); [ "$BATCH" -gt 4 ] && BATCH=4; [ "$BATCH" -lt 1 ] && BATCH=1
+echo "pinnable host memory: >= $PIN GiB; host tier $HOST GiB; offline batch $BATCH" | tee -a "$OUT/gpu.txt"
+timeout 545 python3 benchmarks/e2e.py --gpu-kv-gib "${GPU_KV_GIB:-24}" --host-kv-gib "$HOST" --offline-batch "$BATCH" \
+  --deadline-s "${DEADLINE_S:-470}" "${TOK[@]}" --out "$OUT" 2>&1 | tee "$OUT/e2e.log"
