@@ -13,9 +13,34 @@ unified addressing.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from spin_cluster.kvcache.free_list import FreeList
+
+
+def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host tensor of exactly its own size.
+
+    ``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator, which
+    rounds every block up to a power of two: a 36 GiB tier asks the driver for 64 GiB and a
+    72 GiB cache fails on a 128 GiB machine. Plain host memory registered with the driver
+    (``cudaHostRegister``) pins exactly what it holds; it is unregistered when the tensor is
+    collected."""
+    t = torch.zeros(shape, dtype=dtype)  # zeros: a page's unwritten tail must not hold NaN bit patterns
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return t
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(
+            f"could not pin {nbytes / 2**30:.1f} GiB of host memory for the KV host tier (CUDA error {int(err)}); "
+            "lower cache.host_kv_gib"
+        )
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
 
 
 class HostTier:
@@ -38,8 +63,11 @@ class HostTier:
         self.page_size = page_size
         n = num_segments * segment_pages
         # [N_host, S, D] each
-        self.k_pages = torch.zeros(n, page_size, head_dim, dtype=dtype, pin_memory=pin_memory)
-        self.v_pages = torch.zeros(n, page_size, head_dim, dtype=dtype, pin_memory=pin_memory)
+        shape = (n, page_size, head_dim)
+        if pin_memory:
+            self.k_pages, self.v_pages = pinned_zeros(shape, dtype), pinned_zeros(shape, dtype)
+        else:
+            self.k_pages, self.v_pages = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
         self.free_list = FreeList(num_segments)
 
     @staticmethod
