@@ -1,5 +1,13 @@
 """``EngineServer``: one replica per node, wrapping that node's ``Engine``.
 
+With more than one head-parallel rank in the planner's plan (``serve.engine_ranks``, by
+default one per GPU of the replica), the engine is rank 0 of a head-parallel engine
+(``spin_cluster.parallel.serving.LeaderEngine``) over the node's GPUs (or CPU processes):
+ranks 1.. are follower processes of this replica that replay rank 0's calls, each owning
+the KV heads the planner placed on it. It keeps the ``Engine`` API, so the engine loop and
+everything below are the same for one rank or many. A follower that exits makes the health
+check fail (Serve replaces the replica); the replica's shutdown stops them.
+
     ingress ──generate(GenerateRequest)──▶ [validate, queue limit] ──submit──▶ EngineLoop thread
     ingress ◀──Admitted | Failed, Delta...── asyncio.Queue ◀──sink (call_soon_threadsafe)──┘
 
@@ -13,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,7 +32,7 @@ from ray.serve.handle import DeploymentHandle
 
 from spin_cluster.deployments.engine_loop import EngineLoop
 from spin_cluster.deployments.engine_stats import engine_report
-from spin_cluster.deployments.messages import Delta, EngineReport, Failed, GenerateRequest
+from spin_cluster.deployments.messages import Delta, EnginePlan, EngineReport, Failed, GenerateRequest
 from spin_cluster.deployments.settings import AppConfig
 
 logger = logging.getLogger(__name__)
@@ -59,22 +68,40 @@ def _param_of(message: str) -> str | None:
     return head if head.isidentifier() else None
 
 
+def _build_engine(spin: Any, plan: EnginePlan, timeout_s: float) -> Any:
+    """The plain ``Engine`` for a one-rank plan; else rank 0 of a head-parallel engine with
+    the plan's placement, its other ranks started as follower processes of this replica."""
+    ranks = len(plan.head_placement) if plan.head_placement else 1
+    if ranks == 1:
+        from spin_cluster.engine import Engine
+
+        return Engine(spin, progress=False)
+    from spin_cluster.hplb.placement import HeadPlacement
+    from spin_cluster.parallel.serving import start_head_parallel
+
+    placement = HeadPlacement.from_rank_heads(plan.head_placement)
+    return start_head_parallel(spin, placement, timeout_s=timeout_s)
+
+
 @serve.deployment(name="EngineServer")
 class EngineServer:
     async def __init__(self, config: AppConfig, planner: DeploymentHandle) -> None:
-        from spin_cluster.engine import Engine
-
         self._serve = config.serve
         self._planner = planner
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         plan = await planner.register.remote(self.replica_id)
         spin = config.spin.replace(sparse=plan.sparse)
-        self._engine = await asyncio.to_thread(Engine, spin, progress=False)
-        self._loop = EngineLoop(self._engine, idle_wait_s=self._serve.stats_interval_s)
-        self._report: EngineReport = engine_report(self._engine, self.replica_id)
-        self._report_s = 0.0
-        self._loop.on_step(self._refresh_report)
-        self._loop.start()
+        # A step's collectives may wait as long as a request may wait for its next token.
+        self._engine = await asyncio.to_thread(_build_engine, spin, plan, self._serve.token_timeout_s)
+        try:
+            self._loop = EngineLoop(self._engine, idle_wait_s=self._serve.stats_interval_s)
+            self._report: EngineReport = engine_report(self._engine, self.replica_id)
+            self._report_s = 0.0
+            self._loop.on_step(self._refresh_report)
+            self._loop.start()
+        except BaseException:  # Serve calls __del__ only once __init__ has returned
+            self._shutdown_engine(graceful=True)
+            raise
         self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
 
     # ---- requests ----------------------------------------------------------------------
@@ -125,9 +152,11 @@ class EngineServer:
 
         return await asyncio.wait_for(asyncio.wrap_future(self._loop.call(check)), self._serve.handle_timeout_s)
 
-    def replica_info(self) -> dict[str, str]:
-        """This replica's id and Ray actor name (what an operator passes to ``ray.kill``)."""
-        return {"replica_id": self.replica_id, "actor_name": ray.get_runtime_context().get_actor_name()}
+    def replica_info(self) -> dict[str, Any]:
+        """This replica's id and Ray actor name (what an operator passes to ``ray.kill``), its
+        process id, and the process ids of its head-parallel follower ranks (none with one rank)."""
+        return {"replica_id": self.replica_id, "actor_name": ray.get_runtime_context().get_actor_name(),
+                "pid": os.getpid(), "follower_pids": list(getattr(self._engine, "follower_pids", []))}
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes it replace the replica."""
@@ -135,11 +164,21 @@ class EngineServer:
             raise RuntimeError("the engine loop thread has stopped")
         if self._loop.failure is not None:
             raise RuntimeError(f"an engine step failed: {self._loop.failure}")
+        dead = getattr(self._engine, "dead_followers", dict)()
+        if dead:
+            raise RuntimeError(f"head-parallel follower ranks exited (rank: exit code): {dead}")
 
     def __del__(self) -> None:
         loop = getattr(self, "_loop", None)
         if loop is not None:
             loop.stop(timeout_s=1.0)
+        # "stop" goes over the control group only once the loop thread, its user, has ended.
+        self._shutdown_engine(graceful=loop is None or not loop.is_alive())
+
+    def _shutdown_engine(self, graceful: bool) -> None:
+        shutdown = getattr(getattr(self, "_engine", None), "shutdown", None)
+        if shutdown is not None:  # a head-parallel engine: stop its follower ranks
+            shutdown(graceful=graceful, timeout_s=2.0)
 
     # ---- reports ------------------------------------------------------------------------
 

@@ -46,10 +46,12 @@ def engine_report(engine: Any, replica_id: str) -> EngineReport:
             "buffer_hits": st.buffer_hits_total,
             "retrieved_bytes": st.retrieved_bytes_total,
             "evicted_pages": st.evicted_pages_total,
-            # Head-parallel attention is not split into ranks yet: one rank, no bubble.
+            # Head-parallel engines (rank 0's stats): the bubble summed over steps and layers,
+            # and each rank's attention seconds; a plain engine is one rank, never waiting.
             "attention_bubble_s": getattr(st, "attention_bubble_s_total", 0.0),
         },
-        attention_rank_s=dict(getattr(st, "attention_rank_s_total", None) or {"0": 0.0}),
+        attention_rank_s={**{str(r): 0.0 for r in range(getattr(engine, "num_ranks", 1))},
+                          **(getattr(st, "attention_rank_s_total", None) or {})},
     )
 
 

@@ -78,11 +78,13 @@ class EngineReport(KvUsage):
 
 @dataclass(frozen=True)
 class EnginePlan:
-    """What the planner tells an engine at start: its sparse settings (and, once S-HPLB
-    profiles are loaded, per-head budgets and the heads each rank owns)."""
+    """What the planner tells an engine at start: its sparse settings (with an S-HPLB
+    profile, per-head budgets) and the heads each of its head-parallel ranks owns."""
 
     sparse: dict[str, Any]
-    # rank (one per GPU of the engine) -> the (layer, KV head) pairs it owns; None: not planned.
+    # rank (the engine's head-parallel ranks: as many as it has keys) -> the (layer, KV head)
+    # pairs it owns; ``HeadPlacement.from_rank_heads`` turns it back into a placement. One
+    # rank: the plain engine. None: not planned (one rank).
     head_placement: dict[int, tuple[tuple[int, int], ...]] | None = None
     # max rank load / mean rank load - 1 of the placement; 0 when balanced or not placed.
     imbalance: float = 0.0

@@ -2,8 +2,9 @@
 
 The ingress owns it. Request latencies and token counts are observed by the ingress as the
 tokens stream through it; the engines' gauges and counters are pulled from the planner's
-cluster stats when ``/metrics`` is scraped. Every series carries ``model_name``. Series that
-nothing feeds yet (S-HPLB's rank times, bubble and imbalance) are exported at zero.
+cluster stats when ``/metrics`` is scraped. Every series carries ``model_name``. S-HPLB's
+rank times and bubble come from head-parallel engines (``serve.engine_ranks`` > 1) and stay at
+zero with one rank per engine; the imbalance is the planner's placement.
 """
 
 from __future__ import annotations

@@ -40,8 +40,10 @@ class ClusterPlanner:
         """S-HPLB for the whole cluster, decided once. With ``serve.hplb_profile``, the offline
         per-head profile turns the uniform ``sparse.budget`` into per-head budgets at the same
         total (max-min shifting, each head kept at ``serve.hplb_floor_fraction`` of uniform or
-        more). Either way the budgets' costs place each engine's heads on its ranks (one per
-        GPU) by greedy partitioning; the placement's imbalance is exported."""
+        more). Either way the budgets' costs place each engine's heads on its head-parallel
+        ranks (``AppConfig.ranks_per_engine``: ``serve.engine_ranks``, by default one per GPU)
+        by greedy partitioning; the engines run exactly this placement (one rank: every head
+        on rank 0, the plain engine), and its imbalance is exported."""
         spin, serve = self._config.spin, self._config.serve
         model_path = spin.model.resolved_path()
         mc = ModelConfig.from_folder(model_path)
@@ -53,11 +55,8 @@ class ClusterPlanner:
             budgets = maxmin_budgets(profile, uniform * mc.num_layers * mc.num_kv_heads,
                                      floor_tokens=int(serve.hplb_floor_fraction * uniform))
             spin = spin.replace(sparse={"per_head_budgets": budgets})
-        ranks = max(1, int(serve.engine_num_gpus))
-        placement = default_placement(spin, mc, ranks)
-        heads = {r: tuple((layer, h) for layer, row in enumerate(placement.kv_heads_of(r)) for h in row)
-                 for r in range(ranks)}
-        return EnginePlan(sparse=dataclasses.asdict(spin.sparse), head_placement=heads,
+        placement = default_placement(spin, mc, self._config.ranks_per_engine(mc.num_kv_heads))
+        return EnginePlan(sparse=dataclasses.asdict(spin.sparse), head_placement=placement.to_rank_heads(),
                           imbalance=placement.imbalance)
 
     # ---- engines ------------------------------------------------------------------------

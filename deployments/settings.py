@@ -34,6 +34,13 @@ class ServeOptions:
     # Logical Ray resources of one EngineServer replica; GPUs: that node's GPUs, >= 0.
     engine_num_cpus: float = 1.0
     engine_num_gpus: float = 0.0
+    # Head-parallel ranks of one EngineServer replica (S-HPLB): one process per rank, each
+    # attending with its share of the KV heads (the planner's placement) and summing the
+    # attention output with the others'. On GPUs rank r uses the replica's GPU r, so at most
+    # engine_num_gpus ranks; with engine_num_gpus 0 they are CPU processes. 1: the plain
+    # engine. null: one rank per GPU (at most one per KV head of the model), and 1 when the
+    # engine config cannot run head-parallel (cache.offload, block-sparse prefill). >= 1.
+    engine_ranks: int | None = None
     # Logical CPUs of the ingress and of the planner, > 0.
     ingress_num_cpus: float = 0.1
     planner_num_cpus: float = 0.1
@@ -61,6 +68,14 @@ class ServeOptions:
             raise ValueError(f"serve.num_engine_replicas={self.num_engine_replicas}: must be >= 1")
         if self.engine_num_cpus < 0 or self.engine_num_gpus < 0:
             raise ValueError("serve.engine_num_cpus and serve.engine_num_gpus must be >= 0")
+        if self.engine_ranks is not None:
+            if isinstance(self.engine_ranks, bool) or not isinstance(self.engine_ranks, int) or self.engine_ranks < 1:
+                raise ValueError(f"serve.engine_ranks={self.engine_ranks!r}: use an integer >= 1, or null")
+            if self.engine_num_gpus > 0 and self.engine_ranks > self.engine_num_gpus:
+                raise ValueError(
+                    f"serve.engine_ranks={self.engine_ranks} exceeds serve.engine_num_gpus={self.engine_num_gpus}: "
+                    "each head-parallel rank needs a GPU of its own"
+                )
         if self.ingress_num_cpus <= 0 or self.planner_num_cpus <= 0:
             raise ValueError("serve.ingress_num_cpus and serve.planner_num_cpus must be > 0")
         if self.max_body_bytes < 1024:
@@ -86,6 +101,22 @@ class AppConfig:
 
     def __post_init__(self) -> None:
         self.serve.validate()
+        ranks = self.serve.engine_ranks
+        refusal = self.spin.head_parallel_refusal()
+        if ranks is not None and ranks > 1 and refusal is not None:
+            raise ValueError(f"serve.engine_ranks={ranks}: {refusal}, or set serve.engine_ranks: 1")
+
+    def ranks_per_engine(self, num_kv_heads: int | None = None) -> int:
+        """Head-parallel ranks of one engine replica: ``serve.engine_ranks`` when set, else
+        one per GPU (``max(1, int(engine_num_gpus))``), at most ``num_kv_heads`` (the model's,
+        when given: a rank needs a head), and 1 when the engine config cannot run head-parallel
+        ranks (an offloaded cache keeps today's one engine per replica, whatever its GPUs)."""
+        if self.serve.engine_ranks is not None:
+            return self.serve.engine_ranks
+        if self.spin.head_parallel_refusal() is not None:
+            return 1
+        ranks = max(1, int(self.serve.engine_num_gpus))
+        return ranks if num_kv_heads is None else max(1, min(ranks, num_kv_heads))
 
     @property
     def model_name(self) -> str:

@@ -246,6 +246,18 @@ class SpinConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def head_parallel_refusal(self) -> str | None:
+        """Why head-parallel ranks (``spin_cluster.parallel``) cannot run this config, or None.
+
+        They support the GPU-only paged cache (dense attention) and dense prefill for now;
+        the engine refuses the rest with this message, and the serving config checks it
+        before any engine starts."""
+        if self.cache.offload:
+            return "head-parallel ranks support the GPU-only paged cache only for now: set cache.offload=false"
+        if self.sparse.prefill.algorithm != "dense":
+            return "head-parallel ranks support dense prefill only for now: set sparse.prefill.algorithm=dense"
+        return None
+
     def replace(self, **sections: Any) -> SpinConfig:
         """Copy with some sections' fields replaced: ``cfg.replace(model={"path": p})``."""
         parts = {}

@@ -31,7 +31,7 @@ budget, so a rank's pages follow its number of heads, not its cost.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 PLACEMENT_METHODS = ("greedy", "contiguous")
@@ -103,6 +103,49 @@ class HeadPlacement:
             "costs": [list(row) for row in self.costs],
             "method": self.method,
         }
+
+    def to_rank_heads(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        """{rank: ((layer, KV head), ...)}: the heads each rank owns, layer by layer, ascending."""
+        return {
+            r: tuple((layer, h) for layer, row in enumerate(self.kv_heads_of(r)) for h in row)
+            for r in range(self.num_ranks)
+        }
+
+    @classmethod
+    def from_rank_heads(
+        cls,
+        rank_heads: Mapping[int, Iterable[tuple[int, int]]],
+        costs: Sequence[Sequence[float]] | None = None,
+        method: str = "given",
+    ) -> HeadPlacement:
+        """The inverse of ``to_rank_heads``: ranks 0 .. R-1, each (layer, KV head) of an
+        [L][Hkv] grid owned by exactly one of them (L and Hkv: the largest ids + 1).
+
+        costs: [L][Hkv]; None gives every head cost 1 (a rank -> heads mapping does not carry
+        the costs it was balanced by, so ``makespan`` then counts heads)."""
+        ranks = sorted(rank_heads)
+        if not ranks or ranks != list(range(len(ranks))):
+            raise ValueError(f"rank_heads must have the ranks 0 .. R-1 as keys, got {ranks}")
+        owner: dict[tuple[int, int], int] = {}
+        for r in ranks:
+            for layer, h in rank_heads[r]:
+                pair = (int(layer), int(h))
+                if min(pair) < 0:
+                    raise ValueError(f"(layer, KV head) {pair}: ids must be >= 0")
+                if pair in owner:
+                    raise ValueError(f"(layer, KV head) {pair} is owned by ranks {owner[pair]} and {r}")
+                owner[pair] = r
+        if not owner:
+            raise ValueError("rank_heads owns no head")
+        num_layers = 1 + max(layer for layer, _ in owner)
+        num_kv_heads = 1 + max(h for _, h in owner)
+        missing = [(layer, h) for layer in range(num_layers) for h in range(num_kv_heads) if (layer, h) not in owner]
+        if missing:
+            raise ValueError(f"(layer, KV head) pairs {missing[:5]} are owned by no rank")
+        rows = [[owner[(layer, h)] for h in range(num_kv_heads)] for layer in range(num_layers)]
+        if costs is None:
+            costs = [[1] * num_kv_heads] * num_layers
+        return cls(len(ranks), rows, costs, method)
 
     @classmethod
     def from_dict(cls, data: dict) -> HeadPlacement:

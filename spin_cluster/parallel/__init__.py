@@ -3,6 +3,10 @@
 Every rank runs the same engine on the same requests (SPMD); its model holds only the
 attention heads a ``HeadPlacement`` gives it, its KV cache only their pages, and the
 attention block's output projection is summed across ranks.
+
+``launch_generate`` runs ranks offline; ``spin_cluster.parallel.serving`` runs them behind a
+server (rank 0 in the serving process, the others as follower processes). The latter is not
+imported here: each follower runs it with ``python -m``.
 """
 
 from spin_cluster.parallel.engine import HeadParallelEngine, default_placement

@@ -71,14 +71,9 @@ class HeadParallelEngine(Engine):
                 "HeadParallelEngine needs torch.distributed initialised (one process per rank); "
                 "use spin_cluster.parallel.launch_generate or init_process_group first"
             )
-        if config.cache.offload:
-            raise ValueError(
-                "head-parallel ranks support the GPU-only paged cache only for now: set cache.offload=false"
-            )
-        if config.sparse.prefill.algorithm != "dense":
-            raise ValueError(
-                "head-parallel ranks support dense prefill only for now: set sparse.prefill.algorithm=dense"
-            )
+        refusal = config.head_parallel_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)

@@ -48,17 +48,39 @@ def _smollm2_profile(path, model_path, mass_of=None):
     return str(path)
 
 
-def test_a_profile_gives_per_head_budgets_at_the_same_total_placed_on_the_gpus(tmp_path, smollm2_path):
+def test_a_profile_gives_per_head_budgets_at_the_same_total(tmp_path, smollm2_path):
     profile = _smollm2_profile(tmp_path / "profile.json", smollm2_path)
     planner = _planner(hplb_profile=profile, engine_num_gpus=2)
     plan = planner.register("a")
     budgets = np.array(plan.sparse["per_head_budgets"])
     assert budgets.shape == (30, 3) and budgets.sum() == 256 * 90  # max-min keeps the total
     assert budgets.min() >= 64 and budgets.max() > 256 and (budgets % 16 == 0).all()  # floors, shifted, pages
+    # Spin's offloaded cache runs one rank per engine whatever its GPUs: every head on rank 0.
+    assert set(plan.head_placement) == {0} and len(plan.head_placement[0]) == 30 * 3
+    assert plan.imbalance == 0.0 == planner.cluster_stats().head_placement_imbalance
+
+
+@pytest.mark.parametrize("serve, ranks", [
+    ({"engine_num_gpus": 2}, 2),  # one rank per GPU
+    ({"engine_ranks": 2}, 2),  # CPU processes
+    ({"engine_num_gpus": 8}, 3),  # at most one per KV head: SmolLM2 has 3
+])
+def test_the_heads_are_placed_on_the_engines_ranks(smollm2_path, serve, ranks):
+    planner = ClusterPlanner(load_app_config({"config": "default", "model": {"path": smollm2_path},
+                                              "serve": serve}))
+    plan = planner.register("a")
     owned = sorted(pair for heads in plan.head_placement.values() for pair in heads)
-    assert set(plan.head_placement) == {0, 1} and owned == [(lay, h) for lay in range(30) for h in range(3)]
-    assert 0 <= plan.imbalance < 0.5
+    assert set(plan.head_placement) == set(range(ranks)) and owned == [(lay, h) for lay in range(30) for h in range(3)]
+    assert all(plan.head_placement.values())  # every rank attends with some heads
+    # Uniform budgets: the contiguous split, 3 KV heads per layer over the ranks.
+    assert plan.imbalance == pytest.approx(2 / 1.5 - 1 if ranks == 2 else 0.0)
     assert planner.cluster_stats().head_placement_imbalance == plan.imbalance
+
+
+def test_more_ranks_than_kv_heads_are_refused(smollm2_path):
+    with pytest.raises(ValueError, match=r"use 1 \.\. 3 ranks"):
+        ClusterPlanner(load_app_config({"config": "default", "model": {"path": smollm2_path},
+                                        "serve": {"engine_ranks": 4}}))
 
 
 def test_a_profile_of_another_model_is_refused(tmp_path):

@@ -62,3 +62,30 @@ def test_generated_serve_config_passes_rays_schema(name):
     assert isinstance(app, ServeApplicationSchema)
     assert app.import_path == IMPORT_PATH and app.args == args
     assert isinstance(build_app(app.args), Application)  # what Serve calls with those args
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"serve": {"engine_ranks": 0}}, r"serve.engine_ranks=0: use an integer >= 1"),
+    ({"serve": {"engine_ranks": 1.5}}, r"serve.engine_ranks=1.5: use an integer >= 1"),
+    ({"serve": {"engine_ranks": 4, "engine_num_gpus": 2}}, "exceeds serve.engine_num_gpus=2: each head-parallel rank"),
+    ({"config": "spin-quest", "serve": {"engine_ranks": 2}}, r"engine_ranks=2: .*set cache.offload=false"),
+    ({"sparse": {"prefill": {"algorithm": "block"}}, "serve": {"engine_ranks": 2}},
+     "set sparse.prefill.algorithm=dense"),
+])
+def test_bad_engine_ranks_say_what_to_change(bad, words):
+    with pytest.raises(ValueError, match=words):
+        load_app_config(bad)
+
+
+@pytest.mark.parametrize("args, num_kv_heads, ranks", [
+    ({}, None, 1),  # the default: no GPU, the plain engine
+    ({"serve": {"engine_num_gpus": 4}}, None, 4),  # one rank per GPU
+    ({"serve": {"engine_num_gpus": 8}}, 3, 3),  # ... at most one per KV head
+    ({"serve": {"engine_num_gpus": 0.5}}, None, 1),
+    ({"serve": {"engine_num_gpus": 4, "engine_ranks": 2}}, None, 2),
+    ({"serve": {"engine_ranks": 2}}, 3, 2),  # CPU processes
+    ({"serve": {"engine_ranks": 1, "engine_num_gpus": 8}}, None, 1),
+    ({"config": "spin-quest", "serve": {"engine_num_gpus": 8}}, 3, 1),  # offloaded: one engine, as before
+])
+def test_ranks_per_engine(args, num_kv_heads, ranks):
+    assert load_app_config(args).ranks_per_engine(num_kv_heads) == ranks

@@ -108,9 +108,26 @@ def test_placement_round_trips_through_json_and_is_frozen():
         placement.num_ranks = 3
 
 
+def test_placement_round_trips_through_rank_heads():
+    """The planner hands engines {rank: ((layer, KV head), ...)}; the engine rebuilds the placement."""
+    placement = place_heads([[4, 3, 2, 1], [1, 2, 3, 4]], 2)
+    heads = placement.to_rank_heads()
+    assert set(heads) == {0, 1}
+    assert sorted(p for pairs in heads.values() for p in pairs) == [(lay, h) for lay in range(2) for h in range(4)]
+    assert all(pair in heads[placement.kv_head_to_rank[pair[0]][pair[1]]] for pair in heads[0] + heads[1])
+    again = HeadPlacement.from_rank_heads(heads, placement.costs, placement.method)
+    assert again == placement
+    unit = HeadPlacement.from_rank_heads({1: [(0, 1)], 0: [(0, 0)]})
+    assert unit.kv_head_to_rank == ((0, 1),) and unit.costs == ((1, 1),)
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
+        (lambda: HeadPlacement.from_rank_heads({0: [(0, 0)], 2: [(0, 1)]}), r"ranks 0 \.\. R-1 as keys"),
+        (lambda: HeadPlacement.from_rank_heads({0: [(0, 0), (0, 1)], 1: [(0, 1)]}), r"owned by ranks 0 and 1"),
+        (lambda: HeadPlacement.from_rank_heads({0: [(0, 0)], 1: [(1, 1)]}),
+         r"\(0, 1\), \(1, 0\)\] are owned by no rank"),
         (lambda: place_heads([[1, 2]], 3), "use 1 .. 2 ranks"),
         (lambda: place_heads([[1, 2]], 2, method="random"), "choose one of greedy, contiguous"),
         (lambda: HeadPlacement(2, [[0, 2]], [[1, 1]]), r"ranks \[2\] are outside"),
