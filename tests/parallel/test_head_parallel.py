@@ -142,3 +142,18 @@ def test_one_nccl_rank_gives_the_tokens_of_the_engine(four_kv_head_llama):
     result = launch_generate(cfg, PROMPTS, params, num_ranks=1)
     assert [o.token_ids for o in result.outputs] == expected
     assert result.attention_rank_s[0] > 0 and result.attention_bubble_s == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("layout", ["interleaved", "greedy"])
+def test_two_nccl_ranks_on_two_gpus_give_the_tokens_of_one_gpu(four_kv_head_llama, layout):
+    """NCCL between two GPUs, one process per GPU: the same greedy tokens as the one-GPU engine,
+    with a non-contiguous placement and with the default (greedy) one."""
+    cfg = _config(four_kv_head_llama).replace(model={"device": "cuda"})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in Engine(cfg, progress=False).generate(PROMPTS, params)]
+    placement = HeadPlacement(2, INTERLEAVED, [[1] * 4] * 3) if layout == "interleaved" else None
+    result = launch_generate(cfg, PROMPTS, params, num_ranks=2, placement=placement)
+    assert [o.token_ids for o in result.outputs] == expected
+    assert all(s > 0 for s in result.attention_rank_s)
