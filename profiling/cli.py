@@ -48,6 +48,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="maxmin: each head keeps at least this share of the uniform budget (default: %(default)s)")
     p.add_argument("--sink-tokens", type=int, default=d.sink_tokens)
     p.add_argument("--local-tokens", type=int, default=d.local_tokens)
+    p.add_argument("--dense-layers", type=int, default=d.dense_layers,
+                   help="sparse methods: the first N layers attend densely (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="greedy tokens per answer")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests running at once per engine")
     p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
@@ -74,7 +76,8 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         samples_per_task=args.samples, algorithms=tuple(args.algorithms), budgets=tuple(args.budgets),
         budget_modes=tuple(args.budget_modes), top_p=args.top_p, profile_path=args.profile,
         floor_fraction=args.floor_fraction,
-        sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, max_tokens=args.max_tokens,
+        sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, dense_layers=args.dense_layers,
+        max_tokens=args.max_tokens,
         max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens, device=args.device, dtype=args.dtype,
         dense_threshold=args.dense_threshold, seed=args.seed,
     )

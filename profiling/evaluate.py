@@ -61,6 +61,8 @@ class EvalConfig:
     # Always-kept first / last tokens of every sparse method, >= 0.
     sink_tokens: int = 16
     local_tokens: int = 64
+    # sparse.dense_layers of every sparse method: its first N layers attend densely.
+    dense_layers: int = 0
     # Greedy tokens generated per prompt, >= 1.
     max_tokens: int = 48
     # Requests running at once per engine (the rest queue), >= 1. Host/GPU KV is sized for it.
@@ -95,8 +97,8 @@ class EvalConfig:
             )
         if not 0 <= self.dense_threshold <= 1:
             raise ValueError(f"dense_threshold={self.dense_threshold}: use 0..1")
-        if self.sink_tokens < 0 or self.local_tokens < 0:
-            raise ValueError("sink_tokens and local_tokens must be >= 0")
+        if self.sink_tokens < 0 or self.local_tokens < 0 or self.dense_layers < 0:
+            raise ValueError("sink_tokens, local_tokens and dense_layers must be >= 0")
         if not 0 < self.top_p <= 1 or not 0 <= self.floor_fraction <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] and floor_fraction={self.floor_fraction} in 0..1")
         if "maxmin" in self.budget_modes and not self.profile_path:
@@ -284,6 +286,8 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
     """The engine config of ``method`` for prompts of up to ``length`` tokens (with answer);
     ``calibration`` (``sparse.prefill.PrefillCalibration``) for sparse-prefill methods."""
     sparse = method.sparse_options(length, config.sink_tokens, config.local_tokens)
+    if method.offloaded and config.dense_layers:
+        sparse["dense_layers"] = config.dense_layers
     if method.prefill:
         sparse["prefill"] = _prefill_options(config, method, calibration)
     profile = _head_profile(config.profile_path, model_path) if method.budget_mode == "maxmin" else None

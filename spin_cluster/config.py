@@ -168,6 +168,11 @@ class SparseConfig:
     # Always-kept first tokens (attention sinks) and last tokens (local window), >= 0.
     sink_tokens: int = 16
     local_tokens: int = 64
+    # The first N decoder layers attend densely (Quest and ShadowKV leave the first layers,
+    # whose attention is the least sparse, dense). On the offloaded cache these layers read
+    # the whole context from the host tier each decode step (PCIe traffic of N/L of a dense
+    # offload step); the other layers select. 0: every layer selects.
+    dense_layers: int = 0
     # Optional per-(layer, KV head) budgets in tokens, [L][Hkv]; overrides budget.
     per_head_budgets: tuple[tuple[int, ...], ...] | None = None
     # Online top-p Select in (0, 1]: per step each head takes the fewest top pages whose
@@ -186,6 +191,8 @@ class SparseConfig:
             raise ValueError(f"sparse.budget={self.budget}: must be > 0 (tokens, or a fraction of the context)")
         if self.sink_tokens < 0 or self.local_tokens < 0:
             raise ValueError("sparse.sink_tokens and sparse.local_tokens must be >= 0")
+        if self.dense_layers < 0:
+            raise ValueError(f"sparse.dense_layers={self.dense_layers}: must be >= 0 (the first N layers attend densely)")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"sparse.top_p={self.top_p}: use a mass in (0, 1], or null for top-k")
         if self.options is not None and not isinstance(self.options, dict):

@@ -56,6 +56,9 @@ class SpinStepPlan:
     decode_rows: torch.Tensor | None  # [Bd]
     select: tuple[SelectPlan, ...] | None  # per layer (budgets may differ per layer)
     prefill: tuple[SpinPrefill, ...]
+    # sparse.dense_layers: each decode row as a one-token chunk over its whole context,
+    # gathered from the host tier in the dense layers (empty when there are none).
+    dense_decode: tuple[SpinPrefill, ...] = ()
 
 
 class SpinAttention:
@@ -74,6 +77,9 @@ class SpinAttention:
         self._retrieve = retrieve.retrieve_pages if on_cuda else retrieve.retrieve_pages_ref
         self._side = torch.cuda.Stream(dev) if on_cuda else None
         S = kv.page_size
+        if sparse.dense_layers > kv.num_layers:
+            raise ValueError(f"sparse.dense_layers={sparse.dense_layers}: the model has {kv.num_layers} layers")
+        self.dense_layers = 0 if algorithm.selects_all else sparse.dense_layers
         self.sink_pages = -(-sparse.sink_tokens // S)
         self.local_pages = max(1, -(-sparse.local_tokens // S))  # the tail page is always local
         self.plan: SpinStepPlan | None = None
@@ -124,6 +130,7 @@ class SpinAttention:
                 top_p=self.sparse.top_p,
             )
             select = self._layer_select_plans(select)
+        dense_decode = tuple(self._prefill_plan(c, i) for i, c in enumerate(decode)) if self.dense_layers else ()
         prefill, start = [], bd
         for c in chunks[bd:]:
             prefill.append(self._prefill_plan(c, start))
@@ -135,6 +142,7 @@ class SpinAttention:
             decode_rows=rows,
             select=select,
             prefill=tuple(prefill),
+            dense_decode=dense_decode,
         )
         self.step_index += 1
 
@@ -193,6 +201,12 @@ class SpinAttention:
     def _decode_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         """q [Bd, H, D]; k, v [Bd, Hkv, D] of the new tokens; writes out [Bd, H, D]."""
         plan, kv = self.plan, self.kv
+        if layer < self.dense_layers:  # a dense layer: every row over its whole context
+            for seg in plan.dense_decode:
+                rows = slice(seg.token_start, seg.token_start + 1)
+                k_ctx, v_ctx = self._gather_context(layer, seg)
+                out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, seg.context_start, None, layer)
+            return
         sel = plan.select[layer]
         # No wait for this layer's host write: Retrieve may copy the tail page without the new
         # token, and the write-through below puts it into the slot after Retrieve, on this

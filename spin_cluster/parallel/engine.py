@@ -45,6 +45,9 @@ def default_placement(config: SpinConfig, mc: ModelConfig, num_ranks: int, metho
         raise ValueError(
             f"sparse.per_head_budgets must be [{mc.num_layers}][{mc.num_kv_heads}] (layers x KV heads) for this model"
         )
+    # Dense layers (sparse.dense_layers) read the whole context whatever their budgets say.
+    budgets = [[context] * mc.num_kv_heads if layer < sp.dense_layers else list(row)
+               for layer, row in enumerate(budgets)]
     costs = head_costs(
         budgets, sink_tokens=sp.sink_tokens, local_tokens=sp.local_tokens,
         num_kv_groups=mc.num_kv_groups, context_tokens=context,
