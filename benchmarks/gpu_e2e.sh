@@ -5,7 +5,7 @@
 # 3/4 of the memory this machine lets us pin (probed first, 8 GiB at a time, at most 72 GiB),
 # and the offline batch is what that tier holds at 128K (at most 4). The tokenizer comes from
 # .carry/tok when carried, else from the prepared default model. Results land in $OUT:
-# gpu.txt, gpu_tests.log, e2e.{json,md,png,log}. Env: MODES (a subset), HOST_KV_GIB (skip the
+# gpu.txt, gpu_tests.log, e2e.{json,md,png,log}. Env: MODES, WORKLOADS (subsets), HOST_KV_GIB (skip the
 # probe), DEADLINE_S, GPU_TESTS=0.
 set -o pipefail
 source benchmarks/gpu_setup.sh
@@ -33,5 +33,6 @@ HOST=$(( PIN * 3 / 4 )); [ "$HOST" -gt 72 ] && HOST=72
 BATCH=$(( HOST / 17 )); [ "$BATCH" -gt 4 ] && BATCH=4; [ "$BATCH" -lt 1 ] && BATCH=1
 echo "pinnable host memory: >= $PIN GiB; host tier $HOST GiB; offline batch $BATCH" | tee -a "$OUT/gpu.txt"
 MODES_ARG=(); [ -n "$MODES" ] && MODES_ARG=(--modes $MODES)
-timeout 545 python3 benchmarks/e2e.py "${MODES_ARG[@]}" --gpu-kv-gib "${GPU_KV_GIB:-24}" --host-kv-gib "$HOST" --offline-batch "$BATCH" \
+WL_ARG=(); [ -n "$WORKLOADS" ] && WL_ARG=(--workloads $WORKLOADS)
+timeout 545 python3 benchmarks/e2e.py "${MODES_ARG[@]}" "${WL_ARG[@]}" --gpu-kv-gib "${GPU_KV_GIB:-24}" --host-kv-gib "$HOST" --offline-batch "$BATCH" \
   --deadline-s "${DEADLINE_S:-470}" "${TOK[@]}" --out "$OUT" 2>&1 | tee "$OUT/e2e.log"

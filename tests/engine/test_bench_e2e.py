@@ -29,3 +29,11 @@ def test_e2e_tiny_runs_every_mode_and_workload(tmp_path):
     assert offline["spin"]["buffer_hits_total"] > offline["spin"]["buffer_misses_total"]
     assert "| offline-384 | spin |" in (tmp_path / "e2e.md").read_text()
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path):
+    bench = runpy.run_path(str(BENCH), run_name="e2e")
+    with pytest.raises(SystemExit, match="unknown workload"):
+        bench["main"](["--tiny", "--workloads", "offline-1M", "--out", str(tmp_path)])
+    result = bench["main"](["--tiny", "--modes", "spin", "--workloads", "online-16rps", "--out", str(tmp_path)])
+    assert list(result["workloads"]) == ["online-16rps"] and list(result["workloads"]["online-16rps"]) == ["spin"]
