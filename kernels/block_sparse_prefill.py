@@ -35,11 +35,11 @@ This module imports only torch (and Triton, lazily).
 
 from __future__ import annotations
 
-import functools
-import os
 
 import torch
 import torch.nn.functional as F
+
+from ._triton_support import interpreter_requested, load_kernel_module
 
 __all__ = [
     "block_sparse_prefill",
@@ -157,16 +157,8 @@ def block_sparse_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 # --------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
 def _load_kernels():
-    try:
-        from . import _block_sparse_prefill_kernel as kmod
-    except ImportError as e:
-        raise RuntimeError(
-            f"block_sparse_prefill needs Triton, which could not be imported ({e}); "
-            "use block_sparse_prefill_ref instead"
-        ) from e
-    return kmod
+    return load_kernel_module("_block_sparse_prefill_kernel", "block_sparse_prefill", "block_sparse_prefill_ref")
 
 
 def _launch_config(block_size: int, D_PAD: int) -> tuple[int, int, int]:
@@ -199,7 +191,7 @@ def block_sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
     kmod = _load_kernels()
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = interpreter_requested()
     if q.device.type != "cuda" and not interpreted:
         raise ValueError(f"the Triton kernel needs CUDA tensors (got {q.device}); on the CPU set "
                          "TRITON_INTERPRET=1 before Triton is imported, or use block_sparse_prefill_ref")

@@ -30,9 +30,10 @@ This module imports only torch (and Triton, lazily): it must not import ``spin_c
 
 from __future__ import annotations
 
-import functools
 
 import torch
+
+from ._triton_support import is_interpreted, load_kernel_module, next_pow2, triton_importable
 
 __all__ = [
     "bucketed_lru_victims",
@@ -180,33 +181,15 @@ def bucketed_lru_victims_ref(
 # --------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
+_KERNELS = ("_bucketed_lru_kernel", "bucketed_lru_victims", "bucketed_lru_victims_ref")
+
+
 def _load_kernels():
-    """Import the Triton bodies (lazily: the reference must work without Triton)."""
-    try:
-        from . import _bucketed_lru_kernel as kmod
-    except ImportError as e:  # triton missing or broken
-        raise RuntimeError(
-            f"bucketed_lru_victims needs Triton, which could not be imported ({e}); "
-            "use bucketed_lru_victims_ref instead"
-        ) from e
-    return kmod
+    return load_kernel_module(*_KERNELS)
 
 
 def triton_available() -> bool:
-    try:
-        _load_kernels()
-    except RuntimeError:
-        return False
-    return True
-
-
-def _is_interpreted(kernel) -> bool:
-    return type(kernel).__name__ == "InterpretedFunction"
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+    return triton_importable(*_KERNELS)
 
 
 def _row_arg(x, dummy):
@@ -233,7 +216,7 @@ def bucketed_lru_victims(
         if t.shape[1] > 1 and t.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous along its last dimension")
     kmod = _load_kernels()
-    interpreted = _is_interpreted(kmod._lru_mark)
+    interpreted = is_interpreted(kmod._lru_mark)
     dev = last_use.device
     if dev.type != "cuda" and not interpreted:
         raise ValueError(
@@ -246,8 +229,8 @@ def bucketed_lru_victims(
     if B == 0:
         return victims, num_victims
     nb, width = int(num_buckets), int(bucket_width)
-    nb_pad = _next_pow2(nb)
-    block = min(_BLOCK, max(16, _next_pow2(N)))
+    nb_pad = next_pow2(nb)
+    block = min(_BLOCK, max(16, next_pow2(N)))
     num_blocks = max(1, -(-N // block))
     hist = torch.empty(B, num_blocks, nb_pad, dtype=torch.int32, device=dev)
     block_off = torch.empty(B, num_blocks, dtype=torch.int32, device=dev)

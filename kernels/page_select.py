@@ -36,9 +36,10 @@ host. This module imports only torch (and Triton, lazily).
 
 from __future__ import annotations
 
-import functools
 
 import torch
+
+from ._triton_support import interpreter_requested, load_kernel_module
 
 __all__ = ["page_scores", "page_scores_ref", "select_ragged", "select_ragged_ref", "topk_ragged", "topk_ragged_ref"]
 
@@ -92,22 +93,13 @@ def topk_ragged_ref(scores: torch.Tensor, budgets: torch.Tensor, k: int) -> torc
     return out
 
 
-@functools.lru_cache(maxsize=1)
 def _kernels():
-    from . import _page_select_kernel as kmod
-
-    return kmod
-
-
-def _interpreted() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return load_kernel_module("_page_select_kernel", "the Triton Select kernels", "their *_ref functions")
 
 
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     _check_scores(q, kmin, kmax, pages)
-    if q.device.type != "cuda" and not _interpreted():
+    if q.device.type != "cuda" and not interpreter_requested():
         raise ValueError("the Triton page-score kernel needs CUDA tensors (or TRITON_INTERPRET=1); use page_scores_ref")
     B, H, D = q.shape
     hkv, P = kmin.shape[1], pages.shape[1]
@@ -132,7 +124,7 @@ def topk_ragged(scores: torch.Tensor, budgets: torch.Tensor, k: int) -> torch.Te
     pages above it (and the lowest-index ties) compacted by a prefix sum. One program per
     row, up to 16K pages (256K tokens at S=16)."""
     _check_topk(scores, budgets, k)
-    if scores.device.type != "cuda" and not _interpreted():
+    if scores.device.type != "cuda" and not interpreter_requested():
         raise ValueError("the Triton top-k kernel needs CUDA tensors (or TRITON_INTERPRET=1); use topk_ragged_ref")
     B, hkv, P = scores.shape
     if P > MAX_ROW_PAGES:
@@ -185,7 +177,7 @@ def select_ragged(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int
     """Triton: one program per (request, KV head) row: the edge masks, the radix-select
     threshold of ``topk_ragged`` over the middle pages, and the compaction, in one launch."""
     _check_select(scores, num_pages, sink_pages, local_pages, budgets, width)
-    if scores.device.type != "cuda" and not _interpreted():
+    if scores.device.type != "cuda" and not interpreter_requested():
         raise ValueError("the Triton Select kernel needs CUDA tensors (or TRITON_INTERPRET=1); use select_ragged_ref")
     B, hkv, P = scores.shape
     if P > MAX_ROW_PAGES:

@@ -35,6 +35,8 @@ import math
 
 import torch
 
+from ._triton_support import is_interpreted, load_kernel_module, next_pow2, triton_importable
+
 __all__ = [
     "paged_decode_attention",
     "paged_decode_attention_ref",
@@ -249,29 +251,15 @@ def _ref_finish(result: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None)
 # --------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
+_KERNELS = ("_paged_decode_kernel", "paged_decode_attention", "paged_decode_attention_ref")
+
+
 def _load_kernels():
-    """Import the Triton bodies (lazily: the reference must work without Triton)."""
-    try:
-        from . import _paged_decode_kernel as kmod
-    except ImportError as e:  # triton missing or broken
-        raise RuntimeError(
-            "paged_decode_attention needs Triton, which could not be imported "
-            f"({e}); use paged_decode_attention_ref instead"
-        ) from e
-    return kmod
+    return load_kernel_module(*_KERNELS)
 
 
 def triton_available() -> bool:
-    try:
-        _load_kernels()
-    except RuntimeError:
-        return False
-    return True
-
-
-def _is_interpreted(kernel) -> bool:
-    return type(kernel).__name__ == "InterpretedFunction"
+    return triton_importable(*_KERNELS)
 
 
 @functools.lru_cache(maxsize=16)
@@ -279,8 +267,6 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: int) -> int:
@@ -347,7 +333,7 @@ def paged_decode_attention(
     if not seq_lens.is_contiguous():
         raise ValueError("seq_lens must be contiguous")
 
-    D_PAD = max(16, _next_pow2(D))
+    D_PAD = max(16, next_pow2(D))
     if block_n is None:
         block_n = 64 if D_PAD <= 128 else 32
     if block_n < 16 or block_n & (block_n - 1):
@@ -362,7 +348,7 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
 
     kmod = _load_kernels()
-    interpreted = _is_interpreted(kmod._paged_decode_fwd)
+    interpreted = is_interpreted(kmod._paged_decode_fwd)
     if q.device.type != "cuda" and not interpreted:
         raise ValueError(
             f"the Triton kernel needs CUDA tensors (got {q.device}); on the CPU set "
@@ -380,7 +366,7 @@ def paged_decode_attention(
     else:
         part_o = part_lse = out  # unused by the kernel
 
-    G_PAD = max(16, _next_pow2(G))
+    G_PAD = max(16, next_pow2(G))
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     kmod._paged_decode_fwd[(B * Hkv, num_splits)](
         q,
@@ -430,7 +416,7 @@ def paged_decode_attention(
             D=D,
             D_PAD=D_PAD,
             NUM_SPLITS=num_splits,
-            SPLITS_PAD=_next_pow2(num_splits),
+            SPLITS_PAD=next_pow2(num_splits),
             num_warps=4,
         )
     return out

@@ -40,9 +40,10 @@ This module imports only torch (and Triton, lazily): it must not import ``spin_c
 
 from __future__ import annotations
 
-import functools
 
 import torch
+
+from ._triton_support import is_interpreted, load_kernel_module, next_pow2, triton_importable
 
 __all__ = ["retrieve_pages", "retrieve_pages_ref", "triton_available"]
 
@@ -194,33 +195,15 @@ def retrieve_pages_ref(
 # --------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
+_KERNELS = ("_retrieve_kernel", "retrieve_pages", "retrieve_pages_ref")
+
+
 def _load_kernel():
-    """Import the Triton body (lazily: the reference must work without Triton)."""
-    try:
-        from . import _retrieve_kernel as kmod
-    except ImportError as e:  # triton missing or broken
-        raise RuntimeError(
-            f"retrieve_pages needs Triton, which could not be imported ({e}); "
-            "use retrieve_pages_ref instead"
-        ) from e
-    return kmod
+    return load_kernel_module(*_KERNELS)
 
 
 def triton_available() -> bool:
-    try:
-        _load_kernel()
-    except RuntimeError:
-        return False
-    return True
-
-
-def _is_interpreted(kernel) -> bool:
-    return type(kernel).__name__ == "InterpretedFunction"
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+    return triton_importable(*_KERNELS)
 
 
 def retrieve_pages(
@@ -244,7 +227,7 @@ def retrieve_pages(
     """
     M = _check_inputs(src_k, src_v, dst_k, dst_v, src_ids, dst_ids, count)
     kmod = _load_kernel()
-    interpreted = _is_interpreted(kmod._retrieve_pages)
+    interpreted = is_interpreted(kmod._retrieve_pages)
     if dst_k.device.type != "cuda" and not interpreted:
         raise ValueError(
             f"the Triton kernel needs a CUDA destination (got {dst_k.device}); on the CPU set "
@@ -252,7 +235,7 @@ def retrieve_pages(
         )
     page_numel = src_k.shape[1] * src_k.shape[2]
     if block is None:
-        block = min(_next_pow2(page_numel), _MAX_BLOCK)
+        block = min(next_pow2(page_numel), _MAX_BLOCK)
     if block < 1 or block & (block - 1):
         raise ValueError(f"block must be a power of 2, got {block}")
     if M == 0 or page_numel == 0:

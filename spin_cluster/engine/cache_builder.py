@@ -46,7 +46,7 @@ def build_cache(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, device:
             )
         kv = KVCacheManager(
             num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            page_size=config.cache.page_size, num_pages=_num_gpu_pages(config, mc, dtype, device, max_model_len),
+            page_size=config.cache.page_size, num_pages=num_gpu_pages(config, mc, dtype, device, max_model_len),
             max_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
         )
         return kv, PagedAttention(kv, decode_attention, _sparse_prefill(config, mc, device))
@@ -125,7 +125,7 @@ def _gpu_budget_bytes(config: SpinConfig, device: torch.device) -> float:
     return _CPU_DEFAULT_KV_GIB * 2**30
 
 
-def _num_gpu_pages(config: SpinConfig, mc: ModelConfig, dtype, device, max_model_len: int) -> int:
+def num_gpu_pages(config: SpinConfig, mc: ModelConfig, dtype, device, max_model_len: int) -> int:
     page_bytes = PagePool.bytes_per_page(config.cache.page_size, mc.head_dim, dtype)
     per_token_page = mc.num_layers * mc.num_kv_heads
     # Never more than every request slot could use at full length.

@@ -24,7 +24,7 @@ import dataclasses
 import torch.distributed as dist
 
 from spin_cluster.config import SpinConfig
-from spin_cluster.engine.cache_builder import _num_gpu_pages, build_cache
+from spin_cluster.engine.cache_builder import build_cache, num_gpu_pages
 from spin_cluster.engine.engine import Engine
 from spin_cluster.hplb.placement import HeadPlacement, head_costs, place_heads
 from spin_cluster.kvcache.page_pool import PagePool
@@ -109,7 +109,7 @@ class HeadParallelEngine(Engine):
         same number of token pages as every other rank's (the smallest)."""
         columns = sum(len(h) for h in self.kv_heads)
         rank_mc = dataclasses.replace(self.model.config, num_layers=1, num_kv_heads=columns)
-        pages = _num_gpu_pages(self.config, rank_mc, self.dtype, self.device, self.max_model_len)
+        pages = num_gpu_pages(self.config, rank_mc, self.dtype, self.device, self.max_model_len)
         token_pages = all_reduce_min(pages // columns, self.group)
         page_bytes = PagePool.bytes_per_page(self.config.cache.page_size, rank_mc.head_dim, self.dtype)
         # An exact binary fraction: the builder gets back exactly token_pages * columns pages.

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import spin_cluster.kernels.paged_decode as pd
+from spin_cluster.kernels._triton_support import load_kernel_module
 from spin_cluster.kernels.paged_decode import (
     choose_num_splits,
     paged_decode_attention,
@@ -314,7 +315,7 @@ def test_missing_triton_raises_clearly(monkeypatch):
     """Without Triton the reference still works and the kernel entry says why it cannot run."""
     case = make_case([3, 20], seed=34)
     pkg = sys.modules[pd.__package__]
-    pd._load_kernels.cache_clear()
+    load_kernel_module.cache_clear()  # the launchers' lazy imports are cached there
     monkeypatch.delattr(pkg, "_paged_decode_kernel", raising=False)
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, pd.__package__ + "._paged_decode_kernel", None)
@@ -324,7 +325,7 @@ def test_missing_triton_raises_clearly(monkeypatch):
             paged_decode_attention(*case)
         assert_close(paged_decode_attention_ref(*case), dense_oracle(*case), REF_TOL[torch.float32])
     finally:
-        pd._load_kernels.cache_clear()
+        load_kernel_module.cache_clear()
 
 
 # --------------------------------------------------------------------------------------
