@@ -39,7 +39,7 @@ class ServeOptions:
     # attention output with the others'. On GPUs rank r uses the replica's GPU r, so at most
     # engine_num_gpus ranks; with engine_num_gpus 0 they are CPU processes. 1: the plain
     # engine. null: one rank per GPU (at most one per KV head of the model), and 1 when the
-    # engine config cannot run head-parallel (cache.offload, block-sparse prefill). >= 1.
+    # engine config cannot run head-parallel (block-sparse prefill, seer, top-p). >= 1.
     engine_ranks: int | None = None
     # Logical CPUs of the ingress and of the planner, > 0.
     ingress_num_cpus: float = 0.1
@@ -110,7 +110,7 @@ class AppConfig:
         """Head-parallel ranks of one engine replica: ``serve.engine_ranks`` when set, else
         one per GPU (``max(1, int(engine_num_gpus))``), at most ``num_kv_heads`` (the model's,
         when given: a rank needs a head), and 1 when the engine config cannot run head-parallel
-        ranks (an offloaded cache keeps today's one engine per replica, whatever its GPUs)."""
+        ranks (``SpinConfig.head_parallel_refusal``: one engine per replica, whatever its GPUs)."""
         if self.serve.engine_ranks is not None:
             return self.serve.engine_ranks
         if self.spin.head_parallel_refusal() is not None:

@@ -256,11 +256,15 @@ class SpinConfig:
     def head_parallel_refusal(self) -> str | None:
         """Why head-parallel ranks (``spin_cluster.parallel``) cannot run this config, or None.
 
-        They support the GPU-only paged cache (dense attention) and dense prefill for now;
-        the engine refuses the rest with this message, and the serving config checks it
-        before any engine starts."""
-        if self.cache.offload:
-            return "head-parallel ranks support the GPU-only paged cache only for now: set cache.offload=false"
+        They run the GPU-only paged cache and the offloaded Spin cache with any Select that
+        scores each KV head on its own, and dense prefill; the engine refuses the rest with
+        this message, and the serving config checks it before any engine starts."""
+        if self.cache.offload and self.sparse.algorithm == "seer":
+            return ("head-parallel ranks cannot run seer for now (its gate holds weights per layer and KV head "
+                    "of the whole model): use another sparse.algorithm")
+        if self.cache.offload and self.sparse.top_p is not None:
+            return ("head-parallel ranks cannot run top-p Select (a layer's heads share one budget across ranks): "
+                    "set sparse.top_p=null")
         if self.sparse.prefill.algorithm != "dense":
             return "head-parallel ranks support dense prefill only for now: set sparse.prefill.algorithm=dense"
         return None

@@ -65,7 +65,7 @@ def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, de
     # Without reuse a page never outlives its step: columns past the mandatory ones are idle.
     share = cc.buffer_pages_per_head or min(max_pages, (2 if cc.buffer_reuse else 1) * mandatory)
     slot_bytes = PagePool.bytes_per_page(S, mc.head_dim, dtype)
-    gpu_bytes = _gpu_budget_bytes(config, device)
+    gpu_bytes = gpu_budget_bytes(config, device)
     per_column = mc.num_layers * mc.num_kv_heads
     num_slots = min(int(gpu_bytes // slot_bytes), sc.max_num_seqs * share * per_column)
     if num_slots < mandatory * per_column:
@@ -116,7 +116,7 @@ def _mandatory_pages(config: SpinConfig, algorithm, max_model_len: int) -> int:
     return -(-sp.sink_tokens // S) + budget + max(1, -(-sp.local_tokens // S))
 
 
-def _gpu_budget_bytes(config: SpinConfig, device: torch.device) -> float:
+def gpu_budget_bytes(config: SpinConfig, device: torch.device) -> float:
     if config.cache.kv_cache_gib is not None:
         return config.cache.kv_cache_gib * 2**30
     if device.type == "cuda":
@@ -130,4 +130,4 @@ def num_gpu_pages(config: SpinConfig, mc: ModelConfig, dtype, device, max_model_
     per_token_page = mc.num_layers * mc.num_kv_heads
     # Never more than every request slot could use at full length.
     most = config.scheduler.max_num_seqs * -(-max_model_len // config.cache.page_size) * per_token_page
-    return max(per_token_page, min(int(_gpu_budget_bytes(config, device) // page_bytes), most))
+    return max(per_token_page, min(int(gpu_budget_bytes(config, device) // page_bytes), most))

@@ -1,4 +1,6 @@
-"""One rank's attention backend: its KV heads of every layer as columns of one paged cache.
+"""One rank's attention backends. ``HeadParallelAttention`` (the GPU-only paged cache): its KV
+heads of every layer as columns of one paged cache. ``HeadParallelSpinAttention`` (the
+offloaded Spin cache): every layer padded to one width of head columns (see there).
 
 A rank owns a different number of KV heads in each layer (possibly none), so its cache is
 not [L, Hkv]-shaped. It is built as a one-layer paged cache whose C "heads" are the rank's
@@ -79,3 +81,64 @@ def _columns_plan(plan: StepPlan, cols: slice) -> StepPlan:
         decode_block_tables=None if tables is None else (tables[0][:, cols].contiguous(),),  # [Bd, n, P]
         prefill=tuple(dataclasses.replace(s, pages=s.pages and (s.pages[0][cols].contiguous(),)) for s in plan.prefill),
     )
+
+
+class HeadParallelSpinAttention:
+    """One rank's Spin backend (the offloaded cache): ``W`` KV-head columns in every layer,
+    ``W`` the most heads any rank owns in any layer.
+
+    The offloaded cache (host tier, GPU buffer shares, the algorithm's index) is [L, Hkv]
+    shaped throughout, so a rank's uneven heads per layer are padded instead of packed::
+
+        layer l, rank r owns n_l heads:  columns | h_a h_b .. (n_l) | padding (W - n_l) |
+
+    Padding columns get zero K/V and zero queries, and their output is dropped. With
+    ``sparse.per_head_budgets`` their budget is 0 (they read only their sink and local
+    pages); with a uniform budget they select like any head (wasted, bounded work). ``W`` is
+    the same on every rank, so every rank's cache has the same shape and capacity: all ranks
+    admit, preempt and evict alike, which SPMD needs. Selection is per KV head, so a head
+    selects the same pages on any rank.
+    """
+
+    def __init__(self, inner, kv_heads: Sequence[Sequence[int]], width: int, num_kv_groups: int, group=None) -> None:
+        if inner.kv.num_kv_heads != width or inner.kv.num_layers != len(kv_heads):
+            raise ValueError(f"the cache must have {len(kv_heads)} layers of {width} head columns")
+        if any(len(heads) > width for heads in kv_heads):
+            raise ValueError(f"a layer owns more than {width} KV heads")
+        self.inner = inner
+        self.group = group
+        self.width, self.num_kv_groups = width, num_kv_groups
+        self.timer = LayerTimer(len(kv_heads), inner.device)
+        self._rank_layer_s: list[list[float]] | None = None
+
+    def row(self, request_id: str) -> int:
+        return self.inner.row(request_id)
+
+    def begin_step(self, chunks: list[ScheduledChunk], positions: torch.Tensor, token_rows: torch.Tensor) -> None:
+        self.inner.begin_step(chunks, positions, token_rows)
+        self.timer.reset()
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, n*G, D], k/v: [T, n, D] for this rank's n heads of the layer -> [T, n*G, D]
+        n = k.shape[1]
+        if n == 0:
+            return torch.empty_like(q)
+        self.timer.start(layer_id)
+        pad = self.width - n
+        if pad:
+            q = torch.nn.functional.pad(q, (0, 0, 0, pad * self.num_kv_groups))
+            k = torch.nn.functional.pad(k, (0, 0, 0, pad))
+            v = torch.nn.functional.pad(v, (0, 0, 0, pad))
+        out = self.inner.forward(layer_id, q, k, v)
+        if pad:
+            out = out[:, : n * self.num_kv_groups]
+        self.timer.stop(layer_id)
+        return out
+
+    def end_step(self) -> None:
+        self.inner.end_step()
+        self._rank_layer_s = all_gather_floats(self.timer.read(), self.group)
+
+    def pop_rank_layer_s(self) -> list[list[float]] | None:
+        times, self._rank_layer_s = self._rank_layer_s, None
+        return times

@@ -12,9 +12,11 @@ collectives always line up.
     engine = HeadParallelEngine(cfg, placement)       # placement: HeadPlacement or None
     outs = engine.generate(prompts, SamplingParams(temperature=0))
 
-Supported: the GPU-only paged cache with dense attention (``cache.offload = false``) and
-dense prefill. The offloaded Spin cache and block-sparse prefill are refused with a
-ValueError for now.
+Supported: the GPU-only paged cache with dense attention, and the offloaded Spin cache with
+sparse Select per KV head (``HeadParallelSpinAttention``: uneven heads per layer padded to one
+width); dense prefill. Seer (a gate with weights per global head), top-p Select (a layer's
+heads share a budget) and block-sparse prefill are refused with a ValueError for now
+(``SpinConfig.head_parallel_refusal``).
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ import dataclasses
 import torch.distributed as dist
 
 from spin_cluster.config import SpinConfig
-from spin_cluster.engine.cache_builder import build_cache, num_gpu_pages
+from spin_cluster.engine.cache_builder import build_cache, gpu_budget_bytes, num_gpu_pages
 from spin_cluster.engine.engine import Engine
 from spin_cluster.hplb.placement import HeadPlacement, head_costs, place_heads
 from spin_cluster.kvcache.page_pool import PagePool
 from spin_cluster.models import ModelConfig
-from spin_cluster.parallel.attention import HeadParallelAttention
+from spin_cluster.parallel.attention import HeadParallelAttention, HeadParallelSpinAttention
 from spin_cluster.parallel.group import all_reduce_min
 from spin_cluster.parallel.shard import shard_attention
 from spin_cluster.parallel.timing import bubble_seconds
@@ -105,6 +107,28 @@ class HeadParallelEngine(Engine):
         return shard_attention(model, self.kv_heads, self.group)
 
     def _build_cache(self, decode_attention: str):
+        if self.config.cache.offload:
+            return self._build_spin_cache(decode_attention)
+        return self._build_paged_cache(decode_attention)
+
+    def _build_spin_cache(self, decode_attention: str):
+        """The offloaded Spin cache over W padded head columns per layer (see
+        ``HeadParallelSpinAttention``), the same shape and size on every rank."""
+        mc, p = self.model.config, self.placement
+        width = max(len(heads) for r in range(self.num_ranks) for heads in p.kv_heads_of(r))
+        rank_mc = dataclasses.replace(mc, num_kv_heads=width, num_heads=width * mc.num_kv_groups)
+        sparse = {}
+        if self.config.sparse.per_head_budgets is not None:
+            rows = self.config.sparse.per_head_budgets
+            sparse["per_head_budgets"] = [[rows[layer][h] for h in heads] + [0] * (width - len(heads))
+                                          for layer, heads in enumerate(self.kv_heads)]
+        gpu_bytes = all_reduce_min(int(gpu_budget_bytes(self.config, self.device)), self.group)
+        config = self.config.replace(cache={"kv_cache_gib": gpu_bytes / 2**30}, sparse=sparse)
+        kv, spin = build_cache(config, rank_mc, self.dtype, self.device, self.max_model_len, decode_attention)
+        self.attention = HeadParallelSpinAttention(spin, self.kv_heads, width, mc.num_kv_groups, self.group)
+        return kv, self.attention
+
+    def _build_paged_cache(self, decode_attention: str):
         """A one-layer paged cache with one column per owned (layer, KV head), holding the
         same number of token pages as every other rank's (the smallest)."""
         columns = sum(len(h) for h in self.kv_heads)

@@ -68,7 +68,8 @@ def test_generated_serve_config_passes_rays_schema(name):
     ({"serve": {"engine_ranks": 0}}, r"serve.engine_ranks=0: use an integer >= 1"),
     ({"serve": {"engine_ranks": 1.5}}, r"serve.engine_ranks=1.5: use an integer >= 1"),
     ({"serve": {"engine_ranks": 4, "engine_num_gpus": 2}}, "exceeds serve.engine_num_gpus=2: each head-parallel rank"),
-    ({"config": "spin-quest", "serve": {"engine_ranks": 2}}, r"engine_ranks=2: .*set cache.offload=false"),
+    ({"config": "spin-quest", "sparse": {"top_p": 0.9}, "serve": {"engine_ranks": 2}},
+     r"engine_ranks=2: .*set sparse.top_p=null"),
     ({"sparse": {"prefill": {"algorithm": "block"}}, "serve": {"engine_ranks": 2}},
      "set sparse.prefill.algorithm=dense"),
 ])
@@ -85,7 +86,8 @@ def test_bad_engine_ranks_say_what_to_change(bad, words):
     ({"serve": {"engine_num_gpus": 4, "engine_ranks": 2}}, None, 2),
     ({"serve": {"engine_ranks": 2}}, 3, 2),  # CPU processes
     ({"serve": {"engine_ranks": 1, "engine_num_gpus": 8}}, None, 1),
-    ({"config": "spin-quest", "serve": {"engine_num_gpus": 8}}, 3, 1),  # offloaded: one engine, as before
+    ({"config": "spin-quest", "serve": {"engine_num_gpus": 8}}, 3, 3),  # Spin's cache runs head-parallel too
+    ({"config": "spin-quest", "sparse": {"algorithm": "seer"}, "serve": {"engine_num_gpus": 8}}, 3, 1),  # seer: one
 ])
 def test_ranks_per_engine(args, num_kv_heads, ranks):
     assert load_app_config(args).ranks_per_engine(num_kv_heads) == ranks

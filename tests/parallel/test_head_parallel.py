@@ -54,6 +54,37 @@ def test_two_gloo_ranks_give_the_tokens_of_one(four_kv_head_llama):
     assert 0 <= result.bubble_ratio < 1
 
 
+def _spin_config(path: str, per_head_budgets=None) -> SpinConfig:
+    """The offloaded Spin cache with Quest at a budget tight enough that heads select."""
+    sparse = {"algorithm": "quest", "budget": 8, "sink_tokens": 4, "local_tokens": 4}
+    if per_head_budgets is not None:
+        sparse["per_head_budgets"] = per_head_budgets
+    return SpinConfig.from_dict({
+        "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": 128},
+        "cache": {"offload": True, "page_size": 4, "kv_cache_gib": 0.01, "host_kv_gib": 0.01},
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 16},
+        "sparse": sparse,
+    })
+
+
+@pytest.mark.parametrize("budgets", [None, [[4, 0, 12, 8], [8, 8, 4, 16], [0, 20, 4, 8]]])
+def test_two_gloo_ranks_on_the_spin_cache_give_the_tokens_of_one(four_kv_head_llama, budgets):
+    """Sparse selection per KV head over the offloaded cache: a rank's uneven heads per layer
+    (one rank owns none of layer 1) are padded to one width, and the tokens stay those of
+    one engine, with uniform and with per-head budgets."""
+    cfg = _spin_config(four_kv_head_llama, budgets)
+    prompts = [[100 + 7 * i + j for j in range(56 + 4 * i)] for i in range(3)]  # 14-17 pages of 4
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine = Engine(cfg, progress=False)
+    expected = [o.token_ids for o in engine.generate(prompts, params)]
+    dense = [o.token_ids for o in Engine(cfg.replace(sparse={"algorithm": "dense"}), progress=False).generate(prompts, params)]
+    assert expected != dense  # the budget really selects
+    placement = HeadPlacement(2, INTERLEAVED, [[1] * 4] * 3)
+    result = launch_generate(cfg, prompts, params, num_ranks=2, placement=placement)
+    assert [o.token_ids for o in result.outputs] == expected
+    assert all(s > 0 for s in result.attention_rank_s)
+
+
 @pytest.fixture
 def one_rank_group():
     """A gloo group of this process alone: all-reduce is the identity."""
@@ -125,8 +156,11 @@ def test_unsupported_combinations_raise(four_kv_head_llama):
 
 def test_one_rank_refuses_what_it_does_not_support(four_kv_head_llama, one_rank_group):
     cfg = _config(four_kv_head_llama)
-    with pytest.raises(ValueError, match="set cache.offload=false"):
-        HeadParallelEngine(cfg.replace(cache={"offload": True}))
+    spin = cfg.replace(cache={"offload": True}, sparse={"algorithm": "quest", "budget": 8})
+    with pytest.raises(ValueError, match="cannot run seer"):
+        HeadParallelEngine(spin.replace(sparse={"algorithm": "seer"}))
+    with pytest.raises(ValueError, match="set sparse.top_p=null"):
+        HeadParallelEngine(spin.replace(sparse={"top_p": 0.9}))
     with pytest.raises(ValueError, match="set sparse.prefill.algorithm=dense"):
         HeadParallelEngine(cfg.replace(sparse={"prefill": {"algorithm": "block"}}))
     with pytest.raises(ValueError, match=r"the placement is \[1\]\[2\].*the model has \[3\]\[4\]"):
@@ -154,6 +188,19 @@ def test_two_nccl_ranks_on_two_gpus_give_the_tokens_of_one_gpu(four_kv_head_llam
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = [o.token_ids for o in Engine(cfg, progress=False).generate(PROMPTS, params)]
     placement = HeadPlacement(2, INTERLEAVED, [[1] * 4] * 3) if layout == "interleaved" else None
-    result = launch_generate(cfg, PROMPTS, params, num_ranks=2, placement=placement)
+    result = launch_generate(cfg, prompts, params, num_ranks=2, placement=placement)
     assert [o.token_ids for o in result.outputs] == expected
     assert all(s > 0 for s in result.attention_rank_s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_nccl_ranks_on_the_spin_cache_give_the_tokens_of_one_gpu(four_kv_head_llama):
+    """Spin's offloaded cache (pinned host tier, Triton Select/Retrieve/decode) on two GPUs."""
+    cfg = _spin_config(four_kv_head_llama, [[4, 0, 12, 8], [8, 8, 4, 16], [0, 20, 4, 8]]).replace(
+        model={"device": "cuda"})
+    prompts = [[100 + 7 * i + j for j in range(56 + 4 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [o.token_ids for o in Engine(cfg, progress=False).generate(prompts, params)]
+    result = launch_generate(cfg, prompts, params, num_ranks=2, placement=HeadPlacement(2, INTERLEAVED, [[1] * 4] * 3))
+    assert [o.token_ids for o in result.outputs] == expected
