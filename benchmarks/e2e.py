@@ -118,18 +118,6 @@ def model_folder(shape: dict, max_len: int, tokenizer: str | None = None) -> str
     return folder
 
 
-def spin_budgets(num_layers: int, num_kv_heads: int, mean_tokens: int, page_size: int) -> list[list[int]]:
-    """S-HPLB budgets for random weights, which have no profile: seeded heterogeneous per-head
-    needs (log-normal), max-min shifted to the uniform total."""
-    from spin_cluster.hplb.budget import maxmin_budgets
-
-    rng = random.Random(0)
-    needs = [[max(page_size, int(rng.lognormvariate(0, 0.8) * mean_tokens)) for _ in range(num_kv_heads)]
-             for _ in range(num_layers)]
-    total = num_layers * num_kv_heads * (mean_tokens // page_size) * page_size
-    return [list(row) for row in maxmin_budgets(needs, total, page_size, unit_tokens=page_size)]
-
-
 def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict:
     device = {"device": "cpu", "dtype": "float32"} if args.tiny else {"dtype": "bfloat16"}
     cfg = {
@@ -146,7 +134,9 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
     cfg["sparse"] = {"algorithm": "quest", "budget": args.budget, "local_tokens": 2 * args.page_size,
                      "sink_tokens": args.page_size}
     if mode == "spin":
-        cfg["sparse"]["per_head_budgets"] = spin_budgets(
+        from spin_cluster.hplb.budget import synthetic_maxmin_budgets
+
+        cfg["sparse"]["per_head_budgets"] = synthetic_maxmin_budgets(
             shape["num_hidden_layers"], shape["num_key_value_heads"], args.budget, args.page_size)
     return cfg
 

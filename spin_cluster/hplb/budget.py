@@ -67,6 +67,17 @@ def maxmin_budgets(needs_or_profile: HeadProfile | Sequence[Sequence[int]], tota
     return tuple(tuple(flat[i * shape[1]:(i + 1) * shape[1]]) for i in range(shape[0]))
 
 
+def synthetic_maxmin_budgets(num_layers: int, num_kv_heads: int, mean_tokens: int, unit_tokens: int,
+                             sigma: float = 0.8, seed: int = 0) -> Budgets:
+    """S-HPLB budgets for a model without a profile (random weights at benchmark shapes):
+    seeded log-normal needs per (layer, KV head), max-min shifted to the uniform total of
+    ``mean_tokens`` (rounded down to whole units) per head."""
+    rng = np.random.default_rng(seed)
+    needs = np.maximum(unit_tokens, (rng.lognormal(0.0, sigma, (num_layers, num_kv_heads)) * mean_tokens).astype(int))
+    total = num_layers * num_kv_heads * (mean_tokens // unit_tokens) * unit_tokens
+    return maxmin_budgets(needs.tolist(), total, unit_tokens=unit_tokens)
+
+
 def uniform_budgets(num_layers: int, num_kv_heads: int, tokens: int) -> Budgets:
     """[L][Hkv] every head at ``tokens``: the top-k baseline as a budget table."""
     return ((tokens,) * num_kv_heads,) * num_layers

@@ -25,3 +25,20 @@ def test_bench_runs_end_to_end_on_a_stretched_profile(tmp_path):
     for r in result["ranks"]:
         assert r["model_gain"] >= 1.0 and r["greedy_imbalance"] <= r["contiguous_imbalance"]
         assert all(sorted(set(row)) == list(range(r["num_ranks"])) for row in r["greedy_placement"])
+
+
+def test_head_parallel_bench_runs_every_rank_count_and_placement_on_cpu(tmp_path):
+    """benchmarks/bench_head_parallel.py --tiny: gloo ranks, the Spin cache with S-HPLB
+    budgets; every configuration decodes the one-rank tokens and reports its bubble."""
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_head_parallel.py"
+    out, md = tmp_path / "hp.json", tmp_path / "hp.md"
+    subprocess.run([sys.executable, str(bench), "--tiny", "--out", str(out), "--md", str(md)], check=True, timeout=300)
+    result = json.loads(out.read_text())
+    runs = [(r["ranks"], r["placement"]) for r in result["runs"]]
+    assert runs == [(1, "one GPU"), (2, "contiguous"), (2, "greedy")]
+    assert all(r["tokens_equal_1"] for r in result["runs"])
+    assert all(0 <= r["bubble_ratio"] < 1 and len(r["attention_rank_s"]) == r["ranks"] for r in result["runs"])
+    assert "2" in result["greedy_vs_contiguous"] and "| 2 | greedy |" in md.read_text()

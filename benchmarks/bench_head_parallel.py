@@ -1,0 +1,259 @@
+"""Head-parallel decode on the GPUs of one host: per-rank attention time, bubble ratio, decode
+step time and speed-up over one GPU, contiguous vs greedy placement, same run (not a test).
+
+    python benchmarks/bench_head_parallel.py [--ranks 1 2 4 8] [--context 131072] [--batch 2]
+                                             [--steps 32] [--budget 2048] [--out r.json --md r.md]
+    python benchmarks/bench_head_parallel.py --tiny      # CPU, gloo ranks, toy shapes
+
+The engine is the S-HPLB head-parallel engine itself (``spin_cluster.parallel``): one process
+per GPU, NCCL (NVLink multicast left off: ``NCCL_NVLS_ENABLE=0``), Llama-3.1-8B shapes with
+random bf16 weights (32 layers, 32/8 heads, d=128), Spin's offloaded cache with Quest
+selection and S-HPLB per-head budgets (seeded log-normal needs, max-min shifted to a mean of
+``--budget`` tokens per head: random weights have no profile). Every rank count runs the same
+``--batch`` prompts of ``--context`` tokens, greedy, ``--steps`` decode steps, under the
+contiguous and the greedy placement of those budgets; 1 rank is the one-GPU baseline.
+
+Per configuration, over the decode steps only (prefill excluded): the median step time, each
+rank's attention seconds per step, the bubble (per layer, slowest rank minus the mean, summed)
+and its ratio to the attention critical path, the speed-up of the step over one GPU, and
+whether the tokens equal the one-GPU run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue as queue_mod
+import statistics
+import sys
+import tempfile
+import time
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+TINY = {**LLAMA_31_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 8, "vocab_size": 49152, "max_position_embeddings": 4096}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="toy shapes, gloo ranks on the CPU (smoke test)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="rank counts (those above the GPUs present are skipped)")
+    ap.add_argument("--context", type=int, default=131072, help="prompt tokens per request")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed")
+    ap.add_argument("--budget", type=int, default=2048, help="mean middle tokens per head (S-HPLB shifted)")
+    ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--gpu-kv-gib", type=float, default=24.0)
+    ap.add_argument("--host-kv-gib", type=float, default=40.0)
+    ap.add_argument("--tokenizer", default=None, metavar="DIR", help="folder with tokenizer.json (default: the default model's)")
+    ap.add_argument("--timeout-s", type=float, default=480.0, help="per configuration")
+    ap.add_argument("--out", default=None, metavar="JSON")
+    ap.add_argument("--md", default=None, metavar="MD")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.ranks = [r for r in args.ranks if r <= 2] or [1, 2]
+        args.context, args.batch, args.steps, args.budget, args.page_size = 96, 2, 6, 8, 4
+        args.gpu_kv_gib, args.host_kv_gib = 0.01, 0.01
+    return args
+
+
+# ---- one rank ------------------------------------------------------------------------------------
+
+
+def _rank_main(rank, world, port, device_type, config, placement, prompts, steps, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from spin_cluster.engine import SamplingParams
+    from spin_cluster.parallel import HeadParallelEngine
+    from spin_cluster.parallel.group import backend_for
+
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        config = config.replace(model={"device": f"cuda:{rank}"})
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(backend_for(torch.device(device_type)), init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    try:
+        engine = HeadParallelEngine(config, placement, progress=False)
+        sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+        params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+        ids = [engine.add_request(p, params) for p in prompts]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        decode = []  # (step s, [R] attention s, bubble s)
+        t0 = time.perf_counter()
+        prefill_s = None
+        while engine.has_unfinished():
+            decode_only = not engine.scheduler.waiting and all(
+                r.num_computed_tokens >= len(r.prompt_token_ids) for r in engine.scheduler.running)
+            if decode_only and prefill_s is None:
+                prefill_s = time.perf_counter() - t0
+            sync()
+            start = time.perf_counter()
+            outs = engine.step()
+            sync()
+            st = engine.last_stats
+            if decode_only:
+                decode.append((time.perf_counter() - start, list(st.attention_rank_s), st.attention_bubble_s))
+            for o in outs:
+                tokens[o.request_id].extend(o.new_token_ids)
+        if rank == 0:
+            results.put({"placement": engine.placement.to_dict(), "prefill_s": prefill_s, "decode": decode,
+                         "tokens": [tokens[i] for i in ids]})
+    finally:
+        dist.destroy_process_group()
+
+
+def run_config(config, placement, prompts, steps: int, num_ranks: int, device_type: str, timeout_s: float) -> dict:
+    """Spawn ``num_ranks`` rank processes, run, and return rank 0's report."""
+    import torch.multiprocessing as mp
+
+    from spin_cluster.parallel.group import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = mp.start_processes(_rank_main, nprocs=num_ranks, join=False, start_method="spawn",
+                               args=(num_ranks, free_port(), device_type, config, placement, prompts, steps, results))
+    deadline = time.monotonic() + timeout_s
+    report = None
+    while report is None:
+        try:
+            report = results.get(timeout=1.0)
+        except queue_mod.Empty:
+            if procs.join(timeout=0) and results.empty():  # raises with a rank's traceback if one failed
+                raise RuntimeError("the ranks exited without a report")
+            if time.monotonic() > deadline:
+                for p in procs.processes:
+                    p.terminate()
+                raise TimeoutError(f"{num_ranks} ranks did not finish within {timeout_s:.0f} s")
+    while not procs.join():
+        pass
+    return report
+
+
+# ---- the sweep -----------------------------------------------------------------------------------
+
+
+def summarize(report: dict, baseline_step_s: float | None, baseline_tokens) -> dict:
+    steps = report["decode"][1:]  # the first decode step pays one-off costs (Triton, allocator)
+    if not steps:
+        raise RuntimeError("no decode step was timed: raise --steps")
+    step_s = statistics.median(s for s, _, _ in steps)
+    num_ranks = len(steps[0][1])
+    rank_s = [statistics.mean(r[i] for _, r, _ in steps) for i in range(num_ranks)]
+    bubble_s = statistics.mean(b for _, _, b in steps)
+    critical = bubble_s + statistics.mean(rank_s)
+    return {
+        "ranks": num_ranks, "prefill_s": report["prefill_s"], "decode_step_s": step_s,
+        "attention_rank_s": rank_s, "attention_makespan_s": critical, "bubble_s": bubble_s,
+        "bubble_ratio": bubble_s / critical if critical > 0 else 0.0,
+        "imbalance": report["placement"].get("imbalance"),
+        "speedup_vs_1": baseline_step_s / step_s if baseline_step_s else None,
+        "tokens_equal_1": None if baseline_tokens is None else report["tokens"] == baseline_tokens,
+    }
+
+
+def markdown(result: dict) -> str:
+    a = result["args"]
+    lines = [f"{result['device']}; context {a['context']}, batch {a['batch']}, {a['steps']} decode steps, "
+             f"mean budget {a['budget']} tokens/head (S-HPLB, synthetic needs), page {a['page_size']}", "",
+             "| ranks | placement | decode step ms | speed-up vs 1 | attention makespan ms | per-rank attention ms "
+             "| bubble ratio | tokens = 1 GPU |", "|---:|---|---:|---:|---:|---|---:|---|"]
+    for r in result["runs"]:
+        per_rank = " / ".join(f"{1e3 * s:.2f}" for s in r["attention_rank_s"])
+        speed = "-" if r["speedup_vs_1"] is None else f"{r['speedup_vs_1']:.2f}x"
+        same = "-" if r["tokens_equal_1"] is None else ("yes" if r["tokens_equal_1"] else "**no**")
+        lines.append(f"| {r['ranks']} | {r['placement']} | {1e3 * r['decode_step_s']:.2f} | {speed} "
+                     f"| {1e3 * r['attention_makespan_s']:.2f} | {per_rank} | {r['bubble_ratio']:.3f} | {same} |")
+    for n, g in result.get("greedy_vs_contiguous", {}).items():
+        lines.append(f"\n{n} ranks: greedy makespan {g['makespan_gain']:.2f}x lower than contiguous; "
+                     f"bubble ratio {g['bubble_contiguous']:.3f} -> {g['bubble_greedy']:.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import shutil
+
+    import torch
+
+    from spin_cluster.config import SpinConfig
+    from spin_cluster.hplb.budget import synthetic_maxmin_budgets
+    from spin_cluster.models import ModelConfig
+    from spin_cluster.parallel import default_placement
+
+    on_gpu = torch.cuda.is_available() and not args.tiny
+    device_type = "cuda" if on_gpu else "cpu"
+    gpus = torch.cuda.device_count() if on_gpu else 2
+    ranks = sorted({r for r in args.ranks if 1 <= r <= gpus} | {1})
+    skipped = sorted(set(args.ranks) - set(ranks))
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    shape = TINY if args.tiny else LLAMA_31_8B
+    max_len = args.context + args.steps + 2 * args.page_size
+    folder = tempfile.mkdtemp(prefix="hp-model-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**shape, "max_position_embeddings": max(shape["max_position_embeddings"], max_len)}, f)
+    if args.tokenizer:
+        tokenizer = args.tokenizer
+    else:
+        from spin_cluster.model_store import prepare_default_model
+
+        tokenizer = str(prepare_default_model())
+    shutil.copy(os.path.join(tokenizer, "tokenizer.json"), folder)
+    L, hkv = shape["num_hidden_layers"], shape["num_key_value_heads"]
+    budgets = synthetic_maxmin_budgets(L, hkv, args.budget, args.page_size)
+    config = SpinConfig.from_dict({
+        "model": {"path": folder, "load_format": "dummy", "max_model_len": max_len,
+                  **({"device": "cpu", "dtype": "float32"} if args.tiny else {"dtype": "bfloat16"})},
+        "cache": {"offload": True, "page_size": args.page_size, "kv_cache_gib": args.gpu_kv_gib,
+                  "host_kv_gib": args.host_kv_gib},
+        "scheduler": {"max_num_seqs": args.batch, "max_num_batched_tokens": 8192 if not args.tiny else 64},
+        "sparse": {"algorithm": "quest", "budget": args.budget, "sink_tokens": args.page_size,
+                   "local_tokens": 2 * args.page_size, "per_head_budgets": budgets},
+    })
+    mc = ModelConfig.from_folder(folder)
+    prompts = [[1000 + (7 * i + j) % 30000 for j in range(args.context)] for i in range(args.batch)]
+    result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu (gloo)", "num_gpus": gpus if on_gpu else 0,
+              "args": vars(args), "budgets": budgets, "skipped_ranks": skipped, "runs": []}
+    base_step = base_tokens = None
+    for n in ranks:
+        for method in (("contiguous", "greedy") if n > 1 else ("one GPU",)):
+            placement = default_placement(config, mc, n, "greedy" if n == 1 else method)
+            t0 = time.monotonic()
+            report = run_config(config, placement, prompts, args.steps, n, device_type, args.timeout_s)
+            row = {"placement": method, **summarize(report, base_step, base_tokens), "wall_s": time.monotonic() - t0}
+            if n == 1:
+                base_step, base_tokens = row["decode_step_s"], report["tokens"]
+                row["speedup_vs_1"], row["tokens_equal_1"] = 1.0, True
+            result["runs"].append(row)
+            print(json.dumps({k: row[k] for k in ("ranks", "placement", "decode_step_s", "attention_makespan_s",
+                                                  "bubble_ratio", "speedup_vs_1", "tokens_equal_1", "wall_s")}),
+                  flush=True)
+    by = {(r["ranks"], r["placement"]): r for r in result["runs"]}
+    result["greedy_vs_contiguous"] = {
+        str(n): {"makespan_gain": by[n, "contiguous"]["attention_makespan_s"] / by[n, "greedy"]["attention_makespan_s"],
+                 "bubble_contiguous": by[n, "contiguous"]["bubble_ratio"], "bubble_greedy": by[n, "greedy"]["bubble_ratio"]}
+        for n in ranks if n > 1
+    }
+    shutil.rmtree(folder, ignore_errors=True)
+    table = markdown(result)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

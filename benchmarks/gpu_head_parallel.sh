@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Head-parallel decode on the GPUs of one host (device tool, nvidia-h200-x2/-x4/-x8, one call):
+# the NCCL GPU tests of spin_cluster.parallel, then benchmarks/bench_head_parallel.py at
+# Llama-3.1-8B shapes (128K context by default; CONTEXT, BATCH, STEPS override). NVLink
+# multicast stays off. The tokenizer comes from .carry/tok when carried. Results in $OUT:
+# gpu.txt, parallel_gpu_tests.log, head_parallel.{json,md,log}.
+set -o pipefail
+export NCCL_NVLS_ENABLE=0
+source benchmarks/gpu_setup.sh
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+TOK=()
+if [ -f .carry/tok/tokenizer.json ]; then
+  TOK=(--tokenizer "$REPO/.carry/tok")
+  # the tests' tiny models borrow the default model's tokenizer: a stand-in prepared folder
+  M=$SPIN_MODEL_DIR/SmolLM2-135M-Instruct; mkdir -p "$M"; cp .carry/tok/* "$M/"; touch "$M/model.safetensors"
+fi
+(cd /tmp && timeout 150 python3 -m pytest "$REPO/tests/parallel" -m gpu -q -p no:cacheprovider 2>&1 | tail -8) \
+  | tee "$OUT/parallel_gpu_tests.log"
+timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_head_parallel.py --context "${CONTEXT:-131072}" \
+  --batch "${BATCH:-2}" --steps "${STEPS:-32}" "${TOK[@]}" --out "$OUT/head_parallel.json" --md "$OUT/head_parallel.md" \
+  2>&1 | tee "$OUT/head_parallel.log"
