@@ -13,7 +13,9 @@ Per decode step and layer, ``lookup`` takes the selected logical pages of each h
 takes a column chosen by the bucketed LRU among the columns not selected this step (the
 *buffering* pages), and is listed for Retrieve (host page -> slot). A share of C_r >= K
 columns always has room: at most K - hits misses, and C_r - hits unselected columns.
-Everything is fixed-shape tensor work: no host sync, no sort.
+Everything is fixed-shape tensor work: no host sync, no sort. On CUDA it is one Triton launch
+per layer (``kernels/buffer_lookup.py``: a program per request and head, its share in
+registers) instead of about 60 torch operators.
 
 Elastic shares: the scheduler asks ``share_for`` at admission. A request gets
 ``min(buffer_pages, max(mandatory, free / (1 + waiting)))`` columns per head: alone it
@@ -28,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from spin_cluster.kernels.buffer_lookup import buffer_lookup, buffer_lookup_ref, fits_kernel
 from spin_cluster.kvcache.free_list import FreeList, check_partition
-from spin_cluster.kvcache.lru import DEFAULT_NUM_BUCKETS, select_victims_batched
+from spin_cluster.kvcache.lru import DEFAULT_NUM_BUCKETS
 
 _NEVER = -(2**30)  # last_use of an empty column: older than any real step
 
@@ -125,55 +128,16 @@ class GpuBuffer:
 
         rows: [B] int64 rows; want: [B, Hkv, K] int logical pages, -1 padding (all valid
         entries of a head distinct). Returns the Lookup and the [B, Hkv, K] miss mask.
+        One Triton launch on CUDA when a head's share fits its tile
+        (``kernels.buffer_lookup``), else the same steps as fixed-shape torch ops.
         """
         B, Hkv, K = want.shape
-        C = self.max_share
-        res_page = self.res_page[rows, layer]  # [B, Hkv, C]
-        if not self.reuse:
-            res_page = torch.full_like(res_page, -1)
-        res_slot = self.res_slot[rows, layer]  # [B, Hkv, C]
-        last_use = self.res_last_use[rows, layer]  # [B, Hkv, C]
-        valid = want >= 0  # [B, Hkv, K]
-        match = (want[..., :, None] == res_page[..., None, :]) & valid[..., None]  # [B, Hkv, K, C]
-        hit = match.any(-1)  # [B, Hkv, K]
-        hit_col = match.to(torch.int8).argmax(-1)  # [B, Hkv, K]
-        miss = valid & ~hit
-        protected = match.any(-2)  # [B, Hkv, C] columns selected this step
-        evictable = (res_slot >= 0) & ~protected
-        victims, _ = select_victims_batched(
-            last_use.view(B * Hkv, C),
-            evictable.view(B * Hkv, C),
-            now,
-            miss.sum(-1).view(-1),
-            num_buckets=self.num_buckets,
-        )
-        victims = victims.view(B, Hkv, C)
-        # The i-th miss of a head takes the i-th victim column of that head.
-        miss_rank = miss.cumsum(-1) - 1  # [B, Hkv, K]
-        victim_rank = victims.cumsum(-1) - 1  # [B, Hkv, C]
-        rank_to_col = torch.zeros(B, Hkv, K + 1, dtype=torch.long, device=want.device)
-        cols = torch.arange(C, device=want.device).expand(B, Hkv, C)
-        rank_to_col.scatter_(-1, torch.where(victims, victim_rank, K).clamp(max=K), cols)
-        miss_col = rank_to_col.gather(-1, miss_rank.clamp(min=0))
-        col = torch.where(hit, hit_col.long(), torch.where(miss, miss_col, 0))  # [B, Hkv, K]
-        slots = res_slot.gather(-1, col)  # [B, Hkv, K]
-
-        # Update the shares: misses now hold their page; every selected column was used now.
-        new_page = _scatter_masked(res_page, col, want.int(), miss)
-        new_last = _scatter_masked(last_use, col, torch.full_like(want, now, dtype=torch.int32), valid)
-        self.res_page[rows, layer] = new_page
-        self.res_last_use[rows, layer] = new_last
-        evicted = (victims & (res_page >= 0)).sum()
-        self.counters += torch.stack([valid.sum(), hit.sum(), miss.sum(), evicted])
-        neg = torch.full_like(col, -1)
-        return (
-            Lookup(
-                slots=torch.where(valid, slots, 0).int(),
-                miss_src=neg.view(-1),  # filled by the caller, which knows host pages
-                miss_dst=torch.where(miss, slots.long(), -1).view(-1),
-            ),
-            miss,
-        )
+        on_kernel = want.device.type == "cuda" and fits_kernel(K, self.max_share, self.num_buckets)
+        fn = buffer_lookup if on_kernel else buffer_lookup_ref
+        slots, miss_dst, miss = fn(self.res_page, self.res_slot, self.res_last_use, rows, layer, want, now,
+                                   self.counters, num_buckets=self.num_buckets, reuse=self.reuse)
+        # miss_src is filled by the caller, which knows the host pages.
+        return Lookup(slots=slots, miss_src=torch.full_like(miss_dst, -1), miss_dst=miss_dst), miss
 
     # ---- integrity --------------------------------------------------------------------------
 
@@ -192,11 +156,3 @@ class GpuBuffer:
                     held = [p for p in pages[l, h].tolist() if p >= 0]
                     if len(held) != len(set(held)):
                         raise AssertionError(f"row {row} layer {l} head {h} caches a page twice")
-
-
-def _scatter_masked(base: torch.Tensor, col: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """base [.., C] with base[.., col[k]] = values[k] where mask[k]; other entries kept."""
-    C = base.shape[-1]
-    padded = torch.nn.functional.pad(base, (0, 1))  # extra column C swallows masked-off writes
-    padded.scatter_(-1, torch.where(mask, col, C), values.to(base.dtype))
-    return padded[..., :C]

@@ -1,0 +1,123 @@
+"""The GPU buffer's lookup for one layer: selected pages -> slots, misses -> LRU victims.
+
+    slots, miss_dst, miss = buffer_lookup(res_page, res_slot, last_use, rows, layer, want,
+                                          now, counters, num_buckets=64, reuse=True)
+
+Shapes (``spin_cluster.kvcache.buffer`` owns the policy and documents it):
+
+    res_page, res_slot, last_use : [R, L, Hkv, C] int32   each request row's share, per layer
+                                                          and head: page held, slot id, last use
+    rows     : [B] int64    the decode rows
+    want     : [B, Hkv, K]  int logical pages selected this step, -1 padding (distinct per head)
+    counters : [4] int64    += lookups, hits, misses, evictions
+    returns  slots [B, Hkv, K] int32 (0 where invalid), miss_dst [B*Hkv*K] int64 (slot to
+             fill, -1 where no miss), miss [B, Hkv, K] bool; res_page and last_use of the rows'
+             layer are updated in place.
+
+A hit keeps its column; the i-th miss of a head takes the i-th victim column of the bucketed
+LRU (``spin_cluster.kvcache.lru``) among the columns not selected this step. ``reuse=False``
+treats every held page as forgotten (every selected page is a miss).
+
+Two implementations with the same contract: ``buffer_lookup`` (Triton, one launch: one
+program per (row, head) holding its share in registers; CUDA tensors, or CPU tensors under
+``TRITON_INTERPRET=1``) and ``buffer_lookup_ref`` (fixed-shape torch ops, about 60 per call).
+Neither syncs with the host. This module imports only torch (and Triton, lazily).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton_support import is_interpreted, load_kernel_module, next_pow2
+from .bucketed_lru import bucketed_lru_victims_ref
+
+__all__ = ["MAX_TILE", "buffer_lookup", "buffer_lookup_ref", "fits_kernel"]
+
+# The kernel holds [K, C] and [buckets, C] tiles in registers; larger shares use the reference.
+MAX_TILE = 64 * 1024
+
+
+def fits_kernel(num_selected: int, share: int, num_buckets: int) -> bool:
+    c = next_pow2(share)
+    return max(next_pow2(num_selected), next_pow2(num_buckets)) * c <= MAX_TILE
+
+
+def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int, counters,
+                  num_buckets: int = 64, reuse: bool = True):
+    _check(res_page, res_slot, last_use, rows, want, counters)
+    kmod = load_kernel_module("_buffer_lookup_kernel", "buffer_lookup", "buffer_lookup_ref")
+    if want.device.type != "cuda" and not is_interpreted(kmod._buffer_lookup):
+        raise ValueError("the Triton buffer lookup needs CUDA tensors (or TRITON_INTERPRET=1); use buffer_lookup_ref")
+    B, H, K = want.shape
+    C = res_page.shape[-1]
+    if not fits_kernel(K, C, num_buckets):
+        raise ValueError(f"{K} selected pages x a share of {C} columns exceed the kernel's tile; use buffer_lookup_ref")
+    want32 = want.to(torch.int32).contiguous()
+    slots = torch.empty(B, H, K, dtype=torch.int32, device=want.device)
+    miss_dst = torch.empty(B * H * K, dtype=torch.int64, device=want.device)
+    miss = torch.empty(B, H, K, dtype=torch.int8, device=want.device)
+    if B * H:
+        kmod._buffer_lookup[(B * H,)](
+            want32, rows.contiguous(), res_page, res_slot, last_use, slots, miss_dst, miss, counters,
+            int(now), int(layer), res_page.stride(0), res_page.stride(1), res_page.stride(2), K, C, H,
+            NUM_BUCKETS=num_buckets, K_PAD=max(16, next_pow2(K)), C_PAD=max(16, next_pow2(C)),
+            NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse, num_warps=4,
+        )
+    return slots, miss_dst, miss.bool()
+
+
+def buffer_lookup_ref(res_page, res_slot, last_use, rows, layer: int, want, now: int, counters,
+                      num_buckets: int = 64, reuse: bool = True):
+    _check(res_page, res_slot, last_use, rows, want, counters)
+    B, Hkv, K = want.shape
+    C = res_page.shape[-1]
+    page = res_page[rows, layer]  # [B, Hkv, C]
+    if not reuse:
+        page = torch.full_like(page, -1)
+    slot = res_slot[rows, layer]  # [B, Hkv, C]
+    last = last_use[rows, layer]  # [B, Hkv, C]
+    valid = want >= 0  # [B, Hkv, K]
+    match = (want[..., :, None] == page[..., None, :]) & valid[..., None]  # [B, Hkv, K, C]
+    hit = match.any(-1)  # [B, Hkv, K]
+    hit_col = match.to(torch.int8).argmax(-1)  # [B, Hkv, K]
+    miss = valid & ~hit
+    protected = match.any(-2)  # [B, Hkv, C] columns selected this step
+    evictable = (slot >= 0) & ~protected
+    victims, _ = bucketed_lru_victims_ref(
+        last.view(B * Hkv, C), evictable.view(B * Hkv, C), now, miss.sum(-1).view(-1), num_buckets,
+    )
+    victims = victims.view(B, Hkv, C)
+    # The i-th miss of a head takes the i-th victim column of that head.
+    miss_rank = miss.cumsum(-1) - 1  # [B, Hkv, K]
+    victim_rank = victims.cumsum(-1) - 1  # [B, Hkv, C]
+    rank_to_col = torch.zeros(B, Hkv, K + 1, dtype=torch.long, device=want.device)
+    cols = torch.arange(C, device=want.device).expand(B, Hkv, C)
+    rank_to_col.scatter_(-1, torch.where(victims, victim_rank, K).clamp(max=K), cols)
+    miss_col = rank_to_col.gather(-1, miss_rank.clamp(min=0))
+    col = torch.where(hit, hit_col.long(), torch.where(miss, miss_col, 0))  # [B, Hkv, K]
+    slots = slot.gather(-1, col)  # [B, Hkv, K]
+    # Update the share: misses now hold their page; every selected column was used now.
+    res_page[rows, layer] = _scatter_masked(page, col, want.int(), miss)
+    last_use[rows, layer] = _scatter_masked(last, col, torch.full_like(want, now, dtype=torch.int32), valid)
+    evicted = (victims & (page >= 0)).sum()
+    counters += torch.stack([valid.sum(), hit.sum(), miss.sum(), evicted])
+    return torch.where(valid, slots, 0).int(), torch.where(miss, slots.long(), -1).view(-1), miss
+
+
+def _scatter_masked(base: torch.Tensor, col: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """base [.., C] with base[.., col[k]] = values[k] where mask[k]; other entries kept."""
+    C = base.shape[-1]
+    padded = torch.nn.functional.pad(base, (0, 1))  # extra column C swallows masked-off writes
+    padded.scatter_(-1, torch.where(mask, col, C), values.to(base.dtype))
+    return padded[..., :C]
+
+
+def _check(res_page, res_slot, last_use, rows, want, counters) -> None:
+    if res_page.dim() != 4 or res_slot.shape != res_page.shape or last_use.shape != res_page.shape:
+        raise ValueError("res_page, res_slot and last_use must be [R, L, Hkv, C] alike")
+    if not (res_page.is_contiguous() and res_slot.is_contiguous() and last_use.is_contiguous()):
+        raise ValueError("res_page, res_slot and last_use must be contiguous")
+    if want.dim() != 3 or want.shape[1] != res_page.shape[2] or rows.shape != want.shape[:1]:
+        raise ValueError(f"want must be [B, Hkv, K] and rows [B]; got {tuple(want.shape)} and {tuple(rows.shape)}")
+    if counters.shape != (4,) or counters.dtype != torch.int64:
+        raise ValueError("counters must be a [4] int64 tensor")

@@ -1,0 +1,128 @@
+"""The buffer lookup: Triton kernel (one launch) == the torch reference, on random shares.
+
+Without CUDA, conftest.py sets TRITON_INTERPRET=1 so the kernel runs in Triton's interpreter
+on CPU tensors. Every output and every in-place update is compared: slots, misses, the
+shares' pages and last uses (for every row and layer, so a write outside the step's rows or
+layer shows), and the counters. The policy itself (hits keep columns, the bucketed LRU picks
+victims) is tested against the buffer in tests/kvcache/test_buffer.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spin_cluster.kernels.buffer_lookup import buffer_lookup, buffer_lookup_ref, fits_kernel
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NEVER = -(2**30)
+
+
+def make_case(R, L, H, C, K, share, rows, layer, now, seed, num_pages=40):
+    """Shares of ``share`` columns (distinct slots), some holding pages, random last uses;
+    each head of each row selects up to K distinct pages, some held (hits), -1 padded."""
+    g = torch.Generator().manual_seed(seed)
+    res_slot = torch.full((R, L, H, C), -1, dtype=torch.int32)
+    res_page = torch.full((R, L, H, C), -1, dtype=torch.int32)
+    last = torch.full((R, L, H, C), NEVER, dtype=torch.int32)
+    perm = torch.randperm(R * L * H * share, generator=g).int().view(R, L, H, share)
+    res_slot[..., :share] = perm
+    for r in range(R):
+        for l in range(L):
+            for h in range(H):
+                held = torch.randperm(num_pages, generator=g)[:share]
+                keep = torch.rand(share, generator=g) < 0.7
+                res_page[r, l, h, :share] = torch.where(keep, held, -1).int()
+                ages = torch.randint(0, 12, (share,), generator=g)
+                old = torch.rand(share, generator=g) < 0.2
+                last[r, l, h, :share] = torch.where(old, torch.tensor(NEVER), now - ages).int()
+    B = len(rows)
+    want = torch.full((B, H, K), -1, dtype=torch.int64)
+    for b, r in enumerate(rows):
+        for h in range(H):
+            n = int(torch.randint(0, K + 1, (1,), generator=g))
+            held = [p for p in res_page[r, layer, h].tolist() if p >= 0]
+            pool = torch.randperm(num_pages, generator=g).tolist()
+            picks = (held[: n // 2] + [p for p in pool if p not in held[: n // 2]])[:n]
+            want[b, h, :n] = torch.tensor(sorted(picks), dtype=torch.int64)
+    to = dict(device=DEVICE)
+    return (res_page.to(**to), res_slot.to(**to), last.to(**to), torch.tensor(rows, dtype=torch.int64, **to),
+            layer, want.to(**to), now)
+
+
+CASES = [
+    # R, L, H, C, K, share, rows, layer, now
+    (3, 2, 2, 12, 6, 10, [2, 0], 1, 20),  # shares narrower than the columns
+    (2, 1, 3, 7, 5, 7, [1], 0, 5),  # C and K not powers of two
+    (4, 3, 1, 16, 16, 16, [3, 1, 0], 2, 100),  # share == K: every column may be needed
+    (2, 2, 2, 9, 4, 9, [0, 1], 0, 3),
+]
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_equals_reference(case, reuse):
+    *shape, seed = (*case, sum(case[:6]) + int(reuse))
+    a = list(make_case(*shape, seed=seed))
+    b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+    ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    for num_buckets in (64, 4):  # 4: ages beyond the last bucket collapse, ties go by column
+        ra = buffer_lookup(*a, ca, num_buckets=num_buckets, reuse=reuse)
+        rb = buffer_lookup_ref(*b, cb, num_buckets=num_buckets, reuse=reuse)
+        for x, y, name in zip(ra, rb, ("slots", "miss_dst", "miss")):
+            assert torch.equal(x, y), name
+        assert torch.equal(a[0], b[0]), "res_page"
+        assert torch.equal(a[2], b[2]), "last_use"
+        assert torch.equal(ca, cb), "counters"
+        # A later step over the updated shares, selecting partly other pages.
+        for x in (a, b):
+            x[6] += 3
+            x[5] = torch.where(x[5] >= 0, (x[5] + 5) % 40, -1)
+    assert ca[0] > 0 and ca[2] > 0  # the cases do look up and miss
+
+
+def test_every_miss_gets_its_own_victim_and_hits_keep_their_slot():
+    res_page, res_slot, last, rows, layer, want, now = make_case(2, 1, 2, 10, 6, 10, [0, 1], 0, 9, seed=7)
+    before_page, before_slot = res_page.clone(), res_slot.clone()
+    counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    slots, miss_dst, miss = buffer_lookup(res_page, res_slot, last, rows, layer, want, now, counters)
+    for b, r in enumerate(rows.tolist()):
+        for h in range(want.shape[1]):
+            held = dict(zip(before_page[r, 0, h].tolist(), before_slot[r, 0, h].tolist()))
+            taken = set()
+            for k, p in enumerate(want[b, h].tolist()):
+                if p < 0:
+                    continue
+                s = int(slots[b, h, k])
+                if p in held and held[p] >= 0 and p >= 0:
+                    assert not miss[b, h, k] and s == held[p]
+                else:
+                    assert miss[b, h, k] and s not in taken and int(miss_dst.view_as(slots)[b, h, k]) == s
+                    taken.add(s)
+
+
+def test_bad_shapes_and_oversized_tiles_are_refused():
+    res_page, res_slot, last, rows, layer, want, now = make_case(2, 1, 2, 10, 6, 10, [0], 0, 9, seed=1)
+    counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"want must be \[B, Hkv, K\]"):
+        buffer_lookup_ref(res_page, res_slot, last, rows, layer, want[:, :1], now, counters)
+    with pytest.raises(ValueError, match="counters"):
+        buffer_lookup_ref(res_page, res_slot, last, rows, layer, want, now, counters.int())
+    assert fits_kernel(64, 256, 64) and not fits_kernel(1024, 4096, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernel_equals_reference_at_llama_shapes():
+    """16 requests x 8 KV heads, 70 selected pages of a 140-column share (Llama-3.1-8B with a
+    2K budget in pages of 32), three steps in a row."""
+    a = list(make_case(16, 2, 8, 140, 70, 140, list(range(15, -1, -1)), 1, 50, seed=3, num_pages=400))
+    b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+    ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    for _ in range(3):
+        ra, rb = buffer_lookup(*a, ca), buffer_lookup_ref(*b, cb)
+        assert all(torch.equal(x, y) for x, y in zip(ra, rb))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(ca, cb)
+        for x in (a, b):
+            x[6] += 1
+            x[5] = torch.where(x[5] >= 0, (x[5] + 7) % 400, -1)
