@@ -243,8 +243,11 @@ def _engine_groups(method: Method, lengths: Sequence[int]) -> list[tuple[int, ..
     return [(n,) for n in lengths] if method.depends_on_length() or method.prefill else [tuple(lengths)]
 
 
-def _calibrate_prefill(config: EvalConfig, model_path: str):
-    """``sparse.prefill.calibrate`` on an unscored prompt (the seed after the samples)."""
+def _calibrate_prefill(config: EvalConfig, model_path: str) -> dict:
+    """length -> ``sparse.prefill.calibrate`` on an unscored prompt of that length (the seed
+    after the samples). Per length: a threshold set at one length computes a different share
+    of the blocks at another (attention spreads differently), and the modes are compared at
+    equal block counts."""
     from spin_cluster.config import SparsePrefillConfig
     from spin_cluster.engine.engine import resolve_device, resolve_dtype
     from spin_cluster.models import load_model
@@ -253,11 +256,13 @@ def _calibrate_prefill(config: EvalConfig, model_path: str):
 
     device = resolve_device(config.device)
     model = load_model(model_path, dtype=resolve_dtype(config.dtype, device), device=device, progress=False).eval()
-    n = max(config.lengths)
-    sample = ruler.make_sample(config.tasks[0], Tokenizer(model_path), n - config.max_tokens,
-                               config.seed + config.samples_per_task)
     prefill = SparsePrefillConfig(algorithm="block", block_size=config.prefill_block_size, budget=config.prefill_budget)
-    return calibrate(model, sample.prompt_ids, prefill)
+    tokenizer = Tokenizer(model_path)
+    out = {}
+    for n in config.lengths:
+        sample = ruler.make_sample(config.tasks[0], tokenizer, n - config.max_tokens, config.seed + config.samples_per_task)
+        out[n] = calibrate(model, sample.prompt_ids, prefill)
+    return out
 
 
 def _prefill_options(config: EvalConfig, method: Method, calibration) -> dict:
@@ -284,12 +289,12 @@ def _generate(engine, prompts: list[list[int]], params, bar) -> list[str]:
 
 def spin_config(config: EvalConfig, model_path: str, method: Method, length: int, calibration=None) -> SpinConfig:
     """The engine config of ``method`` for prompts of up to ``length`` tokens (with answer);
-    ``calibration`` (``sparse.prefill.PrefillCalibration``) for sparse-prefill methods."""
+    ``calibration`` (length -> ``sparse.prefill.PrefillCalibration``) for sparse-prefill methods."""
     sparse = method.sparse_options(length, config.sink_tokens, config.local_tokens)
     if method.offloaded and config.dense_layers:
         sparse["dense_layers"] = config.dense_layers
     if method.prefill:
-        sparse["prefill"] = _prefill_options(config, method, calibration)
+        sparse["prefill"] = _prefill_options(config, method, calibration and calibration[length])
     profile = _head_profile(config.profile_path, model_path) if method.budget_mode == "maxmin" else None
     sparse.update(budget_mode_options(method, length, page_size=config.page_size, top_p=config.top_p,
                                       profile=profile, floor_fraction=config.floor_fraction))
