@@ -100,6 +100,29 @@ needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="re
 
 
 @needs_proc
+def test_leader_and_follower_on_the_spin_cache(four_kv_head_llama):
+    """Spin's offloaded cache with Quest selecting (sink 1 page + 2 middle + local 1 of up to
+    10 pages) behind a server: the same script, the same tokens and abort as one engine."""
+    cfg = SpinConfig.from_dict({
+        "model": {"path": four_kv_head_llama, "device": "cpu", "dtype": "float32", "max_model_len": 128},
+        "cache": {"offload": True, "page_size": 4, "kv_cache_gib": 0.01, "host_kv_gib": 0.01},
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 8},
+        "sparse": {"algorithm": "quest", "budget": 8, "sink_tokens": 4, "local_tokens": 4},
+    })
+    plain = Engine(cfg, progress=False)
+    expected, expected_abort = _script(plain)
+    assert plain.last_stats.buffer_lookups_total > 0
+    engine = start_head_parallel(cfg, _placement())
+    try:
+        got, got_abort = _script(engine)
+        assert got == expected and got_abort == expected_abort
+        assert engine.last_stats.buffer_lookups_total > 0
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+@needs_proc
 def test_leader_and_follower_give_the_tokens_of_one_engine(four_kv_head_llama):
     """The same calls between the same steps, token for token, the abort's partial output
     and the preemptions included. Rank 0's 64 pages hold 8 token pages of its 8 (layer, KV
