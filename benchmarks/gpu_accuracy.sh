@@ -20,7 +20,7 @@ if [ ! -f "$GATE" ]; then
 fi
 for LEN in 4096 8192; do
   (cd /tmp && SPIN_SEER_GATE=$GATE timeout "${EVAL_TIMEOUT:-230}" python3 -m spin_cluster.cli eval --lengths "$LEN" \
-      --samples "$SAMPLES" --algorithms dense streaming quest shadowkv retroinfer seer \
+      --samples "$SAMPLES" --algorithms dense streaming quest shadowkv retroinfer seer oracle \
       --budgets 0.125 0.0625 0.03125 --sink-tokens 16 --local-tokens 64 --max-tokens 40 \
       --max-batch 32 --fidelity --quiet --out "$OUT/accuracy-$LEN.json" 2>&1 | tail -60) \
       | tee "$OUT/accuracy-$LEN.log"
