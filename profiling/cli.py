@@ -50,6 +50,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--local-tokens", type=int, default=d.local_tokens)
     p.add_argument("--dense-layers", type=int, default=d.dense_layers,
                    help="sparse methods: the first N layers attend densely (default: %(default)s)")
+    p.add_argument("--page-size", type=int, default=d.page_size,
+                   help="tokens per KV page, the unit every Select picks (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="greedy tokens per answer")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests running at once per engine")
     p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
@@ -77,7 +79,7 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         budget_modes=tuple(args.budget_modes), top_p=args.top_p, profile_path=args.profile,
         floor_fraction=args.floor_fraction,
         sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, dense_layers=args.dense_layers,
-        max_tokens=args.max_tokens,
+        page_size=args.page_size, max_tokens=args.max_tokens,
         max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens, device=args.device, dtype=args.dtype,
         dense_threshold=args.dense_threshold, seed=args.seed,
     )

@@ -28,6 +28,9 @@ def test_defaults():
     assert args.algorithms == ["dense", "streaming", "quest"] and args.budgets == [0.125, 0.0625, 0.03125]
     cfg = cli.eval_config(_parse(["eval", "--lengths", "1024", "--samples", "2", "--budgets", "0.25", "--fidelity"]))
     assert cfg.lengths == (1024,) and cfg.samples_per_task == 2 and cfg.budgets == (0.25,)
+    assert cfg.page_size == 16 and cfg.dense_layers == 0
+    cfg = cli.eval_config(_parse(["eval", "--page-size", "4", "--dense-layers", "2"]))
+    assert cfg.page_size == 4 and cfg.dense_layers == 2
 
 
 def test_unknown_algorithm_fails_with_the_registry_error(no_model):
