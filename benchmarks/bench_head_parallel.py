@@ -27,17 +27,12 @@ import os
 import queue as queue_mod
 import statistics
 import sys
-import tempfile
 import time
 
-LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-}
-TINY = {**LLAMA_31_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "head_dim": 8, "vocab_size": 49152, "max_position_embeddings": 4096}
+# --tiny: Llama-3.1-8B's config (spin_cluster.models.shapes) with these fields replaced.
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 8, "vocab_size": 49152, "max_position_embeddings": 4096,
+        "rope_scaling": None}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -188,6 +183,7 @@ def main(argv=None) -> dict:
     from spin_cluster.config import SpinConfig
     from spin_cluster.hplb.budget import synthetic_maxmin_budgets
     from spin_cluster.models import ModelConfig
+    from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
     from spin_cluster.parallel import default_placement
 
     on_gpu = torch.cuda.is_available() and not args.tiny
@@ -196,18 +192,9 @@ def main(argv=None) -> dict:
     ranks = sorted({r for r in args.ranks if 1 <= r <= gpus} | {1})
     skipped = sorted(set(args.ranks) - set(ranks))
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    shape = TINY if args.tiny else LLAMA_31_8B
+    shape = {**LLAMA_31_8B, **TINY} if args.tiny else LLAMA_31_8B
     max_len = args.context + args.steps + 2 * args.page_size
-    folder = tempfile.mkdtemp(prefix="hp-model-")
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump({**shape, "max_position_embeddings": max(shape["max_position_embeddings"], max_len)}, f)
-    if args.tokenizer:
-        tokenizer = args.tokenizer
-    else:
-        from spin_cluster.model_store import prepare_default_model
-
-        tokenizer = str(prepare_default_model())
-    shutil.copy(os.path.join(tokenizer, "tokenizer.json"), folder)
+    folder = shape_folder(shape, max_len, args.tokenizer, prefix="hp-model-")
     L, hkv = shape["num_hidden_layers"], shape["num_key_value_heads"]
     budgets = synthetic_maxmin_budgets(L, hkv, args.budget, args.page_size)
     config = SpinConfig.from_dict({

@@ -39,7 +39,6 @@ import statistics
 import random
 import shutil
 import sys
-import tempfile
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -239,69 +238,33 @@ def _print_kernel_table(results: dict) -> None:
 # ---- ttft ------------------------------------------------------------------------------------------
 
 
-_LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "bos_token_id": 1,
-    "eos_token_id": 2, "torch_dtype": "bfloat16",
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-}
-
-
-def _random_weight_engine_cls():
-    """An Engine whose model is built at the folder's shapes with random weights (no checkpoint)."""
-    import torch
-
-    from spin_cluster.engine import Engine
-    from spin_cluster.models import CausalLM
-    from spin_cluster.models.config import ModelConfig
-
-    class RandomWeightEngine(Engine):
-        def _load_model(self, path, progress):
-            with torch.device(self.device):
-                model = CausalLM(ModelConfig.from_folder(path)).to(self.dtype)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-            return model.eval()
-
-    return RandomWeightEngine
-
-
 def run_ttft(args) -> dict:
     import torch
 
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import SamplingParams
-    from spin_cluster.model_store import prepare_default_model
+    from spin_cluster.engine import Engine
+    from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
 
-    folder = tempfile.mkdtemp(prefix="llama31-8b-shapes-")
     longest = max(args.lengths)
-    with open(os.path.join(folder, "config.json"), "w") as f:  # room for a prompt of `longest` plus its token
-        json.dump({**_LLAMA_31_8B, "num_hidden_layers": args.layers,
-                   "max_position_embeddings": max(_LLAMA_31_8B["max_position_embeddings"], longest + 256)}, f)
-    smol = str(prepare_default_model())
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if os.path.exists(os.path.join(smol, name)):
-            shutil.copy(os.path.join(smol, name), folder)
+    # Room for a prompt of `longest` plus its token; random weights (model.load_format: dummy).
+    folder = shape_folder({**LLAMA_31_8B, "num_hidden_layers": args.layers}, longest + 256,
+                          prefix="llama31-8b-shapes-")
     rng = random.Random(0)
     per_head = [[round(min(0.99, max(0.01, rng.lognormvariate(0, 0.6) * args.budget)), 3) for _ in range(HKV)]
                 for _ in range(args.layers)]
     mean = sum(map(sum, per_head)) / (args.layers * HKV)
     per_head = [[round(min(0.99, b * args.budget / mean), 3) for b in row] for row in per_head]
-    engine_cls = _random_weight_engine_cls()
     results = {"budget": args.budget, "per_head_budgets": per_head, "ttft_s": {}}
     for label, prefill in (("dense", {}), ("block-sparse", {"algorithm": "block", "block_size": 128, "stride": 16,
                                                             "budgets": "per_head", "per_head_budgets": per_head})):
         cfg = SpinConfig.from_dict({
-            "model": {"path": folder, "dtype": "bfloat16", "max_model_len": longest + 16},
+            "model": {"path": folder, "load_format": "dummy", "dtype": "bfloat16", "max_model_len": longest + 16},
             "cache": {"kv_cache_gib": 2 * args.layers * HKV * D * 2 * (longest + 256) / 2**30 + 1},
             "scheduler": {"max_num_seqs": 1, "max_num_batched_tokens": longest + 16},
             "sparse": {"prefill": prefill},
         })
-        engine = engine_cls(cfg, progress=False)
+        engine = Engine(cfg, progress=False)
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         warm = min(2048, min(args.lengths))
         engine.generate([[rng.randrange(1000, 40000) for _ in range(warm)]], params)  # warm-up (Triton compile)

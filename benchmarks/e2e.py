@@ -34,23 +34,14 @@ import random
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("dense", "dense-offload", "sparse-no-buffer", "spin")
 
-LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "bos_token_id": 1,
-    "eos_token_id": 2, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-}
-TINY = {**LLAMA_31_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152,
-        "rope_scaling": None}
+# --tiny: Llama-3.1-8B's config (spin_cluster.models.shapes) with these fields replaced.
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152, "rope_scaling": None}
 
 
 @dataclasses.dataclass
@@ -101,21 +92,6 @@ def _import_package() -> None:
         import spin_cluster.kernels  # noqa: F401
     except ImportError:
         sys.path.insert(0, _ROOT)
-
-
-def model_folder(shape: dict, max_len: int, tokenizer: str | None = None) -> str:
-    """A folder with ``shape``'s config.json (room for ``max_len`` positions) and the tokenizer
-    files of ``tokenizer`` (default: the default model's), for ``model.load_format: dummy``."""
-    from spin_cluster.model_store import prepare_default_model
-
-    folder = tempfile.mkdtemp(prefix="e2e-model-")
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump({**shape, "max_position_embeddings": max(shape["max_position_embeddings"], max_len)}, f)
-    source = tokenizer or str(prepare_default_model())
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if os.path.exists(os.path.join(source, name)):
-            shutil.copy(os.path.join(source, name), folder)
-    return folder
 
 
 def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict:
@@ -347,10 +323,12 @@ def main(argv=None) -> dict:
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import Engine
 
-    shape = TINY if args.tiny else LLAMA_31_8B
+    from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
+
+    shape = {**LLAMA_31_8B, **TINY} if args.tiny else LLAMA_31_8B
     longest = max(args.offline_lengths + [args.online_length])
     max_len = longest + max(args.output_tokens, args.online_output_tokens) + args.page_size
-    folder = model_folder(shape, max_len, args.tokenizer)
+    folder = shape_folder(shape, max_len, args.tokenizer, prefix="e2e-model-")
     runs = workloads(args, shape["vocab_size"])
     if args.workloads:
         unknown = set(args.workloads) - {name for name, *_ in runs}
