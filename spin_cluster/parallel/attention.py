@@ -28,18 +28,15 @@ from spin_cluster.parallel.group import all_gather_floats
 from spin_cluster.parallel.timing import LayerTimer
 
 
-class HeadParallelAttention:
-    def __init__(self, inner: PagedAttention, kv_heads: Sequence[Sequence[int]], group=None) -> None:
+class _RankBackend:
+    """What both rank backends share: the wrapped backend's step, the per-layer timing of this
+    rank's attention, and the all-gather of every rank's times at the end of the step.
+    Subclasses attend in ``_attend``; a layer where the rank owns no head is skipped."""
+
+    def __init__(self, inner, num_layers: int, group=None) -> None:
         self.inner = inner
         self.group = group
-        starts = [0]
-        for heads in kv_heads:
-            starts.append(starts[-1] + len(heads))
-        if starts[-1] != inner.kv.num_kv_heads or inner.kv.num_layers != 1:
-            raise ValueError(f"the cache must be one layer of {starts[-1]} head columns")
-        self._columns = [slice(a, b) for a, b in zip(starts, starts[1:])]  # [L]
-        self._layer_plans: list[StepPlan] | None = None
-        self.timer = LayerTimer(len(self._columns), inner.device)
+        self.timer = LayerTimer(num_layers, inner.device)
         self._rank_layer_s: list[list[float]] | None = None
 
     def row(self, request_id: str) -> int:
@@ -47,8 +44,7 @@ class HeadParallelAttention:
 
     def begin_step(self, chunks: list[ScheduledChunk], positions: torch.Tensor, token_rows: torch.Tensor) -> None:
         self.inner.begin_step(chunks, positions, token_rows)
-        plan = self.inner.plan
-        self._layer_plans = [_columns_plan(plan, cols) for cols in self._columns]
+        self._after_begin()
         self.timer.reset()
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -56,20 +52,50 @@ class HeadParallelAttention:
         if k.shape[1] == 0:
             return torch.empty_like(q)
         self.timer.start(layer_id)
-        self.inner.plan = self._layer_plans[layer_id]
-        out = self.inner.forward(0, q, k, v)
+        out = self._attend(layer_id, q, k, v)
         self.timer.stop(layer_id)
         return out
 
     def end_step(self) -> None:
         self.inner.end_step()
-        self._layer_plans = None
+        self._after_end()
         self._rank_layer_s = all_gather_floats(self.timer.read(), self.group)
 
     def pop_rank_layer_s(self) -> list[list[float]] | None:
         """[R][L] attention seconds of every rank in the last step, once (None after that)."""
         times, self._rank_layer_s = self._rank_layer_s, None
         return times
+
+    def _after_begin(self) -> None:
+        pass
+
+    def _after_end(self) -> None:
+        pass
+
+    def _attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class HeadParallelAttention(_RankBackend):
+    def __init__(self, inner: PagedAttention, kv_heads: Sequence[Sequence[int]], group=None) -> None:
+        starts = [0]
+        for heads in kv_heads:
+            starts.append(starts[-1] + len(heads))
+        if starts[-1] != inner.kv.num_kv_heads or inner.kv.num_layers != 1:
+            raise ValueError(f"the cache must be one layer of {starts[-1]} head columns")
+        super().__init__(inner, len(kv_heads), group)
+        self._columns = [slice(a, b) for a, b in zip(starts, starts[1:])]  # [L]
+        self._layer_plans: list[StepPlan] | None = None
+
+    def _after_begin(self) -> None:
+        self._layer_plans = [_columns_plan(self.inner.plan, cols) for cols in self._columns]
+
+    def _attend(self, layer_id, q, k, v):
+        self.inner.plan = self._layer_plans[layer_id]
+        return self.inner.forward(0, q, k, v)
+
+    def _after_end(self) -> None:
+        self._layer_plans = None
 
 
 def _columns_plan(plan: StepPlan, cols: slice) -> StepPlan:
@@ -83,7 +109,7 @@ def _columns_plan(plan: StepPlan, cols: slice) -> StepPlan:
     )
 
 
-class HeadParallelSpinAttention:
+class HeadParallelSpinAttention(_RankBackend):
     """One rank's Spin backend (the offloaded cache): ``W`` KV-head columns in every layer,
     ``W`` the most heads any rank owns in any layer.
 
@@ -105,40 +131,15 @@ class HeadParallelSpinAttention:
             raise ValueError(f"the cache must have {len(kv_heads)} layers of {width} head columns")
         if any(len(heads) > width for heads in kv_heads):
             raise ValueError(f"a layer owns more than {width} KV heads")
-        self.inner = inner
-        self.group = group
+        super().__init__(inner, len(kv_heads), group)
         self.width, self.num_kv_groups = width, num_kv_groups
-        self.timer = LayerTimer(len(kv_heads), inner.device)
-        self._rank_layer_s: list[list[float]] | None = None
 
-    def row(self, request_id: str) -> int:
-        return self.inner.row(request_id)
-
-    def begin_step(self, chunks: list[ScheduledChunk], positions: torch.Tensor, token_rows: torch.Tensor) -> None:
-        self.inner.begin_step(chunks, positions, token_rows)
-        self.timer.reset()
-
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, n*G, D], k/v: [T, n, D] for this rank's n heads of the layer -> [T, n*G, D]
+    def _attend(self, layer_id, q, k, v):
         n = k.shape[1]
-        if n == 0:
-            return torch.empty_like(q)
-        self.timer.start(layer_id)
         pad = self.width - n
         if pad:
             q = torch.nn.functional.pad(q, (0, 0, 0, pad * self.num_kv_groups))
             k = torch.nn.functional.pad(k, (0, 0, 0, pad))
             v = torch.nn.functional.pad(v, (0, 0, 0, pad))
         out = self.inner.forward(layer_id, q, k, v)
-        if pad:
-            out = out[:, : n * self.num_kv_groups]
-        self.timer.stop(layer_id)
-        return out
-
-    def end_step(self) -> None:
-        self.inner.end_step()
-        self._rank_layer_s = all_gather_floats(self.timer.read(), self.group)
-
-    def pop_rank_layer_s(self) -> list[list[float]] | None:
-        times, self._rank_layer_s = self._rank_layer_s, None
-        return times
+        return out[:, : n * self.num_kv_groups] if pad else out
