@@ -94,6 +94,17 @@ _PREFILL_ESTIMATORS = ("antidiagonal", "pooled")
 _PREFILL_BUDGETS = ("uniform", "threshold", "per_head")
 
 
+def _normalize_budget_rows(section, cast, name: str) -> None:
+    """``section.per_head_budgets`` ([L][Hkv], any sequences) as a tuple of tuples of
+    ``cast`` (hashable, as a frozen config's fields are), every entry >= 0."""
+    if section.per_head_budgets is None:
+        return
+    rows = tuple(tuple(cast(b) for b in row) for row in section.per_head_budgets)
+    object.__setattr__(section, "per_head_budgets", rows)
+    if any(b < 0 for row in rows for b in row):
+        raise ValueError(f"{name} must be >= 0")
+
+
 @dataclass(frozen=True)
 class SparsePrefillConfig:
     """``sparse.prefill``: block-sparse attention of prompt chunks (``spin_cluster.sparse.prefill``).
@@ -148,11 +159,7 @@ class SparsePrefillConfig:
         for name in ("threshold", "coverage"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"sparse.prefill.{name}={getattr(self, name)}: use a mass in (0, 1]")
-        if self.per_head_budgets is not None:
-            rows = tuple(tuple(float(b) for b in row) for row in self.per_head_budgets)
-            object.__setattr__(self, "per_head_budgets", rows)
-            if any(b < 0 for row in rows for b in row):
-                raise ValueError("sparse.prefill.per_head_budgets must be >= 0")
+        _normalize_budget_rows(self, float, "sparse.prefill.per_head_budgets")
         if self.budgets == "per_head" and self.per_head_budgets is None and self.profile is None:
             raise ValueError("sparse.prefill.budgets='per_head' needs per_head_budgets ([L][Hkv]) or a profile")
         if self.profile is not None and self.budget >= 1:
@@ -197,11 +204,7 @@ class SparseConfig:
             raise ValueError(f"sparse.top_p={self.top_p}: use a mass in (0, 1], or null for top-k")
         if self.options is not None and not isinstance(self.options, dict):
             raise ValueError(f"sparse.options must be a mapping of the algorithm's options, got {self.options!r}")
-        if self.per_head_budgets is not None:
-            rows = tuple(tuple(int(b) for b in row) for row in self.per_head_budgets)
-            object.__setattr__(self, "per_head_budgets", rows)
-            if any(b < 0 for row in rows for b in row):
-                raise ValueError("sparse.per_head_budgets must be >= 0")
+        _normalize_budget_rows(self, int, "sparse.per_head_budgets")
 
     def budget_tokens(self, context_tokens: int) -> int:
         return int(self.budget) if self.budget >= 1 else max(1, int(self.budget * context_tokens))
