@@ -93,9 +93,14 @@ def test_config_section_round_trips_and_rejects_bad_values():
         SpinConfig.from_dict({"sparse": {"prefill": {"budget_blocks": 3}}})
     for bad, match in (({"block_size": 48}, "block_size"), ({"stride": 32, "block_size": 16}, "stride"),
                        ({"budgets": "per_head"}, "per_head_budgets"), ({"threshold": 0}, "threshold"),
-                       ({"estimator": "exact"}, "estimator")):
+                       ({"estimator": "exact"}, "estimator"),
+                       ({"per_head_budgets": [[0.5, -1]]}, r"sparse.prefill.per_head_budgets must be >= 0")):
         with pytest.raises(ValueError, match=match):
             SpinConfig.from_dict({"sparse": {"prefill": bad}})
+    decode = SpinConfig.from_dict({"sparse": {"per_head_budgets": [[64, 32.0]]}})
+    assert decode.sparse.per_head_budgets == ((64, 32),)  # decode budgets are whole tokens
+    with pytest.raises(ValueError, match=r"^sparse.per_head_budgets must be >= 0"):
+        SpinConfig.from_dict({"sparse": {"per_head_budgets": [[64, -16]]}})
 
 
 def test_every_block_selected_is_dense_prefill_and_a_budget_is_not():
