@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue as queue_mod
 import statistics
 import sys
 import time
@@ -100,38 +99,20 @@ def _rank_main(rank, world, port, device_type, config, placement, prompts, steps
                 decode.append((time.perf_counter() - start, list(st.attention_rank_s), st.attention_bubble_s))
             for o in outs:
                 tokens[o.request_id].extend(o.new_token_ids)
-        if rank == 0:
-            results.put({"placement": engine.placement.to_dict(), "prefill_s": prefill_s, "decode": decode,
-                         "tokens": [tokens[i] for i in ids]})
+        report = {"placement": engine.placement.to_dict(), "prefill_s": prefill_s, "decode": decode,
+                  "tokens": [tokens[i] for i in ids]}
+        results.put((rank, report if rank == 0 else None))
     finally:
         dist.destroy_process_group()
 
 
 def run_config(config, placement, prompts, steps: int, num_ranks: int, device_type: str, timeout_s: float) -> dict:
     """Spawn ``num_ranks`` rank processes, run, and return rank 0's report."""
-    import torch.multiprocessing as mp
-
     from spin_cluster.parallel.group import free_port
+    from spin_cluster.parallel.launch import run_ranks
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = mp.start_processes(_rank_main, nprocs=num_ranks, join=False, start_method="spawn",
-                               args=(num_ranks, free_port(), device_type, config, placement, prompts, steps, results))
-    deadline = time.monotonic() + timeout_s
-    report = None
-    while report is None:
-        try:
-            report = results.get(timeout=1.0)
-        except queue_mod.Empty:
-            if procs.join(timeout=0) and results.empty():  # raises with a rank's traceback if one failed
-                raise RuntimeError("the ranks exited without a report")
-            if time.monotonic() > deadline:
-                for p in procs.processes:
-                    p.terminate()
-                raise TimeoutError(f"{num_ranks} ranks did not finish within {timeout_s:.0f} s")
-    while not procs.join():
-        pass
-    return report
+    args = (num_ranks, free_port(), device_type, config, placement, prompts, steps)
+    return run_ranks(_rank_main, args, num_ranks, timeout_s)[0]
 
 
 # ---- the sweep -----------------------------------------------------------------------------------

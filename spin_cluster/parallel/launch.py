@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,10 +62,25 @@ def launch_generate(
     device = resolve_device(config.model.device)
     if device.type == "cuda" and torch.cuda.device_count() < num_ranks:
         raise ValueError(f"{num_ranks} ranks need {num_ranks} GPUs, this machine has {torch.cuda.device_count()}")
+    args = (num_ranks, free_port(), device.type, config, list(prompts), params, placement)
+    reports = run_ranks(_rank_main, args, num_ranks)
+    outputs, used_placement, rank_s, bubble_s, num_preemptions = reports[0]
+    if any(report[-1] != num_preemptions for report in reports.values()):
+        raise RuntimeError(f"ranks disagree on preemptions: {[reports[r][-1] for r in range(num_ranks)]}")
+    rank_s = tuple(rank_s[str(r)] for r in range(num_ranks))
+    return ParallelResult(outputs, used_placement, rank_s, bubble_s, num_preemptions)
+
+
+def run_ranks(fn, args: tuple, num_ranks: int, timeout_s: float | None = None) -> dict:
+    """Run ``fn(rank, *args, results)`` in ``num_ranks`` spawned processes and return
+    {rank: report}: every rank puts ``(rank, report)`` on the ``results`` queue. A rank that
+    fails raises here with its traceback; past ``timeout_s`` the ranks are terminated and
+    TimeoutError raised. ``fn`` must be importable by the children (a module-level function;
+    a script calls this under ``if __name__ == "__main__":``)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    args = (num_ranks, free_port(), device.type, config, list(prompts), params, placement, results)
-    procs = mp.start_processes(_rank_main, args=args, nprocs=num_ranks, join=False, start_method="spawn")
+    procs = mp.start_processes(fn, args=(*args, results), nprocs=num_ranks, join=False, start_method="spawn")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     reports = {}
     while len(reports) < num_ranks:
         try:
@@ -73,15 +89,15 @@ def launch_generate(
             # join raises (with the rank's traceback) if a rank failed.
             if procs.join(timeout=0) and results.empty():
                 raise RuntimeError(f"ranks {sorted(set(range(num_ranks)) - set(reports))} exited without a report")
+            if deadline is not None and time.monotonic() > deadline:
+                for p in procs.processes:
+                    p.terminate()
+                raise TimeoutError(f"{num_ranks} ranks did not finish within {timeout_s:.0f} s")
             continue
         reports[rank] = report
     while not procs.join():
         pass
-    outputs, used_placement, rank_s, bubble_s, num_preemptions = reports[0]
-    if any(report[-1] != num_preemptions for report in reports.values()):
-        raise RuntimeError(f"ranks disagree on preemptions: {[reports[r][-1] for r in range(num_ranks)]}")
-    rank_s = tuple(rank_s[str(r)] for r in range(num_ranks))
-    return ParallelResult(outputs, used_placement, rank_s, bubble_s, num_preemptions)
+    return reports
 
 
 def _rank_main(rank, num_ranks, port, device_type, config, prompts, params, placement, results) -> None:
