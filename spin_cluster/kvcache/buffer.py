@@ -40,7 +40,6 @@ _NEVER = -(2**30)  # last_use of an empty column: older than any real step
 @dataclass(frozen=True)
 class Lookup:
     slots: torch.Tensor  # [B, Hkv, K] int32 slot of each selected page (0 where invalid)
-    miss_src: torch.Tensor  # [B*Hkv*K] int64 host page to fetch, -1 where no miss
     miss_dst: torch.Tensor  # [B*Hkv*K] int64 slot to fill, -1 where no miss
 
 
@@ -136,8 +135,8 @@ class GpuBuffer:
         fn = buffer_lookup if on_kernel else buffer_lookup_ref
         slots, miss_dst, miss = fn(self.res_page, self.res_slot, self.res_last_use, rows, layer, want, now,
                                    self.counters, num_buckets=self.num_buckets, reuse=self.reuse)
-        # miss_src is filled by the caller, which knows the host pages.
-        return Lookup(slots=slots, miss_src=torch.full_like(miss_dst, -1), miss_dst=miss_dst), miss
+        # The caller pairs miss_dst with the host pages (it knows the directory).
+        return Lookup(slots=slots, miss_dst=miss_dst), miss
 
     # ---- integrity --------------------------------------------------------------------------
 
