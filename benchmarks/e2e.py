@@ -71,7 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget", type=int, default=2048, help="sparse modes: mean middle tokens per head")
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-batched-tokens", type=int, default=65536,
+                    help="prefill chunk size: a 128K prompt in two chunks (later chunks of an offloaded "
+                         "request gather its earlier context from the host tier in every layer)")
     ap.add_argument("--deadline-s", type=float, default=480.0, help="wall time for all measurements")
     ap.add_argument("--tokenizer", default=None, metavar="DIR",
                     help="folder with tokenizer.json (default: the prepared default model's)")
@@ -128,7 +130,7 @@ def run_workload(engine, prompts: list[list[int]], arrivals_s: list[float], max_
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.monotonic()
     times: dict[str, RequestTimes] = {}
-    steps: list[tuple[float, int, bool]] = []  # (seconds, running requests, decode only)
+    steps: list[tuple[float, int, bool, int]] = []  # (seconds, tokens run, decode only, running)
     pending = sorted(zip(arrivals_s, range(len(prompts))))
     truncated = False
     while pending or engine.has_unfinished():
@@ -142,12 +144,14 @@ def run_workload(engine, prompts: list[list[int]], arrivals_s: list[float], max_
         if time.monotonic() > deadline:
             truncated = True
             break
-        decode_only = not engine.scheduler.waiting and all(
-            r.num_computed_tokens >= len(r.prompt_token_ids) for r in engine.scheduler.running)
+        # A decode-only step: every token it ran was a decode token of a running request
+        # (requests waiting for room do not make it a prefill step).
+        ready = sum(r.num_computed_tokens >= len(r.prompt_token_ids) for r in engine.scheduler.running)
         t0 = time.perf_counter()
         outputs = engine.step()
         _sync(engine)
-        steps.append((time.perf_counter() - t0, engine.last_stats.num_running, decode_only))
+        tokens = engine.last_stats.num_batched_tokens
+        steps.append((time.perf_counter() - t0, tokens, 0 < tokens == ready, engine.last_stats.num_running))
         t = time.monotonic()
         for out in outputs:
             rt = times[out.request_id]
@@ -164,7 +168,7 @@ def run_workload(engine, prompts: list[list[int]], arrivals_s: list[float], max_
 def summarize(times: list[RequestTimes], steps, wall_s: float, truncated: bool, engine) -> dict:
     ttft = [r.first_token_s - r.arrival_s for r in times if r.first_token_s]
     tpot = [(r.finished_s - r.first_token_s) / (r.num_output - 1) for r in times if r.finished_s and r.num_output > 1]
-    decode = [(s, n) for s, n, only in steps if only]
+    decode = [(s, n) for s, n, only, _ in steps if only]
     stats = engine.last_stats
     return {
         "requests": len(times), "finished": sum(r.finished_s is not None for r in times), "truncated": truncated,
@@ -172,10 +176,14 @@ def summarize(times: list[RequestTimes], steps, wall_s: float, truncated: bool, 
         "throughput_tok_s": sum(r.num_output for r in times) / wall_s if wall_s else 0.0,
         "decode_tok_s": sum(n for _, n in decode) / sum(s for s, _ in decode) if decode else None,
         "batch1_decode_step_s": _median([s for s, n in decode if n == 1]),
-        "peak_running": max((n for _, n, _ in steps), default=0),
+        "peak_running": max((r for *_, r in steps), default=0),
+        "peak_decode_batch": max((n for _, n in decode), default=0),
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
         "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
         "buffer_hits_total": stats.buffer_hits_total, "buffer_misses_total": stats.buffer_misses_total,
+        # Decode steps that replayed a CUDA graph, and graphs captured, since the engine started.
+        "graph_replays": getattr(engine.runner.graphs, "replays", None),
+        "graph_captures": getattr(engine.runner.graphs, "captures", None),
     }
 
 

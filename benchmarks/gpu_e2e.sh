@@ -6,7 +6,7 @@
 # and the offline batch is what that tier holds at 128K (at most 4). The tokenizer comes from
 # .carry/tok when carried, else from the prepared default model. Results land in $OUT:
 # gpu.txt, gpu_tests.log, e2e.{json,md,png,log}. Env: MODES, WORKLOADS (subsets), HOST_KV_GIB (skip the
-# probe), DEADLINE_S, GPU_TESTS=0.
+# probe), DEADLINE_S, GPU_TESTS=0, MAX_BATCHED (prefill chunk), EXTRA_ARGS (more e2e.py flags).
 set -o pipefail
 source benchmarks/gpu_setup.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -14,8 +14,9 @@ python3 -c "import torch,triton;print('torch',torch.__version__,'triton',triton.
 TOK=()
 [ -f .carry/tok/tokenizer.json ] && TOK=(--tokenizer "$REPO/.carry/tok")
 if [ "${GPU_TESTS:-1}" = 1 ]; then
-  (cd /tmp && timeout 50 python3 -m pytest "$REPO/tests/engine/test_cuda_graphs.py" "$REPO/tests/engine/test_engine_gpu.py" \
-    -m gpu -q -p no:cacheprovider 2>&1 | tail -8) | tee "$OUT/gpu_tests.log"
+  (cd /tmp && timeout 120 python3 -m pytest "$REPO/tests/engine/test_cuda_graphs.py" "$REPO/tests/engine/test_engine_gpu.py" \
+    "$REPO/tests/engine/test_spin_graphs.py" "$REPO/tests/engine/test_spin_gpu.py" "$REPO/tests/kernels/test_buffer_lookup.py" \
+    -m gpu -q -p no:cacheprovider 2>&1 | tail -12) | tee "$OUT/gpu_tests.log"
 fi
 PIN=${HOST_KV_GIB:+$(( HOST_KV_GIB * 4 / 3 ))}
 [ -n "$PIN" ] || PIN=$(python3 - <<'PY'
@@ -35,4 +36,5 @@ echo "pinnable host memory: >= $PIN GiB; host tier $HOST GiB; offline batch $BAT
 MODES_ARG=(); [ -n "$MODES" ] && MODES_ARG=(--modes $MODES)
 WL_ARG=(); [ -n "$WORKLOADS" ] && WL_ARG=(--workloads $WORKLOADS)
 timeout 545 python3 benchmarks/e2e.py "${MODES_ARG[@]}" "${WL_ARG[@]}" --gpu-kv-gib "${GPU_KV_GIB:-24}" --host-kv-gib "$HOST" --offline-batch "$BATCH" \
-  --deadline-s "${DEADLINE_S:-470}" "${TOK[@]}" --out "$OUT" 2>&1 | tee "$OUT/e2e.log"
+  --deadline-s "${DEADLINE_S:-470}" \
+  ${MAX_BATCHED:+--max-batched-tokens $MAX_BATCHED} ${EXTRA_ARGS} "${TOK[@]}" --out "$OUT" 2>&1 | tee "$OUT/e2e.log"

@@ -21,12 +21,18 @@ import triton.language as tl
 def _buffer_lookup(
     want_ptr, rows_ptr, res_page_ptr, res_slot_ptr, last_use_ptr,
     slots_out, miss_dst_out, miss_out, counters_ptr,
-    now, layer, stride_row, stride_layer, stride_head,
+    now_ptr, now_val, layer, stride_row, stride_layer, stride_head,
     K, C, NUM_HEADS,
     NUM_BUCKETS: tl.constexpr, K_PAD: tl.constexpr, C_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-    REUSE: tl.constexpr,
+    REUSE: tl.constexpr, NOW_FROM_PTR: tl.constexpr,
 ):
     pid = tl.program_id(0)  # b * NUM_HEADS + h
+    # The step index: a launch argument, or read from the device (a CUDA graph replays its
+    # launches with the arguments they were captured with).
+    if NOW_FROM_PTR:
+        now = tl.load(now_ptr).to(tl.int32)
+    else:
+        now = now_val
     b = pid // NUM_HEADS
     h = pid % NUM_HEADS
     row = tl.load(rows_ptr + b).to(tl.int64)

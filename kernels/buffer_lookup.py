@@ -10,6 +10,8 @@ Shapes (``spin_cluster.kvcache.buffer`` owns the policy and documents it):
     rows     : [B] int64    the decode rows
     want     : [B, Hkv, K]  int logical pages selected this step, -1 padding (distinct per head)
     counters : [4] int64    += lookups, hits, misses, evictions
+    now      : int, or a 1-element int tensor on want's device (the step index; a tensor
+               lets a captured CUDA graph read each step's value)
     returns  slots [B, Hkv, K] int32 (0 where invalid), miss_dst [B*Hkv*K] int64 (slot to
              fill, -1 where no miss), miss [B, Hkv, K] bool; res_page and last_use of the rows'
              layer are updated in place.
@@ -29,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2
-from .bucketed_lru import bucketed_lru_victims_ref
+from .bucketed_lru import _check_row_value, bucketed_lru_victims_ref
 
 __all__ = ["MAX_TILE", "buffer_lookup", "buffer_lookup_ref", "fits_kernel"]
 
@@ -44,7 +46,7 @@ def fits_kernel(num_selected: int, share: int, num_buckets: int) -> bool:
 
 def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int, counters,
                   num_buckets: int = 64, reuse: bool = True):
-    _check(res_page, res_slot, last_use, rows, want, counters)
+    _check(res_page, res_slot, last_use, rows, want, counters, now)
     kmod = load_kernel_module("_buffer_lookup_kernel", "buffer_lookup", "buffer_lookup_ref")
     if want.device.type != "cuda" and not is_interpreted(kmod._buffer_lookup):
         raise ValueError("the Triton buffer lookup needs CUDA tensors (or TRITON_INTERPRET=1); use buffer_lookup_ref")
@@ -52,6 +54,7 @@ def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int
     C = res_page.shape[-1]
     if not fits_kernel(K, C, num_buckets):
         raise ValueError(f"{K} selected pages x a share of {C} columns exceed the kernel's tile; use buffer_lookup_ref")
+    now_from_ptr = isinstance(now, torch.Tensor)
     want32 = want.to(torch.int32).contiguous()
     slots = torch.empty(B, H, K, dtype=torch.int32, device=want.device)
     miss_dst = torch.empty(B * H * K, dtype=torch.int64, device=want.device)
@@ -59,16 +62,16 @@ def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int
     if B * H:
         kmod._buffer_lookup[(B * H,)](
             want32, rows.contiguous(), res_page, res_slot, last_use, slots, miss_dst, miss, counters,
-            int(now), int(layer), res_page.stride(0), res_page.stride(1), res_page.stride(2), K, C, H,
+            now if now_from_ptr else counters, 0 if now_from_ptr else int(now), int(layer), res_page.stride(0), res_page.stride(1), res_page.stride(2), K, C, H,
             NUM_BUCKETS=num_buckets, K_PAD=max(16, next_pow2(K)), C_PAD=max(16, next_pow2(C)),
-            NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse, num_warps=4,
+            NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse, NOW_FROM_PTR=now_from_ptr, num_warps=4,
         )
     return slots, miss_dst, miss.bool()
 
 
 def buffer_lookup_ref(res_page, res_slot, last_use, rows, layer: int, want, now: int, counters,
                       num_buckets: int = 64, reuse: bool = True):
-    _check(res_page, res_slot, last_use, rows, want, counters)
+    _check(res_page, res_slot, last_use, rows, want, counters, now)
     B, Hkv, K = want.shape
     C = res_page.shape[-1]
     page = res_page[rows, layer]  # [B, Hkv, C]
@@ -98,7 +101,8 @@ def buffer_lookup_ref(res_page, res_slot, last_use, rows, layer: int, want, now:
     slots = slot.gather(-1, col)  # [B, Hkv, K]
     # Update the share: misses now hold their page; every selected column was used now.
     res_page[rows, layer] = _scatter_masked(page, col, want.int(), miss)
-    last_use[rows, layer] = _scatter_masked(last, col, torch.full_like(want, now, dtype=torch.int32), valid)
+    now_t = now.reshape(()).to(torch.int32) if isinstance(now, torch.Tensor) else torch.tensor(now, dtype=torch.int32)
+    last_use[rows, layer] = _scatter_masked(last, col, now_t.to(want.device).expand(want.shape), valid)
     evicted = (victims & (page >= 0)).sum()
     counters += torch.stack([valid.sum(), hit.sum(), miss.sum(), evicted])
     return torch.where(valid, slots, 0).int(), torch.where(miss, slots.long(), -1).view(-1), miss
@@ -112,7 +116,7 @@ def _scatter_masked(base: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
     return padded[..., :C]
 
 
-def _check(res_page, res_slot, last_use, rows, want, counters) -> None:
+def _check(res_page, res_slot, last_use, rows, want, counters, now) -> None:
     if res_page.dim() != 4 or res_slot.shape != res_page.shape or last_use.shape != res_page.shape:
         raise ValueError("res_page, res_slot and last_use must be [R, L, Hkv, C] alike")
     if not (res_page.is_contiguous() and res_slot.is_contiguous() and last_use.is_contiguous()):
@@ -121,3 +125,4 @@ def _check(res_page, res_slot, last_use, rows, want, counters) -> None:
         raise ValueError(f"want must be [B, Hkv, K] and rows [B]; got {tuple(want.shape)} and {tuple(rows.shape)}")
     if counters.shape != (4,) or counters.dtype != torch.int64:
         raise ValueError("counters must be a [4] int64 tensor")
+    _check_row_value(now, "now", 1, want.device)

@@ -4,10 +4,15 @@ The runner turns the scheduler's chunks into flat tensors (one host->device copy
 the attention backend build the step plan that every layer reads (``begin_step``), runs the
 model, and returns the logits of the requests whose sequence is complete after this step.
 
-Decode-only steps on the GPU-only cache replay a CUDA graph (``model.cuda_graphs``): one
-graph per padded batch size, captured at start-up, so that a step costs one launch instead
-of one per operator (hundreds per layer). The batch is padded up to the next captured size;
-padding rows decode nothing and write their K/V to a scratch page.
+Decode-only steps replay a CUDA graph (``model.cuda_graphs``), so that a step costs one
+launch instead of one per operator (hundreds per layer):
+
+* GPU-only cache (``DecodeGraphs``): one graph per padded batch size, captured at start-up.
+  The batch is padded up to the next captured size; padding rows decode nothing and write
+  their K/V to a scratch page.
+* Offloaded cache (``SpinDecodeGraphs``): one graph per (batch size, Select width), captured
+  the first time that shape runs. The whole Spin step is in the graph: Offload, Index,
+  Select, the buffer lookup, Retrieve, the write-through and the sparse attention.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from tqdm.auto import tqdm
 
 from spin_cluster.engine.paged_attention import DecodeBuffers, PagedAttention
 from spin_cluster.engine.scheduler import ScheduledChunk
+from spin_cluster.engine.spin_attention import SpinAttention
 
 
 def cuda_graph_batch_sizes(max_batch: int) -> list[int]:
@@ -32,9 +38,11 @@ class ModelRunner:
         self.model = model
         self.attention = attention  # PagedAttention or SpinAttention: begin_step/forward/end_step
         self.device = device
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | SpinDecodeGraphs | None = None
         if cuda_graph_max_batch and device.type == "cuda" and type(attention) is PagedAttention:
             self.graphs = DecodeGraphs(model, attention, cuda_graph_max_batch, progress)
+        elif cuda_graph_max_batch and type(attention) is SpinAttention and attention.graph_safe:
+            self.graphs = SpinDecodeGraphs(model, attention, cuda_graph_max_batch)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
@@ -55,7 +63,7 @@ class ModelRunner:
         inputs = torch.tensor([input_ids, positions, token_rows], dtype=torch.long).to(dev, non_blocking=True)
         input_ids_t, positions_t, token_rows_t = inputs.unbind(0)  # [T] each
         if self.graphs is not None and self.graphs.can_run(chunks):
-            hidden = self.graphs.run(input_ids_t, positions_t, token_rows_t)  # [Bd, hidden]
+            hidden = self.graphs.run(input_ids_t, positions_t, token_rows_t, chunks)  # [Bd, hidden]
             return self.model.compute_logits(hidden), sampled  # every decode request samples
         self.attention.begin_step(chunks, positions_t, token_rows_t)
         try:
@@ -90,7 +98,8 @@ class DecodeGraphs:
     def can_run(self, chunks: list[ScheduledChunk]) -> bool:
         return bool(chunks) and len(chunks) <= self.sizes[-1] and all(c.is_decode for c in chunks)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+            chunks: list[ScheduledChunk]) -> torch.Tensor:
         """input_ids, positions, rows: [B] of a decode-only batch -> [B, E] final hidden states."""
         B = input_ids.shape[0]
         padded = next(s for s in self.sizes if s >= B)
@@ -116,3 +125,85 @@ class DecodeGraphs:
             self._graphs[size] = graph
         torch.cuda.current_stream(self.attention.device).wait_stream(stream)
         self.attention.plan = None
+
+
+class SpinDecodeGraphs:
+    """CUDA graphs of decode-only steps on the offloaded cache, one per (batch size B, Select
+    width P in pages: ``SpinAttention.decode_pages``), captured lazily.
+
+    A step's inputs (token ids, positions, rows) are copied into persistent buffers; the
+    graph builds the step plan from them on the device (``SpinAttention.step_plan``) and runs
+    the model. What changes between steps lives in device memory the graph reads: the step
+    index (``SpinAttention.now``), the directory, the Index, the buffer's shares. Batches are
+    not padded (a padding row would touch a real row's shares), so a graph serves one exact
+    batch size; P comes in eighths of a power of two, so a request growing from 32K to 128K
+    tokens meets about 16 widths.
+
+    The first step of a new shape runs eagerly, which compiles its kernels (nothing may
+    compile during a capture), then its graph is captured; capturing records the launches
+    without running them, so state is not touched twice. At most ``max_graphs`` graphs are
+    kept: past that, new shapes run eagerly. All graphs share one memory pool (they replay one
+    at a time, and a graph's output is read before the next replay).
+    """
+
+    def __init__(self, model: torch.nn.Module, attention: SpinAttention, max_batch: int,
+                 max_graphs: int = 256, capture: bool = True) -> None:
+        self.model = model
+        self.attention = attention
+        self.max_batch = max_batch
+        self.max_graphs = max_graphs
+        # capture=False runs the same static path eagerly (tests of the path on the CPU).
+        self.capture = capture
+        dev = attention.device
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.rows = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self._pool = None
+        self.replays = 0  # steps that replayed a graph
+        self.captures = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def can_run(self, chunks: list[ScheduledChunk]) -> bool:
+        return bool(chunks) and len(chunks) <= self.max_batch and all(c.is_decode for c in chunks)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+            chunks: list[ScheduledChunk]) -> torch.Tensor:
+        B = len(chunks)
+        key = (B, self.attention.decode_pages(max(c.start for c in chunks) + 1))
+        self.input_ids[:B].copy_(input_ids)
+        self.positions[:B].copy_(positions)
+        self.rows[:B].copy_(rows)
+        self.attention.advance()
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return self._hidden[key]
+        hidden = self._forward(*key)
+        if self.capture and len(self._graphs) < self.max_graphs:
+            self._capture(key)
+        return hidden
+
+    def _forward(self, B: int, pages: int) -> torch.Tensor:
+        """The decode step of the first B buffered tokens, from device tensors only."""
+        att = self.attention
+        pos, rows = self.positions[:B], self.rows[:B]
+        att.plan = att.step_plan(pos, rows, B, pages)
+        try:
+            return self.model(self.input_ids[:B], pos, att)  # [B, E]
+        finally:
+            att.end_step()
+
+    @torch.inference_mode()
+    def _capture(self, key: tuple[int, int]) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._hidden[key] = self._forward(*key)
+        self._pool = graph.pool()
+        self._graphs[key] = graph
+        self.captures += 1

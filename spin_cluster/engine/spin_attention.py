@@ -84,6 +84,7 @@ class SpinAttention:
         self.local_pages = max(1, -(-sparse.local_tokens // S))  # the tail page is always local
         self.plan: SpinStepPlan | None = None
         self.step_index = 0
+        self.now = torch.zeros(1, dtype=torch.int32, device=dev)  # step_index on the device
         self._layer_budgets = None  # [L, Hkv] pages
         if sparse.per_head_budgets is not None:
             table = torch.tensor(sparse.per_head_budgets, dtype=torch.long)
@@ -109,42 +110,69 @@ class SpinAttention:
     # ---- per step ------------------------------------------------------------------------------
 
     def begin_step(self, chunks: list[ScheduledChunk], positions: torch.Tensor, token_rows: torch.Tensor) -> None:
-        S = self.kv.page_size
         decode = [c for c in chunks if c.is_decode]
         bd = len(decode)
-        select = rows = None
-        if bd:
-            lens = [c.start + 1 for c in decode]
-            num_pages = [-(-n // S) for n in lens]
-            rows = token_rows[:bd]
-            budgets = [-(-self.sparse.budget_tokens(n) // S) for n in lens]
-            select = SelectPlan(
-                num_pages=torch.tensor(num_pages, dtype=torch.long).to(self.device),
-                tail_len=torch.tensor([(n - 1) % S + 1 for n in lens], dtype=torch.int32).to(self.device),
-                sink_pages=self.sink_pages,
-                local_pages=self.local_pages,
-                budget_pages=torch.tensor(budgets, dtype=torch.long)[:, None]
-                .expand(bd, self.kv.num_kv_heads).contiguous().to(self.device),
-                max_pages=max(num_pages),
-                max_budget=self._max_budget_pages(max(lens)),
-                top_p=self.sparse.top_p,
-            )
-            select = self._layer_select_plans(select)
+        pages = self.decode_pages(max(c.start for c in decode) + 1) if bd else 0
         dense_decode = tuple(self._prefill_plan(c, i) for i, c in enumerate(decode)) if self.dense_layers else ()
         prefill, start = [], bd
         for c in chunks[bd:]:
             prefill.append(self._prefill_plan(c, start))
             start += c.num_tokens
-        self.plan = SpinStepPlan(
+        self.advance()
+        self.plan = self.step_plan(positions, token_rows, bd, pages, tuple(prefill), dense_decode)
+
+    def advance(self) -> None:
+        """A new step: the buffer's LRU reads its index from the device (``now``)."""
+        self.step_index += 1
+        self.now.fill_(self.step_index)
+
+    def decode_pages(self, context_tokens: int) -> int:
+        """Pages a decode step scores and selects over when its longest request holds
+        ``context_tokens``: its page count rounded up to an eighth of its power of two (at
+        least 16), at most a request's page capacity. Select's shapes, and with them the
+        compiled kernels and the CUDA graphs of decode steps, come in few sizes, for at most
+        1/8 more pages scored (pages past a request's context are never selected)."""
+        n = -(-context_tokens // self.kv.page_size)
+        grain = max(16, (1 << max(0, (n - 1).bit_length())) // 8)
+        return min(-(-n // grain) * grain, self.algorithm.max_pages_per_seq)
+
+    def step_plan(self, positions: torch.Tensor, token_rows: torch.Tensor, num_decode: int, pages: int,
+                  prefill: tuple[SpinPrefill, ...] = (), dense_decode: tuple[SpinPrefill, ...] = ()) -> SpinStepPlan:
+        """The plan every layer reads, from the step's device tensors only (no host sync, no
+        host->device copy), so that a CUDA graph of a decode step captures it with the model.
+        The first ``num_decode`` tokens are decode tokens; ``pages`` is ``decode_pages``."""
+        select = rows = None
+        if num_decode:
+            rows = token_rows[:num_decode]
+            select = self._layer_select_plans(self._decode_select(positions[:num_decode], pages))
+        return SpinStepPlan(
             host_slots=self.kv.directory.token_slots(token_rows, positions).flatten(1).unbind(0),
             append=self.algorithm.plan_append(token_rows, positions),
-            num_decode=bd,
+            num_decode=num_decode,
             decode_rows=rows,
             select=select,
-            prefill=tuple(prefill),
+            prefill=prefill,
             dense_decode=dense_decode,
         )
-        self.step_index += 1
+
+    def _decode_select(self, positions: torch.Tensor, pages: int) -> SelectPlan:
+        """The step's Select plan from the decode tokens' positions [Bd] (context = position + 1)."""
+        S, hkv = self.kv.page_size, self.kv.num_kv_heads
+        budget = self.sparse.budget
+        if budget >= 1:  # SparseConfig.budget_tokens on the device
+            tokens = torch.full_like(positions, int(budget))
+        else:
+            tokens = ((positions + 1).double() * budget).long().clamp_(min=1)
+        return SelectPlan(
+            num_pages=positions // S + 1,
+            tail_len=(positions % S + 1).int(),
+            sink_pages=self.sink_pages,
+            local_pages=self.local_pages,
+            budget_pages=((tokens + S - 1) // S)[:, None].expand(-1, hkv).contiguous(),
+            max_pages=pages,
+            max_budget=self._max_budget_pages(pages * S),
+            top_p=self.sparse.top_p,
+        )
 
     def _layer_select_plans(self, sel: SelectPlan) -> tuple[SelectPlan, ...]:
         """One SelectPlan per layer: the step's, with the layer's per-head budgets if any."""
@@ -165,9 +193,16 @@ class SpinAttention:
         return SpinPrefill(token_start, chunk.num_tokens, chunk.start, pages.flatten(1).unbind(0), dst, k,
                            torch.empty_like(k))
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a decode-only step can be captured in a CUDA graph: on CUDA, with an
+        algorithm whose Index and Select are graph-safe, and no dense layers (those gather
+        each request's whole context, a shape that grows every step)."""
+        return self.device.type == "cuda" and self.algorithm.graph_safe and not self.dense_layers
+
     def end_step(self) -> None:
         self.plan = None
-        if self._side is not None:
+        if self._side is not None and not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream(self.device).wait_stream(self._side)
 
     # ---- per layer ----------------------------------------------------------------------------
@@ -188,7 +223,9 @@ class SpinAttention:
 
     def _offload(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         host = self.kv.host
-        if self._side is None:
+        if self._side is None or torch.cuda.is_current_stream_capturing():
+            # In a CUDA graph the write is a node of the graph: a decode step's few KB need
+            # no side stream, and a graph must not wait on work outside it.
             self._write(host.k_pages, host.v_pages, k, v, slots)
             return
         # The write to host memory runs beside the layer's compute; the step ends by waiting.
@@ -217,7 +254,7 @@ class SpinAttention:
             if sel.top_p is not None:  # scores are q.k summed over the G query heads of a KV head
                 sel = dataclasses.replace(sel, score_scale=kv.num_kv_heads / (q.shape[1] * q.shape[2] ** 0.5))
         want, num_selected = select_pages(scores, self.algorithm.selects_all, sel, kv.num_kv_heads)  # [Bd, Hkv, K]
-        lookup, miss = kv.buffer.lookup(plan.decode_rows, layer, want, self.step_index)
+        lookup, miss = kv.buffer.lookup(plan.decode_rows, layer, want, self.now)
         src = kv.directory.host_pages(plan.decode_rows, layer, want).view(-1)
         src = torch.where(miss.view(-1), src, -1)
         buf = kv.buffer

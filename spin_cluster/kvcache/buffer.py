@@ -122,7 +122,7 @@ class GpuBuffer:
     def share_of(self, row: int) -> int:
         return len(self._row_slots.get(row, ())) // self.slots_per_column()
 
-    def lookup(self, rows: torch.Tensor, layer: int, want: torch.Tensor, now: int) -> tuple[Lookup, torch.Tensor]:
+    def lookup(self, rows: torch.Tensor, layer: int, want: torch.Tensor, now: int | torch.Tensor) -> tuple[Lookup, torch.Tensor]:
         """Resolve selected pages to slots and update the shares.
 
         rows: [B] int64 rows; want: [B, Hkv, K] int logical pages, -1 padding (all valid

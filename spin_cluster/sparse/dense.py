@@ -6,6 +6,7 @@ from spin_cluster.partition.contract import SparseAlgorithm, register
 @register
 class Dense(SparseAlgorithm):
     name = "dense"
+    graph_safe = True
     selects_all = True
 
     def score(self, layer, q, rows, num_pages):

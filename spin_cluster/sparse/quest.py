@@ -25,6 +25,7 @@ from spin_cluster.partition.contract import SparseAlgorithm, register
 @register
 class Quest(SparseAlgorithm):
     name = "quest"
+    graph_safe = True
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)

@@ -9,6 +9,7 @@ from spin_cluster.partition.contract import SparseAlgorithm, register
 @register
 class Streaming(SparseAlgorithm):
     name = "streaming"
+    graph_safe = True
 
     def score(self, layer, q, rows, num_pages):
         return None

@@ -11,9 +11,9 @@ pytestmark = pytest.mark.gpu
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "Primes: 2, 3, 5,"]
 
 
-def _engine(path, **cache_sparse):
+def _engine(path, graphs=True, **cache_sparse):
     cache = {"page_size": 16, **cache_sparse.get("cache", {})}
-    cfg = {"model": {"path": path, "device": "cuda", "dtype": "float32", "max_model_len": 512},
+    cfg = {"model": {"path": path, "device": "cuda", "dtype": "float32", "max_model_len": 512, "cuda_graphs": graphs},
            "cache": cache, "sparse": cache_sparse.get("sparse", {})}
     return Engine(SpinConfig.from_dict(cfg), progress=False)
 
@@ -21,7 +21,8 @@ def _engine(path, **cache_sparse):
 def test_decode_layers_never_synchronise_with_the_host(smollm2_path):
     # Pages of 4 tokens and shares of 12 pages per head: 60 new tokens outgrow the share, so
     # the checked layers evict.
-    eng = _engine(smollm2_path, cache={"offload": True, "page_size": 4, "buffer_pages_per_head": 12},
+    # Eager steps (no CUDA graphs): every layer's forward runs here, checked.
+    eng = _engine(smollm2_path, graphs=False, cache={"offload": True, "page_size": 4, "buffer_pages_per_head": 12},
                   sparse={"algorithm": "streaming", "budget": 32, "sink_tokens": 4, "local_tokens": 8})
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     for p in PROMPTS:

@@ -81,6 +81,26 @@ def test_kernel_equals_reference(case, reuse):
     assert ca[0] > 0 and ca[2] > 0  # the cases do look up and miss
 
 
+@pytest.mark.parametrize("fn", [buffer_lookup, buffer_lookup_ref])
+def test_step_index_from_a_device_tensor_equals_the_int(fn):
+    # A CUDA graph replays the lookup with the step index it reads from the device.
+    a = list(make_case(3, 2, 2, 12, 6, 10, [2, 0], 1, 20, seed=3))
+    b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+    b[6] = torch.tensor([a[6]], dtype=torch.int32, device=DEVICE)
+    ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    for _ in range(3):
+        ra, rb = fn(*a, ca, num_buckets=4), fn(*b, cb, num_buckets=4)
+        for x, y, name in zip(ra, rb, ("slots", "miss_dst", "miss")):
+            assert torch.equal(x, y), name
+        assert torch.equal(a[2], b[2]) and torch.equal(a[0], b[0])
+        a[6] += 2
+        b[6] += 2  # in place, as the engine advances its step tensor
+        a[5] = b[5] = torch.where(a[5] >= 0, (a[5] + 7) % 40, -1)
+    assert int(a[2].max()) == 24  # the last lookup stamped its columns with the tensor's value
+    with pytest.raises(ValueError, match="now"):
+        fn(*a[:6], torch.tensor([1, 2], device=DEVICE), ca)
+
+
 def test_every_miss_gets_its_own_victim_and_hits_keep_their_slot():
     res_page, res_slot, last, rows, layer, want, now = make_case(2, 1, 2, 10, 6, 10, [0, 1], 0, 9, seed=7)
     before_page, before_slot = res_page.clone(), res_slot.clone()

@@ -1,0 +1,157 @@
+"""Where a decode step's time goes: wall time of the step as served (CUDA graph replay where
+the engine has one), the GPU kernels of the same step run eagerly, grouped by kernel, and the
+host time around the model (scheduling, sampling, stats).
+
+    python benchmarks/profile_step.py --mode spin --context 32768 --batch 4      # CUDA
+    python benchmarks/profile_step.py --tiny --mode spin                           # CPU smoke test
+
+The engine is ``benchmarks/e2e.py``'s for the mode (Llama-3.1-8B shapes, random weights); the
+batch's prompts are prefilled, then ``--warmup`` decode steps capture the graphs, then
+``--steps`` decode steps are timed as served and one more runs eagerly under
+``torch.profiler``. Output: a table on stdout and ``profile-<mode>-<context>.json`` in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e  # noqa: E402  (same folder: the modes and the model folder)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=e2e.MODES, default="spin")
+    ap.add_argument("--context", type=int, default=32768, help="prompt tokens of every request")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--top", type=int, default=25, help="kernels listed")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", default=".")
+    # the engine's settings, as e2e.py
+    ap.add_argument("--gpu-kv-gib", type=float, default=24.0)
+    ap.add_argument("--host-kv-gib", type=float, default=72.0)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-batched-tokens", type=int, default=65536)
+    ap.add_argument("--tokenizer", default=None)
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.gpu_kv_gib, args.host_kv_gib, args.context, args.batch = 0.002, 0.05, 256, 2
+        args.budget, args.page_size, args.max_num_seqs, args.max_batched_tokens = 64, 16, 4, 256
+        args.steps, args.warmup = 3, 1
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    e2e._import_package()
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from spin_cluster.config import SpinConfig
+    from spin_cluster.engine import Engine, SamplingParams
+    from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
+
+    shape = {**LLAMA_31_8B, **e2e.TINY} if args.tiny else LLAMA_31_8B
+    total = args.warmup + args.steps + 2
+    max_len = args.context + total + args.page_size
+    folder = shape_folder(shape, max_len, args.tokenizer, prefix="profile-model-")
+    engine = Engine(SpinConfig.from_dict(e2e.mode_config(args.mode, args, folder, max_len, shape)), progress=False)
+    cuda = engine.device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(engine.device)
+
+    params = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request([1000 + (7 * i + j) % 30000 for j in range(args.context)], params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(args.warmup):
+        engine.step()
+    sync()
+    batch = engine.last_stats.num_running
+    # As served: whole engine steps, and the runner's part of them.
+    runner = engine.runner
+    execute = runner.execute
+    runner_s: list[float] = []
+
+    def timed_execute(chunks):
+        t0 = time.perf_counter()
+        out = execute(chunks)
+        sync()
+        runner_s.append(time.perf_counter() - t0)
+        return out
+
+    runner.execute = timed_execute
+    step_s = []
+    for _ in range(args.steps):
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        step_s.append(time.perf_counter() - t0)
+    runner.execute = execute
+    # One step eagerly under the profiler: its kernels, by name.
+    graphs, runner.graphs = runner.graphs, None
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        engine.step()
+        sync()
+    eager_profiled_s = time.perf_counter() - t0
+    runner.graphs = graphs
+    sync()
+    t0 = time.perf_counter()
+    engine.step()  # eager again, without the profiler's overhead
+    sync()
+    eager_s = time.perf_counter() - t0
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        dev_us = getattr(ev, "device_time", None) if cuda else None
+        if cuda and ev.device_type.name == "CUDA" and dev_us:
+            kernels.setdefault(ev.name, []).append(dev_us / 1e6)
+        elif not cuda and ev.cpu_parent is None:
+            kernels.setdefault(ev.name, []).append(ev.cpu_time_total / 1e6)
+    rows = sorted(((name, sum(ts), len(ts)) for name, ts in kernels.items()), key=lambda r: -r[1])
+    gpu_s = sum(t for _, t, _ in rows)
+    result = {
+        "mode": args.mode, "context": args.context, "batch": batch, "device": str(engine.device),
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "graphs": type(graphs).__name__ if graphs is not None else None,
+        "graph_replays": getattr(graphs, "replays", None),
+        "step_s_median": statistics.median(step_s), "runner_s_median": statistics.median(runner_s),
+        "eager_step_s": eager_s, "eager_profiled_step_s": eager_profiled_s,
+        "kernel_s_sum": gpu_s, "num_kernels": sum(n for *_, n in rows),
+        "top": [{"name": n[:120], "s": t, "calls": c} for n, t, c in rows[: args.top]],
+        "hit_ratio": (engine.last_stats.buffer_hits_total / engine.last_stats.buffer_lookups_total
+                      if engine.last_stats.buffer_lookups_total else None),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"profile-{args.mode}-{args.context}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{args.mode} context {args.context} batch {batch} on {result['gpu']}: step {1e3 * result['step_s_median']:.2f} ms "
+          f"as served (runner {1e3 * result['runner_s_median']:.2f} ms, graphs: {result['graphs']}), "
+          f"eager {1e3 * eager_s:.2f} ms; kernels of one eager step: {result['num_kernels']} taking "
+          f"{1e3 * gpu_s:.2f} ms; buffer hit ratio {result['hit_ratio']}")
+    print("| kernel | ms per step | calls |\n|---|---:|---:|")
+    for r in result["top"]:
+        print(f"| {r['name'][:90]} | {1e3 * r['s']:.3f} | {r['calls']} |")
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Decode steps of the offloaded cache from device tensors only (``SpinDecodeGraphs``): on
+the CPU the static path runs eagerly and must give the plain path's tokens, counters and
+shares; on CUDA the same path is captured in CUDA graphs and replayed."""
+
+import pytest
+import torch
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.engine.model_runner import SpinDecodeGraphs
+from spin_cluster.engine.spin_attention import SpinAttention
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village, there lived",
+    "List of prime numbers: 2, 3, 5, 7,",
+]
+
+
+def _engine(path, device="cpu", graphs=False, budget=24, buffer_pages=10, max_len=256):
+    cfg = {
+        "model": {"path": path, "device": device, "dtype": "float32", "max_model_len": max_len,
+                  "cuda_graphs": graphs},
+        "cache": {"page_size": 4, "offload": True, "buffer_pages_per_head": buffer_pages},
+        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
+        "sparse": {"algorithm": "quest", "budget": budget, "sink_tokens": 4, "local_tokens": 8},
+    }
+    return Engine(SpinConfig.from_dict(cfg), progress=False)
+
+
+def _generate(engine, max_tokens=(30, 44, 18, 37)):
+    # Different lengths: the batch shrinks 4 -> 3 -> 2 -> 1 as requests finish.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outs = engine.generate(PROMPTS, params)
+    engine.check_integrity()
+    return [o.token_ids for o in outs], engine.kv.buffer.counters.tolist()
+
+
+def test_decode_pages_round_up_to_an_eighth_of_a_power_of_two(smollm2_path):
+    att = _engine(smollm2_path, max_len=8192).runner.attention  # page 4: 2048 pages per request
+    assert isinstance(att, SpinAttention)
+    assert att.decode_pages(1) == 16  # at least 16
+    assert att.decode_pages(4 * 16) == 16 and att.decode_pages(4 * 16 + 1) == 32
+    assert att.decode_pages(4 * 1024) == 1024
+    assert att.decode_pages(4 * 1025) == 1280  # 2048 / 8 = 256-page steps
+    assert att.decode_pages(4 * 1900) == 2048 and att.decode_pages(8192) == 2048  # capped at a request's pages
+    widths = {att.decode_pages(n) for n in range(4 * 1024, 4 * 2048 + 1, 4)}
+    assert widths == {1024, 1280, 1536, 1792, 2048}  # a handful of shapes, not a thousand
+
+
+def test_static_decode_path_equals_the_plain_path_on_the_cpu(smollm2_path):
+    plain = _engine(smollm2_path)
+    assert plain.runner.graphs is None  # no CUDA: no graphs
+    want_tokens, want_counters = _generate(plain)
+    eng = _engine(smollm2_path)
+    static = SpinDecodeGraphs(eng.model, eng.runner.attention, max_batch=8, capture=False)
+    eng.runner.graphs = static
+    calls = []
+    forward = static._forward
+    static._forward = lambda B, P: calls.append((B, P)) or forward(B, P)
+    tokens, counters = _generate(eng)
+    assert tokens == want_tokens
+    assert counters == want_counters  # same lookups, hits, misses and evictions
+    assert counters[3] > 0  # the shares were tight enough to evict
+    assert {b for b, _ in calls} == {1, 2, 3, 4}  # every batch size took the static path
+    assert static.num_graphs == 0
+
+
+@pytest.mark.gpu
+def test_spin_decode_graphs_give_the_eager_tokens(smollm2_path):
+    eager = _engine(smollm2_path, device="cuda", graphs=False)
+    assert eager.runner.graphs is None
+    want_tokens, want_counters = _generate(eager)
+    eng = _engine(smollm2_path, device="cuda", graphs=True)
+    graphs = eng.runner.graphs
+    assert isinstance(graphs, SpinDecodeGraphs)
+    tokens, counters = _generate(eng)
+    assert tokens == want_tokens
+    assert counters == want_counters
+    # 43 decode steps at 4 batch sizes and two Select widths: all but the first of each shape
+    # replayed a graph.
+    assert graphs.captures >= 4 and graphs.replays >= 43 - graphs.captures - 2, (graphs.captures, graphs.replays)
+    # Finished requests left nothing behind in the host tier or the buffer.
+    assert eng.kv.buffer.num_free_slots == eng.kv.buffer.num_slots
