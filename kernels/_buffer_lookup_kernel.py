@@ -96,3 +96,142 @@ def _buffer_lookup(
     tl.atomic_add(counters_ptr + 1, tl.sum(hit.to(tl.int64), axis=0))
     tl.atomic_add(counters_ptr + 2, tl.sum(miss.to(tl.int64), axis=0))
     tl.atomic_add(counters_ptr + 3, evicted)
+
+
+@triton.jit
+def _buffer_lookup_chunked(
+    want_ptr, rows_ptr, res_page_ptr, res_slot_ptr, last_use_ptr,
+    slots_out, miss_dst_out, miss_out, counters_ptr,
+    col_state_ptr, sel_state_ptr, rank_col_ptr,
+    now_ptr, now_val, layer, stride_row, stride_layer, stride_head,
+    K, C, NUM_HEADS,
+    NUM_BUCKETS: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr, NKC: tl.constexpr, NCC: tl.constexpr,
+    NB_PAD: tl.constexpr,
+    REUSE: tl.constexpr, NOW_FROM_PTR: tl.constexpr,
+):
+    """The same lookup for shares and selections too wide for registers: columns and
+    selected pages in chunks of CB and KB, the per-column and per-selection state of one
+    pass kept for the next in scratch rows (col_state [C], sel_state [K], rank_col [C])."""
+    pid = tl.program_id(0)
+    b = pid // NUM_HEADS
+    h = pid % NUM_HEADS
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    base = row * stride_row + layer * stride_layer + h * stride_head
+    if NOW_FROM_PTR:
+        now = tl.load(now_ptr).to(tl.int32)
+    else:
+        now = now_val
+    kr = tl.arange(0, KB)
+    cr = tl.arange(0, CB)
+    js = tl.arange(0, NB_PAD)
+    want_row = want_ptr + pid * K
+    col_state = col_state_ptr + pid.to(tl.int64) * C
+    sel_state = sel_state_ptr + pid.to(tl.int64) * K
+    rank_col = rank_col_ptr + pid.to(tl.int64) * C
+
+    # Pass 1, columns: selected this step (protected)? Else evictable, in which age bucket.
+    at_least = tl.zeros([NB_PAD], tl.int32)
+    for ci in range(NCC):
+        c0 = ci * CB
+        cs = c0 + cr
+        c_in = cs < C
+        page = tl.load(res_page_ptr + base + cs, mask=c_in, other=-1)
+        if not REUSE:
+            page = tl.full([CB], -1, tl.int32)
+        slot = tl.load(res_slot_ptr + base + cs, mask=c_in, other=-1)
+        last = tl.load(last_use_ptr + base + cs, mask=c_in, other=0)
+        prot = tl.zeros([CB], tl.int32)
+        for ki in range(NKC):
+            k0 = ki * KB
+            w = tl.load(want_row + k0 + kr, mask=k0 + kr < K, other=-1)
+            m = (w[:, None] == page[None, :]) & (w[:, None] >= 0)
+            prot = tl.maximum(prot, tl.max(m.to(tl.int32), axis=0))
+        evictable = (slot >= 0) & (prot == 0) & c_in
+        bucket = tl.minimum(tl.maximum(now - last, 0), NUM_BUCKETS - 1)
+        at_least += tl.sum(((bucket[None, :] >= js[:, None]) & evictable[None, :]).to(tl.int32), axis=1)
+        tl.store(col_state + cs, tl.where(evictable, bucket, -1), mask=c_in)
+
+    # Pass 2, selections: hit column, or -2 for a miss, -1 for padding.
+    need = 0
+    n_valid = 0
+    for ki in range(NKC):
+        k0 = ki * KB
+        ks = k0 + kr
+        k_in = ks < K
+        w = tl.load(want_row + ks, mask=k_in, other=-1)
+        valid = w >= 0
+        hit_col = tl.full([KB], 2147483647, tl.int32)
+        for ci in range(NCC):
+            c0 = ci * CB
+            cs = c0 + cr
+            c_in = cs < C
+            page = tl.load(res_page_ptr + base + cs, mask=c_in, other=-1)
+            if not REUSE:
+                page = tl.full([CB], -1, tl.int32)
+            m = (w[:, None] == page[None, :]) & valid[:, None] & c_in[None, :]
+            hit_col = tl.minimum(hit_col, tl.min(tl.where(m, cs[None, :], 2147483647), axis=1))
+        hit = hit_col < C
+        miss = valid & ~hit
+        need += tl.sum(miss.to(tl.int32), axis=0)
+        n_valid += tl.sum(valid.to(tl.int32), axis=0)
+        tl.store(sel_state + ks, tl.where(hit, hit_col, tl.where(miss, -2, -1)), mask=k_in)
+
+    # The bucketed LRU's cutoff, as in the one-tile kernel.
+    take = tl.minimum(need, tl.sum(tl.where(js == 0, at_least, 0), axis=0))
+    cut = tl.max(tl.where((at_least >= take) & (js < NUM_BUCKETS), js, -1), axis=0)
+    above = tl.sum(tl.where(js == cut + 1, at_least, 0), axis=0)
+
+    # Pass 3, columns in order: victims, and which column the i-th victim is.
+    run_cut = 0
+    run_victim = 0
+    evicted = 0
+    for ci in range(NCC):
+        c0 = ci * CB
+        cs = c0 + cr
+        c_in = cs < C
+        bk = tl.load(col_state + cs, mask=c_in, other=-1)
+        evictable = bk >= 0
+        in_cut = evictable & (bk == cut)
+        cut_rank = run_cut + tl.cumsum(in_cut.to(tl.int32), axis=0) - 1
+        victim = ((evictable & (bk > cut)) | (in_cut & (cut_rank < take - above))) & (take > 0)
+        v_rank = run_victim + tl.cumsum(victim.to(tl.int32), axis=0) - 1
+        tl.store(rank_col + v_rank, cs, mask=victim)
+        page = tl.load(res_page_ptr + base + cs, mask=c_in, other=-1)
+        if REUSE:
+            evicted += tl.sum((victim & (page >= 0)).to(tl.int32), axis=0)
+        run_cut += tl.sum(in_cut.to(tl.int32), axis=0)
+        run_victim += tl.sum(victim.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    if not REUSE:  # the share forgets what it held: only this step's misses stay
+        for ci in range(NCC):
+            c0 = ci * CB
+            cs = c0 + cr
+            tl.store(res_page_ptr + base + cs, tl.full([CB], -1, tl.int32), mask=cs < C)
+        tl.debug_barrier()
+
+    # Pass 4, selections in order: the i-th miss takes the i-th victim; outputs and updates.
+    run_miss = 0
+    for ki in range(NKC):
+        k0 = ki * KB
+        ks = k0 + kr
+        k_in = ks < K
+        st = tl.load(sel_state + ks, mask=k_in, other=-1)
+        w = tl.load(want_row + ks, mask=k_in, other=-1)
+        valid = st != -1
+        hit = st >= 0
+        miss = st == -2
+        m_rank = run_miss + tl.cumsum(miss.to(tl.int32), axis=0) - 1
+        miss_col = tl.load(rank_col + m_rank, mask=miss, other=0)
+        col = tl.where(hit, st, tl.where(miss, miss_col, 0))
+        col = tl.minimum(tl.maximum(col, 0), C - 1)
+        got = tl.load(res_slot_ptr + base + col, mask=k_in, other=0)
+        tl.store(slots_out + pid * K + ks, tl.where(valid, got, 0), mask=k_in)
+        tl.store(miss_dst_out + pid * K + ks, tl.where(miss, got.to(tl.int64), -1), mask=k_in)
+        tl.store(miss_out + pid * K + ks, miss.to(tl.int8), mask=k_in)
+        tl.store(res_page_ptr + base + col, w, mask=k_in & miss)
+        tl.store(last_use_ptr + base + col, tl.full([KB], 0, tl.int32) + now, mask=k_in & valid)
+        run_miss += tl.sum(miss.to(tl.int32), axis=0)
+    tl.atomic_add(counters_ptr + 0, n_valid.to(tl.int64))
+    tl.atomic_add(counters_ptr + 1, (n_valid - need).to(tl.int64))
+    tl.atomic_add(counters_ptr + 2, need.to(tl.int64))
+    tl.atomic_add(counters_ptr + 3, evicted.to(tl.int64))

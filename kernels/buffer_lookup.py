@@ -21,8 +21,11 @@ LRU (``spin_cluster.kvcache.lru``) among the columns not selected this step. ``r
 treats every held page as forgotten (every selected page is a miss).
 
 Two implementations with the same contract: ``buffer_lookup`` (Triton, one launch: one
-program per (row, head) holding its share in registers; CUDA tensors, or CPU tensors under
-``TRITON_INTERPRET=1``) and ``buffer_lookup_ref`` (fixed-shape torch ops, about 60 per call).
+program per (row, head); CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and
+``buffer_lookup_ref`` (fixed-shape torch ops, about 60 per call). The Triton launch holds a
+head's share in registers when share x selection fits one tile, and otherwise walks them in
+chunks of 64 (four passes, their state in scratch rows): per-head budgets of 500+ pages and
+shares of 1000+ columns are what S-HPLB gives its widest heads.
 Neither syncs with the host. This module imports only torch (and Triton, lazily).
 """
 
@@ -35,8 +38,10 @@ from .bucketed_lru import _check_row_value, bucketed_lru_victims_ref
 
 __all__ = ["MAX_TILE", "buffer_lookup", "buffer_lookup_ref", "fits_kernel"]
 
-# The kernel holds [K, C] and [buckets, C] tiles in registers; larger shares use the reference.
+# The one-tile kernel holds [K, C] and [buckets, C] tiles in registers; larger shares and
+# selections take the chunked kernel, CHUNK columns and selected pages at a time.
 MAX_TILE = 64 * 1024
+CHUNK = 64
 
 
 def fits_kernel(num_selected: int, share: int, num_buckets: int) -> bool:
@@ -45,26 +50,43 @@ def fits_kernel(num_selected: int, share: int, num_buckets: int) -> bool:
 
 
 def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int, counters,
-                  num_buckets: int = 64, reuse: bool = True):
+                  num_buckets: int = 64, reuse: bool = True, chunked: bool | None = None, chunk: int = 0):
+    """``chunked``: None picks the one-tile kernel when a head's share and selection fit its
+    tile (``fits_kernel``), else the chunked one; True/False force one. ``chunk``: columns and
+    selected pages per chunk of the chunked kernel (power of 2 >= 16; default ``CHUNK``)."""
     _check(res_page, res_slot, last_use, rows, want, counters, now)
     kmod = load_kernel_module("_buffer_lookup_kernel", "buffer_lookup", "buffer_lookup_ref")
     if want.device.type != "cuda" and not is_interpreted(kmod._buffer_lookup):
         raise ValueError("the Triton buffer lookup needs CUDA tensors (or TRITON_INTERPRET=1); use buffer_lookup_ref")
     B, H, K = want.shape
     C = res_page.shape[-1]
-    if not fits_kernel(K, C, num_buckets):
-        raise ValueError(f"{K} selected pages x a share of {C} columns exceed the kernel's tile; use buffer_lookup_ref")
+    if chunked is None:
+        chunked = not fits_kernel(K, C, num_buckets)
+    elif not chunked and not fits_kernel(K, C, num_buckets):
+        raise ValueError(f"{K} selected pages x a share of {C} columns exceed the one-tile kernel; use chunked=True")
     now_from_ptr = isinstance(now, torch.Tensor)
     want32 = want.to(torch.int32).contiguous()
     slots = torch.empty(B, H, K, dtype=torch.int32, device=want.device)
     miss_dst = torch.empty(B * H * K, dtype=torch.int64, device=want.device)
     miss = torch.empty(B, H, K, dtype=torch.int8, device=want.device)
-    if B * H:
+    if not B * H:
+        return slots, miss_dst, miss.bool()
+    scalars = (now if now_from_ptr else counters, 0 if now_from_ptr else int(now), int(layer),
+               res_page.stride(0), res_page.stride(1), res_page.stride(2), K, C, H)
+    common = dict(NUM_BUCKETS=num_buckets, NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse,
+                  NOW_FROM_PTR=now_from_ptr)
+    if chunked:
+        chunk = chunk or CHUNK
+        # Scratch rows of each (request, head): column state, selection state, victim columns.
+        scratch = torch.empty(3, B * H, max(K, C), dtype=torch.int32, device=want.device)
+        kmod._buffer_lookup_chunked[(B * H,)](
+            want32, rows.contiguous(), res_page, res_slot, last_use, slots, miss_dst, miss, counters,
+            scratch[0], scratch[1], scratch[2], *scalars, KB=chunk, CB=chunk, NKC=-(-K // chunk), NCC=-(-C // chunk), num_warps=4, **common,
+        )
+    else:
         kmod._buffer_lookup[(B * H,)](
             want32, rows.contiguous(), res_page, res_slot, last_use, slots, miss_dst, miss, counters,
-            now if now_from_ptr else counters, 0 if now_from_ptr else int(now), int(layer), res_page.stride(0), res_page.stride(1), res_page.stride(2), K, C, H,
-            NUM_BUCKETS=num_buckets, K_PAD=max(16, next_pow2(K)), C_PAD=max(16, next_pow2(C)),
-            NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse, NOW_FROM_PTR=now_from_ptr, num_warps=4,
+            *scalars, K_PAD=max(16, next_pow2(K)), C_PAD=max(16, next_pow2(C)), num_warps=4, **common,
         )
     return slots, miss_dst, miss.bool()
 

@@ -14,8 +14,8 @@ takes a column chosen by the bucketed LRU among the columns not selected this st
 *buffering* pages), and is listed for Retrieve (host page -> slot). A share of C_r >= K
 columns always has room: at most K - hits misses, and C_r - hits unselected columns.
 Everything is fixed-shape tensor work: no host sync, no sort. On CUDA it is one Triton launch
-per layer (``kernels/buffer_lookup.py``: a program per request and head, its share in
-registers) instead of about 60 torch operators.
+per layer (``kernels/buffer_lookup.py``: a program per request and head; the share in
+registers, or in chunks when it is wide) instead of about 60 torch operators.
 
 Elastic shares: the scheduler asks ``share_for`` at admission. A request gets
 ``min(buffer_pages, max(mandatory, free / (1 + waiting)))`` columns per head: alone it
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spin_cluster.kernels.buffer_lookup import buffer_lookup, buffer_lookup_ref, fits_kernel
+from spin_cluster.kernels.buffer_lookup import buffer_lookup, buffer_lookup_ref
 from spin_cluster.kvcache.free_list import FreeList, check_partition
 from spin_cluster.kvcache.lru import DEFAULT_NUM_BUCKETS
 
@@ -127,12 +127,10 @@ class GpuBuffer:
 
         rows: [B] int64 rows; want: [B, Hkv, K] int logical pages, -1 padding (all valid
         entries of a head distinct). Returns the Lookup and the [B, Hkv, K] miss mask.
-        One Triton launch on CUDA when a head's share fits its tile
-        (``kernels.buffer_lookup``), else the same steps as fixed-shape torch ops.
+        One Triton launch on CUDA (``kernels.buffer_lookup``), else the same steps as
+        fixed-shape torch ops.
         """
-        B, Hkv, K = want.shape
-        on_kernel = want.device.type == "cuda" and fits_kernel(K, self.max_share, self.num_buckets)
-        fn = buffer_lookup if on_kernel else buffer_lookup_ref
+        fn = buffer_lookup if want.device.type == "cuda" else buffer_lookup_ref
         slots, miss_dst, miss = fn(self.res_page, self.res_slot, self.res_last_use, rows, layer, want, now,
                                    self.counters, num_buckets=self.num_buckets, reuse=self.reuse)
         # The caller pairs miss_dst with the host pages (it knows the directory).

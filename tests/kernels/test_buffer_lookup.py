@@ -81,6 +81,43 @@ def test_kernel_equals_reference(case, reuse):
     assert ca[0] > 0 and ca[2] > 0  # the cases do look up and miss
 
 
+CHUNKED_CASES = [
+    # R, L, H, C, K, share, rows, layer, now: several 16-wide chunks of columns and selections
+    (3, 2, 2, 40, 37, 40, [2, 0], 1, 20),
+    (2, 1, 3, 50, 20, 33, [1], 0, 5),  # a share narrower than the columns, over 3 chunks
+    (4, 2, 1, 16, 16, 16, [3, 1, 0], 1, 100),  # exactly one chunk
+]
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.parametrize("case", CHUNKED_CASES)
+def test_chunked_kernel_equals_reference(case, reuse):
+    *shape, seed = (*case, sum(case[:6]) + 3 * int(reuse))
+    a = list(make_case(*shape, seed=seed, num_pages=90))
+    b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+    ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    for num_buckets in (64, 4):
+        ra = buffer_lookup(*a, ca, num_buckets=num_buckets, reuse=reuse, chunked=True, chunk=16)
+        rb = buffer_lookup_ref(*b, cb, num_buckets=num_buckets, reuse=reuse)
+        for x, y, name in zip(ra, rb, ("slots", "miss_dst", "miss")):
+            assert torch.equal(x, y), name
+        assert torch.equal(a[0], b[0]), "res_page"
+        assert torch.equal(a[2], b[2]), "last_use"
+        assert torch.equal(ca, cb), "counters"
+        for x in (a, b):
+            x[6] += 3
+            x[5] = torch.where(x[5] >= 0, (x[5] + 11) % 90, -1)
+    assert ca[2] > 0 and (ca[3] > 0 or not reuse)  # misses, and evictions of held pages
+
+
+def test_wide_shares_pick_the_chunked_kernel():
+    assert fits_kernel(64, 128, 64) and not fits_kernel(540, 1100, 64)
+    a = list(make_case(2, 1, 1, 20, 18, 20, [1], 0, 9, seed=5))
+    with pytest.raises(ValueError, match="chunked=True"):
+        buffer_lookup(*a, torch.zeros(4, dtype=torch.int64, device=DEVICE), chunked=False,
+                      num_buckets=4096)
+
+
 @pytest.mark.parametrize("fn", [buffer_lookup, buffer_lookup_ref])
 def test_step_index_from_a_device_tensor_equals_the_int(fn):
     # A CUDA graph replays the lookup with the step index it reads from the device.
@@ -146,3 +183,20 @@ def test_kernel_equals_reference_at_llama_shapes():
         for x in (a, b):
             x[6] += 1
             x[5] = torch.where(x[5] >= 0, (x[5] + 7) % 400, -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_chunked_kernel_equals_reference_at_shplb_widths():
+    """4 requests x 8 KV heads, 540 selected pages of a 1080-column share (the widest S-HPLB
+    head at a 2K mean budget, pages of 32), three steps in a row."""
+    a = list(make_case(4, 2, 8, 1080, 540, 1080, [3, 0, 2, 1], 1, 50, seed=4, num_pages=4096))
+    b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+    ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    for _ in range(3):
+        ra, rb = buffer_lookup(*a, ca), buffer_lookup_ref(*b, cb)
+        assert all(torch.equal(x, y) for x, y in zip(ra, rb))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(ca, cb)
+        for x in (a, b):
+            x[6] += 1
+            x[5] = torch.where(x[5] >= 0, (x[5] + 7) % 4096, -1)
