@@ -109,8 +109,9 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
     cfg["cache"].update(offload=True, host_kv_gib=args.host_kv_gib, buffer_reuse=mode == "spin")
     if mode == "dense-offload":
         return cfg
+    # A bfloat16 Quest index (bounds rounded outward) halves the bytes Select reads.
     cfg["sparse"] = {"algorithm": "quest", "budget": args.budget, "local_tokens": 2 * args.page_size,
-                     "sink_tokens": args.page_size}
+                     "sink_tokens": args.page_size, "options": {"index_dtype": "bfloat16"}}
     if mode == "spin":
         from spin_cluster.hplb.budget import synthetic_maxmin_budgets
 

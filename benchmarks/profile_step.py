@@ -61,7 +61,7 @@ def main(argv=None) -> dict:
     from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
 
     shape = {**LLAMA_31_8B, **e2e.TINY} if args.tiny else LLAMA_31_8B
-    total = args.warmup + args.steps + 2
+    total = args.warmup + args.steps + 4  # the profiled and the eager step still decode
     max_len = args.context + total + args.page_size
     folder = shape_folder(shape, max_len, args.tokenizer, prefix="profile-model-")
     engine = Engine(SpinConfig.from_dict(e2e.mode_config(args.mode, args, folder, max_len, shape)), progress=False)

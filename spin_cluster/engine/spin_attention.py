@@ -25,7 +25,7 @@ import torch
 from spin_cluster.config import SparseConfig
 from spin_cluster.engine.paged_attention import decode_impl, prefill_attention
 from spin_cluster.engine.scheduler import ScheduledChunk
-from spin_cluster.kernels import offload, retrieve
+from spin_cluster.kernels import lookup_epilogue, offload, retrieve
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.partition import SelectPlan, SparseAlgorithm, select_pages
 
@@ -75,6 +75,7 @@ class SpinAttention:
         on_cuda = dev.type == "cuda"
         self._write = offload.write_tokens if on_cuda else offload.write_tokens_ref
         self._retrieve = retrieve.retrieve_pages if on_cuda else retrieve.retrieve_pages_ref
+        self._epilogue = lookup_epilogue.lookup_epilogue if on_cuda else lookup_epilogue.lookup_epilogue_ref
         self._side = torch.cuda.Stream(dev) if on_cuda else None
         S = kv.page_size
         if sparse.dense_layers > kv.num_layers:
@@ -178,7 +179,8 @@ class SpinAttention:
         """One SelectPlan per layer: the step's, with the layer's per-head budgets if any."""
         if self._layer_budgets is None:
             return (sel,) * self.kv.num_layers
-        budgets = self._layer_budgets[:, None, :].expand(-1, *sel.budget_pages.shape).unbind(0)  # L x [Bd, Hkv]
+        # One copy per step, so that no layer's Select copies its expanded view again.
+        budgets = self._layer_budgets[:, None, :].expand(-1, *sel.budget_pages.shape).contiguous().unbind(0)  # L x [Bd, Hkv]
         return tuple(dataclasses.replace(sel, budget_pages=b) for b in budgets)
 
     def _prefill_plan(self, chunk: ScheduledChunk, token_start: int) -> SpinPrefill:
@@ -255,18 +257,15 @@ class SpinAttention:
                 sel = dataclasses.replace(sel, score_scale=kv.num_kv_heads / (q.shape[1] * q.shape[2] ** 0.5))
         want, num_selected = select_pages(scores, self.algorithm.selects_all, sel, kv.num_kv_heads)  # [Bd, Hkv, K]
         lookup, miss = kv.buffer.lookup(plan.decode_rows, layer, want, self.now)
-        src = kv.directory.host_pages(plan.decode_rows, layer, want).view(-1)
-        src = torch.where(miss.view(-1), src, -1)
+        # The misses' host pages, each head's attended length, its newest token's slot.
+        src, lens, tail_slot = self._epilogue(want, lookup.slots, miss, num_selected, plan.decode_rows, sel.tail_len,
+                                              kv.directory.directory, layer, kv.directory.segment_pages, kv.page_size)
         buf = kv.buffer
         self._retrieve(kv.host.k_pages, kv.host.v_pages, buf.k_slots, buf.v_slots, src, lookup.miss_dst)
         # Write-through: the new token into its tail page's slot (the last selected page).
-        S = kv.page_size
-        tail_slot = lookup.slots.gather(-1, (num_selected - 1).clamp(min=0)[..., None])[..., 0]  # [Bd, Hkv]
-        flat = tail_slot.long() * S + (sel.tail_len.long() - 1)[:, None]
         D = q.shape[-1]
-        self._write(buf.k_slots, buf.v_slots, k.reshape(-1, D), v.reshape(-1, D), flat.reshape(-1))
-        lens = ((num_selected - 1) * S + sel.tail_len[:, None]).to(torch.int32)  # [Bd, Hkv]
-        self._decode(q, buf.k_slots, buf.v_slots, lookup.slots, lens.contiguous(), out=out)
+        self._write(buf.k_slots, buf.v_slots, k.reshape(-1, D), v.reshape(-1, D), tail_slot)
+        self._decode(q, buf.k_slots, buf.v_slots, lookup.slots, lens, out=out)
 
     def _prefill(self, layer: int, seg: SpinPrefill, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, H, D]; k, v [n, Hkv, D] -> [n, H, D]."""

@@ -53,11 +53,14 @@ class Quest(SparseAlgorithm):
         kmin.index_fill_(0, fresh, float("inf"))
         kmax.index_fill_(0, fresh, float("-inf"))
         k = k.float()
-        # Outward rounding to a 16-bit index: nearest rounding errs by <= 2^-8 relative
-        # (bfloat16; 2^-11 for float16), so a 2^-7 relative margin keeps the bound.
-        slack = k.abs() * (2.0 ** -7) if self.index_dtype != torch.float32 else 0.0
-        kmin.scatter_reduce_(0, expanded, (k - slack).to(self.index_dtype), "amin")
-        kmax.scatter_reduce_(0, expanded, (k + slack).to(self.index_dtype), "amax")
+        lo = hi = k
+        if self.index_dtype != torch.float32:
+            # Outward rounding to a 16-bit index: nearest rounding errs by <= 2^-8 relative
+            # (bfloat16; 2^-11 for float16), so a 2^-7 relative margin keeps the bound.
+            slack = k.abs() * (2.0 ** -7)
+            lo, hi = (k - slack).to(self.index_dtype), (k + slack).to(self.index_dtype)
+        kmin.scatter_reduce_(0, expanded, lo, "amin")
+        kmax.scatter_reduce_(0, expanded, hi, "amax")
 
     def score(self, layer, q, rows, num_pages):
         # q: [B, H, D] -> [B, Hkv, num_pages]; Triton on CUDA, the torch reference elsewhere
