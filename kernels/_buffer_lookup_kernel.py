@@ -99,24 +99,28 @@ def _buffer_lookup(
 
 
 @triton.jit
-def _buffer_lookup_chunked(
-    want_ptr, rows_ptr, res_page_ptr, res_slot_ptr, last_use_ptr,
+def _buffer_lookup_mapped(
+    want_ptr, rows_ptr, res_page_ptr, res_slot_ptr, last_use_ptr, res_col_ptr,
     slots_out, miss_dst_out, miss_out, counters_ptr,
     col_state_ptr, sel_state_ptr, rank_col_ptr,
     now_ptr, now_val, layer, stride_row, stride_layer, stride_head,
+    col_stride_row, col_stride_layer, col_stride_head,
     K, C, NUM_HEADS,
     NUM_BUCKETS: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr, NKC: tl.constexpr, NCC: tl.constexpr,
-    NB_PAD: tl.constexpr,
-    REUSE: tl.constexpr, NOW_FROM_PTR: tl.constexpr,
+    NB_PAD: tl.constexpr, REUSE: tl.constexpr, NOW_FROM_PTR: tl.constexpr,
 ):
-    """The same lookup for shares and selections too wide for registers: columns and
-    selected pages in chunks of CB and KB, the per-column and per-selection state of one
-    pass kept for the next in scratch rows (col_state [C], sel_state [K], rank_col [C])."""
+    """The same lookup for shares of any width, in O(K + C) per head: a hit is found through
+    the share's page -> column map (res_col, kept in step with res_page), not by comparing
+    every selected page with every column. Columns and selected pages go in chunks of CB and
+    KB; one pass's per-column and per-selection state waits for the next in scratch rows
+    (col_state [C], sel_state [K], rank_col [C]). NKC, NCC: chunk counts (compile-time: a
+    kernel per few shapes, and loop bounds the interpreter accepts)."""
     pid = tl.program_id(0)
     b = pid // NUM_HEADS
     h = pid % NUM_HEADS
     row = tl.load(rows_ptr + b).to(tl.int64)
     base = row * stride_row + layer * stride_layer + h * stride_head
+    col_base = row * col_stride_row + layer * col_stride_layer + h * col_stride_head
     if NOW_FROM_PTR:
         now = tl.load(now_ptr).to(tl.int32)
     else:
@@ -129,65 +133,53 @@ def _buffer_lookup_chunked(
     sel_state = sel_state_ptr + pid.to(tl.int64) * K
     rank_col = rank_col_ptr + pid.to(tl.int64) * C
 
-    # Pass 1, columns: selected this step (protected)? Else evictable, in which age bucket.
-    at_least = tl.zeros([NB_PAD], tl.int32)
+    # Pass 1, columns: the age bucket of every column with a slot (-1: no slot).
     for ci in range(NCC):
-        c0 = ci * CB
-        cs = c0 + cr
+        cs = ci * CB + cr
         c_in = cs < C
-        page = tl.load(res_page_ptr + base + cs, mask=c_in, other=-1)
-        if not REUSE:
-            page = tl.full([CB], -1, tl.int32)
         slot = tl.load(res_slot_ptr + base + cs, mask=c_in, other=-1)
         last = tl.load(last_use_ptr + base + cs, mask=c_in, other=0)
-        prot = tl.zeros([CB], tl.int32)
-        for ki in range(NKC):
-            k0 = ki * KB
-            w = tl.load(want_row + k0 + kr, mask=k0 + kr < K, other=-1)
-            m = (w[:, None] == page[None, :]) & (w[:, None] >= 0)
-            prot = tl.maximum(prot, tl.max(m.to(tl.int32), axis=0))
-        evictable = (slot >= 0) & (prot == 0) & c_in
         bucket = tl.minimum(tl.maximum(now - last, 0), NUM_BUCKETS - 1)
-        at_least += tl.sum(((bucket[None, :] >= js[:, None]) & evictable[None, :]).to(tl.int32), axis=1)
-        tl.store(col_state + cs, tl.where(evictable, bucket, -1), mask=c_in)
+        tl.store(col_state + cs, tl.where(slot >= 0, bucket, -1), mask=c_in)
+    tl.debug_barrier()
 
-    # Pass 2, selections: hit column, or -2 for a miss, -1 for padding.
+    # Pass 2, selections: hit column (through the map), or -2 for a miss, -1 for padding;
+    # a hit's column is protected (col_state -1: not evictable).
     need = 0
     n_valid = 0
     for ki in range(NKC):
-        k0 = ki * KB
-        ks = k0 + kr
+        ks = ki * KB + kr
         k_in = ks < K
         w = tl.load(want_row + ks, mask=k_in, other=-1)
         valid = w >= 0
-        hit_col = tl.full([KB], 2147483647, tl.int32)
-        for ci in range(NCC):
-            c0 = ci * CB
-            cs = c0 + cr
-            c_in = cs < C
-            page = tl.load(res_page_ptr + base + cs, mask=c_in, other=-1)
-            if not REUSE:
-                page = tl.full([CB], -1, tl.int32)
-            m = (w[:, None] == page[None, :]) & valid[:, None] & c_in[None, :]
-            hit_col = tl.minimum(hit_col, tl.min(tl.where(m, cs[None, :], 2147483647), axis=1))
-        hit = hit_col < C
+        if REUSE:
+            col = tl.load(res_col_ptr + col_base + tl.maximum(w, 0), mask=valid, other=-1).to(tl.int32)
+        else:
+            col = tl.full([KB], -1, tl.int32)
+        hit = valid & (col >= 0)
         miss = valid & ~hit
         need += tl.sum(miss.to(tl.int32), axis=0)
         n_valid += tl.sum(valid.to(tl.int32), axis=0)
-        tl.store(sel_state + ks, tl.where(hit, hit_col, tl.where(miss, -2, -1)), mask=k_in)
+        tl.store(sel_state + ks, tl.where(hit, col, tl.where(miss, -2, -1)), mask=k_in)
+        tl.store(col_state + col, tl.full([KB], -1, tl.int32), mask=hit)
+    tl.debug_barrier()
 
-    # The bucketed LRU's cutoff, as in the one-tile kernel.
+    # Pass 3: how many evictable columns are at least j buckets old; the bucketed LRU's cutoff.
+    at_least = tl.zeros([NB_PAD], tl.int32)
+    for ci in range(NCC):
+        cs = ci * CB + cr
+        bk = tl.load(col_state + cs, mask=cs < C, other=-1)
+        at_least += tl.sum(((bk[None, :] >= js[:, None]) & (bk >= 0)[None, :]).to(tl.int32), axis=1)
     take = tl.minimum(need, tl.sum(tl.where(js == 0, at_least, 0), axis=0))
     cut = tl.max(tl.where((at_least >= take) & (js < NUM_BUCKETS), js, -1), axis=0)
     above = tl.sum(tl.where(js == cut + 1, at_least, 0), axis=0)
 
-    # Pass 3, columns in order: victims, and which column the i-th victim is.
+    # Pass 4, columns in order: victims, and which column the i-th victim is.
     run_cut = 0
     run_victim = 0
     evicted = 0
     for ci in range(NCC):
-        c0 = ci * CB
-        cs = c0 + cr
+        cs = ci * CB + cr
         c_in = cs < C
         bk = tl.load(col_state + cs, mask=c_in, other=-1)
         evictable = bk >= 0
@@ -196,24 +188,23 @@ def _buffer_lookup_chunked(
         victim = ((evictable & (bk > cut)) | (in_cut & (cut_rank < take - above))) & (take > 0)
         v_rank = run_victim + tl.cumsum(victim.to(tl.int32), axis=0) - 1
         tl.store(rank_col + v_rank, cs, mask=victim)
-        page = tl.load(res_page_ptr + base + cs, mask=c_in, other=-1)
         if REUSE:
+            page = tl.load(res_page_ptr + base + cs, mask=c_in, other=-1)
             evicted += tl.sum((victim & (page >= 0)).to(tl.int32), axis=0)
         run_cut += tl.sum(in_cut.to(tl.int32), axis=0)
         run_victim += tl.sum(victim.to(tl.int32), axis=0)
     tl.debug_barrier()
     if not REUSE:  # the share forgets what it held: only this step's misses stay
         for ci in range(NCC):
-            c0 = ci * CB
-            cs = c0 + cr
+            cs = ci * CB + cr
             tl.store(res_page_ptr + base + cs, tl.full([CB], -1, tl.int32), mask=cs < C)
         tl.debug_barrier()
 
-    # Pass 4, selections in order: the i-th miss takes the i-th victim; outputs and updates.
+    # Pass 5, selections in order: the i-th miss takes the i-th victim; outputs, the share
+    # and its map updated (a victim's old page is never selected: it would have been a hit).
     run_miss = 0
     for ki in range(NKC):
-        k0 = ki * KB
-        ks = k0 + kr
+        ks = ki * KB + kr
         k_in = ks < K
         st = tl.load(sel_state + ks, mask=k_in, other=-1)
         w = tl.load(want_row + ks, mask=k_in, other=-1)
@@ -228,6 +219,10 @@ def _buffer_lookup_chunked(
         tl.store(slots_out + pid * K + ks, tl.where(valid, got, 0), mask=k_in)
         tl.store(miss_dst_out + pid * K + ks, tl.where(miss, got.to(tl.int64), -1), mask=k_in)
         tl.store(miss_out + pid * K + ks, miss.to(tl.int8), mask=k_in)
+        if REUSE:
+            old = tl.load(res_page_ptr + base + col, mask=k_in & miss, other=-1)
+            tl.store(res_col_ptr + col_base + tl.maximum(old, 0), tl.full([KB], -1, tl.int32), mask=miss & (old >= 0))
+            tl.store(res_col_ptr + col_base + tl.maximum(w, 0), col, mask=k_in & miss)
         tl.store(res_page_ptr + base + col, w, mask=k_in & miss)
         tl.store(last_use_ptr + base + col, tl.full([KB], 0, tl.int32) + now, mask=k_in & valid)
         run_miss += tl.sum(miss.to(tl.int32), axis=0)

@@ -23,9 +23,10 @@ treats every held page as forgotten (every selected page is a miss).
 Two implementations with the same contract: ``buffer_lookup`` (Triton, one launch: one
 program per (row, head); CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and
 ``buffer_lookup_ref`` (fixed-shape torch ops, about 60 per call). The Triton launch holds a
-head's share in registers when share x selection fits one tile, and otherwise walks them in
-chunks of 64 (four passes, their state in scratch rows): per-head budgets of 500+ pages and
-shares of 1000+ columns are what S-HPLB gives its widest heads.
+head's share in registers when share x selection fits one tile; given the shares' page ->
+column map (``res_col``, which it keeps up to date) it finds hits through the map and walks
+columns and selections in chunks of 64, O(K + C) per head at any width: per-head budgets of
+500+ pages and shares of 1000+ columns are what S-HPLB gives its widest heads.
 Neither syncs with the host. This module imports only torch (and Triton, lazily).
 """
 
@@ -36,10 +37,10 @@ import torch
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2
 from .bucketed_lru import _check_row_value, bucketed_lru_victims_ref
 
-__all__ = ["MAX_TILE", "buffer_lookup", "buffer_lookup_ref", "fits_kernel"]
+__all__ = ["MAX_TILE", "buffer_lookup", "buffer_lookup_ref", "fits_kernel", "page_columns"]
 
-# The one-tile kernel holds [K, C] and [buckets, C] tiles in registers; larger shares and
-# selections take the chunked kernel, CHUNK columns and selected pages at a time.
+# The one-tile kernel holds [K, C] and [buckets, C] tiles in registers; the mapped kernel
+# takes CHUNK columns and selected pages at a time.
 MAX_TILE = 64 * 1024
 CHUNK = 64
 
@@ -50,20 +51,21 @@ def fits_kernel(num_selected: int, share: int, num_buckets: int) -> bool:
 
 
 def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int, counters,
-                  num_buckets: int = 64, reuse: bool = True, chunked: bool | None = None, chunk: int = 0):
-    """``chunked``: None picks the one-tile kernel when a head's share and selection fit its
-    tile (``fits_kernel``), else the chunked one; True/False force one. ``chunk``: columns and
-    selected pages per chunk of the chunked kernel (power of 2 >= 16; default ``CHUNK``)."""
+                  num_buckets: int = 64, reuse: bool = True, res_col=None, chunk: int = 0):
+    """``res_col`` [R, L, Hkv, P] int16: each share's page -> column map (-1: not held),
+    kept in step with res_page. Given, the lookup runs in O(K + C) per head at any width
+    (the mapped kernel, ``chunk`` columns and selected pages at a time, power of 2 >= 16,
+    default ``CHUNK``); without it, the one-tile kernel, for shares that fit (``fits_kernel``)."""
     _check(res_page, res_slot, last_use, rows, want, counters, now)
     kmod = load_kernel_module("_buffer_lookup_kernel", "buffer_lookup", "buffer_lookup_ref")
     if want.device.type != "cuda" and not is_interpreted(kmod._buffer_lookup):
         raise ValueError("the Triton buffer lookup needs CUDA tensors (or TRITON_INTERPRET=1); use buffer_lookup_ref")
     B, H, K = want.shape
     C = res_page.shape[-1]
-    if chunked is None:
-        chunked = not fits_kernel(K, C, num_buckets)
-    elif not chunked and not fits_kernel(K, C, num_buckets):
-        raise ValueError(f"{K} selected pages x a share of {C} columns exceed the one-tile kernel; use chunked=True")
+    if res_col is None and not fits_kernel(K, C, num_buckets):
+        raise ValueError(f"{K} selected pages x a share of {C} columns exceed the one-tile kernel; pass res_col")
+    if res_col is not None:
+        _check_map(res_col, res_page)
     now_from_ptr = isinstance(now, torch.Tensor)
     want32 = want.to(torch.int32).contiguous()
     slots = torch.empty(B, H, K, dtype=torch.int32, device=want.device)
@@ -72,27 +74,48 @@ def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int
     if not B * H:
         return slots, miss_dst, miss.bool()
     scalars = (now if now_from_ptr else counters, 0 if now_from_ptr else int(now), int(layer),
-               res_page.stride(0), res_page.stride(1), res_page.stride(2), K, C, H)
+               res_page.stride(0), res_page.stride(1), res_page.stride(2))
     common = dict(NUM_BUCKETS=num_buckets, NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse,
                   NOW_FROM_PTR=now_from_ptr)
-    if chunked:
+    if res_col is not None:
         chunk = chunk or CHUNK
         # Scratch rows of each (request, head): column state, selection state, victim columns.
         scratch = torch.empty(3, B * H, max(K, C), dtype=torch.int32, device=want.device)
-        kmod._buffer_lookup_chunked[(B * H,)](
-            want32, rows.contiguous(), res_page, res_slot, last_use, slots, miss_dst, miss, counters,
-            scratch[0], scratch[1], scratch[2], *scalars, KB=chunk, CB=chunk, NKC=-(-K // chunk), NCC=-(-C // chunk), num_warps=4, **common,
+        kmod._buffer_lookup_mapped[(B * H,)](
+            want32, rows.contiguous(), res_page, res_slot, last_use, res_col, slots, miss_dst, miss, counters,
+            scratch[0], scratch[1], scratch[2], *scalars, res_col.stride(0), res_col.stride(1), res_col.stride(2),
+            K, C, H, KB=chunk, CB=chunk, NKC=-(-K // chunk), NCC=-(-C // chunk), num_warps=4, **common,
         )
     else:
         kmod._buffer_lookup[(B * H,)](
             want32, rows.contiguous(), res_page, res_slot, last_use, slots, miss_dst, miss, counters,
-            *scalars, K_PAD=max(16, next_pow2(K)), C_PAD=max(16, next_pow2(C)), num_warps=4, **common,
+            *scalars, K, C, H, K_PAD=max(16, next_pow2(K)), C_PAD=max(16, next_pow2(C)), num_warps=4, **common,
         )
     return slots, miss_dst, miss.bool()
 
 
+def page_columns(res_page: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """The page -> column map of shares [.., C] (res_page): [.., num_pages] int16, -1 where
+    a page is not held."""
+    C = res_page.shape[-1]
+    out = torch.full((*res_page.shape[:-1], num_pages + 1), -1, dtype=torch.int16, device=res_page.device)
+    cols = torch.arange(C, dtype=torch.int16, device=res_page.device).expand_as(res_page)
+    out.scatter_(-1, torch.where(res_page >= 0, res_page.long(), num_pages), cols)
+    return out[..., :num_pages].contiguous()
+
+
+def _check_map(res_col, res_page):
+    if res_col.dim() != 4 or res_col.shape[:3] != res_page.shape[:3] or res_col.dtype != torch.int16:
+        raise ValueError(f"res_col must be [R, L, Hkv, P] int16 like res_page's first dims; got "
+                         f"{tuple(res_col.shape)} {res_col.dtype}")
+    if not res_col.is_contiguous():
+        raise ValueError("res_col must be contiguous")
+    if res_page.shape[-1] > 32767:
+        raise ValueError("shares wider than 32767 columns do not fit the int16 map")
+
+
 def buffer_lookup_ref(res_page, res_slot, last_use, rows, layer: int, want, now: int, counters,
-                      num_buckets: int = 64, reuse: bool = True):
+                      num_buckets: int = 64, reuse: bool = True, res_col=None):
     _check(res_page, res_slot, last_use, rows, want, counters, now)
     B, Hkv, K = want.shape
     C = res_page.shape[-1]
@@ -125,6 +148,9 @@ def buffer_lookup_ref(res_page, res_slot, last_use, rows, layer: int, want, now:
     res_page[rows, layer] = _scatter_masked(page, col, want.int(), miss)
     now_t = now.reshape(()).to(torch.int32) if isinstance(now, torch.Tensor) else torch.tensor(now, dtype=torch.int32)
     last_use[rows, layer] = _scatter_masked(last, col, now_t.to(want.device).expand(want.shape), valid)
+    if res_col is not None and reuse:  # the map follows the shares
+        _check_map(res_col, res_page)
+        res_col[rows, layer] = page_columns(res_page[rows, layer], res_col.shape[-1])
     evicted = (victims & (page >= 0)).sum()
     counters += torch.stack([valid.sum(), hit.sum(), miss.sum(), evicted])
     return torch.where(valid, slots, 0).int(), torch.where(miss, slots.long(), -1).view(-1), miss

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spin_cluster.kernels.buffer_lookup import buffer_lookup, buffer_lookup_ref
+from spin_cluster.kernels.buffer_lookup import buffer_lookup, buffer_lookup_ref, page_columns
 from spin_cluster.kvcache.free_list import FreeList, check_partition
 from spin_cluster.kvcache.lru import DEFAULT_NUM_BUCKETS
 
@@ -57,6 +57,7 @@ class GpuBuffer:
         device: torch.device | str,
         num_buckets: int = DEFAULT_NUM_BUCKETS,
         reuse: bool = True,
+        max_pages: int = 0,
     ) -> None:
         self.num_layers = num_layers
         # False: lookups forget what a share holds, so every selected page is a miss.
@@ -71,6 +72,12 @@ class GpuBuffer:
         self.res_slot = torch.full(shape, -1, dtype=torch.int32, device=device)
         self.res_page = torch.full(shape, -1, dtype=torch.int32, device=device)
         self.res_last_use = torch.full(shape, _NEVER, dtype=torch.int32, device=device)
+        # On CUDA, each share's page -> column map (logical page -> column holding it, -1), kept
+        # in step with res_page by the lookup kernel: hits are found in O(1) per selected page
+        # instead of comparing the selection with the whole share (max_pages: pages per request).
+        self.res_col = None
+        if torch.device(device).type == "cuda" and max_pages:
+            self.res_col = torch.full((max_seqs, num_layers, num_kv_heads, max_pages), -1, dtype=torch.int16, device=device)
         self._free_slots = FreeList(num_slots)
         self._row_slots: dict[int, list[int]] = {}
         # Device counters, read once per step: lookups, hits, misses, evictions (a miss that
@@ -112,12 +119,16 @@ class GpuBuffer:
         self.res_slot[row, :, :, :share] = block.to(self.res_slot.device)
         self.res_page[row] = -1
         self.res_last_use[row] = _NEVER
+        if self.res_col is not None:
+            self.res_col[row] = -1
 
     def detach(self, row: int) -> None:
         self._free_slots.give(self._row_slots.pop(row, []))
         self.res_slot[row] = -1
         self.res_page[row] = -1
         self.res_last_use[row] = _NEVER
+        if self.res_col is not None:
+            self.res_col[row] = -1
 
     def share_of(self, row: int) -> int:
         return len(self._row_slots.get(row, ())) // self.slots_per_column()
@@ -132,7 +143,7 @@ class GpuBuffer:
         """
         fn = buffer_lookup if want.device.type == "cuda" else buffer_lookup_ref
         slots, miss_dst, miss = fn(self.res_page, self.res_slot, self.res_last_use, rows, layer, want, now,
-                                   self.counters, num_buckets=self.num_buckets, reuse=self.reuse)
+                                   self.counters, num_buckets=self.num_buckets, reuse=self.reuse, res_col=self.res_col)
         # The caller pairs miss_dst with the host pages (it knows the directory).
         return Lookup(slots=slots, miss_dst=miss_dst), miss
 
@@ -147,6 +158,9 @@ class GpuBuffer:
             dev = self.res_slot[row, :, :, :share].reshape(-1).cpu().tolist()
             if sorted(dev) != sorted(ids):
                 raise AssertionError(f"buffer share of row {row} disagrees with its slot list")
+            if self.res_col is not None and self.reuse:
+                if not torch.equal(self.res_col[row], page_columns(self.res_page[row], self.res_col.shape[-1])):
+                    raise AssertionError(f"the page -> column map of row {row} disagrees with its share")
             pages = self.res_page[row].cpu()
             for l in range(self.num_layers):
                 for h in range(self.num_kv_heads):

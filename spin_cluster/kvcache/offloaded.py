@@ -61,7 +61,7 @@ class OffloadedKVManager:
         )
         self.buffer = GpuBuffer(
             num_buffer_slots, page_size, head_dim, num_layers, num_kv_heads, max_seqs,
-            buffer_pages_per_head, dtype, device, num_buckets, reuse,
+            buffer_pages_per_head, dtype, device, num_buckets, reuse, max_pages=-(-max_model_len // page_size),
         )
 
     # ---- capacity (token counts; "pages" are host pages) --------------------------------------

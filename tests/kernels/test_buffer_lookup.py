@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spin_cluster.kernels.buffer_lookup import buffer_lookup, buffer_lookup_ref, fits_kernel
+from spin_cluster.kernels.buffer_lookup import buffer_lookup, buffer_lookup_ref, fits_kernel, page_columns
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEVER = -(2**30)
@@ -91,31 +91,36 @@ CHUNKED_CASES = [
 
 @pytest.mark.parametrize("reuse", [True, False])
 @pytest.mark.parametrize("case", CHUNKED_CASES)
-def test_chunked_kernel_equals_reference(case, reuse):
+def test_mapped_kernel_equals_reference(case, reuse):
     *shape, seed = (*case, sum(case[:6]) + 3 * int(reuse))
     a = list(make_case(*shape, seed=seed, num_pages=90))
     b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+    col_a, col_b = page_columns(a[0], 90), page_columns(b[0], 90)
     ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
     for num_buckets in (64, 4):
-        ra = buffer_lookup(*a, ca, num_buckets=num_buckets, reuse=reuse, chunked=True, chunk=16)
-        rb = buffer_lookup_ref(*b, cb, num_buckets=num_buckets, reuse=reuse)
+        ra = buffer_lookup(*a, ca, num_buckets=num_buckets, reuse=reuse, res_col=col_a, chunk=16)
+        rb = buffer_lookup_ref(*b, cb, num_buckets=num_buckets, reuse=reuse, res_col=col_b)
         for x, y, name in zip(ra, rb, ("slots", "miss_dst", "miss")):
             assert torch.equal(x, y), name
         assert torch.equal(a[0], b[0]), "res_page"
         assert torch.equal(a[2], b[2]), "last_use"
         assert torch.equal(ca, cb), "counters"
+        if reuse:  # the kernel kept the map in step with the shares it changed
+            assert torch.equal(col_a, col_b) and torch.equal(col_a, page_columns(a[0], 90)), "res_col"
         for x in (a, b):
             x[6] += 3
             x[5] = torch.where(x[5] >= 0, (x[5] + 11) % 90, -1)
     assert ca[2] > 0 and (ca[3] > 0 or not reuse)  # misses, and evictions of held pages
 
 
-def test_wide_shares_pick_the_chunked_kernel():
+def test_wide_shares_need_the_map():
     assert fits_kernel(64, 128, 64) and not fits_kernel(540, 1100, 64)
     a = list(make_case(2, 1, 1, 20, 18, 20, [1], 0, 9, seed=5))
-    with pytest.raises(ValueError, match="chunked=True"):
-        buffer_lookup(*a, torch.zeros(4, dtype=torch.int64, device=DEVICE), chunked=False,
-                      num_buckets=4096)
+    counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="res_col"):
+        buffer_lookup(*a, counters, num_buckets=4096)
+    with pytest.raises(ValueError, match="res_col must be"):
+        buffer_lookup(*a, counters, res_col=page_columns(a[0], 40).int())
 
 
 @pytest.mark.parametrize("fn", [buffer_lookup, buffer_lookup_ref])
@@ -187,14 +192,16 @@ def test_kernel_equals_reference_at_llama_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_chunked_kernel_equals_reference_at_shplb_widths():
+def test_mapped_kernel_equals_reference_at_shplb_widths():
     """4 requests x 8 KV heads, 540 selected pages of a 1080-column share (the widest S-HPLB
     head at a 2K mean budget, pages of 32), three steps in a row."""
     a = list(make_case(4, 2, 8, 1080, 540, 1080, [3, 0, 2, 1], 1, 50, seed=4, num_pages=4096))
     b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+    col = page_columns(a[0], 4096)
     ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
     for _ in range(3):
-        ra, rb = buffer_lookup(*a, ca), buffer_lookup_ref(*b, cb)
+        ra, rb = buffer_lookup(*a, ca, res_col=col), buffer_lookup_ref(*b, cb)
+        assert torch.equal(col, page_columns(a[0], 4096))
         assert all(torch.equal(x, y) for x, y in zip(ra, rb))
         assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(ca, cb)
         for x in (a, b):
