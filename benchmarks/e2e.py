@@ -299,23 +299,29 @@ def plot(results: dict, path: str) -> None:
     offline = [w for w in wl if w.startswith("offline")]
     online = [w for w in wl if w.startswith("online")]
     modes = results["modes"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    # Decode throughput of the offline batches; TTFT and TPOT against the rate when online
+    # workloads ran.
+    fig, axes = plt.subplots(1, 3 if online else 1, figsize=(16, 4.5) if online else (6, 4.5), squeeze=False)
+    axes = axes[0]
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
         xs = [j + i * width for j in range(len(offline))]
-        axes[0].bar(xs, [wl[w].get(mode, {}).get("decode_tok_s") or 0 for w in offline], width, label=mode)
-        rates = [float(w.split("-")[1].removesuffix("rps")) for w in online]
-        for ax, key in ((axes[1], "ttft_p99_s"), (axes[2], "tpot_p99_s")):
-            ax.plot(rates, [wl[w].get(mode, {}).get(key) or float("nan") for w in online], marker="o", label=mode)
+        bars = axes[0].bar(xs, [wl[w].get(mode, {}).get("decode_tok_s") or 0 for w in offline], width, label=mode)
+        axes[0].bar_label(bars, fmt="%.0f", fontsize=8)
+        if online:
+            rates = [float(w.split("-")[1].removesuffix("rps")) for w in online]
+            for ax, key in ((axes[1], "ttft_p99_s"), (axes[2], "tpot_p99_s")):
+                ax.plot(rates, [wl[w].get(mode, {}).get(key) or float("nan") for w in online], marker="o", label=mode)
     axes[0].set_xticks([j + 0.4 - width / 2 for j in range(len(offline))], offline)
     axes[0].set_ylabel("decode tokens/s")
-    axes[1].set_ylabel("TTFT p99 (s)")
-    axes[2].set_ylabel("TPOT p99 (s)")
-    for ax in axes[1:]:
-        ax.set_xlabel("request rate (1/s)")
-        ax.set_yscale("log")
+    if online:
+        axes[1].set_ylabel("TTFT p99 (s)")
+        axes[2].set_ylabel("TPOT p99 (s)")
+        for ax in axes[1:]:
+            ax.set_xlabel("request rate (1/s)")
+            ax.set_yscale("log")
     axes[0].legend()
-    fig.suptitle(f"spin-cluster e2e ({results['device']}, GPU KV cap {results['gpu_kv_gib']} GiB)")
+    fig.suptitle(f"spin-cluster e2e ({results['device']}, GPU KV cap {results['gpu_kv_gib']} GiB)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
