@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from spin_cluster.kernels import layer_ops
 from spin_cluster.models.base import AttentionBackend
 from spin_cluster.models.config import ModelConfig
 
@@ -31,6 +32,13 @@ class RMSNorm(nn.Module):
         # x: [..., dim] -> [..., dim], same dtype. One fused op on CUDA instead of five.
         normed = nn.functional.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, dim] -> (norm(x + residual), x + residual); residual None: (norm(x), x).
+        One Triton launch on CUDA (the add, the norm and the scale), torch elsewhere."""
+        if layer_ops.fits(x, self.weight) and x.dim() == 2:
+            return layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return layer_ops.add_rms_norm_ref(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -118,7 +126,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, E] -> [T, E]
-        h = nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, F]
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [T, F] each
+        h = layer_ops.silu_mul(gate, up) if layer_ops.fits(gate) else nn.functional.silu(gate) * up
         return self.down_proj(h)  # [T, E]
 
 
@@ -155,14 +164,17 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)  # [T, H, D]
             k = self.k_norm(k)  # [T, Hkv, D]
-        q = apply_rope(q, cos, sin)  # [T, H, D]
-        k = apply_rope(k, cos, sin)  # [T, Hkv, D]
+        if layer_ops.fits(q):  # q and k in one launch
+            q, k = layer_ops.rope_qk(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [T, H, D], [T, Hkv, D]
         o = attn.forward(self.layer_id, q, k, v)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))  # [T, E]
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)), with each residual
+    add fused into the norm that follows it."""
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -172,8 +184,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        # x: [T, E], cos/sin: [T, 1, D] -> [T, E]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)  # [T, E]
-        return x + self.mlp(self.post_attention_layernorm(x))  # [T, E]
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, E] the previous block's output (the embeddings for the first layer),
+        residual: [T, E] the stream before it (None for the first layer) -> (this layer's MLP
+        output, the stream before it). The residual adds are fused into the next norm: the
+        stream after this layer is the sum of the two, which the next layer's (or the
+        model's final) norm forms."""
+        h, residual = self.input_layernorm.add_forward(x, residual)  # residual = x + residual
+        h = self.self_attn(h, cos, sin, attn)  # [T, E]
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual

@@ -56,9 +56,10 @@ class CausalLM(nn.Module):
             )
         x = self.embed_tokens(input_ids)  # [T, E]
         cos, sin = self.rotary(positions, x.dtype)  # [T, 1, D] each, shared by every layer
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)  # [T, E]
-        return self.norm(x)  # [T, E]
+            x, residual = layer(x, residual, cos, sin, attn)  # [T, E] each
+        return self.norm.add_forward(x, residual)[0]  # [T, E]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, E] (rows of forward's output) -> logits [N, V] in float32.

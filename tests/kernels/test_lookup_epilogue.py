@@ -48,3 +48,13 @@ def test_shapes_are_checked():
     args = make_case(2, 2, 4, 3, 1, 4, 8, seed=0)
     with pytest.raises(ValueError, match="num_selected"):
         lookup_epilogue_ref(*args[:3], args[3][:1], *args[4:], 0, 4, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+def test_kernel_equals_reference_at_llama_shapes():
+    """4 requests x 8 KV heads x 540 selected pages (S-HPLB's widest), pages of 32."""
+    args = make_case(4, 8, 540, 16, 2, 16, 32, seed=11)
+    for layer in range(2):
+        for x, y in zip(lookup_epilogue(*args, layer, 16, 32), lookup_epilogue_ref(*args, layer, 16, 32)):
+            assert torch.equal(x, y)

@@ -1,0 +1,61 @@
+"""Triton bodies of the fused element-wise layer ops (launchers and contract: ``layer_ops.py``).
+
+Each rounds to the activation dtype (DT) exactly where the torch expression it replaces
+does, so only the RMSNorm's sum of squares may differ (its reduction order)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, E, eps,
+                  stride_x, stride_res, stride_out, stride_res_out,
+                  HAS_RES: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < E
+    s = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:  # s = x + residual, in DT, and kept as the next residual
+        r = tl.load(res_ptr + row * stride_res + offs, mask=m, other=0.0).to(tl.float32)
+        s_dt = (s + r).to(DT, fp_downcast_rounding="rtne")
+        tl.store(res_out_ptr + row * stride_res_out + offs, s_dt, mask=m)
+        s = s_dt.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / E + eps)
+    normed = (s * rstd).to(DT, fp_downcast_rounding="rtne").to(tl.float32)  # rms_norm in float32, then .to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (w * normed).to(DT, fp_downcast_rounding="rtne"), mask=m)
+
+
+@triton.jit
+def _rope_qk(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out,
+             stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+             stride_qot, stride_qoh, stride_kot, stride_koh,
+             H, D: tl.constexpr, D_PAD: tl.constexpr, DT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1)  # query heads first, then KV heads
+    d = tl.arange(0, D_PAD)
+    m = d < D
+    rolled = (d + D // 2) % D  # x.roll(D/2)[d] = x[(d - D/2) mod D] = x[(d + D/2) mod D]
+    if hh < H:
+        src = q_ptr + t * stride_qt + hh * stride_qh
+        dst = q_out + t * stride_qot + hh * stride_qoh
+    else:
+        src = k_ptr + t * stride_kt + (hh - H) * stride_kh
+        dst = k_out + t * stride_kot + (hh - H) * stride_koh
+    x = tl.load(src + d, mask=m, other=0.0).to(tl.float32)
+    xr = tl.load(src + rolled, mask=m, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + d, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_st + d, mask=m, other=0.0).to(tl.float32)
+    a = (x * c).to(DT, fp_downcast_rounding="rtne").to(tl.float32)  # x * cos
+    b = (xr * s).to(DT, fp_downcast_rounding="rtne").to(tl.float32)  # x.roll(D/2) * sin
+    tl.store(dst + d, (a + b).to(DT, fp_downcast_rounding="rtne"), mask=m)
+
+
+@triton.jit
+def _silu_mul(g_ptr, u_ptr, out_ptr, N, BLOCK: tl.constexpr, DT: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(DT, fp_downcast_rounding="rtne").to(tl.float32)  # silu(gate) in DT
+    tl.store(out_ptr + offs, (act * u).to(DT, fp_downcast_rounding="rtne"), mask=m)

@@ -1,0 +1,73 @@
+"""Fused layer ops (under TRITON_INTERPRET=1 on the CPU) against their torch references,
+which round to the activation dtype exactly where the model's torch code does."""
+
+import pytest
+import torch
+
+from spin_cluster.kernels.layer_ops import (
+    add_rms_norm, add_rms_norm_ref, fits, rope_qk, rope_qk_ref, silu_mul, silu_mul_ref,
+)
+from spin_cluster.models.layers import apply_rope
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter truncates float32 -> bfloat16 where the GPU rounds to nearest even (numpy
+# has no bfloat16), so bfloat16 is checked on CUDA only; float16 rounds alike on both.
+DTYPES = [torch.float32, torch.float16] + [
+    pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")])]
+
+
+def _rand(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 2).to(dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_equals_reference(dtype, with_residual):
+    x, r = _rand(5, 96, dtype=dtype, seed=1), _rand(5, 96, dtype=dtype, seed=2)
+    w = _rand(96, dtype=dtype, seed=3)
+    res = r if with_residual else None
+    got, got_res = add_rms_norm(x, res, w, 1e-5)
+    want, want_res = add_rms_norm_ref(x, res, w, 1e-5)
+    assert torch.equal(got_res, want_res)  # the residual sum rounds exactly as torch's add
+    # Only the sum of squares' order may differ: in a 16-bit dtype, rarely by one unit in the
+    # last place; in float32 by a few.
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+        assert (got != want).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qk_equals_the_models_rope(dtype):
+    T, H, Hkv, D = 3, 4, 2, 16
+    q, k = _rand(T, H, D, dtype=dtype, seed=4), _rand(T, Hkv, D, dtype=dtype, seed=5)
+    cos, sin = _rand(T, 1, D, dtype=dtype, seed=6), _rand(T, 1, D, dtype=dtype, seed=7)
+    gq, gk = rope_qk(q, k, cos, sin)
+    assert torch.equal(gq, apply_rope(q, cos, sin)) and torch.equal(gk, apply_rope(k, cos, sin))
+    rq, rk = rope_qk_ref(q, k, cos, sin)
+    assert torch.equal(gq, rq) and torch.equal(gk, rk)
+    # Strided views, as the projections' outputs are viewed into heads.
+    qkv = _rand(T, (H + 2 * Hkv) * D, dtype=dtype, seed=8)
+    qv, kv = qkv[:, : H * D].view(T, H, D), qkv[:, H * D : (H + Hkv) * D].view(T, Hkv, D)
+    gq, gk = rope_qk(qv, kv, cos, sin)
+    assert torch.equal(gq, apply_rope(qv, cos, sin)) and torch.equal(gk, apply_rope(kv, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_equals_reference(dtype):
+    g, u = _rand(3, 2500, dtype=dtype, seed=9), _rand(3, 2500, dtype=dtype, seed=10)
+    got, want = silu_mul(g, u), silu_mul_ref(g, u)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    else:  # silu's exp may differ by an ulp in float32 before the 16-bit rounding
+        assert (got != want).float().mean() < 0.02
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+def test_kernels_serve_cuda_tensors_of_one_dtype_only():
+    x = torch.zeros(2, 8)
+    assert not fits(x)  # the model runs the references off CUDA
+    with pytest.raises(ValueError, match="weight"):
+        add_rms_norm(x, None, torch.zeros(4), 1e-5)
