@@ -11,7 +11,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def make_case(B, H, K, R, L, E, S, seed):
     g = torch.Generator().manual_seed(seed)
-    n_seg = 6
+    n_seg = max(6, K // E + 2)  # room for K distinct pages
     directory = torch.randperm(R * L * H * n_seg, generator=g).int().view(R, L, H, n_seg)
     want = torch.full((B, H, K), -1, dtype=torch.int64)
     num = torch.randint(1, K + 1, (B, H), generator=g)
