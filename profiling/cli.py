@@ -50,6 +50,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--local-tokens", type=int, default=d.local_tokens)
     p.add_argument("--dense-layers", type=int, default=d.dense_layers,
                    help="sparse methods: the first N layers attend densely (default: %(default)s)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="sparse.options of the sparse methods, e.g. score_block_tokens=4 (repeatable)")
     p.add_argument("--page-size", type=int, default=d.page_size,
                    help="tokens per KV page, the unit every Select picks (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="greedy tokens per answer")
@@ -81,8 +83,26 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, dense_layers=args.dense_layers,
         page_size=args.page_size, max_tokens=args.max_tokens,
         max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens, device=args.device, dtype=args.dtype,
-        dense_threshold=args.dense_threshold, seed=args.seed,
+        dense_threshold=args.dense_threshold, seed=args.seed, algorithm_options=_options(args.option),
     )
+
+
+def _options(pairs: list[str]) -> dict:
+    """KEY=VALUE strings -> {key: int, float or str value}."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option {pair!r}: write KEY=VALUE")
+        for cast in (int, float):
+            try:
+                out[key] = cast(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = value
+    return out
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -75,6 +75,9 @@ class EvalConfig:
     dtype: str = "auto"
     # Tokens per KV page, as cache.page_size.
     page_size: int = 16
+    # sparse.options of every sparse method on the offloaded cache (e.g. Quest's
+    # score_block_tokens); an option the algorithm does not take fails its engine.
+    algorithm_options: dict = dataclasses.field(default_factory=dict)
     # Dense accuracy below this (0..1) marks a task as failed densely at that length.
     dense_threshold: float = 0.2
     # Samples are seeds seed, seed + 1, ...
@@ -293,6 +296,8 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
     sparse = method.sparse_options(length, config.sink_tokens, config.local_tokens)
     if method.offloaded and config.dense_layers:
         sparse["dense_layers"] = config.dense_layers
+    if method.offloaded and not method.is_dense and config.algorithm_options:
+        sparse["options"] = dict(config.algorithm_options)
     if method.prefill:
         sparse["prefill"] = _prefill_options(config, method, calibration and calibration[length])
     profile = _head_profile(config.profile_path, model_path) if method.budget_mode == "maxmin" else None

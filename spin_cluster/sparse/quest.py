@@ -7,9 +7,15 @@ a page's score is the largest q.k any key inside those bounds could give (Quest,
 summed over the G query heads of each KV head, so Select is two batched mat-vecs per
 layer instead of a [G, P, D] element-wise max.
 
-Index layout, per layer: ``kmin``/``kmax`` [R * P + 1, Hkv, D] (row-major over request rows and
-pages; the extra last row absorbs masked-off writes so that updates keep fixed shapes), in
-``index_dtype``. A 16-bit index rounds outward (kmin down, kmax up, by at most one ulp of
+Scoring blocks (``sparse.options.score_block_tokens``, default: the page): the bounds may be
+kept per block of a page's tokens, and a page scores the best of its blocks. A bound over
+fewer keys is tighter (it is the same bound when the page is one block), while Retrieve
+still moves whole pages: smaller pages sharpen Select the same way, but at the cost of
+4x-smaller PCIe transfers.
+
+Index layout, per layer: ``kmin``/``kmax`` [R * P * nb + 1, Hkv, D] (row-major over request
+rows, pages and their nb blocks; the extra last row absorbs masked-off writes so that
+updates keep fixed shapes), in ``index_dtype``. A 16-bit index rounds outward (kmin down, kmax up, by at most one ulp of
 slack) so that the bounds stay bounds; it halves the bytes Select reads, which at 128K tokens
 and 2K budgets are more than Attention reads.
 """
@@ -27,9 +33,15 @@ class Quest(SparseAlgorithm):
     name = "quest"
     graph_safe = True
 
-    def __init__(self, **kw) -> None:
+    def __init__(self, score_block_tokens: int = 0, **kw) -> None:
         super().__init__(**kw)
-        n = self.max_seqs * self.max_pages_per_seq + 1
+        block = score_block_tokens or self.page_size
+        if block < 1 or self.page_size % block:
+            raise ValueError(f"sparse.options.score_block_tokens={score_block_tokens}: must divide the "
+                             f"page size {self.page_size}")
+        self.block_tokens = block
+        self.blocks_per_page = self.page_size // block
+        n = self.max_seqs * self.max_pages_per_seq * self.blocks_per_page + 1
         shape = (self.num_layers, n, self.num_kv_heads, self.head_dim)
         self.kmin = torch.full(shape, float("inf"), dtype=self.index_dtype, device=self.device)
         self.kmax = torch.full(shape, float("-inf"), dtype=self.index_dtype, device=self.device)
@@ -39,11 +51,11 @@ class Quest(SparseAlgorithm):
         self.append(layer, self.plan_append(rows, positions), k)
 
     def plan_append(self, rows, positions):
-        """(flat page index of each token's K expanded to [T, Hkv, D], [T] rows to reset:
-        the page's own index where a token starts a page, else the dump row)."""
-        P, S = self.max_pages_per_seq, self.page_size
-        idx = rows * P + positions // S  # [T] flat page index
-        first = positions % S == 0  # a page's first token: forget what a previous owner left
+        """(flat block index of each token's K expanded to [T, Hkv, D], [T] rows to reset:
+        the block's own index where a token starts a block, else the dump row)."""
+        P, nb, blk = self.max_pages_per_seq, self.blocks_per_page, self.block_tokens
+        idx = rows * (P * nb) + positions // blk  # [T] flat block index
+        first = positions % blk == 0  # a block's first token: forget what a previous owner left
         fresh = torch.where(first, idx, self.kmin.shape[1] - 1)
         return idx[:, None, None].expand(-1, self.num_kv_heads, self.head_dim), fresh
 
@@ -64,6 +76,13 @@ class Quest(SparseAlgorithm):
 
     def score(self, layer, q, rows, num_pages):
         # q: [B, H, D] -> [B, Hkv, num_pages]; Triton on CUDA, the torch reference elsewhere
-        pages = rows[:, None] * self.max_pages_per_seq + torch.arange(num_pages, device=q.device)  # [B, P']
+        nb = self.blocks_per_page
+        stride = self.max_pages_per_seq * nb
+        blocks = rows[:, None] * stride + torch.arange(num_pages * nb, device=q.device)  # [B, P' * nb]
         fn = page_scores if q.device.type == "cuda" else page_scores_ref
-        return fn(q, self.kmin[layer], self.kmax[layer], pages)
+        scores = fn(q, self.kmin[layer], self.kmax[layer], blocks)  # [B, Hkv, P' * nb]
+        if nb == 1:
+            return scores
+        # A page scores its best block. Blocks no token reached yet (in the tail page, or past
+        # the context) have empty bounds (inf, -inf), whose score is NaN: they count as -inf.
+        return scores.nan_to_num_(nan=float("-inf")).view(*scores.shape[:2], num_pages, nb).amax(-1)

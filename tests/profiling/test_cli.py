@@ -43,3 +43,17 @@ def test_unknown_task_fails_before_loading(no_model):
     args = _parse(["eval", "--tasks", "qa"])
     with pytest.raises(ValueError, match="unknown task 'qa'"):
         args.func(args)
+
+
+def test_options_reach_the_sparse_methods_only(smollm2_path):
+    from spin_cluster.profiling.evaluate import spin_config
+
+    cfg = cli.eval_config(_parse(["eval", "--algorithms", "dense", "quest", "--option", "score_block_tokens=4",
+                                  "--option", "index_dtype=bfloat16", "--lengths", "1024"]))
+    assert cfg.algorithm_options == {"score_block_tokens": 4, "index_dtype": "bfloat16"}
+    by_name = {m.algorithm: m for m in cfg.methods()}
+    quest = spin_config(cfg, smollm2_path, by_name["quest"], 1024)
+    assert quest.sparse.options == {"score_block_tokens": 4, "index_dtype": "bfloat16"}
+    assert not spin_config(cfg, smollm2_path, by_name["dense"], 1024).sparse.options
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        cli.eval_config(_parse(["eval", "--option", "channels"]))

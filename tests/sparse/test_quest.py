@@ -57,3 +57,28 @@ def test_a_16_bit_index_still_bounds_every_key(index_dtype):
 def test_an_unknown_index_dtype_is_refused():
     with pytest.raises(ValueError, match="index_dtype='int8'.*bfloat16"):
         _quest(index_dtype="int8")
+
+
+def test_scoring_blocks_bound_every_key_more_tightly():
+    """Bounds per block of 2 tokens in pages of 4: every page still bounds its keys, never
+    more loosely than the whole-page bound, and a page of one block scores as plain Quest."""
+    g = torch.Generator().manual_seed(3)
+    T = 14  # pages of 4, 4, 4, 2 tokens: the tail page has an empty block
+    k = torch.randn(T, 2, 8, generator=g)
+    q = torch.randn(1, 4, 8, generator=g)
+    plain, fine = _quest(), _quest(score_block_tokens=2)
+    for alg in (plain, fine):
+        alg.on_append(0, torch.full((T,), 1), torch.arange(T), k)
+    coarse, tight = plain.score(0, q, torch.tensor([1]), 4), fine.score(0, q, torch.tensor([1]), 4)
+    assert torch.isfinite(tight).all()  # the tail page's empty block does not poison its score
+    assert (tight <= coarse + 1e-5).all() and (tight < coarse - 1e-3).any()
+    for h in range(2):
+        qh = q[0, 2 * h : 2 * h + 2]
+        for p in range(4):
+            keys = k[4 * p : 4 * p + 4, h]
+            assert tight[0, h, p] >= (qh @ keys.T).max(dim=1).values.sum() - 1e-4
+    same = _quest(score_block_tokens=4)
+    same.on_append(0, torch.full((T,), 1), torch.arange(T), k)
+    assert torch.equal(same.score(0, q, torch.tensor([1]), 4), coarse)
+    with pytest.raises(ValueError, match="score_block_tokens"):
+        _quest(score_block_tokens=3)

@@ -1,0 +1,49 @@
+"""sparq: a page's strongest key in the query's largest channels (a study tool)."""
+
+import pytest
+import torch
+
+from spin_cluster.partition import get_algorithm
+
+
+def _sparq(channels=0, P=4, S=4, Hkv=2, D=8, R=2):
+    return get_algorithm("sparq")(num_layers=1, num_kv_heads=Hkv, head_dim=D, page_size=S, max_seqs=R,
+                                  max_pages_per_seq=P, device=torch.device("cpu"), channels=channels)
+
+
+def _filled(alg, T=13, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(T, 2, 8, generator=g)
+    alg.on_append(0, torch.full((T,), 1), torch.arange(T), k)
+    return k, torch.randn(1, 4, 8, generator=g)  # G = 2
+
+
+def test_all_channels_score_each_page_by_its_best_key():
+    alg = _sparq(channels=8)
+    k, q = _filled(alg)
+    scores = alg.score(0, q, torch.tensor([1]), 4)
+    for h in range(2):
+        per_key = (q[0, 2 * h : 2 * h + 2] @ k[:, h].T).sum(0)  # [T] summed over the G heads
+        best = torch.stack([per_key[4 * p : 4 * p + 4].max() for p in range(4)])
+        torch.testing.assert_close(scores[0, h], best, rtol=1e-5, atol=1e-5)
+
+
+def test_fewer_channels_use_only_each_query_heads_largest():
+    alg = _sparq(channels=2)
+    k, q = _filled(alg, seed=1)
+    scores = alg.score(0, q, torch.tensor([1]), 4)
+    h = 1
+    per_key = torch.zeros(13)
+    for g in range(2):
+        qh = q[0, 2 * h + g]
+        top = qh.abs().topk(2).indices
+        per_key += k[:, h][:, top] @ qh[top]
+    torch.testing.assert_close(scores[0, h, 3], per_key[12], rtol=1e-5, atol=1e-5)  # a one-key page
+    assert alg.channels == 2 and _sparq().channels == 2  # default D/4
+    with pytest.raises(ValueError, match="channels"):
+        _sparq(channels=9)
+
+
+def test_a_whole_context_budget_gives_the_dense_tokens(offloaded_tokens, dense_tokens):
+    engine, tokens = offloaded_tokens({"algorithm": "sparq", "budget": 256})
+    assert tokens == dense_tokens
