@@ -88,12 +88,15 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
 
 
 def _options(pairs: list[str]) -> dict:
-    """KEY=VALUE strings -> {key: int, float or str value}."""
+    """KEY=VALUE strings -> {key: bool, int, float or str value}."""
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"--option {pair!r}: write KEY=VALUE")
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+            continue
         for cast in (int, float):
             try:
                 out[key] = cast(value)

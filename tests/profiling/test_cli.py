@@ -49,11 +49,12 @@ def test_options_reach_the_sparse_methods_only(smollm2_path):
     from spin_cluster.profiling.evaluate import spin_config
 
     cfg = cli.eval_config(_parse(["eval", "--algorithms", "dense", "quest", "--option", "score_block_tokens=4",
-                                  "--option", "index_dtype=bfloat16", "--lengths", "1024"]))
-    assert cfg.algorithm_options == {"score_block_tokens": 4, "index_dtype": "bfloat16"}
+                                  "--option", "index_dtype=bfloat16", "--option", "fixed_channels=false",
+                                  "--lengths", "1024"]))
+    assert cfg.algorithm_options == {"score_block_tokens": 4, "index_dtype": "bfloat16", "fixed_channels": False}
     by_name = {m.algorithm: m for m in cfg.methods()}
     quest = spin_config(cfg, smollm2_path, by_name["quest"], 1024)
-    assert quest.sparse.options == {"score_block_tokens": 4, "index_dtype": "bfloat16"}
+    assert quest.sparse.options == cfg.algorithm_options
     assert not spin_config(cfg, smollm2_path, by_name["dense"], 1024).sparse.options
     with pytest.raises(ValueError, match="KEY=VALUE"):
         cli.eval_config(_parse(["eval", "--option", "channels"]))

@@ -47,3 +47,29 @@ def test_fewer_channels_use_only_each_query_heads_largest():
 def test_a_whole_context_budget_gives_the_dense_tokens(offloaded_tokens, dense_tokens):
     engine, tokens = offloaded_tokens({"algorithm": "sparq", "budget": 256})
     assert tokens == dense_tokens
+
+
+def test_fixed_channels_are_the_rope_pairs_with_the_largest_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    from spin_cluster.sparse.sparq import weight_channels
+
+    D, Hkv, G, E = 8, 2, 2, 6
+    wq, wk = torch.ones(Hkv * G * D, E), torch.ones(Hkv * D, E)
+    wk[0 * D + 1] *= 10  # head 0: channel 1 (pair 1 = channels 1 and 5)
+    wq[(1 * G + 1) * D + 6] *= 10  # head 1, its second query head: channel 6 (pair 2 = 2 and 6)
+    save_file({"model.layers.0.self_attn.q_proj.weight": wq, "model.layers.0.self_attn.k_proj.weight": wk},
+              str(tmp_path / "model.safetensors"))
+    got = weight_channels(str(tmp_path), 1, Hkv, D, 2)  # one pair per head
+    assert got[0, 0].tolist() == [1, 5] and got[0, 1].tolist() == [2, 6]
+    alg = get_algorithm("sparq")(num_layers=1, num_kv_heads=Hkv, head_dim=D, page_size=4, max_seqs=2,
+                                 max_pages_per_seq=4, device=torch.device("cpu"), channels=2,
+                                 fixed_channels=True, model_path=str(tmp_path))
+    k, q = _filled(alg)
+    scores = alg.score(0, q, torch.tensor([1]), 4)
+    per_key = (q[0, 0:2][:, [1, 5]] @ k[:, 0][:, [1, 5]].T).sum(0)  # head 0 in channels 1, 5
+    torch.testing.assert_close(scores[0, 0, 0], per_key[:4].max(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="fixed_channels"):
+        get_algorithm("sparq")(num_layers=1, num_kv_heads=Hkv, head_dim=D, page_size=4, max_seqs=2,
+                               max_pages_per_seq=4, device=torch.device("cpu"), channels=3, fixed_channels=True,
+                               model_path=str(tmp_path))
