@@ -10,8 +10,9 @@ is the system, the scheduler and the memory hierarchy. Modes:
     dense             full attention, every page in GPU memory (``cache.kv_cache_gib`` =
                       --gpu-kv-gib): the batch is what that capacity holds
     dense-offload     full attention over the host tier, every page retrieved each step
-    sparse-no-buffer  Quest Select, every selected page retrieved each step (no reuse)
-    spin              Quest Select + elastic buffer + bucketed LRU + zero-copy Retrieve +
+    sparse-no-buffer  Quest Select (or --algorithm labels), every selected page retrieved
+                      each step (no reuse)
+    spin              the same Select + elastic buffer + bucketed LRU + zero-copy Retrieve +
                       S-HPLB per-head budgets (max-min shifted, same total)
 
 Workloads, per mode on one engine: offline batches (``--offline-lengths`` prompts of
@@ -69,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--online-requests", type=int, default=4)
     ap.add_argument("--online-output-tokens", type=int, default=64)
     ap.add_argument("--budget", type=int, default=2048, help="sparse modes: mean middle tokens per head")
+    ap.add_argument("--algorithm", default="quest", choices=["quest", "labels"],
+                    help="sparse modes' Select (graph-safe algorithms)")
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=65536,
@@ -109,8 +112,8 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
     cfg["cache"].update(offload=True, host_kv_gib=args.host_kv_gib, buffer_reuse=mode == "spin")
     if mode == "dense-offload":
         return cfg
-    # A bfloat16 Quest index (bounds rounded outward) halves the bytes Select reads.
-    cfg["sparse"] = {"algorithm": "quest", "budget": args.budget, "local_tokens": 2 * args.page_size,
+    # A bfloat16 index halves the bytes Select reads (Quest's bounds are rounded outward).
+    cfg["sparse"] = {"algorithm": args.algorithm, "budget": args.budget, "local_tokens": 2 * args.page_size,
                      "sink_tokens": args.page_size, "options": {"index_dtype": "bfloat16"}}
     if mode == "spin":
         from spin_cluster.hplb.budget import synthetic_maxmin_budgets

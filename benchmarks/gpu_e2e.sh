@@ -16,7 +16,7 @@ TOK=()
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   (cd /tmp && timeout 120 python3 -m pytest "$REPO/tests/engine/test_cuda_graphs.py" "$REPO/tests/engine/test_engine_gpu.py" \
     "$REPO/tests/engine/test_spin_graphs.py" "$REPO/tests/engine/test_spin_gpu.py" "$REPO/tests/kernels/test_buffer_lookup.py" \
-    "$REPO/tests/kernels/test_layer_ops.py" "$REPO/tests/kernels/test_lookup_epilogue.py" \
+    "$REPO/tests/kernels/test_layer_ops.py" "$REPO/tests/kernels/test_lookup_epilogue.py" "$REPO/tests/sparse/test_labels.py" \
     -m gpu -q -p no:cacheprovider 2>&1 | tail -12) | tee "$OUT/gpu_tests.log"
 fi
 PIN=${HOST_KV_GIB:+$(( HOST_KV_GIB * 4 / 3 ))}

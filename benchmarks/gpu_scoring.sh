@@ -2,7 +2,7 @@
 # How Select scores pages, at 4K and 8K on SmolLM2 (device tool, one call, about 5 minutes on
 # one H200; the default model's GGUF carried in parts, see gpu_setup.sh). At 1/16 of the
 # context, pages of 16: dense, Quest's per-page bounds, Quest's bounds per token (the page's
-# best key), and sparq with 16 of 64 channels. The 2K CPU study is in docs/accuracy.md
+# best key), sparq with 16 of 64 channels, and labels (the label cache, 16 fixed channels). The 2K CPU study is in docs/accuracy.md
 # ("Scoring keys one by one"). Results in $OUT: scoring-<method>-<len>.{json,log}.
 set -o pipefail
 source benchmarks/gpu_setup.sh
@@ -18,4 +18,5 @@ for LEN in 4096 8192; do
   run quest "$LEN" --algorithms dense quest
   run quest-per-token "$LEN" --algorithms quest --option score_block_tokens=1
   run sparq16 "$LEN" --algorithms sparq --option channels=16
+  run labels "$LEN" --algorithms labels
 done

@@ -103,3 +103,29 @@ def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL
     offs_w = tl.arange(0, W_PAD)
     tl.store(want_ptr + row * W + offs_w, tl.full((W_PAD,), -1, tl.int64), mask=(offs_w >= count) & (offs_w < W))
     tl.store(count_ptr + row, count.to(tl.int64))
+
+
+@triton.jit
+def _label_scores(qr_ptr, labels_ptr, rows_ptr, lengths_ptr, out_ptr,
+                  stride_qb, stride_qh, stride_ln, stride_lh, span, P,
+                  HKV: tl.constexpr, RC: tl.constexpr, RC_PAD: tl.constexpr, S: tl.constexpr,
+                  BLOCK_P: tl.constexpr):
+    """Page scores from a label cache: per (request, KV head) and page, the largest
+    qr . label_t over the page's written tokens (qr: the query summed over the KV head's
+    query heads, in the label channels)."""
+    pid = tl.program_id(0)  # b * HKV + h
+    b = pid // HKV
+    h = pid % HKV
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    n_tok = tl.load(lengths_ptr + row)
+    offs_c = tl.arange(0, RC_PAD)
+    c_ok = offs_c < RC
+    q = tl.load(qr_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    pages = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    tokens = pages[:, None] * S + tl.arange(0, S)[None, :]  # [BLOCK_P, S]
+    ok = (pages[:, None] < P) & (tokens < n_tok)
+    ptrs = labels_ptr + (row * span + tokens)[:, :, None] * stride_ln + h * stride_lh + offs_c[None, None, :]
+    lab = tl.load(ptrs, mask=ok[:, :, None] & c_ok[None, None, :], other=0.0).to(tl.float32)  # [BLOCK_P, S, RC_PAD]
+    s = tl.sum(lab * q[None, None, :], axis=2)  # [BLOCK_P, S]
+    s = tl.where(ok, s, float("-inf"))
+    tl.store(out_ptr + pid.to(tl.int64) * P + pages, tl.max(s, axis=1), mask=pages < P)

@@ -41,7 +41,8 @@ import torch
 
 from ._triton_support import interpreter_requested, load_kernel_module
 
-__all__ = ["page_scores", "page_scores_ref", "select_ragged", "select_ragged_ref", "topk_ragged", "topk_ragged_ref"]
+__all__ = ["label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "select_ragged", "select_ragged_ref",
+           "topk_ragged", "topk_ragged_ref"]
 
 # One program holds a whole row of page scores in registers.
 MAX_ROW_PAGES = 16384
@@ -193,3 +194,55 @@ def select_ragged(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int
         HKV=hkv, P_PAD=p_pad, W_PAD=1 << max(0, (width - 1).bit_length()), num_warps=num_warps,
     )
     return want, count
+
+
+# ---- label-cache scores ------------------------------------------------------------------------
+
+def _check_labels(qr, labels, rows, lengths, span, num_pages, page_size):
+    B, hkv, rc = qr.shape
+    if labels.dim() != 3 or labels.shape[1:] != (hkv, rc):
+        raise ValueError(f"labels must be [N, {hkv}, {rc}] like qr [B, Hkv, r]; got {tuple(labels.shape)}")
+    if rows.shape != (B,) or lengths.dim() != 1:
+        raise ValueError("rows must be [B] and lengths [R]")
+    if num_pages * page_size > span:
+        raise ValueError(f"{num_pages} pages of {page_size} tokens exceed a row's {span} tokens")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size}: the label scorer needs a power of 2")
+
+
+def label_scores_ref(qr, labels, rows, lengths, span: int, num_pages: int, page_size: int) -> torch.Tensor:
+    """[B, Hkv, num_pages]: per page, the largest ``qr . labels[t]`` over its written tokens
+    (-inf for a page with none).
+
+    qr [B, Hkv, r] (a query summed over its KV head's query heads, in the label channels);
+    labels [N, Hkv, r] (row-major, ``span`` tokens per request row); rows [B]; lengths [R]
+    tokens written per row."""
+    _check_labels(qr, labels, rows, lengths, span, num_pages, page_size)
+    n = num_pages * page_size
+    at = rows[:, None] * span + torch.arange(n, device=qr.device)  # [B, n]
+    s = torch.einsum("bhr,bnhr->bhn", qr.float(), labels[at].float())  # [B, Hkv, n]
+    written = torch.arange(n, device=qr.device) < lengths[rows][:, None]  # [B, n]
+    s = s.masked_fill(~written[:, None, :], float("-inf"))
+    return s.view(*s.shape[:2], num_pages, page_size).amax(-1)
+
+
+def label_scores(qr, labels, rows, lengths, span: int, num_pages: int, page_size: int) -> torch.Tensor:
+    """Triton ``label_scores_ref``: one program per (request, KV head) and block of pages,
+    a block's labels read as one [pages, S, r] tile."""
+    _check_labels(qr, labels, rows, lengths, span, num_pages, page_size)
+    if qr.device.type != "cuda" and not interpreter_requested():
+        raise ValueError("the Triton label scorer needs CUDA tensors (or TRITON_INTERPRET=1); use label_scores_ref")
+    if labels.stride(2) != 1 or qr.stride(2) != 1:
+        raise ValueError("labels and qr must be contiguous in their last dimension")
+    B, hkv, rc = qr.shape
+    out = torch.empty(B, hkv, num_pages, dtype=torch.float32, device=qr.device)
+    if B == 0 or num_pages == 0:
+        return out
+    rc_pad = 1 << max(2, (rc - 1).bit_length())
+    block_p = max(1, 512 // (page_size * rc_pad) * 4)  # about 2K label values per tile
+    block_p = 1 << (block_p.bit_length() - 1)
+    _kernels()._label_scores[(B * hkv, -(-num_pages // block_p))](
+        qr, labels, rows, lengths, out, qr.stride(0), qr.stride(1), labels.stride(0), labels.stride(1),
+        span, num_pages, HKV=hkv, RC=rc, RC_PAD=rc_pad, S=page_size, BLOCK_P=block_p,
+    )
+    return out

@@ -1,3 +1,3 @@
 """Built-in sparse algorithms, one file each; importing registers them."""
 
-from spin_cluster.sparse import dense, oracle, quest, retroinfer, seer, shadowkv, sparq, streaming  # noqa: F401
+from spin_cluster.sparse import dense, labels, oracle, quest, retroinfer, seer, shadowkv, sparq, streaming  # noqa: F401

@@ -18,13 +18,13 @@ PROMPTS = [
 ]
 
 
-def _engine(path, device="cpu", graphs=False, budget=24, buffer_pages=10, max_len=256):
+def _engine(path, device="cpu", graphs=False, budget=24, buffer_pages=10, max_len=256, algorithm="quest"):
     cfg = {
         "model": {"path": path, "device": device, "dtype": "float32", "max_model_len": max_len,
                   "cuda_graphs": graphs},
         "cache": {"page_size": 4, "offload": True, "buffer_pages_per_head": buffer_pages},
         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
-        "sparse": {"algorithm": "quest", "budget": budget, "sink_tokens": 4, "local_tokens": 8},
+        "sparse": {"algorithm": algorithm, "budget": budget, "sink_tokens": 4, "local_tokens": 8},
     }
     return Engine(SpinConfig.from_dict(cfg), progress=False)
 
@@ -49,11 +49,12 @@ def test_decode_pages_round_up_to_an_eighth_of_a_power_of_two(smollm2_path):
     assert widths == {1024, 1280, 1536, 1792, 2048}  # a handful of shapes, not a thousand
 
 
-def test_static_decode_path_equals_the_plain_path_on_the_cpu(smollm2_path):
-    plain = _engine(smollm2_path)
+@pytest.mark.parametrize("algorithm", ["quest", "labels"])
+def test_static_decode_path_equals_the_plain_path_on_the_cpu(smollm2_path, algorithm):
+    plain = _engine(smollm2_path, algorithm=algorithm)
     assert plain.runner.graphs is None  # no CUDA: no graphs
     want_tokens, want_counters = _generate(plain)
-    eng = _engine(smollm2_path)
+    eng = _engine(smollm2_path, algorithm=algorithm)
     static = SpinDecodeGraphs(eng.model, eng.runner.attention, max_batch=8, capture=False)
     eng.runner.graphs = static
     calls = []
@@ -68,11 +69,12 @@ def test_static_decode_path_equals_the_plain_path_on_the_cpu(smollm2_path):
 
 
 @pytest.mark.gpu
-def test_spin_decode_graphs_give_the_eager_tokens(smollm2_path):
-    eager = _engine(smollm2_path, device="cuda", graphs=False)
+@pytest.mark.parametrize("algorithm", ["quest", "labels"])
+def test_spin_decode_graphs_give_the_eager_tokens(smollm2_path, algorithm):
+    eager = _engine(smollm2_path, device="cuda", graphs=False, algorithm=algorithm)
     assert eager.runner.graphs is None
     want_tokens, want_counters = _generate(eager)
-    eng = _engine(smollm2_path, device="cuda", graphs=True)
+    eng = _engine(smollm2_path, device="cuda", graphs=True, algorithm=algorithm)
     graphs = eng.runner.graphs
     assert isinstance(graphs, SpinDecodeGraphs)
     tokens, counters = _generate(eng)

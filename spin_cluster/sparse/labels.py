@@ -1,0 +1,80 @@
+"""labels: a label cache (after Double Sparsity, 2024). Every key is kept on the GPU in r
+fixed channels of its KV head, and a page scores its best token::
+
+    score(p) = max_{t in p, written} (sum_g q_g)[c] . k_t[c]      c: the head's r channels
+
+The channels are chosen once per (layer, KV head) from the weights: the RoPE pairs (d, d + D/2)
+with the largest ``||W_k[d]|| * sum_g ||W_q[g, d]||`` (RoPE rotates within a pair, so a pair's
+magnitude survives it; ``sparq.weight_channels``). A model without a weights file (random
+weights for speed runs) gets evenly spaced pairs. ``sparse.options.channels``: r, even,
+default D/4.
+
+Where Quest bounds a page by a box around its keys, which in 64-128 dimensions is far larger
+than any key in it, this scores the keys themselves. At 2K on SmolLM2 and 1/16 of the
+context, r = 16 of 64 channels scored 73 against dense 75 and Quest 19 (``docs/accuracy.md``,
+"Scoring keys one by one"). The price is the index: r/D of the K cache, read whole by every
+Select, against Quest's 2/S.
+
+Index layout: ``labels`` [L, R * P * S + 1, Hkv, r] in ``index_dtype`` (row-major over request
+rows and token positions; the last row absorbs masked-off writes); ``lengths`` [R + 1] tokens
+written per row, updated once per step in ``plan_append``. On CUDA the scores are one Triton
+launch per layer (``kernels.page_select.label_scores``); every op is fixed-shape, so decode
+steps run in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from spin_cluster.kernels.page_select import label_scores, label_scores_ref
+from spin_cluster.partition.contract import SparseAlgorithm, register
+from spin_cluster.sparse.sparq import weight_channels
+
+
+@register
+class Labels(SparseAlgorithm):
+    name = "labels"
+    graph_safe = True
+
+    def __init__(self, channels: int = 0, model_path: str | None = None, **kw) -> None:
+        super().__init__(**kw)
+        D = self.head_dim
+        r = channels or max(2, D // 4)
+        if r % 2 or not 2 <= r <= D:
+            raise ValueError(f"sparse.options.channels={channels}: must be even and in 2..{D} (0: D/4)")
+        self.channels = r
+        if model_path and os.path.exists(os.path.join(model_path, "model.safetensors")):
+            ids = weight_channels(model_path, self.num_layers, self.num_kv_heads, D, r)
+        else:  # no weights to rank the channels by: evenly spaced RoPE pairs
+            half = torch.arange(r // 2) * (D // 2) // (r // 2)
+            ids = torch.cat([half, half + D // 2]).expand(self.num_layers, self.num_kv_heads, r)
+        self.channel_ids = ids.contiguous().to(self.device)  # [L, Hkv, r]
+        self.span = self.max_pages_per_seq * self.page_size  # token positions per request row
+        n = self.max_seqs * self.span + 1
+        self.labels = torch.zeros(self.num_layers, n, self.num_kv_heads, r, dtype=self.index_dtype, device=self.device)
+        self.lengths = torch.zeros(self.max_seqs + 1, dtype=torch.long, device=self.device)
+
+    def on_append(self, layer, rows, positions, k):
+        self.append(layer, self.plan_append(rows, positions), k)
+
+    def plan_append(self, rows, positions):
+        """Once per step: each row's written length (a request starting at position 0 resets
+        it), and the flat label slot of each token."""
+        self.lengths.index_fill_(0, torch.where(positions == 0, rows, self.max_seqs), 0)
+        self.lengths.scatter_reduce_(0, rows, positions + 1, "amax")
+        return rows * self.span + positions
+
+    def append(self, layer, plan, k):
+        # k: [T, Hkv, D] -> its labels [T, Hkv, r]
+        ids = self.channel_ids[layer][None].expand(k.shape[0], -1, -1)
+        self.labels[layer].index_copy_(0, plan, k.gather(2, ids).to(self.index_dtype))
+
+    def score(self, layer, q, rows, num_pages):
+        # q: [B, H, D] -> [B, Hkv, num_pages]
+        B, H, D = q.shape
+        qs = q.float().view(B, self.num_kv_heads, H // self.num_kv_heads, D).sum(2)  # [B, Hkv, D]
+        qr = qs.gather(2, self.channel_ids[layer][None].expand(B, -1, -1))  # [B, Hkv, r]
+        fn = label_scores if q.device.type == "cuda" else label_scores_ref
+        return fn(qr, self.labels[layer], rows, self.lengths, self.span, num_pages, self.page_size)

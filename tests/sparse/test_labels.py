@@ -1,0 +1,89 @@
+"""labels: a label cache of r fixed channels per key; a page scores its best token."""
+
+import pytest
+import torch
+
+from spin_cluster.kernels.page_select import label_scores, label_scores_ref
+from spin_cluster.partition import get_algorithm
+
+
+def _labels(channels=8, P=4, S=4, Hkv=2, D=8, R=2, model_path=None):
+    return get_algorithm("labels")(num_layers=1, num_kv_heads=Hkv, head_dim=D, page_size=S, max_seqs=R,
+                                   max_pages_per_seq=P, device=torch.device("cpu"), channels=channels,
+                                   model_path=model_path)
+
+
+def test_all_channels_score_each_page_by_its_best_key():
+    g = torch.Generator().manual_seed(0)
+    alg = _labels()
+    T = 13  # pages of 4, 4, 4, 1 tokens for row 1
+    k, q = torch.randn(T, 2, 8, generator=g), torch.randn(1, 4, 8, generator=g)
+    alg.on_append(0, torch.full((T,), 1), torch.arange(T), k)
+    scores = alg.score(0, q, torch.tensor([1]), 4)
+    for h in range(2):
+        per_key = (q[0, 2 * h : 2 * h + 2] @ k[:, h].T).sum(0)
+        best = torch.stack([per_key[4 * p : 4 * p + 4].max() for p in range(4)])
+        torch.testing.assert_close(scores[0, h], best, rtol=1e-5, atol=1e-5)
+
+
+def test_a_new_request_in_a_row_forgets_the_old_tokens():
+    alg = _labels()
+    alg.on_append(0, torch.zeros(16, dtype=torch.long), torch.arange(16), torch.full((16, 2, 8), 9.0))
+    alg.on_append(0, torch.zeros(5, dtype=torch.long), torch.arange(5), torch.ones(5, 2, 8))
+    scores = alg.score(0, torch.ones(1, 4, 8), torch.tensor([0]), 4)
+    assert torch.isinf(scores[..., 2:]).all() and (scores[..., 2:] < 0).all()  # nothing written there now
+    assert (scores[..., :2] == 16.0).all()  # 2 query heads x 8 channels of ones
+
+
+def test_without_weights_the_channels_are_evenly_spaced_rope_pairs():
+    alg = _labels(channels=4)
+    assert alg.channel_ids[0, 0].tolist() == [0, 2, 4, 6]
+    with pytest.raises(ValueError, match="channels"):
+        _labels(channels=3)
+
+
+def test_append_and_score_never_synchronise(op_log):
+    alg = _labels(channels=4)
+    rows, positions, k, q = torch.tensor([0, 1]), torch.tensor([3, 0]), torch.randn(2, 2, 8), torch.randn(2, 4, 8)
+    with op_log() as log:
+        plan = alg.plan_append(rows, positions)
+        alg.append(0, plan, k)
+        alg.score(0, q, rows, 4)
+    assert not log.syncs(), log.syncs()
+
+
+@pytest.mark.parametrize("S,rc", [(4, 8), (16, 6), (2, 4)])
+def test_triton_scorer_equals_reference(S, rc):
+    g = torch.Generator().manual_seed(S + rc)
+    B, Hkv, R, P = 3, 2, 4, 5
+    span = P * S
+    labels = torch.randn(R * span + 1, Hkv, rc, generator=g)
+    qr = torch.randn(B, Hkv, rc, generator=g)
+    rows = torch.tensor([2, 0, 3])
+    lengths = torch.tensor([7, span, 1, 3 * S + 1, 0])  # rows 0..3 and the dump row
+    for num_pages in (P, 2):
+        want = label_scores_ref(qr, labels, rows, lengths, span, num_pages, S)
+        got = label_scores(qr, labels, rows, lengths, span, num_pages, S)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    empty = [p for p in range(2) if p * S >= 7]  # row 0 wrote 7 tokens: later pages hold none
+    assert torch.isinf(want[1, :, empty]).all() and torch.isfinite(want[0, :, 0]).all()
+
+
+def test_a_whole_context_budget_gives_the_dense_tokens(offloaded_tokens, dense_tokens):
+    engine, tokens = offloaded_tokens({"algorithm": "labels", "budget": 256})
+    assert tokens == dense_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_scorer_equals_reference_at_llama_shapes():
+    """4 requests x 8 KV heads, 32K tokens in pages of 32, 32 label channels in bf16."""
+    g = torch.Generator().manual_seed(0)
+    B, Hkv, rc, S, P = 4, 8, 32, 32, 1024
+    span = P * S
+    labels = torch.randn(B * span + 1, Hkv, rc, generator=g).bfloat16().cuda()
+    qr = torch.randn(B, Hkv, rc, generator=g).cuda()
+    rows = torch.tensor([3, 1, 0, 2]).cuda()
+    lengths = torch.tensor([span, span - 5, 100, 7 * S, 0]).cuda()
+    got = label_scores(qr, labels, rows, lengths, span, P, S)
+    torch.testing.assert_close(got, label_scores_ref(qr, labels, rows, lengths, span, P, S), rtol=1e-4, atol=1e-3)
