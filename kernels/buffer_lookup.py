@@ -1,20 +1,22 @@
 """The GPU buffer's lookup for one layer: selected pages -> slots, misses -> LRU victims.
 
     slots, miss_dst, miss = buffer_lookup(res_page, res_slot, last_use, rows, layer, want,
-                                          now, counters, num_buckets=64, reuse=True)
+                                          now, counters, num_buckets=64, reuse=True, res_col=res_col)
 
 Shapes (``spin_cluster.kvcache.buffer`` owns the policy and documents it):
 
     res_page, res_slot, last_use : [R, L, Hkv, C] int32   each request row's share, per layer
                                                           and head: page held, slot id, last use
+    res_col  : [R, L, Hkv, P] int16  each share's page -> column map (-1: not held), kept in
+                            step with res_page (``page_columns`` builds it)
     rows     : [B] int64    the decode rows
     want     : [B, Hkv, K]  int logical pages selected this step, -1 padding (distinct per head)
     counters : [4] int64    += lookups, hits, misses, evictions
     now      : int, or a 1-element int tensor on want's device (the step index; a tensor
                lets a captured CUDA graph read each step's value)
     returns  slots [B, Hkv, K] int32 (0 where invalid), miss_dst [B*Hkv*K] int64 (slot to
-             fill, -1 where no miss), miss [B, Hkv, K] bool; res_page and last_use of the rows'
-             layer are updated in place.
+             fill, -1 where no miss), miss [B, Hkv, K] bool; res_page, last_use and res_col of
+             the rows' layer are updated in place.
 
 A hit keeps its column; the i-th miss of a head takes the i-th victim column of the bucketed
 LRU (``spin_cluster.kvcache.lru``) among the columns not selected this step. ``reuse=False``
@@ -22,11 +24,10 @@ treats every held page as forgotten (every selected page is a miss).
 
 Two implementations with the same contract: ``buffer_lookup`` (Triton, one launch: one
 program per (row, head); CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and
-``buffer_lookup_ref`` (fixed-shape torch ops, about 60 per call). The Triton launch holds a
-head's share in registers when share x selection fits one tile; given the shares' page ->
-column map (``res_col``, which it keeps up to date) it finds hits through the map and walks
-columns and selections in chunks of 64, O(K + C) per head at any width: per-head budgets of
-500+ pages and shares of 1000+ columns are what S-HPLB gives its widest heads.
+``buffer_lookup_ref`` (fixed-shape torch ops, about 60 per call; ``res_col`` optional). The
+Triton launch finds hits through the map and walks columns and selections in chunks of 64,
+O(K + C) per head at any width: per-head budgets of 500+ pages and shares of 1000+ columns
+are what S-HPLB gives its widest heads.
 Neither syncs with the host. This module imports only torch (and Triton, lazily).
 """
 
@@ -37,35 +38,21 @@ import torch
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2
 from .bucketed_lru import _check_row_value, bucketed_lru_victims_ref
 
-__all__ = ["MAX_TILE", "buffer_lookup", "buffer_lookup_ref", "fits_kernel", "page_columns"]
+__all__ = ["buffer_lookup", "buffer_lookup_ref", "page_columns"]
 
-# The one-tile kernel holds [K, C] and [buckets, C] tiles in registers; the mapped kernel
-# takes CHUNK columns and selected pages at a time.
-MAX_TILE = 64 * 1024
-CHUNK = 64
-
-
-def fits_kernel(num_selected: int, share: int, num_buckets: int) -> bool:
-    c = next_pow2(share)
-    return max(next_pow2(num_selected), next_pow2(num_buckets)) * c <= MAX_TILE
+CHUNK = 64  # columns and selected pages per chunk of the kernel
 
 
 def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int, counters,
-                  num_buckets: int = 64, reuse: bool = True, res_col=None, chunk: int = 0):
-    """``res_col`` [R, L, Hkv, P] int16: each share's page -> column map (-1: not held),
-    kept in step with res_page. Given, the lookup runs in O(K + C) per head at any width
-    (the mapped kernel, ``chunk`` columns and selected pages at a time, power of 2 >= 16,
-    default ``CHUNK``); without it, the one-tile kernel, for shares that fit (``fits_kernel``)."""
+                  num_buckets: int = 64, reuse: bool = True, *, res_col, chunk: int = 0):
+    """``chunk``: columns and selected pages at a time (power of 2 >= 16; default ``CHUNK``)."""
     _check(res_page, res_slot, last_use, rows, want, counters, now)
     kmod = load_kernel_module("_buffer_lookup_kernel", "buffer_lookup", "buffer_lookup_ref")
     if want.device.type != "cuda" and not is_interpreted(kmod._buffer_lookup):
         raise ValueError("the Triton buffer lookup needs CUDA tensors (or TRITON_INTERPRET=1); use buffer_lookup_ref")
     B, H, K = want.shape
     C = res_page.shape[-1]
-    if res_col is None and not fits_kernel(K, C, num_buckets):
-        raise ValueError(f"{K} selected pages x a share of {C} columns exceed the one-tile kernel; pass res_col")
-    if res_col is not None:
-        _check_map(res_col, res_page)
+    _check_map(res_col, res_page)
     now_from_ptr = isinstance(now, torch.Tensor)
     want32 = want.to(torch.int32).contiguous()
     slots = torch.empty(B, H, K, dtype=torch.int32, device=want.device)
@@ -73,24 +60,17 @@ def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int
     miss = torch.empty(B, H, K, dtype=torch.int8, device=want.device)
     if not B * H:
         return slots, miss_dst, miss.bool()
-    scalars = (now if now_from_ptr else counters, 0 if now_from_ptr else int(now), int(layer),
-               res_page.stride(0), res_page.stride(1), res_page.stride(2))
-    common = dict(NUM_BUCKETS=num_buckets, NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse,
-                  NOW_FROM_PTR=now_from_ptr)
-    if res_col is not None:
-        chunk = chunk or CHUNK
-        # Scratch rows of each (request, head): column state, selection state, victim columns.
-        scratch = torch.empty(3, B * H, max(K, C), dtype=torch.int32, device=want.device)
-        kmod._buffer_lookup_mapped[(B * H,)](
-            want32, rows.contiguous(), res_page, res_slot, last_use, res_col, slots, miss_dst, miss, counters,
-            scratch[0], scratch[1], scratch[2], *scalars, res_col.stride(0), res_col.stride(1), res_col.stride(2),
-            K, C, H, KB=chunk, CB=chunk, NKC=-(-K // chunk), NCC=-(-C // chunk), num_warps=4, **common,
-        )
-    else:
-        kmod._buffer_lookup[(B * H,)](
-            want32, rows.contiguous(), res_page, res_slot, last_use, slots, miss_dst, miss, counters,
-            *scalars, K, C, H, K_PAD=max(16, next_pow2(K)), C_PAD=max(16, next_pow2(C)), num_warps=4, **common,
-        )
+    chunk = chunk or CHUNK
+    # Scratch rows of each (request, head): column state, selection state, victim columns.
+    scratch = torch.empty(3, B * H, max(K, C), dtype=torch.int32, device=want.device)
+    kmod._buffer_lookup[(B * H,)](
+        want32, rows.contiguous(), res_page, res_slot, last_use, res_col, slots, miss_dst, miss, counters,
+        scratch[0], scratch[1], scratch[2], now if now_from_ptr else counters, 0 if now_from_ptr else int(now),
+        int(layer), res_page.stride(0), res_page.stride(1), res_page.stride(2),
+        res_col.stride(0), res_col.stride(1), res_col.stride(2), K, C, H,
+        NUM_BUCKETS=num_buckets, KB=chunk, CB=chunk, NKC=-(-K // chunk), NCC=-(-C // chunk),
+        NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse, NOW_FROM_PTR=now_from_ptr, num_warps=4,
+    )
     return slots, miss_dst, miss.bool()
 
 

@@ -14,8 +14,8 @@ takes a column chosen by the bucketed LRU among the columns not selected this st
 *buffering* pages), and is listed for Retrieve (host page -> slot). A share of C_r >= K
 columns always has room: at most K - hits misses, and C_r - hits unselected columns.
 Everything is fixed-shape tensor work: no host sync, no sort. On CUDA it is one Triton launch
-per layer (``kernels/buffer_lookup.py``: a program per request and head; the share in
-registers, or in chunks when it is wide) instead of about 60 torch operators.
+per layer (``kernels/buffer_lookup.py``: a program per request and head, hits found through
+the share's page -> column map) instead of about 60 torch operators.
 
 Elastic shares: the scheduler asks ``share_for`` at admission. A request gets
 ``min(buffer_pages, max(mandatory, free / (1 + waiting)))`` columns per head: alone it
@@ -76,7 +76,9 @@ class GpuBuffer:
         # in step with res_page by the lookup kernel: hits are found in O(1) per selected page
         # instead of comparing the selection with the whole share (max_pages: pages per request).
         self.res_col = None
-        if torch.device(device).type == "cuda" and max_pages:
+        if torch.device(device).type == "cuda":
+            if max_pages < 1:
+                raise ValueError("a GPU buffer on CUDA needs max_pages (pages per request) for its page map")
             self.res_col = torch.full((max_seqs, num_layers, num_kv_heads, max_pages), -1, dtype=torch.int16, device=device)
         self._free_slots = FreeList(num_slots)
         self._row_slots: dict[int, list[int]] = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spin_cluster.kernels.buffer_lookup import buffer_lookup, buffer_lookup_ref, fits_kernel, page_columns
+from spin_cluster.kernels.buffer_lookup import buffer_lookup, buffer_lookup_ref, page_columns
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEVER = -(2**30)
@@ -59,26 +59,35 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("reuse", [True, False])
-@pytest.mark.parametrize("case", CASES)
-def test_kernel_equals_reference(case, reuse):
-    *shape, seed = (*case, sum(case[:6]) + int(reuse))
-    a = list(make_case(*shape, seed=seed))
+def _steps_equal_reference(case, seed, reuse, num_pages, shift, chunk=0):
+    """Two steps of the kernel and the reference from the same shares (the second over the
+    updated shares, selecting partly other pages): outputs, shares, map and counters equal.
+    Returns the kernel's counters."""
+    a = list(make_case(*case, seed=seed, num_pages=num_pages))
     b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+    col_a, col_b = page_columns(a[0], num_pages), page_columns(b[0], num_pages)
     ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
     for num_buckets in (64, 4):  # 4: ages beyond the last bucket collapse, ties go by column
-        ra = buffer_lookup(*a, ca, num_buckets=num_buckets, reuse=reuse)
-        rb = buffer_lookup_ref(*b, cb, num_buckets=num_buckets, reuse=reuse)
+        ra = buffer_lookup(*a, ca, num_buckets=num_buckets, reuse=reuse, res_col=col_a, chunk=chunk)
+        rb = buffer_lookup_ref(*b, cb, num_buckets=num_buckets, reuse=reuse, res_col=col_b)
         for x, y, name in zip(ra, rb, ("slots", "miss_dst", "miss")):
             assert torch.equal(x, y), name
         assert torch.equal(a[0], b[0]), "res_page"
         assert torch.equal(a[2], b[2]), "last_use"
         assert torch.equal(ca, cb), "counters"
-        # A later step over the updated shares, selecting partly other pages.
+        if reuse:  # the kernel kept the map in step with the shares it changed
+            assert torch.equal(col_a, col_b) and torch.equal(col_a, page_columns(a[0], num_pages)), "res_col"
         for x in (a, b):
             x[6] += 3
-            x[5] = torch.where(x[5] >= 0, (x[5] + 5) % 40, -1)
-    assert ca[0] > 0 and ca[2] > 0  # the cases do look up and miss
+            x[5] = torch.where(x[5] >= 0, (x[5] + shift) % num_pages, -1)
+    return ca
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_equals_reference(case, reuse):
+    counters = _steps_equal_reference(case, sum(case[:6]) + int(reuse), reuse, num_pages=40, shift=5)
+    assert counters[0] > 0 and counters[2] > 0  # the cases do look up and miss
 
 
 CHUNKED_CASES = [
@@ -91,34 +100,16 @@ CHUNKED_CASES = [
 
 @pytest.mark.parametrize("reuse", [True, False])
 @pytest.mark.parametrize("case", CHUNKED_CASES)
-def test_mapped_kernel_equals_reference(case, reuse):
-    *shape, seed = (*case, sum(case[:6]) + 3 * int(reuse))
-    a = list(make_case(*shape, seed=seed, num_pages=90))
-    b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
-    col_a, col_b = page_columns(a[0], 90), page_columns(b[0], 90)
-    ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
-    for num_buckets in (64, 4):
-        ra = buffer_lookup(*a, ca, num_buckets=num_buckets, reuse=reuse, res_col=col_a, chunk=16)
-        rb = buffer_lookup_ref(*b, cb, num_buckets=num_buckets, reuse=reuse, res_col=col_b)
-        for x, y, name in zip(ra, rb, ("slots", "miss_dst", "miss")):
-            assert torch.equal(x, y), name
-        assert torch.equal(a[0], b[0]), "res_page"
-        assert torch.equal(a[2], b[2]), "last_use"
-        assert torch.equal(ca, cb), "counters"
-        if reuse:  # the kernel kept the map in step with the shares it changed
-            assert torch.equal(col_a, col_b) and torch.equal(col_a, page_columns(a[0], 90)), "res_col"
-        for x in (a, b):
-            x[6] += 3
-            x[5] = torch.where(x[5] >= 0, (x[5] + 11) % 90, -1)
-    assert ca[2] > 0 and (ca[3] > 0 or not reuse)  # misses, and evictions of held pages
+def test_kernel_in_several_chunks_equals_reference(case, reuse):
+    counters = _steps_equal_reference(case, sum(case[:6]) + 3 * int(reuse), reuse, num_pages=90, shift=11, chunk=16)
+    assert counters[2] > 0 and (counters[3] > 0 or not reuse)  # misses, and evictions of held pages
 
 
-def test_wide_shares_need_the_map():
-    assert fits_kernel(64, 128, 64) and not fits_kernel(540, 1100, 64)
+def test_the_kernel_needs_the_page_map():
     a = list(make_case(2, 1, 1, 20, 18, 20, [1], 0, 9, seed=5))
     counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)
-    with pytest.raises(ValueError, match="res_col"):
-        buffer_lookup(*a, counters, num_buckets=4096)
+    with pytest.raises(TypeError, match="res_col"):
+        buffer_lookup(*a, counters)
     with pytest.raises(ValueError, match="res_col must be"):
         buffer_lookup(*a, counters, res_col=page_columns(a[0], 40).int())
 
@@ -129,9 +120,10 @@ def test_step_index_from_a_device_tensor_equals_the_int(fn):
     a = list(make_case(3, 2, 2, 12, 6, 10, [2, 0], 1, 20, seed=3))
     b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
     b[6] = torch.tensor([a[6]], dtype=torch.int32, device=DEVICE)
+    col_a, col_b = page_columns(a[0], 40), page_columns(b[0], 40)
     ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
     for _ in range(3):
-        ra, rb = fn(*a, ca, num_buckets=4), fn(*b, cb, num_buckets=4)
+        ra, rb = fn(*a, ca, num_buckets=4, res_col=col_a), fn(*b, cb, num_buckets=4, res_col=col_b)
         for x, y, name in zip(ra, rb, ("slots", "miss_dst", "miss")):
             assert torch.equal(x, y), name
         assert torch.equal(a[2], b[2]) and torch.equal(a[0], b[0])
@@ -140,14 +132,15 @@ def test_step_index_from_a_device_tensor_equals_the_int(fn):
         a[5] = b[5] = torch.where(a[5] >= 0, (a[5] + 7) % 40, -1)
     assert int(a[2].max()) == 24  # the last lookup stamped its columns with the tensor's value
     with pytest.raises(ValueError, match="now"):
-        fn(*a[:6], torch.tensor([1, 2], device=DEVICE), ca)
+        fn(*a[:6], torch.tensor([1, 2], device=DEVICE), ca, res_col=col_a)
 
 
 def test_every_miss_gets_its_own_victim_and_hits_keep_their_slot():
     res_page, res_slot, last, rows, layer, want, now = make_case(2, 1, 2, 10, 6, 10, [0, 1], 0, 9, seed=7)
     before_page, before_slot = res_page.clone(), res_slot.clone()
     counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)
-    slots, miss_dst, miss = buffer_lookup(res_page, res_slot, last, rows, layer, want, now, counters)
+    slots, miss_dst, miss = buffer_lookup(res_page, res_slot, last, rows, layer, want, now, counters,
+                                          res_col=page_columns(res_page, 40))
     for b, r in enumerate(rows.tolist()):
         for h in range(want.shape[1]):
             held = dict(zip(before_page[r, 0, h].tolist(), before_slot[r, 0, h].tolist()))
@@ -163,14 +156,13 @@ def test_every_miss_gets_its_own_victim_and_hits_keep_their_slot():
                     taken.add(s)
 
 
-def test_bad_shapes_and_oversized_tiles_are_refused():
+def test_bad_shapes_are_refused():
     res_page, res_slot, last, rows, layer, want, now = make_case(2, 1, 2, 10, 6, 10, [0], 0, 9, seed=1)
     counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match=r"want must be \[B, Hkv, K\]"):
         buffer_lookup_ref(res_page, res_slot, last, rows, layer, want[:, :1], now, counters)
     with pytest.raises(ValueError, match="counters"):
         buffer_lookup_ref(res_page, res_slot, last, rows, layer, want, now, counters.int())
-    assert fits_kernel(64, 256, 64) and not fits_kernel(1024, 4096, 64)
 
 
 @pytest.mark.gpu
@@ -180,9 +172,10 @@ def test_kernel_equals_reference_at_llama_shapes():
     2K budget in pages of 32), three steps in a row."""
     a = list(make_case(16, 2, 8, 140, 70, 140, list(range(15, -1, -1)), 1, 50, seed=3, num_pages=400))
     b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+    col = page_columns(a[0], 400)
     ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
     for _ in range(3):
-        ra, rb = buffer_lookup(*a, ca), buffer_lookup_ref(*b, cb)
+        ra, rb = buffer_lookup(*a, ca, res_col=col), buffer_lookup_ref(*b, cb)
         assert all(torch.equal(x, y) for x, y in zip(ra, rb))
         assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(ca, cb)
         for x in (a, b):
@@ -192,7 +185,7 @@ def test_kernel_equals_reference_at_llama_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_mapped_kernel_equals_reference_at_shplb_widths():
+def test_kernel_equals_reference_at_shplb_widths():
     """4 requests x 8 KV heads, 540 selected pages of a 1080-column share (the widest S-HPLB
     head at a 2K mean budget, pages of 32), three steps in a row."""
     a = list(make_case(4, 2, 8, 1080, 540, 1080, [3, 0, 2, 1], 1, 50, seed=4, num_pages=4096))
