@@ -1,5 +1,6 @@
-"""Shared by the sparse algorithms' tests: an op recorder that flags host syncs, and the
-SmolLM2 engine run that each algorithm at a whole-context budget must reproduce."""
+"""Shared by the sparse algorithms' tests: an op recorder that flags host syncs, one request
+row of random keys for the index tests, and the SmolLM2 engine run that each algorithm at a
+whole-context budget must reproduce."""
 
 import pytest
 import torch
@@ -29,6 +30,22 @@ class OpLog(TorchDispatchMode):
     def syncs(self):
         bad = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "lift_fresh", "[bool mask]")
         return [op for op in self.ops if any(b in op for b in bad)]
+
+
+@pytest.fixture
+def one_row():
+    """``(*algorithms, T=13, seed=0) -> (k [T, 2, 8], q [1, 4, 8])``: T random keys appended to
+    row 1 of layer 0 of each algorithm (2 KV heads of 8; pages of 4, 4, 4, 1 tokens at T=13),
+    and a random query of 2 query heads per KV head."""
+
+    def fill(*algorithms, T=13, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        k = torch.randn(T, 2, 8, generator=g)
+        for alg in algorithms:
+            alg.on_append(0, torch.full((T,), 1), torch.arange(T), k)
+        return k, torch.randn(1, 4, 8, generator=g)
+
+    return fill
 
 
 @pytest.fixture

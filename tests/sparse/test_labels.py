@@ -13,12 +13,9 @@ def _labels(channels=8, P=4, S=4, Hkv=2, D=8, R=2, model_path=None):
                                    model_path=model_path)
 
 
-def test_all_channels_score_each_page_by_its_best_key():
-    g = torch.Generator().manual_seed(0)
+def test_all_channels_score_each_page_by_its_best_key(one_row):
     alg = _labels()
-    T = 13  # pages of 4, 4, 4, 1 tokens for row 1
-    k, q = torch.randn(T, 2, 8, generator=g), torch.randn(1, 4, 8, generator=g)
-    alg.on_append(0, torch.full((T,), 1), torch.arange(T), k)
+    k, q = one_row(alg)  # 13 keys in row 1, G = 2
     scores = alg.score(0, q, torch.tensor([1]), 4)
     for h in range(2):
         per_key = (q[0, 2 * h : 2 * h + 2] @ k[:, h].T).sum(0)

@@ -10,13 +10,9 @@ def _oracle(P=4, S=4, Hkv=2, D=8, R=2):
                                    max_seqs=R, max_pages_per_seq=P, device=torch.device("cpu"))
 
 
-def test_scores_are_the_attention_mass_of_each_page():
-    g = torch.Generator().manual_seed(0)
+def test_scores_are_the_attention_mass_of_each_page(one_row):
     alg = _oracle()
-    T = 13  # pages of 4, 4, 4, 1 tokens for row 1
-    k = torch.randn(T, 2, 8, generator=g)
-    alg.on_append(0, torch.full((T,), 1), torch.arange(T), k)
-    q = torch.randn(1, 4, 8, generator=g)  # G = 2
+    k, q = one_row(alg)  # 13 keys in row 1, G = 2
     scores = alg.score(0, q, torch.tensor([1]), 4)  # [1, Hkv, 4]
     for h in range(2):
         probs = (q[0, 2 * h : 2 * h + 2] @ k[:, h].T / 8**0.5).softmax(-1)  # [G, T]

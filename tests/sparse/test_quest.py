@@ -9,13 +9,9 @@ def _quest(P=4, S=4, Hkv=2, D=8, R=2, **options):
                                   max_seqs=R, max_pages_per_seq=P, device=torch.device("cpu"), **options)
 
 
-def test_score_bounds_every_key_and_is_tight_for_single_key_pages():
-    g = torch.Generator().manual_seed(0)
+def test_score_bounds_every_key_and_is_tight_for_single_key_pages(one_row):
     q_alg = _quest()
-    T = 13  # pages of 4, 4, 4, 1 tokens for row 1
-    k = torch.randn(T, 2, 8, generator=g)
-    q_alg.on_append(0, torch.full((T,), 1), torch.arange(T), k)
-    q = torch.randn(1, 4, 8, generator=g)  # G = 2
+    k, q = one_row(q_alg)  # 13 keys in row 1, G = 2
     scores = q_alg.score(0, q, torch.tensor([1]), 4)  # [1, Hkv, 4]
     for h in range(2):
         qh = q[0, 2 * h : 2 * h + 2]  # [G, D]
@@ -59,16 +55,11 @@ def test_an_unknown_index_dtype_is_refused():
         _quest(index_dtype="int8")
 
 
-def test_scoring_blocks_bound_every_key_more_tightly():
+def test_scoring_blocks_bound_every_key_more_tightly(one_row):
     """Bounds per block of 2 tokens in pages of 4: every page still bounds its keys, never
     more loosely than the whole-page bound, and a page of one block scores as plain Quest."""
-    g = torch.Generator().manual_seed(3)
-    T = 14  # pages of 4, 4, 4, 2 tokens: the tail page has an empty block
-    k = torch.randn(T, 2, 8, generator=g)
-    q = torch.randn(1, 4, 8, generator=g)
     plain, fine = _quest(), _quest(score_block_tokens=2)
-    for alg in (plain, fine):
-        alg.on_append(0, torch.full((T,), 1), torch.arange(T), k)
+    k, q = one_row(plain, fine, T=14, seed=3)  # pages of 4, 4, 4, 2 tokens: the tail page has an empty block
     coarse, tight = plain.score(0, q, torch.tensor([1]), 4), fine.score(0, q, torch.tensor([1]), 4)
     assert torch.isfinite(tight).all()  # the tail page's empty block does not poison its score
     assert (tight <= coarse + 1e-5).all() and (tight < coarse - 1e-3).any()
@@ -78,7 +69,7 @@ def test_scoring_blocks_bound_every_key_more_tightly():
             keys = k[4 * p : 4 * p + 4, h]
             assert tight[0, h, p] >= (qh @ keys.T).max(dim=1).values.sum() - 1e-4
     same = _quest(score_block_tokens=4)
-    same.on_append(0, torch.full((T,), 1), torch.arange(T), k)
+    one_row(same, T=14, seed=3)
     assert torch.equal(same.score(0, q, torch.tensor([1]), 4), coarse)
     with pytest.raises(ValueError, match="score_block_tokens"):
         _quest(score_block_tokens=3)

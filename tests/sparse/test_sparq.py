@@ -11,16 +11,9 @@ def _sparq(channels=0, P=4, S=4, Hkv=2, D=8, R=2):
                                   max_pages_per_seq=P, device=torch.device("cpu"), channels=channels)
 
 
-def _filled(alg, T=13, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(T, 2, 8, generator=g)
-    alg.on_append(0, torch.full((T,), 1), torch.arange(T), k)
-    return k, torch.randn(1, 4, 8, generator=g)  # G = 2
-
-
-def test_all_channels_score_each_page_by_its_best_key():
+def test_all_channels_score_each_page_by_its_best_key(one_row):
     alg = _sparq(channels=8)
-    k, q = _filled(alg)
+    k, q = one_row(alg)
     scores = alg.score(0, q, torch.tensor([1]), 4)
     for h in range(2):
         per_key = (q[0, 2 * h : 2 * h + 2] @ k[:, h].T).sum(0)  # [T] summed over the G heads
@@ -28,9 +21,9 @@ def test_all_channels_score_each_page_by_its_best_key():
         torch.testing.assert_close(scores[0, h], best, rtol=1e-5, atol=1e-5)
 
 
-def test_fewer_channels_use_only_each_query_heads_largest():
+def test_fewer_channels_use_only_each_query_heads_largest(one_row):
     alg = _sparq(channels=2)
-    k, q = _filled(alg, seed=1)
+    k, q = one_row(alg, seed=1)
     scores = alg.score(0, q, torch.tensor([1]), 4)
     h = 1
     per_key = torch.zeros(13)
@@ -49,7 +42,7 @@ def test_a_whole_context_budget_gives_the_dense_tokens(offloaded_tokens, dense_t
     assert tokens == dense_tokens
 
 
-def test_fixed_channels_are_the_rope_pairs_with_the_largest_weights(tmp_path):
+def test_fixed_channels_are_the_rope_pairs_with_the_largest_weights(tmp_path, one_row):
     from safetensors.torch import save_file
 
     from spin_cluster.sparse.sparq import weight_channels
@@ -65,7 +58,7 @@ def test_fixed_channels_are_the_rope_pairs_with_the_largest_weights(tmp_path):
     alg = get_algorithm("sparq")(num_layers=1, num_kv_heads=Hkv, head_dim=D, page_size=4, max_seqs=2,
                                  max_pages_per_seq=4, device=torch.device("cpu"), channels=2,
                                  fixed_channels=True, model_path=str(tmp_path))
-    k, q = _filled(alg)
+    k, q = one_row(alg)
     scores = alg.score(0, q, torch.tensor([1]), 4)
     per_key = (q[0, 0:2][:, [1, 5]] @ k[:, 0][:, [1, 5]].T).sum(0)  # head 0 in channels 1, 5
     torch.testing.assert_close(scores[0, 0, 0], per_key[:4].max(), rtol=1e-5, atol=1e-5)
