@@ -54,6 +54,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="sparse.options of the sparse methods, e.g. score_block_tokens=4 (repeatable)")
     p.add_argument("--page-size", type=int, default=d.page_size,
                    help="tokens per KV page, the unit every Select picks (default: %(default)s)")
+    p.add_argument("--buffer-share", type=float, default=d.buffer_share,
+                   help="offloaded methods: GPU buffer share per head, in multiples of the pages a step "
+                        "selects (default: %(default)s)")
+    p.add_argument("--resident-margin", type=float, default=d.resident_margin,
+                   help="offloaded sparse methods: Select's hysteresis for pages the GPU buffer holds, in nats "
+                        "(sparse.resident_margin; default: %(default)s, off)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="greedy tokens per answer")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests running at once per engine")
     p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
@@ -84,6 +90,7 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         page_size=args.page_size, max_tokens=args.max_tokens,
         max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens, device=args.device, dtype=args.dtype,
         dense_threshold=args.dense_threshold, seed=args.seed, algorithm_options=_options(args.option),
+        buffer_share=args.buffer_share, resident_margin=args.resident_margin,
     )
 
 

@@ -78,6 +78,11 @@ class EvalConfig:
     # sparse.options of every sparse method on the offloaded cache (e.g. Quest's
     # score_block_tokens); an option the algorithm does not take fails its engine.
     algorithm_options: dict = dataclasses.field(default_factory=dict)
+    # cache.buffer_share of the offloaded methods (>= 1): each (request, layer, KV head)'s GPU
+    # buffer share as a multiple of the pages a step selects.
+    buffer_share: float = 2.0
+    # sparse.resident_margin of the offloaded sparse methods (nats, >= 0; 0: off).
+    resident_margin: float = 0.0
     # Dense accuracy below this (0..1) marks a task as failed densely at that length.
     dense_threshold: float = 0.2
     # Samples are seeds seed, seed + 1, ...
@@ -98,6 +103,10 @@ class EvalConfig:
             raise ValueError(
                 f"lengths must exceed max_tokens ({self.max_tokens}): the prompt fills length - max_tokens"
             )
+        if not self.buffer_share >= 1:
+            raise ValueError(f"buffer_share={self.buffer_share}: must be >= 1")
+        if not self.resident_margin >= 0:
+            raise ValueError(f"resident_margin={self.resident_margin}: must be >= 0")
         if not 0 <= self.dense_threshold <= 1:
             raise ValueError(f"dense_threshold={self.dense_threshold}: use 0..1")
         if self.sink_tokens < 0 or self.local_tokens < 0 or self.dense_layers < 0:
@@ -298,13 +307,15 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
         sparse["dense_layers"] = config.dense_layers
     if method.offloaded and not method.is_dense and config.algorithm_options:
         sparse["options"] = dict(config.algorithm_options)
+    if method.offloaded and not method.is_dense and config.resident_margin:
+        sparse["resident_margin"] = config.resident_margin
     if method.prefill:
         sparse["prefill"] = _prefill_options(config, method, calibration and calibration[length])
     profile = _head_profile(config.profile_path, model_path) if method.budget_mode == "maxmin" else None
     sparse.update(budget_mode_options(method, length, page_size=config.page_size, top_p=config.top_p,
                                       profile=profile, floor_fraction=config.floor_fraction))
     max_len = max(config.lengths)
-    cache = {"page_size": config.page_size, "offload": method.offloaded}
+    cache = {"page_size": config.page_size, "offload": method.offloaded, "buffer_share": config.buffer_share}
     cache.update(_cache_sizes(config, model_path, max_len))
     return SpinConfig.from_dict({
         "model": {"path": model_path, "device": config.device, "dtype": config.dtype, "max_model_len": max_len},

@@ -59,8 +59,11 @@ class CacheConfig:
     # Host tier size in GiB (offload); None: 8 GiB.
     host_kv_gib: float | None = None
     # GPU buffer share per (request, layer, KV head), in pages, >= the pages a step selects
-    # (sink + budget + local); 0: twice those.
+    # (sink + budget + local); 0: buffer_share times those.
     buffer_pages_per_head: int = 0
+    # The share, when buffer_pages_per_head is 0, as a multiple (>= 1) of the pages a step
+    # selects: the columns past 1x keep pages that recent steps selected (temporal locality).
+    buffer_share: float = 2.0
     # Host pages per second-level segment of the page table (offload), power of two 1..1024.
     # The GPU directory is 1/segment_pages of a flat table; a request's last segment may be
     # partly unused (at most segment_pages - 1 host pages per layer and head).
@@ -81,6 +84,8 @@ class CacheConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"cache.{name}={value}: must be > 0 or null")
+        if not self.buffer_share >= 1:
+            raise ValueError(f"cache.buffer_share={self.buffer_share}: must be >= 1 (a multiple of the selected pages)")
         if self.buffer_pages_per_head < 0:
             raise ValueError(f"cache.buffer_pages_per_head={self.buffer_pages_per_head}: must be >= 0")
         if self.segment_pages < 1 or self.segment_pages > 1024 or self.segment_pages & (self.segment_pages - 1):
@@ -186,6 +191,12 @@ class SparseConfig:
     # estimated attention mass reaches top_p, the heads of a layer sharing the pages their
     # budgets add up to (so the buffer reserves that layer total per head). None: top-k.
     top_p: float | None = None
+    # Select's hysteresis on the offloaded cache, in nats of estimated attention logit: a
+    # page already in the head's GPU buffer share scores as if its logit were this much
+    # higher, so a page outside must beat it by a factor e^margin in estimated attention
+    # weight to take its place. Near-ties at the budget's edge then stop trading places
+    # every step (each trade is a PCIe miss). 0: off.
+    resident_margin: float = 0.0
     # Keyword options of the algorithm, e.g. {"gate_path": "gate.safetensors"} for seer,
     # {"outlier_fraction": 0.01} for shadowkv, {"num_clusters": 16} for retroinfer.
     options: dict | None = None
@@ -202,6 +213,8 @@ class SparseConfig:
             raise ValueError(f"sparse.dense_layers={self.dense_layers}: must be >= 0 (the first N layers attend densely)")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"sparse.top_p={self.top_p}: use a mass in (0, 1], or null for top-k")
+        if not self.resident_margin >= 0:
+            raise ValueError(f"sparse.resident_margin={self.resident_margin}: must be >= 0 (nats; 0 is off)")
         if self.options is not None and not isinstance(self.options, dict):
             raise ValueError(f"sparse.options must be a mapping of the algorithm's options, got {self.options!r}")
         _normalize_budget_rows(self, int, "sparse.per_head_budgets")

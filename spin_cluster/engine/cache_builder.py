@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 
@@ -63,7 +64,7 @@ def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, de
     )
     mandatory = min(max_pages, _mandatory_pages(config, algorithm, max_model_len))
     # Without reuse a page never outlives its step: columns past the mandatory ones are idle.
-    share = cc.buffer_pages_per_head or min(max_pages, (2 if cc.buffer_reuse else 1) * mandatory)
+    share = cc.buffer_pages_per_head or min(max_pages, math.ceil((cc.buffer_share if cc.buffer_reuse else 1) * mandatory))
     slot_bytes = PagePool.bytes_per_page(S, mc.head_dim, dtype)
     gpu_bytes = gpu_budget_bytes(config, device)
     per_column = mc.num_layers * mc.num_kv_heads

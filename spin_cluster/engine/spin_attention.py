@@ -202,6 +202,11 @@ class SpinAttention:
         each request's whole context, a shape that grows every step)."""
         return self.device.type == "cuda" and self.algorithm.graph_safe and not self.dense_layers
 
+    def replayed(self) -> None:
+        """A CUDA graph replayed a decode step (``SpinDecodeGraphs``): host bookkeeping that
+        an eager step does in ``end_step``. Nothing here; a head-parallel rank reads its layer
+        timings."""
+
     def end_step(self) -> None:
         self.plan = None
         if self._side is not None and not torch.cuda.is_current_stream_capturing():
@@ -253,6 +258,12 @@ class SpinAttention:
         scores = None
         if not self.algorithm.selects_all:
             scores = self.algorithm.score(layer, q, plan.decode_rows, sel.max_pages)
+            if self.sparse.resident_margin and kv.buffer.reuse:
+                # Hysteresis: the margin in score units (scores are q.k summed over the G query
+                # heads of a KV head, a logit times G sqrt(D)).
+                bonus = self.sparse.resident_margin * q.shape[1] / kv.num_kv_heads * q.shape[2] ** 0.5
+                held = kv.buffer.resident(plan.decode_rows, layer, scores.shape[-1])
+                scores = scores + (held * bonus).to(scores.dtype)
             if sel.top_p is not None:  # scores are q.k summed over the G query heads of a KV head
                 sel = dataclasses.replace(sel, score_scale=kv.num_kv_heads / (q.shape[1] * q.shape[2] ** 0.5))
         want, num_selected = select_pages(scores, self.algorithm.selects_all, sel, kv.num_kv_heads)  # [Bd, Hkv, K]

@@ -149,6 +149,16 @@ class GpuBuffer:
         # The caller pairs miss_dst with the host pages (it knows the directory).
         return Lookup(slots=slots, miss_dst=miss_dst), miss
 
+    def resident(self, rows: torch.Tensor, layer: int, num_pages: int) -> torch.Tensor:
+        """[B, Hkv, num_pages] bool: which of pages 0 .. num_pages - 1 each head's share of
+        ``rows`` [B] holds now (Select's hysteresis). Fixed-shape, no host sync."""
+        if self.res_col is not None and self.reuse:
+            return self.res_col[rows, layer, :, :num_pages] >= 0
+        pages = self.res_page[rows, layer].long()  # [B, Hkv, share]
+        pages = torch.where((pages >= 0) & (pages < num_pages), pages, num_pages)
+        held = torch.zeros(*pages.shape[:2], num_pages + 1, dtype=torch.bool, device=pages.device)
+        return held.scatter_(-1, pages, True)[..., :num_pages]
+
     # ---- integrity --------------------------------------------------------------------------
 
     def check_integrity(self, live_rows: set[int]) -> None:

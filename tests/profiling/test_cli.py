@@ -58,3 +58,17 @@ def test_options_reach_the_sparse_methods_only(smollm2_path):
     assert not spin_config(cfg, smollm2_path, by_name["dense"], 1024).sparse.options
     with pytest.raises(ValueError, match="KEY=VALUE"):
         cli.eval_config(_parse(["eval", "--option", "channels"]))
+
+
+def test_buffer_flags_reach_the_offloaded_methods(smollm2_path):
+    from spin_cluster.profiling.evaluate import spin_config
+
+    cfg = cli.eval_config(_parse(["eval", "--algorithms", "dense", "labels", "--buffer-share", "3.5",
+                                  "--resident-margin", "1.5", "--lengths", "1024"]))
+    by_name = {m.algorithm: m for m in cfg.methods()}
+    labels = spin_config(cfg, smollm2_path, by_name["labels"], 1024)
+    assert labels.cache.buffer_share == 3.5 and labels.sparse.resident_margin == 1.5
+    assert spin_config(cfg, smollm2_path, by_name["dense"], 1024).sparse.resident_margin == 0
+    for bad in (["--buffer-share", "0.5"], ["--resident-margin", "-1"]):
+        with pytest.raises(ValueError, match=bad[0][2:].replace("-", "_")):
+            cli.eval_config(_parse(["eval", *bad]))
