@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed")
     ap.add_argument("--budget", type=int, default=2048, help="mean middle tokens per head (S-HPLB shifted)")
     ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="float32 makes the token check exact: bf16 logits of random weights are near ties")
+    ap.add_argument("--max-batched-tokens", type=int, default=32768, help="prefill chunk (tokens per step)")
     ap.add_argument("--gpu-kv-gib", type=float, default=24.0)
     ap.add_argument("--host-kv-gib", type=float, default=40.0)
     ap.add_argument("--tokenizer", default=None, metavar="DIR", help="folder with tokenizer.json (default: the default model's)")
@@ -99,8 +102,9 @@ def _rank_main(rank, world, port, device_type, config, placement, prompts, steps
                 decode.append((time.perf_counter() - start, list(st.attention_rank_s), st.attention_bubble_s))
             for o in outs:
                 tokens[o.request_id].extend(o.new_token_ids)
+        graphs = engine.runner.graphs
         report = {"placement": engine.placement.to_dict(), "prefill_s": prefill_s, "decode": decode,
-                  "tokens": [tokens[i] for i in ids]}
+                  "tokens": [tokens[i] for i in ids], "graph_replays": graphs.replays if graphs else 0}
         results.put((rank, report if rank == 0 else None))
     finally:
         dist.destroy_process_group()
@@ -134,21 +138,24 @@ def summarize(report: dict, baseline_step_s: float | None, baseline_tokens) -> d
         "imbalance": report["placement"].get("imbalance"),
         "speedup_vs_1": baseline_step_s / step_s if baseline_step_s else None,
         "tokens_equal_1": None if baseline_tokens is None else report["tokens"] == baseline_tokens,
+        "graph_replays": report.get("graph_replays", 0), "decode_steps": len(report["decode"]),
     }
 
 
 def markdown(result: dict) -> str:
     a = result["args"]
-    lines = [f"{result['device']}; context {a['context']}, batch {a['batch']}, {a['steps']} decode steps, "
-             f"mean budget {a['budget']} tokens/head (S-HPLB, synthetic needs), page {a['page_size']}", "",
+    lines = [f"{result['device']}; {a.get('dtype', 'bfloat16')}, context {a['context']}, batch {a['batch']}, "
+             f"{a['steps']} decode steps, mean budget {a['budget']} tokens/head (S-HPLB, synthetic needs), "
+             f"page {a['page_size']}", "",
              "| ranks | placement | decode step ms | speed-up vs 1 | attention makespan ms | per-rank attention ms "
-             "| bubble ratio | tokens = 1 GPU |", "|---:|---|---:|---:|---:|---|---:|---|"]
+             "| bubble ratio | tokens = 1 GPU | graph replays |", "|---:|---|---:|---:|---:|---|---:|---|---:|"]
     for r in result["runs"]:
         per_rank = " / ".join(f"{1e3 * s:.2f}" for s in r["attention_rank_s"])
         speed = "-" if r["speedup_vs_1"] is None else f"{r['speedup_vs_1']:.2f}x"
         same = "-" if r["tokens_equal_1"] is None else ("yes" if r["tokens_equal_1"] else "**no**")
         lines.append(f"| {r['ranks']} | {r['placement']} | {1e3 * r['decode_step_s']:.2f} | {speed} "
-                     f"| {1e3 * r['attention_makespan_s']:.2f} | {per_rank} | {r['bubble_ratio']:.3f} | {same} |")
+                     f"| {1e3 * r['attention_makespan_s']:.2f} | {per_rank} | {r['bubble_ratio']:.3f} | {same} "
+                     f"| {r.get('graph_replays', 0)}/{r.get('decode_steps', 0)} |")
     for n, g in result.get("greedy_vs_contiguous", {}).items():
         lines.append(f"\n{n} ranks: greedy makespan {g['makespan_gain']:.2f}x lower than contiguous; "
                      f"bubble ratio {g['bubble_contiguous']:.3f} -> {g['bubble_greedy']:.3f}")
@@ -180,10 +187,10 @@ def main(argv=None) -> dict:
     budgets = synthetic_maxmin_budgets(L, hkv, args.budget, args.page_size)
     config = SpinConfig.from_dict({
         "model": {"path": folder, "load_format": "dummy", "max_model_len": max_len,
-                  **({"device": "cpu", "dtype": "float32"} if args.tiny else {"dtype": "bfloat16"})},
+                  **({"device": "cpu", "dtype": "float32"} if args.tiny else {"dtype": args.dtype})},
         "cache": {"offload": True, "page_size": args.page_size, "kv_cache_gib": args.gpu_kv_gib,
                   "host_kv_gib": args.host_kv_gib},
-        "scheduler": {"max_num_seqs": args.batch, "max_num_batched_tokens": 8192 if not args.tiny else 64},
+        "scheduler": {"max_num_seqs": args.batch, "max_num_batched_tokens": 64 if args.tiny else args.max_batched_tokens},
         "sparse": {"algorithm": "quest", "budget": args.budget, "sink_tokens": args.page_size,
                    "local_tokens": 2 * args.page_size, "per_head_budgets": budgets},
     })

@@ -41,7 +41,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | SpinDecodeGraphs | None = None
         if cuda_graph_max_batch and device.type == "cuda" and type(attention) is PagedAttention:
             self.graphs = DecodeGraphs(model, attention, cuda_graph_max_batch, progress)
-        elif cuda_graph_max_batch and type(attention) is SpinAttention and attention.graph_safe:
+        elif cuda_graph_max_batch and isinstance(attention, SpinAttention | SpinGraphBackend) and attention.graph_safe:
             self.graphs = SpinDecodeGraphs(model, attention, cuda_graph_max_batch)
 
     @torch.inference_mode()
@@ -127,6 +127,13 @@ class DecodeGraphs:
         self.attention.plan = None
 
 
+class SpinGraphBackend:
+    """Marker base of attention backends that wrap a ``SpinAttention`` and can stand in for
+    it in ``SpinDecodeGraphs`` (a head-parallel rank's): they provide ``graph_safe``,
+    ``device``, ``plan``, ``advance``, ``decode_pages``, ``step_plan``, ``forward``,
+    ``end_step`` and ``replayed`` with its meanings."""
+
+
 class SpinDecodeGraphs:
     """CUDA graphs of decode-only steps on the offloaded cache, one per (batch size B, Select
     width P in pages: ``SpinAttention.decode_pages``), captured lazily.
@@ -146,7 +153,7 @@ class SpinDecodeGraphs:
     at a time, and a graph's output is read before the next replay).
     """
 
-    def __init__(self, model: torch.nn.Module, attention: SpinAttention, max_batch: int,
+    def __init__(self, model: torch.nn.Module, attention: SpinAttention | SpinGraphBackend, max_batch: int,
                  max_graphs: int = 256, capture: bool = True) -> None:
         self.model = model
         self.attention = attention
@@ -183,6 +190,7 @@ class SpinDecodeGraphs:
         if graph is not None:
             graph.replay()
             self.replays += 1
+            self.attention.replayed()
             return self._hidden[key]
         hidden = self._forward(*key)
         if self.capture and len(self._graphs) < self.max_graphs:
@@ -202,7 +210,10 @@ class SpinDecodeGraphs:
     @torch.inference_mode()
     def _capture(self, key: tuple[int, int]) -> None:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # A head-parallel rank captures NCCL all-reduces while the process group's watchdog
+        # thread polls its own events: only this thread's calls must be capture-safe.
+        mode = getattr(self.attention, "capture_error_mode", "global")
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=mode):
             self._hidden[key] = self._forward(*key)
         self._pool = graph.pool()
         self._graphs[key] = graph

@@ -24,6 +24,14 @@ contiguous 6 | 6. ``greedy_placement`` therefore keeps, per layer, the better of
 (contiguous on a tie, since it needs no weight permutation), which makes "never worse than
 contiguous" true by construction and keeps the 4/3 bound.
 
+Equal head counts. The offloaded Spin cache of a rank is [L, W]-shaped, W the most KV heads
+any rank owns in any layer, and a padding column still runs the per-head steps whose cost does
+not follow the budget (the Select over every page, the Index append). LPT free to give one
+rank 5 heads of 8 would widen every rank to W = 5 against the contiguous split's 4.
+``max_heads`` caps each rank's heads per layer (``ceil(Hkv / R)`` for that cache: the
+contiguous split's width): LPT then gives each head to the least-loaded rank that still has
+room. Contiguous meets the cap, so "never worse than contiguous" still holds.
+
 Memory is not balanced here: the GPU-only cache stores a head's whole context whatever its
 budget, so a rank's pages follow its number of heads, not its cost.
 """
@@ -183,14 +191,21 @@ def contiguous_layer(num_kv_heads: int, num_ranks: int) -> tuple[int, ...]:
     return tuple(r for r in range(num_ranks) for _ in range(base + (r < extra)))
 
 
-def lpt_layer(costs: Sequence[float], num_ranks: int) -> tuple[int, ...]:
-    """LPT: heads by cost (largest first, lower id on a tie) to the least-loaded rank (lower id)."""
+def lpt_layer(costs: Sequence[float], num_ranks: int, max_heads: int | None = None) -> tuple[int, ...]:
+    """LPT: heads by cost (largest first, lower id on a tie) to the least-loaded rank (lower
+    id) among those owning fewer than ``max_heads`` heads (None: no cap)."""
+    cap = len(costs) if max_heads is None else max_heads
+    if cap * num_ranks < len(costs):
+        raise ValueError(f"max_heads={max_heads} x {num_ranks} ranks cannot hold {len(costs)} KV heads")
     ranks = [0] * len(costs)
+    owned = [0] * num_ranks
     heap = [(0.0, r) for r in range(num_ranks)]  # (load, rank): already a heap
     for h in sorted(range(len(costs)), key=lambda h: -costs[h]):
         load, r = heapq.heappop(heap)
         ranks[h] = r
-        heapq.heappush(heap, (load + costs[h], r))
+        owned[r] += 1
+        if owned[r] < cap:  # a full rank leaves the heap
+            heapq.heappush(heap, (load + costs[h], r))
     return tuple(ranks)
 
 
@@ -200,21 +215,26 @@ def contiguous_placement(costs: Sequence[Sequence[float]], num_ranks: int) -> He
     return HeadPlacement(num_ranks, [contiguous_layer(hkv, num_ranks)] * len(costs), costs, "contiguous")
 
 
-def greedy_placement(costs: Sequence[Sequence[float]], num_ranks: int) -> HeadPlacement:
-    """Per layer, the better (smaller max load) of LPT and the contiguous split."""
+def greedy_placement(costs: Sequence[Sequence[float]], num_ranks: int, max_heads: int | None = None) -> HeadPlacement:
+    """Per layer, the better (smaller max load) of LPT (at most ``max_heads`` heads per rank,
+    at least the contiguous split's ceil(Hkv / R)) and the contiguous split."""
     _check_ranks(costs, num_ranks)
+    if max_heads is not None and max_heads * num_ranks < len(costs[0]):
+        raise ValueError(f"max_heads={max_heads}: {num_ranks} ranks must hold {len(costs[0])} KV heads per layer")
     rows = []
     for layer_costs in costs:
         contiguous = contiguous_layer(len(layer_costs), num_ranks)
-        lpt = lpt_layer(layer_costs, num_ranks)
+        lpt = lpt_layer(layer_costs, num_ranks, max_heads)
         better = max(_loads(layer_costs, lpt, num_ranks)) < max(_loads(layer_costs, contiguous, num_ranks))
         rows.append(lpt if better else contiguous)
     return HeadPlacement(num_ranks, rows, costs, "greedy")
 
 
-def place_heads(costs: Sequence[Sequence[float]], num_ranks: int, method: str = "greedy") -> HeadPlacement:
+def place_heads(costs: Sequence[Sequence[float]], num_ranks: int, method: str = "greedy",
+                max_heads: int | None = None) -> HeadPlacement:
+    """``max_heads``: greedy's cap on a rank's KV heads per layer (see the module notes)."""
     if method == "greedy":
-        return greedy_placement(costs, num_ranks)
+        return greedy_placement(costs, num_ranks, max_heads)
     if method == "contiguous":
         return contiguous_placement(costs, num_ranks)
     raise ValueError(f"placement method {method!r}: choose one of {', '.join(PLACEMENT_METHODS)}")

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from spin_cluster.engine.model_runner import SpinGraphBackend
 from spin_cluster.engine.paged_attention import PagedAttention, StepPlan
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.parallel.group import all_gather_floats
@@ -59,7 +60,9 @@ class _RankBackend:
     def end_step(self) -> None:
         self.inner.end_step()
         self._after_end()
-        self._rank_layer_s = all_gather_floats(self.timer.read(), self.group)
+        capturing = self.inner.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:  # a capture runs nothing to time
+            self._rank_layer_s = all_gather_floats(self.timer.read(), self.group)
 
     def pop_rank_layer_s(self) -> list[list[float]] | None:
         """[R][L] attention seconds of every rank in the last step, once (None after that)."""
@@ -109,7 +112,7 @@ def _columns_plan(plan: StepPlan, cols: slice) -> StepPlan:
     )
 
 
-class HeadParallelSpinAttention(_RankBackend):
+class HeadParallelSpinAttention(_RankBackend, SpinGraphBackend):
     """One rank's Spin backend (the offloaded cache): ``W`` KV-head columns in every layer,
     ``W`` the most heads any rank owns in any layer.
 
@@ -124,7 +127,13 @@ class HeadParallelSpinAttention(_RankBackend):
     the same on every rank, so every rank's cache has the same shape and capacity: all ranks
     admit, preempt and evict alike, which SPMD needs. Selection is per KV head, so a head
     selects the same pages on any rank.
+
+    Decode-only steps run in the wrapped backend's CUDA graphs (``SpinDecodeGraphs``), each
+    layer's o_proj all-reduce inside the graph and the layer timer's events as event nodes,
+    so a rank's attention time is its GPU time, free of launch gaps.
     """
+
+    capture_error_mode = "thread_local"  # the NCCL watchdog thread polls events meanwhile
 
     def __init__(self, inner, kv_heads: Sequence[Sequence[int]], width: int, num_kv_groups: int, group=None) -> None:
         if inner.kv.num_kv_heads != width or inner.kv.num_layers != len(kv_heads):
@@ -133,6 +142,39 @@ class HeadParallelSpinAttention(_RankBackend):
             raise ValueError(f"a layer owns more than {width} KV heads")
         super().__init__(inner, len(kv_heads), group)
         self.width, self.num_kv_groups = width, num_kv_groups
+        self._owned_layers = [layer for layer, heads in enumerate(kv_heads) if heads]
+
+    # What SpinDecodeGraphs reads of a SpinAttention, from the wrapped one.
+    @property
+    def graph_safe(self) -> bool:
+        return self.inner.graph_safe
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    @property
+    def plan(self):
+        return self.inner.plan
+
+    @plan.setter
+    def plan(self, plan) -> None:
+        self.inner.plan = plan
+
+    def advance(self) -> None:
+        self.inner.advance()
+
+    def decode_pages(self, context_tokens: int) -> int:
+        return self.inner.decode_pages(context_tokens)
+
+    def step_plan(self, *args, **kw):
+        self.timer.reset()
+        return self.inner.step_plan(*args, **kw)
+
+    def replayed(self) -> None:
+        self.inner.replayed()
+        self.timer.replayed(self._owned_layers)
+        self._rank_layer_s = all_gather_floats(self.timer.read(), self.group)
 
     def _attend(self, layer_id, q, k, v):
         n = k.shape[1]

@@ -39,7 +39,9 @@ from spin_cluster.parallel.timing import bubble_seconds
 
 def default_placement(config: SpinConfig, mc: ModelConfig, num_ranks: int, method: str = "greedy") -> HeadPlacement:
     """Place heads by the costs of the configured budgets: ``sparse.per_head_budgets`` if set,
-    else ``sparse.budget`` for every head (uniform costs: the contiguous split)."""
+    else ``sparse.budget`` for every head (uniform costs: the contiguous split). On the
+    offloaded cache, whose rank width is the most heads a rank owns in a layer, greedy gives
+    every rank at most the contiguous split's ceil(Hkv / R) heads per layer."""
     sp = config.sparse
     context = config.model.max_model_len or mc.max_position_embeddings
     budgets = sp.per_head_budgets or [[sp.budget_tokens(context)] * mc.num_kv_heads] * mc.num_layers
@@ -54,7 +56,8 @@ def default_placement(config: SpinConfig, mc: ModelConfig, num_ranks: int, metho
         budgets, sink_tokens=sp.sink_tokens, local_tokens=sp.local_tokens,
         num_kv_groups=mc.num_kv_groups, context_tokens=context,
     )
-    return place_heads(costs, num_ranks, method)
+    max_heads = -(-mc.num_kv_heads // num_ranks) if config.cache.offload else None
+    return place_heads(costs, num_ranks, method, max_heads)
 
 
 class HeadParallelEngine(Engine):

@@ -38,6 +38,7 @@ class ParallelResult:
     attention_rank_s: tuple[float, ...]  # [R] attention seconds of each rank, whole run
     attention_bubble_s: float  # summed over steps and layers: slowest rank minus mean rank
     num_preemptions: int  # the same on every rank: they schedule alike
+    graph_replays: int = 0  # rank 0's decode steps that replayed a CUDA graph
 
     @property
     def bubble_ratio(self) -> float:
@@ -64,11 +65,11 @@ def launch_generate(
         raise ValueError(f"{num_ranks} ranks need {num_ranks} GPUs, this machine has {torch.cuda.device_count()}")
     args = (num_ranks, free_port(), device.type, config, list(prompts), params, placement)
     reports = run_ranks(_rank_main, args, num_ranks)
-    outputs, used_placement, rank_s, bubble_s, num_preemptions = reports[0]
-    if any(report[-1] != num_preemptions for report in reports.values()):
-        raise RuntimeError(f"ranks disagree on preemptions: {[reports[r][-1] for r in range(num_ranks)]}")
+    outputs, used_placement, rank_s, bubble_s, num_preemptions, replays = reports[0]
+    if any(report[-2] != num_preemptions for report in reports.values()):
+        raise RuntimeError(f"ranks disagree on preemptions: {[reports[r][-2] for r in range(num_ranks)]}")
     rank_s = tuple(rank_s[str(r)] for r in range(num_ranks))
-    return ParallelResult(outputs, used_placement, rank_s, bubble_s, num_preemptions)
+    return ParallelResult(outputs, used_placement, rank_s, bubble_s, num_preemptions, replays)
 
 
 def run_ranks(fn, args: tuple, num_ranks: int, timeout_s: float | None = None) -> dict:
@@ -115,6 +116,7 @@ def _rank_main(rank, num_ranks, port, device_type, config, prompts, params, plac
         report = (
             outputs if rank == 0 else None, engine.placement,
             st.attention_rank_s_total, st.attention_bubble_s_total, engine.num_preemptions_total,
+            engine.runner.graphs.replays if engine.runner.graphs is not None else 0,
         )
         results.put((rank, report))
     finally:

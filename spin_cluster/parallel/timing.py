@@ -7,7 +7,9 @@ per layer, how long the average rank waits for the slowest one::
     bubble ratio = bubble_s / sum_l max_r t[r][l]      (0: no rank ever waits)
 
 On CUDA the layer times come from CUDA events, read once at the end of the step, so the
-forward itself never waits for the device.
+forward itself never waits for the device. The events are external (``cudaEventRecordExternal``):
+captured in a CUDA graph they become event-record nodes, so a replayed decode step is timed
+per layer as well, from the device's clock, with no launch gaps in the figure.
 """
 
 from __future__ import annotations
@@ -25,16 +27,19 @@ class LayerTimer:
         self.num_layers = num_layers
         self._cuda = device.type == "cuda"
         if self._cuda:
-            self._events = [
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                for _ in range(num_layers)
-            ]
+            self._events = [(_timing_event(), _timing_event()) for _ in range(num_layers)]
         self._started_s = [0.0] * num_layers
         self.reset()
 
     def reset(self) -> None:
         self._layer_s = [0.0] * self.num_layers  # host clock (CPU)
         self._timed = [False] * self.num_layers  # events recorded this step (CUDA)
+
+    def replayed(self, layer_ids) -> None:
+        """A CUDA graph that recorded the events of ``layer_ids`` was replayed this step."""
+        self.reset()
+        for layer_id in layer_ids:
+            self._timed[layer_id] = True
 
     def start(self, layer_id: int) -> None:
         if self._cuda:
@@ -59,6 +64,13 @@ class LayerTimer:
                 end.synchronize()
             out.append(begin.elapsed_time(end) / 1e3 if timed else 0.0)
         return out
+
+
+def _timing_event() -> torch.cuda.Event:
+    try:
+        return torch.cuda.Event(enable_timing=True, external=True)
+    except TypeError:  # a torch without external events: eager steps are still timed
+        return torch.cuda.Event(enable_timing=True)
 
 
 def bubble_seconds(rank_layer_s: Sequence[Sequence[float]]) -> float:

@@ -66,6 +66,30 @@ def test_greedy_within_lpt_bound_of_optimum_and_never_worse_than_contiguous(case
         assert owned == list(range(len(row)))
 
 
+@settings(max_examples=200, deadline=None)
+@given(layers_and_ranks())
+def test_capped_greedy_keeps_the_contiguous_width_and_never_loses_to_it(case):
+    costs, num_ranks = case
+    cap = -(-len(costs[0]) // num_ranks)
+    greedy = greedy_placement(costs, num_ranks, max_heads=cap)
+    assert greedy.makespan <= contiguous_placement(costs, num_ranks).makespan
+    for layer in range(len(costs)):
+        heads = [greedy.kv_heads_of(r)[layer] for r in range(num_ranks)]
+        assert max(map(len, heads)) <= cap
+        assert sorted(h for owned in heads for h in owned) == list(range(len(costs[0])))
+
+
+def test_capped_lpt_balances_among_ranks_with_room():
+    costs = [12, 3, 3, 3, 1, 1, 1, 1]
+    assert lpt_layer(costs, 2) == (0, 1, 1, 1, 1, 1, 1, 0)  # 13 | 12, but 2 heads | 6 heads
+    assert lpt_layer(costs, 2, max_heads=4) == (0, 1, 1, 1, 1, 0, 0, 0)  # 15 | 10, 4 heads each
+    assert greedy_placement([costs], 2, max_heads=4).makespan == 15  # contiguous: 21 | 4
+    with pytest.raises(ValueError, match="cannot hold 8 KV heads"):
+        lpt_layer(costs, 2, max_heads=3)
+    with pytest.raises(ValueError, match="max_heads=3"):
+        greedy_placement([costs], 2, max_heads=3)
+
+
 def test_lpt_can_lose_to_contiguous_and_greedy_keeps_contiguous():
     costs = [3, 3, 2, 2, 2]
     assert lpt_layer(costs, 2) == (0, 1, 0, 1, 0)  # loads 7 | 5

@@ -125,6 +125,33 @@ def test_sharded_layers_sum_to_the_unsharded_layer(four_kv_head_llama, one_rank_
         shard_attention(full, [[3, 0], [], []])
 
 
+def test_a_ranks_static_decode_path_gives_the_plain_tokens_and_times_its_layers(four_kv_head_llama, one_rank_group):
+    """The path SpinDecodeGraphs captures on the GPU, run eagerly through a rank's Spin
+    backend (plan, step plan and step index passed to the wrapped backend): the tokens of the
+    plain engine, and every decode step's layers timed and gathered."""
+    from spin_cluster.engine.model_runner import SpinDecodeGraphs
+
+    cfg = _spin_config(four_kv_head_llama, [[4, 0, 12, 8], [8, 8, 4, 16], [0, 20, 4, 8]])
+    prompts = [[100 + 7 * i + j for j in range(56 + 4 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [o.token_ids for o in Engine(cfg, progress=False).generate(prompts, params)]
+    engine = HeadParallelEngine(cfg, progress=False)
+    static = SpinDecodeGraphs(engine.model, engine.attention, max_batch=4, capture=False)
+    engine.runner.graphs = static
+    steps = []
+    forward = static._forward
+    static._forward = lambda B, P: steps.append(B) or forward(B, P)
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens, timed = {i: [] for i in ids}, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        timed.append(engine.last_stats.attention_rank_s[0])
+    engine.check_integrity()
+    assert [tokens[i] for i in ids] == expected
+    assert len(steps) >= 9 and all(t > 0 for t in timed[-len(steps):])  # every static step was timed
+
+
 def test_bubble_is_the_wait_for_the_slowest_rank_per_layer():
     times = [[4.0, 1.0], [2.0, 3.0]]  # [R][L]: each rank is the slow one in one layer
     assert bubble_seconds(times) == pytest.approx(1.0 + 1.0)
@@ -188,9 +215,26 @@ def test_two_nccl_ranks_on_two_gpus_give_the_tokens_of_one_gpu(four_kv_head_llam
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = [o.token_ids for o in Engine(cfg, progress=False).generate(PROMPTS, params)]
     placement = HeadPlacement(2, INTERLEAVED, [[1] * 4] * 3) if layout == "interleaved" else None
-    result = launch_generate(cfg, prompts, params, num_ranks=2, placement=placement)
+    result = launch_generate(cfg, PROMPTS, params, num_ranks=2, placement=placement)
     assert [o.token_ids for o in result.outputs] == expected
     assert all(s > 0 for s in result.attention_rank_s)
+
+
+@pytest.mark.gpu
+def test_one_nccl_rank_replays_spin_decode_graphs_with_timed_layers(four_kv_head_llama):
+    """The head-parallel rank's decode steps on the Spin cache run in CUDA graphs (the o_proj
+    all-reduce captured, the layer timer's events as graph nodes) and give the engine's tokens."""
+    cfg = _spin_config(four_kv_head_llama, [[4, 0, 12, 8], [8, 8, 4, 16], [0, 20, 4, 8]]).replace(
+        model={"device": "cuda"})
+    prompts = [[100 + 7 * i + j for j in range(56 + 4 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine = Engine(cfg, progress=False)
+    expected = [o.token_ids for o in engine.generate(prompts, params)]
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    result = launch_generate(cfg, prompts, params, num_ranks=1)
+    assert [o.token_ids for o in result.outputs] == expected
+    assert result.graph_replays > 0
+    assert result.attention_rank_s[0] > 0
 
 
 @pytest.mark.gpu
@@ -204,3 +248,4 @@ def test_two_nccl_ranks_on_the_spin_cache_give_the_tokens_of_one_gpu(four_kv_hea
     expected = [o.token_ids for o in Engine(cfg, progress=False).generate(prompts, params)]
     result = launch_generate(cfg, prompts, params, num_ranks=2, placement=HeadPlacement(2, INTERLEAVED, [[1] * 4] * 3))
     assert [o.token_ids for o in result.outputs] == expected
+    assert result.graph_replays > 0  # both ranks replayed graphs with NCCL all-reduces inside
