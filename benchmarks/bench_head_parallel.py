@@ -79,6 +79,7 @@ def _rank_main(rank, world, port, device_type, config, placement, prompts, steps
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(backend_for(torch.device(device_type)), init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
+    engine = None
     try:
         engine = HeadParallelEngine(config, placement, progress=False)
         sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
@@ -107,6 +108,8 @@ def _rank_main(rank, world, port, device_type, config, placement, prompts, steps
                   "tokens": [tokens[i] for i in ids], "graph_replays": graphs.replays if graphs else 0}
         results.put((rank, report if rank == 0 else None))
     finally:
+        if engine is not None:
+            engine.release_cuda_graphs()  # before the group: graphs hold NCCL resources
         dist.destroy_process_group()
 
 
@@ -212,22 +215,29 @@ def main(argv=None) -> dict:
             print(json.dumps({k: row[k] for k in ("ranks", "placement", "decode_step_s", "attention_makespan_s",
                                                   "bubble_ratio", "speedup_vs_1", "tokens_equal_1", "wall_s")}),
                   flush=True)
+            _write(result, args)  # what is done so far survives a run cut short
+    shutil.rmtree(folder, ignore_errors=True)
+    table = _write(result, args)
+    print(table)
+    return result
+
+
+def _write(result: dict, args) -> str:
+    """Add the greedy-vs-contiguous ratios of the rank counts run so far; write --out and --md."""
     by = {(r["ranks"], r["placement"]): r for r in result["runs"]}
     result["greedy_vs_contiguous"] = {
         str(n): {"makespan_gain": by[n, "contiguous"]["attention_makespan_s"] / by[n, "greedy"]["attention_makespan_s"],
                  "bubble_contiguous": by[n, "contiguous"]["bubble_ratio"], "bubble_greedy": by[n, "greedy"]["bubble_ratio"]}
-        for n in ranks if n > 1
+        for n in sorted({n for n, _ in by}) if (n, "contiguous") in by and (n, "greedy") in by
     }
-    shutil.rmtree(folder, ignore_errors=True)
     table = markdown(result)
-    print(table)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     if args.md:
         with open(args.md, "w") as f:
             f.write(table)
-    return result
+    return table
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ if [ -f .carry/tok/tokenizer.json ]; then
   # the tests' tiny models borrow the default model's tokenizer: a stand-in prepared folder
   M=$SPIN_MODEL_DIR/SmolLM2-135M-Instruct; mkdir -p "$M"; cp .carry/tok/* "$M/"; touch "$M/model.safetensors"
 fi
-(cd /tmp && timeout 150 python3 -m pytest "$REPO/tests/parallel" -m gpu -q -p no:cacheprovider 2>&1 | tail -8) \
+(cd /tmp && timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest "$REPO/tests/parallel" -m gpu -q -p no:cacheprovider 2>&1 | tail -8) \
   | tee "$OUT/parallel_gpu_tests.log"
 timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_head_parallel.py --ranks ${RANKS:-1 2 4 8} \
   --context "${CONTEXT:-131072}" --batch "${BATCH:-2}" --steps "${STEPS:-32}" --timeout-s "${CONFIG_TIMEOUT:-150}" \

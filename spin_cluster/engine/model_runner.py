@@ -175,6 +175,12 @@ class SpinDecodeGraphs:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
+    def release(self) -> None:
+        """Free every captured graph and their memory pool; later steps capture anew."""
+        self._graphs.clear()
+        self._hidden.clear()
+        self._pool = None
+
     def can_run(self, chunks: list[ScheduledChunk]) -> bool:
         return bool(chunks) and len(chunks) <= self.max_batch and all(c.is_decode for c in chunks)
 

@@ -7,7 +7,8 @@ because the attention output is all-reduced before anything else reads it. So ev
 schedules, samples (greedy, or seeded: the same generators) and stops identically, and
 collectives always line up.
 
-    import torch.distributed as dist
+    import torch
+import torch.distributed as dist
     dist.init_process_group("gloo", ...)              # or use launch_generate()
     engine = HeadParallelEngine(cfg, placement)       # placement: HeadPlacement or None
     outs = engine.generate(prompts, SamplingParams(temperature=0))
@@ -145,6 +146,16 @@ class HeadParallelEngine(Engine):
         kv, paged = build_cache(config, rank_mc, self.dtype, self.device, self.max_model_len, decode_attention)
         self.attention = HeadParallelAttention(paged, self.kv_heads, self.group)
         return kv, self.attention
+
+    def release_cuda_graphs(self) -> None:
+        """Free the decode CUDA graphs (they are captured again if the engine steps on). A
+        graph that captured NCCL all-reduces holds resources of the communicator, so a rank
+        calls this before ``dist.destroy_process_group``: on four H200s, two ranks whose
+        graphs were still alive reported their results and then never exited."""
+        graphs = self.runner.graphs
+        if graphs is not None and hasattr(graphs, "release"):
+            graphs.release()
+            torch.cuda.synchronize(self.device)
 
     def _cache_stats(self) -> dict:
         stats = super()._cache_stats()

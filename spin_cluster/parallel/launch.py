@@ -11,6 +11,7 @@ any spawn start, a script must call it under ``if __name__ == "__main__":``.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue as queue_mod
 import time
@@ -29,6 +30,8 @@ from spin_cluster.parallel.engine import HeadParallelEngine
 from spin_cluster.parallel.group import backend_for, free_port
 
 _POLL_S = 0.5
+_EXIT_GRACE_S = 60.0
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,16 @@ def run_ranks(fn, args: tuple, num_ranks: int, timeout_s: float | None = None) -
                 raise TimeoutError(f"{num_ranks} ranks did not finish within {timeout_s:.0f} s")
             continue
         reports[rank] = report
-    while not procs.join():
-        pass
+    # Every rank has reported: give them a grace period to leave the process group and exit,
+    # then end them, so that a rank stuck in its teardown cannot hold the results back.
+    grace_end = time.monotonic() + _EXIT_GRACE_S
+    while not procs.join(timeout=_POLL_S):
+        if time.monotonic() > grace_end:
+            logger.warning("ranks did not exit %.0f s after reporting; terminating them", _EXIT_GRACE_S)
+            for p in procs.processes:
+                if p.is_alive():
+                    p.terminate()
+            break
     return reports
 
 
@@ -109,6 +120,7 @@ def _rank_main(rank, num_ranks, port, device_type, config, prompts, params, plac
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
     backend = backend_for(torch.device(device_type))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    engine = None
     try:
         engine = HeadParallelEngine(config, placement, progress=False)
         outputs = engine.generate(prompts, params)
@@ -120,4 +132,6 @@ def _rank_main(rank, num_ranks, port, device_type, config, prompts, params, plac
         )
         results.put((rank, report))
     finally:
+        if engine is not None:
+            engine.release_cuda_graphs()
         dist.destroy_process_group()

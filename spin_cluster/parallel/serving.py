@@ -177,6 +177,7 @@ class LeaderEngine(HeadParallelEngine):
             _stop_processes(self._followers, timeout_s)
         finally:
             if self._owns_process_group and dist.is_initialized():
+                self.release_cuda_graphs()
                 dist.destroy_process_group()
             self._store = None
 
@@ -322,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_LEADER_GONE
         raise  # a real failure: the traceback goes to stderr, and rank 0's next collective fails
     if code == EXIT_STOPPED:
+        engine.release_cuda_graphs()
         dist.destroy_process_group()
     return code
 

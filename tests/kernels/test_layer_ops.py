@@ -3,10 +3,13 @@ which round to the activation dtype exactly where the model's torch code does.""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from spin_cluster.kernels.layer_ops import (
     add_rms_norm, add_rms_norm_ref, fits, rope_qk, rope_qk_ref, silu_mul, silu_mul_ref,
 )
+from spin_cluster.kernels import _layer_ops_kernel
 from spin_cluster.models.layers import apply_rope
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,3 +88,26 @@ def test_kernels_serve_cuda_tensors_of_one_dtype_only():
     assert not fits(x)  # the model runs the references off CUDA
     with pytest.raises(ValueError, match="weight"):
         add_rms_norm(x, None, torch.zeros(4), 1e-5)
+
+
+
+@triton.jit
+def _round_bf16_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < N)
+    tl.store(out_ptr + i, _layer_ops_kernel._round_to(x, tl.bfloat16), mask=i < N)
+
+
+def test_bf16_rounding_on_the_bits_is_torchs_round_to_nearest_even():
+    """The kernels' bfloat16 rounding of a float32 (``_round_to``), on random values and on
+    exact ties between two bfloat16 values, both signs: torch's conversion, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(512, generator=g) * 8).to(torch.bfloat16).float()  # exact bf16 values
+    half_ulp = (base.view(torch.int32) & 0x7F800000).view(torch.float32) * 2.0**-8
+    ties = base + half_ulp * base.sign()  # halfway to the next bf16 away from zero
+    x = torch.cat([torch.randn(512, generator=g) * 100, ties, -ties]).to(DEVICE)
+    out = torch.empty_like(x)
+    _round_bf16_kernel[(1,)](x, out, x.numel(), BLOCK=2048)
+    assert torch.equal(out, x.to(torch.bfloat16).float())
+    tied = out[512:1024].cpu()
+    assert (tied == base).any() and (tied != base).any()  # ties went both ways: to the even one

@@ -249,3 +249,22 @@ def test_two_nccl_ranks_on_the_spin_cache_give_the_tokens_of_one_gpu(four_kv_hea
     result = launch_generate(cfg, prompts, params, num_ranks=2, placement=HeadPlacement(2, INTERLEAVED, [[1] * 4] * 3))
     assert [o.token_ids for o in result.outputs] == expected
     assert result.graph_replays > 0  # both ranks replayed graphs with NCCL all-reduces inside
+
+
+def _report_then_hang(rank, results):
+    results.put((rank, rank * 10))
+    if rank == 1:  # a rank stuck in its teardown
+        import time
+
+        time.sleep(600)
+
+
+def test_run_ranks_returns_the_reports_when_a_rank_never_exits(monkeypatch):
+    import time
+
+    from spin_cluster.parallel import launch
+
+    monkeypatch.setattr(launch, "_EXIT_GRACE_S", 2.0)
+    start = time.monotonic()
+    assert launch.run_ranks(_report_then_hang, (), 2) == {0: 0, 1: 10}
+    assert time.monotonic() - start < 60
