@@ -23,6 +23,7 @@ heads share a budget) and block-sparse prefill are refused with a ValueError for
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import torch.distributed as dist
 
@@ -150,11 +151,13 @@ class HeadParallelEngine(Engine):
     def release_cuda_graphs(self) -> None:
         """Free the decode CUDA graphs (they are captured again if the engine steps on). A
         graph that captured NCCL all-reduces holds resources of the communicator, so a rank
-        calls this before ``dist.destroy_process_group``: on four H200s, two ranks whose
-        graphs were still alive reported their results and then never exited."""
+        calls this before ``dist.destroy_process_group``, which otherwise may hang (PyTorch
+        issue 115388; on four H200s, two ranks whose graphs were still alive reported their
+        results and then never exited)."""
         graphs = self.runner.graphs
         if graphs is not None and hasattr(graphs, "release"):
             graphs.release()
+            gc.collect()  # the CUDAGraph objects go now, not at some later collection
             torch.cuda.synchronize(self.device)
 
     def _cache_stats(self) -> dict:
