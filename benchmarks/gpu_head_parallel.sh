@@ -4,8 +4,10 @@
 # Llama-3.1-8B shapes in bf16 (128K context by default; CONTEXT, BATCH, STEPS, RANKS
 # override), then the same sweep in float32 at FP32_CONTEXT tokens (8K; 0 skips it), where
 # greedy tokens of random weights are not near ties, for the token check. NVLink multicast
-# stays off. The tokenizer comes from .carry/tok when carried. Results in $OUT: gpu.txt,
-# parallel_gpu_tests.log, head_parallel{,-fp32}.{json,md,log}.
+# stays off. TESTS=0 skips the tests, CONTEXT=0 the bf16 sweep: at 128K each configuration
+# takes about 75 s (its prefill 50 s), so on four GPUs the two sweeps fit one 10-minute call
+# each. The tokenizer comes from .carry/tok when carried. Results in $OUT (8 files at most):
+# gpu.txt, parallel_gpu_tests.log, head_parallel{,-fp32}.{json,md,log}.
 set -o pipefail
 export NCCL_NVLS_ENABLE=0
 source benchmarks/gpu_setup.sh
@@ -16,11 +18,15 @@ if [ -f .carry/tok/tokenizer.json ]; then
   # the tests' tiny models borrow the default model's tokenizer: a stand-in prepared folder
   M=$SPIN_MODEL_DIR/SmolLM2-135M-Instruct; mkdir -p "$M"; cp .carry/tok/* "$M/"; touch "$M/model.safetensors"
 fi
-(cd /tmp && timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest "$REPO/tests/parallel" -m gpu -q -p no:cacheprovider 2>&1 | tail -8) \
-  | tee "$OUT/parallel_gpu_tests.log"
-timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_head_parallel.py --ranks ${RANKS:-1 2 4 8} \
-  --context "${CONTEXT:-131072}" --batch "${BATCH:-2}" --steps "${STEPS:-32}" --timeout-s "${CONFIG_TIMEOUT:-150}" \
-  "${TOK[@]}" --out "$OUT/head_parallel.json" --md "$OUT/head_parallel.md" 2>&1 | tee "$OUT/head_parallel.log"
+if [ "${TESTS:-1}" != 0 ]; then
+  (cd /tmp && timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest "$REPO/tests/parallel" -m gpu -q -p no:cacheprovider 2>&1 | tail -8) \
+    | tee "$OUT/parallel_gpu_tests.log"
+fi
+if [ "${CONTEXT:-131072}" != 0 ]; then
+  timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_head_parallel.py --ranks ${RANKS:-1 2 4 8} \
+    --context "${CONTEXT:-131072}" --batch "${BATCH:-2}" --steps "${STEPS:-32}" --timeout-s "${CONFIG_TIMEOUT:-150}" \
+    "${TOK[@]}" --out "$OUT/head_parallel.json" --md "$OUT/head_parallel.md" 2>&1 | tee "$OUT/head_parallel.log"
+fi
 if [ "${FP32_CONTEXT:-8192}" != 0 ]; then
   timeout "${FP32_TIMEOUT:-200}" python3 benchmarks/bench_head_parallel.py --ranks ${RANKS:-1 2 4 8} --dtype float32 \
     --context "${FP32_CONTEXT:-8192}" --batch "${BATCH:-2}" --steps 24 --budget 512 --timeout-s 90 "${TOK[@]}" \

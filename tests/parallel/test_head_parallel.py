@@ -268,3 +268,41 @@ def test_run_ranks_returns_the_reports_when_a_rank_never_exits(monkeypatch):
     start = time.monotonic()
     assert launch.run_ranks(_report_then_hang, (), 2) == {0: 0, 1: 10}
     assert time.monotonic() - start < 60
+
+
+def _static_path_rank(rank, world, port, cfg, prompts, params, placement, results):
+    """A gloo rank whose decode steps take the path SpinDecodeGraphs captures on the GPU."""
+    from spin_cluster.engine.model_runner import SpinDecodeGraphs
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        engine = HeadParallelEngine(cfg, placement, progress=False)
+        static = SpinDecodeGraphs(engine.model, engine.attention, max_batch=4, capture=False)
+        engine.runner.graphs = static
+        steps = []
+        forward = static._forward
+        static._forward = lambda B, P: steps.append(B) or forward(B, P)
+        outs = engine.generate(prompts, params)
+        engine.check_integrity()
+        results.put((rank, ([o.token_ids for o in outs], len(steps), engine.last_stats.attention_rank_s_total)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_on_the_static_decode_path_give_the_tokens_of_one(four_kv_head_llama):
+    """Padded, uneven rank caches (one rank owns no head of layer 1) on the static decode
+    path of the graphs: the plain engine's tokens, every static step timed on both ranks."""
+    from spin_cluster.parallel.group import free_port
+    from spin_cluster.parallel.launch import run_ranks
+
+    cfg = _spin_config(four_kv_head_llama, [[4, 0, 12, 8], [8, 8, 4, 16], [0, 20, 4, 8]])
+    prompts = [[100 + 7 * i + j for j in range(56 + 4 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [o.token_ids for o in Engine(cfg, progress=False).generate(prompts, params)]
+    placement = HeadPlacement(2, INTERLEAVED, [[1] * 4] * 3)
+    reports = run_ranks(_static_path_rank, (2, free_port(), cfg, prompts, params, placement), 2, timeout_s=240)
+    for tokens, static_steps, rank_s in reports.values():
+        assert tokens == expected
+        assert static_steps >= 9
+        assert all(s > 0 for s in rank_s.values())
