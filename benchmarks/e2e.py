@@ -72,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget", type=int, default=2048, help="sparse modes: mean middle tokens per head")
     ap.add_argument("--algorithm", default="quest", choices=["quest", "labels"],
                     help="sparse modes' Select (graph-safe algorithms)")
+    ap.add_argument("--resident-margin", type=float, default=0.0,
+                    help="spin: sparse.resident_margin, Select's hysteresis in nats (0: off)")
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=65536,
@@ -117,6 +119,8 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
                      "sink_tokens": args.page_size, "options": {"index_dtype": "bfloat16"}}
     if mode == "spin":
         from spin_cluster.hplb.budget import synthetic_maxmin_budgets
+
+        cfg["sparse"]["resident_margin"] = args.resident_margin
 
         cfg["sparse"]["per_head_budgets"] = synthetic_maxmin_budgets(
             shape["num_hidden_layers"], shape["num_key_value_heads"], args.budget, args.page_size)

@@ -35,5 +35,8 @@ def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path):
     bench = runpy.run_path(str(BENCH), run_name="e2e")
     with pytest.raises(SystemExit, match="unknown workload"):
         bench["main"](["--tiny", "--workloads", "offline-1M", "--out", str(tmp_path)])
-    result = bench["main"](["--tiny", "--modes", "spin", "--workloads", "online-16rps", "--out", str(tmp_path)])
+    result = bench["main"](["--tiny", "--modes", "spin", "--workloads", "online-16rps", "--out", str(tmp_path),
+                            "--algorithm", "labels", "--resident-margin", "0.5"])
     assert list(result["workloads"]) == ["online-16rps"] and list(result["workloads"]["online-16rps"]) == ["spin"]
+    args = bench["parse_args"](["--tiny", "--resident-margin", "0.5"])
+    assert bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["resident_margin"] == 0.5
