@@ -49,6 +49,7 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "nu
 class RequestTimes:
     arrival_s: float
     first_token_s: float | None = None
+    last_token_s: float | None = None
     finished_s: float | None = None
     num_output: int = 0
 
@@ -165,6 +166,8 @@ def run_workload(engine, prompts: list[list[int]], arrivals_s: list[float], max_
             rt = times[out.request_id]
             rt.num_output += len(out.new_token_ids)
             rt.first_token_s = rt.first_token_s or t
+            if out.new_token_ids:
+                rt.last_token_s = t
             if out.finished:
                 rt.finished_s = t
     for rid, rt in times.items():
@@ -175,7 +178,9 @@ def run_workload(engine, prompts: list[list[int]], arrivals_s: list[float], max_
 
 def summarize(times: list[RequestTimes], steps, wall_s: float, truncated: bool, engine) -> dict:
     ttft = [r.first_token_s - r.arrival_s for r in times if r.first_token_s]
-    tpot = [(r.finished_s - r.first_token_s) / (r.num_output - 1) for r in times if r.finished_s and r.num_output > 1]
+    # Per request, over the tokens it produced: a request cut off by the deadline counts too
+    # (its TPOT so far), so that a mode too slow to finish inside its slice still has one.
+    tpot = [(r.last_token_s - r.first_token_s) / (r.num_output - 1) for r in times if r.num_output > 1]
     decode = [(s, n) for s, n, only, _ in steps if only]
     stats = engine.last_stats
     return {

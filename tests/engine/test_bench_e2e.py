@@ -40,3 +40,18 @@ def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path):
     assert list(result["workloads"]) == ["online-16rps"] and list(result["workloads"]["online-16rps"]) == ["spin"]
     args = bench["parse_args"](["--tiny", "--resident-margin", "0.5"])
     assert bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["resident_margin"] == 0.5
+
+
+def test_tpot_counts_requests_the_deadline_cut_off():
+    from types import SimpleNamespace
+
+    bench = runpy.run_path(str(BENCH), run_name="e2e")
+    RT = bench["RequestTimes"]
+    engine = SimpleNamespace(last_stats=SimpleNamespace(buffer_hits_total=0, buffer_misses_total=0),
+                             runner=SimpleNamespace(graphs=None))
+    times = [RT(arrival_s=0.0, first_token_s=1.0, last_token_s=3.0, finished_s=3.0, num_output=5),  # 0.5 s/token
+             RT(arrival_s=0.0, first_token_s=2.0, last_token_s=6.0, num_output=3),  # cut off: 2 s/token so far
+             RT(arrival_s=0.0)]  # never started
+    r = bench["summarize"](times, [], 10.0, True, engine)
+    assert r["finished"] == 1 and r["tpot_p50_s"] is not None
+    assert sorted([r["tpot_p50_s"], r["tpot_p99_s"]])[1] > 1.9  # the cut-off request is in
