@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 from spin_cluster.hplb.placement import (
     HeadPlacement,
     contiguous_layer,
+    EXACT_MAX_HEADS,
     contiguous_placement,
+    exact_layer,
     greedy_placement,
     head_costs,
     lpt_layer,
@@ -59,6 +61,8 @@ def test_greedy_within_lpt_bound_of_optimum_and_never_worse_than_contiguous(case
     greedy = greedy_placement(costs, num_ranks)
     optimum = sum(optimal_makespan(row, num_ranks) for row in costs)
     assert optimum <= greedy.makespan <= (4 / 3 - 1 / (3 * num_ranks)) * optimum + 1e-9
+    if len(costs[0]) <= EXACT_MAX_HEADS:
+        assert greedy.makespan == optimum
     assert greedy.makespan <= contiguous_placement(costs, num_ranks).makespan
     # Every layer is a partition of its KV heads over the ranks.
     for layer, row in enumerate(greedy.kv_head_to_rank):
@@ -90,11 +94,19 @@ def test_capped_lpt_balances_among_ranks_with_room():
         greedy_placement([costs], 2, max_heads=3)
 
 
+def test_exact_layer_beats_capped_lpt_where_lpt_is_not_optimal():
+    costs = [7, 7, 1, 8, 5, 4]
+    assert lpt_layer(costs, 2, max_heads=3) == (1, 1, 1, 0, 0, 0)  # 17 | 15
+    assert exact_layer(costs, 2, max_heads=3) == (0, 1, 0, 0, 1, 1)  # 16 | 16
+    assert greedy_placement([costs], 2, max_heads=3).makespan == 16
+
+
 def test_lpt_can_lose_to_contiguous_and_greedy_keeps_contiguous():
     costs = [3, 3, 2, 2, 2]
     assert lpt_layer(costs, 2) == (0, 1, 0, 1, 0)  # loads 7 | 5
     assert contiguous_layer(5, 2) == (0, 0, 0, 1, 1)  # loads 8 | 4
-    assert greedy_placement([costs], 2).makespan == 7
+    assert greedy_placement([costs], 2).makespan == 6  # exact at 5 heads: 3+3 | 2+2+2
+    assert greedy_placement([costs * 2], 2).makespan == 12  # 10 heads, past the exact search: LPT's 12 | 12
     swapped = [2, 2, 2, 3, 3]  # contiguous 6 | 6 beats LPT's 7 | 5
     placement = greedy_placement([swapped], 2)
     assert placement.kv_head_to_rank == ((0, 0, 0, 1, 1),)
