@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="float32 makes the token check exact: bf16 logits of random weights are near ties")
-    ap.add_argument("--max-batched-tokens", type=int, default=32768, help="prefill chunk (tokens per step)")
+    ap.add_argument("--max-batched-tokens", type=int, default=65536, help="prefill chunk (tokens per step)")
     ap.add_argument("--gpu-kv-gib", type=float, default=24.0)
     ap.add_argument("--host-kv-gib", type=float, default=40.0)
     ap.add_argument("--tokenizer", default=None, metavar="DIR", help="folder with tokenizer.json (default: the default model's)")
