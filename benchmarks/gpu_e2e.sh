@@ -2,8 +2,8 @@
 # The end-to-end run (device tool, one call, within 10 minutes on one H200): GPU tests of the
 # decode CUDA graphs and the engine, then benchmarks/e2e.py at Llama-3.1-8B shapes with the
 # KV over a GPU cap (GPU_KV_GIB, default 24; a 128K request's KV is 16 GiB). The host tier is
-# 3/4 of the memory this machine lets us pin (probed first, 8 GiB at a time, at most 72 GiB),
-# and the offline batch is what that tier holds at 128K (at most 4). The tokenizer comes from
+# 3/4 of the memory this machine lets us pin (probed first, 8 GiB at a time, at most 72 GiB;
+# HOST_KV_GIB sets it), and the offline batch is what that tier holds at 128K (at most 6). The tokenizer comes from
 # .carry/tok when carried, else from the prepared default model. Results land in $OUT:
 # gpu.txt, gpu_tests.log, e2e.{json,md,png,log}. Env: MODES, WORKLOADS (subsets), HOST_KV_GIB (skip the
 # probe), DEADLINE_S, GPU_TESTS=0, MAX_BATCHED (prefill chunk), EXTRA_ARGS (more e2e.py flags).
@@ -32,7 +32,8 @@ print(8 * len(bufs))
 PY
 )
 HOST=$(( PIN * 3 / 4 )); [ "$HOST" -gt 72 ] && HOST=72
-BATCH=$(( HOST / 17 )); [ "$BATCH" -gt 4 ] && BATCH=4; [ "$BATCH" -lt 1 ] && BATCH=1
+[ -n "$HOST_KV_GIB" ] && HOST=$HOST_KV_GIB  # as given: e.g. 88 GiB holds 5 requests of 128K
+BATCH=$(( HOST / 17 )); [ "$BATCH" -gt 6 ] && BATCH=6; [ "$BATCH" -lt 1 ] && BATCH=1
 echo "pinnable host memory: >= $PIN GiB; host tier $HOST GiB; offline batch $BATCH" | tee -a "$OUT/gpu.txt"
 MODES_ARG=(); [ -n "$MODES" ] && MODES_ARG=(--modes $MODES)
 WL_ARG=(); [ -n "$WORKLOADS" ] && WL_ARG=(--workloads $WORKLOADS)
