@@ -258,14 +258,13 @@ class SpinAttention:
         scores = None
         if not self.algorithm.selects_all:
             scores = self.algorithm.score(layer, q, plan.decode_rows, sel.max_pages)
-            if self.sparse.resident_margin and kv.buffer.reuse:
-                # Hysteresis: the margin in score units (scores are q.k summed over the G query
-                # heads of a KV head, a logit times G sqrt(D)).
-                bonus = self.sparse.resident_margin * q.shape[1] / kv.num_kv_heads * q.shape[2] ** 0.5
+            # Scores are q.k summed over the G query heads of a KV head: a logit times G sqrt(D).
+            logit_scale = kv.num_kv_heads / (q.shape[1] * q.shape[2] ** 0.5)
+            if self.sparse.resident_margin and kv.buffer.reuse:  # hysteresis, in score units
                 held = kv.buffer.resident(plan.decode_rows, layer, scores.shape[-1])
-                scores = scores + (held * bonus).to(scores.dtype)
-            if sel.top_p is not None:  # scores are q.k summed over the G query heads of a KV head
-                sel = dataclasses.replace(sel, score_scale=kv.num_kv_heads / (q.shape[1] * q.shape[2] ** 0.5))
+                scores = scores + (held * (self.sparse.resident_margin / logit_scale)).to(scores.dtype)
+            if sel.top_p is not None:
+                sel = dataclasses.replace(sel, score_scale=logit_scale)
         want, num_selected = select_pages(scores, self.algorithm.selects_all, sel, kv.num_kv_heads)  # [Bd, Hkv, K]
         lookup, miss = kv.buffer.lookup(plan.decode_rows, layer, want, self.now)
         # The misses' host pages, each head's attended length, its newest token's slot.

@@ -264,15 +264,13 @@ def greedy_placement(costs: Sequence[Sequence[float]], num_ranks: int, max_heads
     found (at most ``max_heads`` heads per rank, at least the contiguous split's ceil(Hkv / R)):
     the exact one for layers of up to ``EXACT_MAX_HEADS`` KV heads, LPT's above."""
     _check_ranks(costs, num_ranks)
-    if max_heads is not None and max_heads * num_ranks < len(costs[0]):
-        raise ValueError(f"max_heads={max_heads}: {num_ranks} ranks must hold {len(costs[0])} KV heads per layer")
     rows = []
     for layer_costs in costs:
         contiguous = contiguous_layer(len(layer_costs), num_ranks)
         search = exact_layer if len(layer_costs) <= EXACT_MAX_HEADS else lpt_layer
-        lpt = search(layer_costs, num_ranks, max_heads)
-        better = max(_loads(layer_costs, lpt, num_ranks)) < max(_loads(layer_costs, contiguous, num_ranks))
-        rows.append(lpt if better else contiguous)
+        found = search(layer_costs, num_ranks, max_heads)  # lpt_layer refuses a cap too small
+        better = max(_loads(layer_costs, found, num_ranks)) < max(_loads(layer_costs, contiguous, num_ranks))
+        rows.append(found if better else contiguous)
     return HeadPlacement(num_ranks, rows, costs, "greedy")
 
 
