@@ -126,6 +126,8 @@ def run_config(config, placement, prompts, steps: int, num_ranks: int, device_ty
 
 
 def summarize(report: dict, baseline_step_s: float | None, baseline_tokens) -> dict:
+    from spin_cluster.hplb.placement import HeadPlacement
+
     steps = report["decode"][1:]  # the first decode step pays one-off costs (Triton, allocator)
     if not steps:
         raise RuntimeError("no decode step was timed: raise --steps")
@@ -138,7 +140,7 @@ def summarize(report: dict, baseline_step_s: float | None, baseline_tokens) -> d
         "ranks": num_ranks, "prefill_s": report["prefill_s"], "decode_step_s": step_s,
         "attention_rank_s": rank_s, "attention_makespan_s": critical, "bubble_s": bubble_s,
         "bubble_ratio": bubble_s / critical if critical > 0 else 0.0,
-        "imbalance": report["placement"].get("imbalance"),
+        "imbalance": HeadPlacement.from_dict(report["placement"]).imbalance,  # of the cost model
         "speedup_vs_1": baseline_step_s / step_s if baseline_step_s else None,
         "tokens_equal_1": None if baseline_tokens is None else report["tokens"] == baseline_tokens,
         "graph_replays": report.get("graph_replays", 0), "decode_steps": len(report["decode"]),
@@ -153,6 +155,9 @@ def markdown(result: dict) -> str:
              "| ranks | placement | decode step ms | speed-up vs 1 | attention makespan ms | per-rank attention ms "
              "| bubble ratio | tokens = 1 GPU | graph replays |", "|---:|---|---:|---:|---:|---|---:|---|---:|"]
     for r in result["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['ranks']} | {r['placement']} | failed: {r['error']} | | | | | | |")
+            continue
         per_rank = " / ".join(f"{1e3 * s:.2f}" for s in r["attention_rank_s"])
         speed = "-" if r["speedup_vs_1"] is None else f"{r['speedup_vs_1']:.2f}x"
         same = "-" if r["tokens_equal_1"] is None else ("yes" if r["tokens_equal_1"] else "**no**")
@@ -206,7 +211,17 @@ def main(argv=None) -> dict:
         for method in (("contiguous", "greedy") if n > 1 else ("one GPU",)):
             placement = default_placement(config, mc, n, "greedy" if n == 1 else method)
             t0 = time.monotonic()
-            report = run_config(config, placement, prompts, args.steps, n, device_type, args.timeout_s)
+            try:
+                report = run_config(config, placement, prompts, args.steps, n, device_type, args.timeout_s)
+            except (RuntimeError, TimeoutError) as e:  # one failed configuration does not end the sweep
+                if n == 1:
+                    raise
+                row = {"ranks": n, "placement": method, "error": f"{type(e).__name__}: {e}"[:300],
+                       "wall_s": time.monotonic() - t0}
+                result["runs"].append(row)
+                print(json.dumps(row), flush=True)
+                _write(result, args)
+                continue
             row = {"placement": method, **summarize(report, base_step, base_tokens), "wall_s": time.monotonic() - t0}
             if n == 1:
                 base_step, base_tokens = row["decode_step_s"], report["tokens"]
@@ -224,7 +239,7 @@ def main(argv=None) -> dict:
 
 def _write(result: dict, args) -> str:
     """Add the greedy-vs-contiguous ratios of the rank counts run so far; write --out and --md."""
-    by = {(r["ranks"], r["placement"]): r for r in result["runs"]}
+    by = {(r["ranks"], r["placement"]): r for r in result["runs"] if "error" not in r}
     result["greedy_vs_contiguous"] = {
         str(n): {"makespan_gain": by[n, "contiguous"]["attention_makespan_s"] / by[n, "greedy"]["attention_makespan_s"],
                  "bubble_contiguous": by[n, "contiguous"]["bubble_ratio"], "bubble_greedy": by[n, "greedy"]["bubble_ratio"]}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 
+import torch
 import torch.distributed as dist
 
 from spin_cluster.config import SpinConfig
@@ -158,7 +159,8 @@ class HeadParallelEngine(Engine):
         if graphs is not None and hasattr(graphs, "release"):
             graphs.release()
             gc.collect()  # the CUDAGraph objects go now, not at some later collection
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     def _cache_stats(self) -> dict:
         stats = super()._cache_stats()

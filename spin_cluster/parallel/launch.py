@@ -11,9 +11,11 @@ any spawn start, a script must call it under ``if __name__ == "__main__":``.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import queue as queue_mod
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,12 +80,13 @@ def launch_generate(
 def run_ranks(fn, args: tuple, num_ranks: int, timeout_s: float | None = None) -> dict:
     """Run ``fn(rank, *args, results)`` in ``num_ranks`` spawned processes and return
     {rank: report}: every rank puts ``(rank, report)`` on the ``results`` queue. A rank that
-    fails raises here with its traceback; past ``timeout_s`` the ranks are terminated and
-    TimeoutError raised. ``fn`` must be importable by the children (a module-level function;
-    a script calls this under ``if __name__ == "__main__":``)."""
+    fails raises here with its traceback; past ``timeout_s`` the ranks print the stacks of
+    their threads to stderr (where a hang sits), are terminated, and TimeoutError is raised.
+    ``fn`` must be importable by the children (a module-level function; a script calls this
+    under ``if __name__ == "__main__":``)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = mp.start_processes(fn, args=(*args, results), nprocs=num_ranks, join=False, start_method="spawn")
+    procs = mp.start_processes(_traced, args=(fn, *args, results), nprocs=num_ranks, join=False, start_method="spawn")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     reports = {}
     while len(reports) < num_ranks:
@@ -94,8 +97,7 @@ def run_ranks(fn, args: tuple, num_ranks: int, timeout_s: float | None = None) -
             if procs.join(timeout=0) and results.empty():
                 raise RuntimeError(f"ranks {sorted(set(range(num_ranks)) - set(reports))} exited without a report")
             if deadline is not None and time.monotonic() > deadline:
-                for p in procs.processes:
-                    p.terminate()
+                _dump_and_terminate(procs.processes)
                 raise TimeoutError(f"{num_ranks} ranks did not finish within {timeout_s:.0f} s")
             continue
         reports[rank] = report
@@ -105,11 +107,25 @@ def run_ranks(fn, args: tuple, num_ranks: int, timeout_s: float | None = None) -
     while not procs.join(timeout=_POLL_S):
         if time.monotonic() > grace_end:
             logger.warning("ranks did not exit %.0f s after reporting; terminating them", _EXIT_GRACE_S)
-            for p in procs.processes:
-                if p.is_alive():
-                    p.terminate()
+            _dump_and_terminate(procs.processes)
             break
     return reports
+
+
+def _traced(rank: int, fn, *args) -> None:
+    """A rank's entry: SIGUSR1 prints the stacks of all its threads, then ``fn`` runs."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    fn(rank, *args)
+
+
+def _dump_and_terminate(processes) -> None:
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1.0)  # let them print
+    for p in alive:
+        if p.is_alive():
+            p.terminate()
 
 
 def _rank_main(rank, num_ranks, port, device_type, config, prompts, params, placement, results) -> None:

@@ -42,3 +42,30 @@ def test_head_parallel_bench_runs_every_rank_count_and_placement_on_cpu(tmp_path
     assert all(r["tokens_equal_1"] for r in result["runs"])
     assert all(0 <= r["bubble_ratio"] < 1 and len(r["attention_rank_s"]) == r["ranks"] for r in result["runs"])
     assert "2" in result["greedy_vs_contiguous"] and "| 2 | greedy |" in md.read_text()
+    imbalance = {r["placement"]: r["imbalance"] for r in result["runs"]}  # of the cost model
+    assert imbalance["one GPU"] == 0 and 0 <= imbalance["greedy"] <= imbalance["contiguous"]
+
+
+def test_head_parallel_bench_records_a_failed_configuration_and_goes_on(tmp_path):
+    """A configuration whose ranks hang or fail is a row with its error; the sweep goes on."""
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "bench_head_parallel.py"),
+                           run_name="bench_head_parallel")
+    main = bench["main"]
+
+    def fake_run_config(config, placement, prompts, steps, num_ranks, device_type, timeout_s):
+        if num_ranks == 2 and placement.method == "contiguous":
+            raise TimeoutError(f"{num_ranks} ranks did not finish within {timeout_s:.0f} s")
+        step = [(0.01, [0.004 / num_ranks] * num_ranks, 0.0001)] * 3
+        return {"placement": placement.to_dict(), "prefill_s": 1.0, "decode": step, "tokens": [[1, 2]],
+                "graph_replays": 0}
+
+    main.__globals__["run_config"] = fake_run_config
+    out, md = tmp_path / "hp.json", tmp_path / "hp.md"
+    result = main(["--tiny", "--ranks", "1", "2", "--out", str(out), "--md", str(md), "--timeout-s", "7"])
+    rows = {(r["ranks"], r["placement"]): r for r in result["runs"]}
+    assert list(rows) == [(1, "one GPU"), (2, "contiguous"), (2, "greedy")]
+    assert rows[2, "contiguous"]["error"] == "TimeoutError: 2 ranks did not finish within 7 s"
+    assert rows[2, "greedy"]["tokens_equal_1"] and rows[2, "greedy"]["speedup_vs_1"] == 1.0
+    assert result["greedy_vs_contiguous"] == {}  # nothing to compare against
+    assert "| 2 | contiguous | failed: TimeoutError" in md.read_text()
+    assert json.loads(out.read_text())["runs"][1]["error"].startswith("TimeoutError")

@@ -150,6 +150,8 @@ def test_a_ranks_static_decode_path_gives_the_plain_tokens_and_times_its_layers(
     engine.check_integrity()
     assert [tokens[i] for i in ids] == expected
     assert len(steps) >= 9 and all(t > 0 for t in timed[-len(steps):])  # every static step was timed
+    engine.release_cuda_graphs()  # what a rank does before it leaves the process group
+    assert not static._graphs and static._pool is None
 
 
 def test_bubble_is_the_wait_for_the_slowest_rank_per_layer():
@@ -268,6 +270,28 @@ def test_run_ranks_returns_the_reports_when_a_rank_never_exits(monkeypatch):
     start = time.monotonic()
     assert launch.run_ranks(_report_then_hang, (), 2) == {0: 0, 1: 10}
     assert time.monotonic() - start < 60
+
+
+def _hang_in_a_named_function(rank, results):
+    import time
+
+    def stuck_in_the_collective():
+        time.sleep(600)
+
+    stuck_in_the_collective()
+
+
+def test_run_ranks_prints_where_ranks_hang_and_raises_past_the_timeout(capfd):
+    import time
+
+    from spin_cluster.parallel import launch
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="2 ranks did not finish within 3 s"):
+        launch.run_ranks(_hang_in_a_named_function, (), 2, timeout_s=3.0)
+    assert time.monotonic() - start < 60
+    err = capfd.readouterr().err
+    assert err.count("stuck_in_the_collective") >= 2  # each rank's stack names where it sits
 
 
 def _static_path_rank(rank, world, port, cfg, prompts, params, placement, results):
