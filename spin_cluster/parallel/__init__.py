@@ -1,8 +1,9 @@
 """Head-parallel ranks over torch.distributed (NCCL on GPU, gloo on CPU).
 
 Every rank runs the same engine on the same requests (SPMD); its model holds only the
-attention heads a ``HeadPlacement`` gives it, its KV cache only their pages, and the
-attention block's output projection is summed across ranks.
+attention heads a ``HeadPlacement`` gives it and one block of the MLP's intermediate
+features, its KV cache only its heads' pages; the attention's output projection and the MLP's
+down projection are summed across ranks.
 
 ``launch_generate`` runs ranks offline; ``spin_cluster.parallel.serving`` runs them behind a
 server (rank 0 in the serving process, the others as follower processes). The latter is not
@@ -11,7 +12,7 @@ imported here: each follower runs it with ``python -m``.
 
 from spin_cluster.parallel.engine import HeadParallelEngine, default_placement
 from spin_cluster.parallel.launch import ParallelResult, launch_generate
-from spin_cluster.parallel.shard import shard_attention
+from spin_cluster.parallel.shard import shard_attention, shard_mlp
 from spin_cluster.parallel.timing import bubble_ratio, bubble_seconds
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "default_placement",
     "launch_generate",
     "shard_attention",
+    "shard_mlp",
 ]

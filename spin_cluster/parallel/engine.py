@@ -36,7 +36,7 @@ from spin_cluster.kvcache.page_pool import PagePool
 from spin_cluster.models import ModelConfig
 from spin_cluster.parallel.attention import HeadParallelAttention, HeadParallelSpinAttention
 from spin_cluster.parallel.group import all_reduce_min
-from spin_cluster.parallel.shard import shard_attention
+from spin_cluster.parallel.shard import shard_attention, shard_mlp
 from spin_cluster.parallel.timing import bubble_seconds
 
 
@@ -110,7 +110,8 @@ class HeadParallelEngine(Engine):
         if idle:
             raise ValueError(f"the placement gives ranks {idle} no KV head in any layer; use fewer ranks")
         self.kv_heads = p.kv_heads_of(self.rank)  # [L] this rank's KV heads
-        return shard_attention(model, self.kv_heads, self.group)
+        shard_attention(model, self.kv_heads, self.group)
+        return shard_mlp(model, self.rank, self.num_ranks, self.group)
 
     def _build_cache(self, decode_attention: str):
         if self.config.cache.offload:

@@ -125,6 +125,31 @@ def test_sharded_layers_sum_to_the_unsharded_layer(four_kv_head_llama, one_rank_
         shard_attention(full, [[3, 0], [], []])
 
 
+def test_mlp_shards_sum_to_the_whole_mlp(four_kv_head_llama, one_rank_group):
+    """Three ranks' blocks of the intermediate features (an uneven split) cover them once,
+    and their partial down projections add up to the whole MLP's output."""
+    from spin_cluster.parallel.shard import mlp_block, shard_mlp
+
+    full = load_model(four_kv_head_llama, progress=False)
+    F_ = full.config.intermediate_size
+    blocks = [mlp_block(F_, r, 3) for r in range(3)]
+    assert [i for b in blocks for i in b] == list(range(F_))
+    assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+    assert len(mlp_block(2, 2, 3)) == 0  # more ranks than features: an empty block
+    x = torch.randn(5, full.config.hidden_size)
+    want = full.layers[1].mlp(x)
+    parts = []
+    for r in range(3):
+        model = shard_mlp(load_model(four_kv_head_llama, progress=False), r, 3)
+        mlp = model.layers[1].mlp
+        assert mlp.gate_proj.weight.shape == (len(blocks[r]), full.config.hidden_size)
+        assert mlp.down_proj.weight.shape == (full.config.hidden_size, len(blocks[r]))
+        parts.append(mlp(x))  # a group of one rank: the all-reduce leaves the partial sum
+    torch.testing.assert_close(sum(parts), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="outside 0 .. 2"):
+        mlp_block(F_, 3, 3)
+
+
 def test_a_ranks_static_decode_path_gives_the_plain_tokens_and_times_its_layers(four_kv_head_llama, one_rank_group):
     """The path SpinDecodeGraphs captures on the GPU, run eagerly through a rank's Spin
     backend (plan, step plan and step index passed to the wrapped backend): the tokens of the
