@@ -44,6 +44,7 @@ def test_head_parallel_bench_runs_every_rank_count_and_placement_on_cpu(tmp_path
     assert "2" in result["greedy_vs_contiguous"] and "| 2 | greedy |" in md.read_text()
     imbalance = {r["placement"]: r["imbalance"] for r in result["runs"]}  # of the cost model
     assert imbalance["one GPU"] == 0 and 0 <= imbalance["greedy"] <= imbalance["contiguous"]
+    assert result["greedy_vs_contiguous"]["2"]["model_gain"] >= 1.0 and "(cost model: " in md.read_text()
 
 
 def test_head_parallel_bench_records_a_failed_configuration_and_goes_on(tmp_path):
