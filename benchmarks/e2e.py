@@ -75,6 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="sparse modes' Select (graph-safe algorithms)")
     ap.add_argument("--resident-margin", type=float, default=0.0,
                     help="spin: sparse.resident_margin, Select's hysteresis in nats (0: off)")
+    ap.add_argument("--per-head-shares", action="store_true",
+                    help="spin: cache.per_head_shares, each head's buffer share sized by its own S-HPLB budget")
+    ap.add_argument("--buffer-share", type=float, default=2.0,
+                    help="spin: cache.buffer_share, a share's full width as a multiple of the pages a step selects")
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=65536,
@@ -122,6 +126,7 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
         from spin_cluster.hplb.budget import synthetic_maxmin_budgets
 
         cfg["sparse"]["resident_margin"] = args.resident_margin
+        cfg["cache"].update(per_head_shares=args.per_head_shares, buffer_share=args.buffer_share)
 
         cfg["sparse"]["per_head_budgets"] = synthetic_maxmin_budgets(
             shape["num_hidden_layers"], shape["num_key_value_heads"], args.budget, args.page_size)

@@ -73,6 +73,10 @@ class CacheConfig:
     # Size each newcomer's buffer share from the free slots and the queue behind it (down to
     # its mandatory pages); false: every request takes buffer_pages_per_head or waits.
     elastic_shares: bool = True
+    # With sparse.per_head_budgets (top-k): size each head's share by its own selection
+    # (buffer_share times sink + its budget + local) instead of the widest head's, so a
+    # request's share takes a fraction of the slots and more requests fit the same GPU cap.
+    per_head_shares: bool = False
     # Keep selected pages in the GPU buffer between steps (temporal locality); false: every
     # page a step selects is retrieved from the host tier again (the no-buffer baseline).
     buffer_reuse: bool = True

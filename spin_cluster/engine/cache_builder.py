@@ -64,15 +64,27 @@ def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, de
     )
     mandatory = min(max_pages, _mandatory_pages(config, algorithm, max_model_len))
     # Without reuse a page never outlives its step: columns past the mandatory ones are idle.
-    share = cc.buffer_pages_per_head or min(max_pages, math.ceil((cc.buffer_share if cc.buffer_reuse else 1) * mandatory))
+    multiple = cc.buffer_share if cc.buffer_reuse else 1
+    share = cc.buffer_pages_per_head or min(max_pages, math.ceil(multiple * mandatory))
     slot_bytes = PagePool.bytes_per_page(S, mc.head_dim, dtype)
     gpu_bytes = gpu_budget_bytes(config, device)
     per_column = mc.num_layers * mc.num_kv_heads
-    num_slots = min(int(gpu_bytes // slot_bytes), sc.max_num_seqs * share * per_column)
-    if num_slots < mandatory * per_column:
+    widths = head_mandatory = None
+    # Per-head widths need each head's own selection bounded by its budget: top-k over
+    # per-head budgets (top-p lets a head take a layer's whole budget).
+    sp = config.sparse
+    if (cc.per_head_shares and not cc.buffer_pages_per_head and sp.per_head_budgets is not None
+            and sp.top_p is None and not algorithm.selects_all):
+        head_mandatory = _head_mandatory_pages(config, mc.num_layers, max_pages)
+        widths = [[min(max_pages, math.ceil(multiple * m)) for m in row] for row in head_mandatory]
+        share = max(max(row) for row in widths)
+    full_slots = sum(map(sum, widths)) if widths else share * per_column
+    least_slots = sum(map(sum, head_mandatory)) if head_mandatory else mandatory * per_column
+    num_slots = min(int(gpu_bytes // slot_bytes), sc.max_num_seqs * full_slots)
+    if num_slots < least_slots:
         raise ValueError(
             f"the GPU buffer ({num_slots} page slots) cannot hold one request's selected pages "
-            f"({mandatory} per head x {per_column} heads); raise cache.kv_cache_gib or lower sparse.budget"
+            f"({least_slots} over {per_column} heads); raise cache.kv_cache_gib or lower sparse.budget"
         )
     host_gib = cc.host_kv_gib or _DEFAULT_HOST_KV_GIB
     seg_bytes = HostTier.bytes_per_segment(cc.segment_pages, S, mc.head_dim, dtype)
@@ -85,6 +97,7 @@ def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, de
         num_buffer_slots=num_slots, buffer_pages_per_head=share, mandatory_pages_per_head=mandatory,
         max_seqs=sc.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
         num_buckets=cc.lru_buckets, elastic_shares=cc.elastic_shares, reuse=cc.buffer_reuse,
+        head_widths=widths, head_mandatory=head_mandatory,
     )
     return kv, SpinAttention(kv, algorithm, config.sparse, max_model_len, decode_attention,
                              _sparse_prefill(config, mc, device))
@@ -107,6 +120,16 @@ def _make_algorithm(cls, config: SpinConfig, **shape):
         return cls(**shape, **options)
     except TypeError as e:
         raise ValueError(f"sparse.options {sorted(options)} do not fit algorithm {cls.name!r}: {e}") from None
+
+
+def _head_mandatory_pages(config: SpinConfig, num_layers: int, max_pages: int) -> list[list[int]]:
+    """[L][Hkv] pages each head selects per step under ``sparse.per_head_budgets`` (top-k):
+    sink + its own budget + local, as ``_mandatory_pages`` counts the widest head's."""
+    S, sp = config.cache.page_size, config.sparse
+    if len(sp.per_head_budgets) != num_layers:
+        raise ValueError(f"sparse.per_head_budgets has {len(sp.per_head_budgets)} layers, the model {num_layers}")
+    edge = -(-sp.sink_tokens // S) + max(1, -(-sp.local_tokens // S))
+    return [[min(max_pages, edge + -(-int(b) // S)) for b in row] for row in sp.per_head_budgets]
 
 
 def _mandatory_pages(config: SpinConfig, algorithm, max_model_len: int) -> int:

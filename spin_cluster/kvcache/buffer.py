@@ -22,6 +22,14 @@ Elastic shares: the scheduler asks ``share_for`` at admission. A request gets
 keeps up to ``buffer_pages`` pages per head for temporal locality (high hit ratio); under
 load each newcomer takes an equal part of what is free, down to its mandatory pages, so
 more requests run at once at a lower hit ratio. Below the mandatory pages it waits.
+
+Per-head widths (``head_widths``): with S-HPLB's per-head budgets, one width for every head
+is the widest head's (537 pages at 128K for a 17K-token head, against 67 for the mean one),
+so most of a share holds pages no step selects. Given each head's full width and its
+mandatory pages, a share of ``c`` columns (counted at the widest head) gives head (l, h)
+``ceil(c * full[l, h] / max_share)`` columns, at least its mandatory ones; columns past a
+head's width have no slot (-1), and the lookup never evicts into them. A request then takes
+the sum of its heads' widths in slots instead of ``c`` times the number of heads.
 """
 
 from __future__ import annotations
@@ -58,7 +66,11 @@ class GpuBuffer:
         num_buckets: int = DEFAULT_NUM_BUCKETS,
         reuse: bool = True,
         max_pages: int = 0,
+        head_widths: list[list[int]] | None = None,
+        head_mandatory: list[list[int]] | None = None,
     ) -> None:
+        """head_widths: [L][Hkv] full share width of each head (the widest == ``max_share``),
+        with head_mandatory [L][Hkv] the pages each selects per step; None: one width."""
         self.num_layers = num_layers
         # False: lookups forget what a share holds, so every selected page is a miss.
         self.reuse = reuse
@@ -80,8 +92,10 @@ class GpuBuffer:
             if max_pages < 1:
                 raise ValueError("a GPU buffer on CUDA needs max_pages (pages per request) for its page map")
             self.res_col = torch.full((max_seqs, num_layers, num_kv_heads, max_pages), -1, dtype=torch.int16, device=device)
+        self._full, self._min = _head_widths(head_widths, head_mandatory, num_layers, num_kv_heads, max_share)
         self._free_slots = FreeList(num_slots)
         self._row_slots: dict[int, list[int]] = {}
+        self._row_share: dict[int, int] = {}
         # Device counters, read once per step: lookups, hits, misses, evictions (a miss that
         # replaced a cached page rather than filling an empty column).
         self.counters = torch.zeros(4, dtype=torch.int64, device=device)
@@ -103,22 +117,48 @@ class GpuBuffer:
         """Slots one column of share takes across all layers and heads."""
         return self.num_layers * self.num_kv_heads
 
+    @property
+    def per_head_widths(self) -> bool:
+        return self._full is not None
+
+    def widths(self, share: int) -> torch.Tensor:
+        """[L, Hkv] int64 columns of each head in a share of ``share`` columns."""
+        if self._full is None:
+            return torch.full((self.num_layers, self.num_kv_heads), share, dtype=torch.int64)
+        scaled = (share * self._full + self.max_share - 1) // self.max_share
+        return torch.minimum(torch.maximum(scaled, self._min), self._full)
+
+    def slots_for(self, share: int) -> int:
+        """Slots a share of ``share`` columns takes."""
+        if self._full is None:
+            return share * self.slots_per_column()
+        return int(self.widths(share).sum())
+
     def share_for(self, mandatory: int, num_waiting: int, elastic: bool = True) -> int:
-        """Columns per head for a newcomer; 0 if they don't fit (it waits)."""
-        free_cols = self.num_free_slots // self.slots_per_column()
+        """Columns per head (at the widest head) for a newcomer; 0 if they don't fit (it waits)."""
+        free = self.num_free_slots
         if not elastic:
-            return self.max_share if self.max_share <= free_cols else 0
-        share = min(self.max_share, max(mandatory, free_cols // (1 + num_waiting)))
-        return share if share <= free_cols else 0
+            return self.max_share if self.slots_for(self.max_share) <= free else 0
+        # The widest share within an equal part of the free slots, and at least the mandatory one.
+        target = free // (1 + num_waiting)
+        lo, hi = mandatory, self.max_share
+        while lo < hi:  # slots_for grows with the share: the largest share within the target
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.slots_for(mid) <= target else (lo, mid - 1)
+        share = min(self.max_share, lo)
+        return share if self.slots_for(share) <= free else 0
 
     def attach(self, row: int, share: int) -> None:
-        n = share * self.slots_per_column()
-        if share < 1 or share > self.max_share or n > len(self._free_slots):
+        n = self.slots_for(share) if 1 <= share <= self.max_share else 0
+        if n == 0 or n > len(self._free_slots):
             raise RuntimeError(f"cannot give a share of {share} columns ({self.num_free_slots} slots free)")
         ids = self._free_slots.take(n)
         self._row_slots[row] = ids
-        block = torch.tensor(ids, dtype=torch.int32).view(self.num_layers, self.num_kv_heads, share)
-        self.res_slot[row, :, :, :share] = block.to(self.res_slot.device)
+        self._row_share[row] = share
+        held = torch.arange(self.max_share) < self.widths(share)[..., None]  # [L, Hkv, C]: each head's first columns
+        block = torch.full(held.shape, -1, dtype=torch.int32)
+        block[held] = torch.tensor(ids, dtype=torch.int32)  # in order: layer, head, column
+        self.res_slot[row] = block.to(self.res_slot.device)
         self.res_page[row] = -1
         self.res_last_use[row] = _NEVER
         if self.res_col is not None:
@@ -126,6 +166,7 @@ class GpuBuffer:
 
     def detach(self, row: int) -> None:
         self._free_slots.give(self._row_slots.pop(row, []))
+        self._row_share.pop(row, None)
         self.res_slot[row] = -1
         self.res_page[row] = -1
         self.res_last_use[row] = _NEVER
@@ -133,7 +174,7 @@ class GpuBuffer:
             self.res_col[row] = -1
 
     def share_of(self, row: int) -> int:
-        return len(self._row_slots.get(row, ())) // self.slots_per_column()
+        return self._row_share.get(row, 0)
 
     def lookup(self, rows: torch.Tensor, layer: int, want: torch.Tensor, now: int | torch.Tensor) -> tuple[Lookup, torch.Tensor]:
         """Resolve selected pages to slots and update the shares.
@@ -166,9 +207,11 @@ class GpuBuffer:
         if set(self._row_slots) - live_rows:
             raise AssertionError(f"buffer shares held by rows without a request: {sorted(set(self._row_slots) - live_rows)}")
         for row, ids in self._row_slots.items():
-            share = len(ids) // self.slots_per_column()
-            dev = self.res_slot[row, :, :, :share].reshape(-1).cpu().tolist()
-            if sorted(dev) != sorted(ids):
+            slots = self.res_slot[row].cpu()
+            held = slots >= 0
+            if not torch.equal(held, torch.arange(self.max_share) < self.widths(self._row_share[row])[..., None]):
+                raise AssertionError(f"buffer share of row {row} does not have its heads' widths")
+            if sorted(slots[held].tolist()) != sorted(ids):
                 raise AssertionError(f"buffer share of row {row} disagrees with its slot list")
             if self.res_col is not None and self.reuse:
                 if not torch.equal(self.res_col[row], page_columns(self.res_page[row], self.res_col.shape[-1])):
@@ -179,3 +222,18 @@ class GpuBuffer:
                     held = [p for p in pages[l, h].tolist() if p >= 0]
                     if len(held) != len(set(held)):
                         raise AssertionError(f"row {row} layer {l} head {h} caches a page twice")
+
+
+def _head_widths(widths, mandatory, num_layers: int, num_kv_heads: int, max_share: int):
+    """Checked [L, Hkv] int64 tensors of full widths and mandatory pages, or (None, None)."""
+    if widths is None and mandatory is None:
+        return None, None
+    if widths is None or mandatory is None:
+        raise ValueError("head_widths and head_mandatory go together")
+    full, least = torch.tensor(widths, dtype=torch.int64), torch.tensor(mandatory, dtype=torch.int64)
+    shape = (num_layers, num_kv_heads)
+    if tuple(full.shape) != shape or tuple(least.shape) != shape:
+        raise ValueError(f"head_widths and head_mandatory must be [{num_layers}][{num_kv_heads}] (layers x KV heads)")
+    if int(full.max()) != max_share or bool((least < 1).any()) or bool((full < least).any()):
+        raise ValueError(f"head widths must be >= each head's mandatory pages (>= 1), the widest {max_share}")
+    return full, least

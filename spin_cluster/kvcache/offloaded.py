@@ -40,7 +40,12 @@ class OffloadedKVManager:
         num_buckets: int = 64,
         elastic_shares: bool = True,
         reuse: bool = True,
+        head_widths: list[list[int]] | None = None,
+        head_mandatory: list[list[int]] | None = None,
     ) -> None:
+        """head_widths, head_mandatory: per-head share widths of the GPU buffer (see
+        ``GpuBuffer``); buffer_pages_per_head and mandatory_pages_per_head are then the
+        widest head's."""
         device = torch.device(device)
         if buffer_pages_per_head < mandatory_pages_per_head:
             raise ValueError(
@@ -62,6 +67,7 @@ class OffloadedKVManager:
         self.buffer = GpuBuffer(
             num_buffer_slots, page_size, head_dim, num_layers, num_kv_heads, max_seqs,
             buffer_pages_per_head, dtype, device, num_buckets, reuse, max_pages=-(-max_model_len // page_size),
+            head_widths=head_widths, head_mandatory=head_mandatory,
         )
 
     # ---- capacity (token counts; "pages" are host pages) --------------------------------------

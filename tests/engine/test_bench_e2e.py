@@ -36,10 +36,13 @@ def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="unknown workload"):
         bench["main"](["--tiny", "--workloads", "offline-1M", "--out", str(tmp_path)])
     result = bench["main"](["--tiny", "--modes", "spin", "--workloads", "online-16rps", "--out", str(tmp_path),
-                            "--algorithm", "labels", "--resident-margin", "0.5"])
+                            "--algorithm", "labels", "--resident-margin", "0.5", "--per-head-shares"])
     assert list(result["workloads"]) == ["online-16rps"] and list(result["workloads"]["online-16rps"]) == ["spin"]
     args = bench["parse_args"](["--tiny", "--resident-margin", "0.5"])
     assert bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["resident_margin"] == 0.5
+    args = bench["parse_args"](["--tiny", "--per-head-shares", "--buffer-share", "4"])
+    cache = bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["cache"]
+    assert cache["per_head_shares"] is True and cache["buffer_share"] == 4.0
 
 
 def test_tpot_counts_requests_the_deadline_cut_off():

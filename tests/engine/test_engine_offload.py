@@ -193,3 +193,33 @@ def test_elastic_shares_run_more_requests_at_once(smollm2_path):
             peak[elastic] = max(peak[elastic], eng.last_stats.num_running)
         eng.check_integrity()
     assert peak[False] == 4 and peak[True] == 8
+
+
+def test_per_head_shares_fit_more_requests_with_the_same_tokens(smollm2_path):
+    """cache.per_head_shares with S-HPLB-style per-head budgets: each head's share is twice
+    its own selection, not the widest head's, so one request takes fewer slots and the same
+    GPU buffer runs more requests at once. Selection is unchanged, so are the tokens."""
+    # SmolLM2: 30 layers x 3 KV heads; budgets of 8, 16 and 40 tokens (2, 4, 10 pages of 4)
+    # plus 1 sink and 2 local pages: 5, 7 and 13 pages per step, full widths 10, 14, 26.
+    sparse = {"algorithm": "quest", "budget": 16, "sink_tokens": 4, "local_tokens": 8,
+              "per_head_budgets": [[8, 16, 40]] * 30}
+    uniform_slots = 26 * 30 * 3
+    gib = 3 * uniform_slots * (2 * 4 * 64 * 4) / 2**30  # three uniform full shares
+    tokens, peak = {}, {}
+    for per_head in (False, True):
+        eng = _engine(smollm2_path, cache={"offload": True, "kv_cache_gib": gib, "per_head_shares": per_head},
+                      sparse=sparse)
+        b = eng.kv.buffer
+        assert b.max_share == 26 and b.per_head_widths == per_head
+        assert b.slots_for(26) == ((10 + 14 + 26) * 30 if per_head else uniform_slots)
+        ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in PROMPTS * 2]
+        out, peak[per_head] = {i: [] for i in ids}, 0
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id].extend(o.new_token_ids)
+            peak[per_head] = max(peak[per_head], eng.last_stats.num_running)
+            eng.check_integrity()
+        assert b.num_free_slots == b.num_slots  # every share came back
+        tokens[per_head] = [out[i] for i in ids]
+    assert tokens[True] == tokens[False]
+    assert peak[False] < peak[True] == 8, peak

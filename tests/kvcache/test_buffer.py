@@ -63,3 +63,61 @@ def test_shares_are_elastic_and_freed():
     b.detach(0)
     assert b.num_free_slots == 24 - 8
     b.check_integrity({1})
+
+
+def _ragged(slots=64, max_seqs=2):
+    # One layer, three heads: full widths 8, 4, 2 columns; mandatory 4, 2, 1 pages.
+    return GpuBuffer(slots, 2, 4, 1, 3, max_seqs=max_seqs, max_share=8, dtype=torch.float32, device="cpu",
+                     num_buckets=8, head_widths=[[8, 4, 2]], head_mandatory=[[4, 2, 1]])
+
+
+def test_per_head_widths_give_each_head_its_own_columns():
+    b = _ragged()
+    assert b.per_head_widths and b.widths(8).tolist() == [[8, 4, 2]]
+    assert b.widths(4).tolist() == [[4, 2, 1]]  # half the share: half of every head, >= mandatory
+    assert (b.slots_for(8), b.slots_for(4)) == (14, 7)
+    b.attach(0, 8)
+    held = (b.res_slot[0, 0] >= 0).sum(-1).tolist()
+    assert held == [8, 4, 2] and b.num_free_slots == 64 - 14 and b.share_of(0) == 8
+    b.check_integrity({0})
+    # Head 2 selects a new page every step: its misses cycle through its own 2 columns and
+    # never touch a column past its width.
+    for now in range(1, 7):
+        want = torch.tensor([[[now, -1], [now, -1], [100 + now, -1]]])
+        lookup, miss = b.lookup(torch.tensor([0]), 0, want, now)
+        assert miss[:, :, 0].all()
+        assert lookup.slots[0, 2, 0].item() in b.res_slot[0, 0, 2, :2].tolist()
+    assert b.res_page[0, 0, 2, 2:].tolist() == [-1] * 6 and b.res_page[0, 0, 2, :2].tolist() == [105, 106]
+    assert b.res_page[0, 0, 0, :6].tolist() == [1, 2, 3, 4, 5, 6]  # the wide head keeps all six
+    b.check_integrity({0})
+    b.detach(0)
+    assert b.num_free_slots == 64 and b.share_of(0) == 0
+
+
+def test_per_head_widths_make_elastic_shares_in_slots():
+    b = _ragged(slots=22, max_seqs=4)
+    assert b.share_for(mandatory=4, num_waiting=0) == 8  # 14 slots of 22
+    assert b.share_for(mandatory=4, num_waiting=1) == 6  # within 11 slots: widths 6, 3, 2
+    assert (b.slots_for(6), b.slots_for(7)) == (11, 13)
+    assert b.share_for(mandatory=4, num_waiting=3) == 4  # the mandatory share (7 slots), above 22 / 4
+    b.attach(0, 8)
+    assert b.share_for(mandatory=4, num_waiting=0) == 4  # 8 slots free: the mandatory 7 fit, 5 (10) not
+    assert b.share_for(mandatory=4, num_waiting=0, elastic=False) == 0
+    b.attach(1, 4)
+    assert b.share_for(mandatory=4, num_waiting=0) == 0  # the mandatory share does not fit: wait
+    b.check_integrity({0, 1})
+
+
+def test_per_head_widths_are_checked():
+    import pytest
+
+    kw = dict(num_slots=8, page_size=2, head_dim=4, num_layers=1, num_kv_heads=2, max_seqs=1, max_share=4,
+              dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="go together"):
+        GpuBuffer(**kw, head_widths=[[4, 2]])
+    with pytest.raises(ValueError, match=r"\[1\]\[2\]"):
+        GpuBuffer(**kw, head_widths=[[4, 2, 1]], head_mandatory=[[2, 1, 1]])
+    with pytest.raises(ValueError, match="the widest 4"):
+        GpuBuffer(**kw, head_widths=[[3, 2]], head_mandatory=[[2, 1]])
+    with pytest.raises(ValueError, match="mandatory"):
+        GpuBuffer(**kw, head_widths=[[4, 1]], head_mandatory=[[2, 2]])
