@@ -200,3 +200,32 @@ def test_kernel_equals_reference_at_shplb_widths():
         for x in (a, b):
             x[6] += 1
             x[5] = torch.where(x[5] >= 0, (x[5] + 7) % 4096, -1)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_kernel_equals_reference_on_per_head_widths(reuse):
+    """Shares whose heads have their own widths (cache.per_head_shares): columns past a head's
+    width hold no slot, and no head selects more pages than its width. Every output and
+    update equals the reference's, and nothing lands past a head's width."""
+    num_pages, widths = 60, (20, 3, 9)  # heads of 20, 3 and 9 columns of C = 20
+    a = list(make_case(3, 2, 3, 20, 12, 20, [2, 0], 1, 30, seed=7, num_pages=num_pages))
+    for h, w in enumerate(widths):
+        a[1][:, :, h, w:] = -1  # res_slot
+        a[0][:, :, h, w:] = -1  # res_page
+        a[2][:, :, h, w:] = NEVER  # last_use
+        a[5][:, h, w:] = -1  # want: at most w pages (a sorted prefix stays sorted)
+    b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+    col_a, col_b = page_columns(a[0], num_pages), page_columns(b[0], num_pages)
+    ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    for _ in range(3):
+        ra = buffer_lookup(*a, ca, reuse=reuse, res_col=col_a)
+        rb = buffer_lookup_ref(*b, cb, reuse=reuse, res_col=col_b)
+        for x, y, name in zip(ra, rb, ("slots", "miss_dst", "miss")):
+            assert torch.equal(x, y), name
+        assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(ca, cb)
+        for h, w in enumerate(widths):
+            assert (a[0][:, :, h, w:] == -1).all() and (a[2][:, :, h, w:] == NEVER).all()
+        for x in (a, b):
+            x[6] += 2
+            x[5] = torch.where(x[5] >= 0, (x[5] + 13) % num_pages, -1)
+    assert ca[2] > 0  # misses happened
