@@ -66,19 +66,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _rank_main(rank, world, port, device_type, config, placement, prompts, steps, results) -> None:
     import torch
-    import torch.distributed as dist
 
     from spin_cluster.engine import SamplingParams
     from spin_cluster.parallel import HeadParallelEngine
-    from spin_cluster.parallel.group import backend_for
+    from spin_cluster.parallel.launch import join_group, leave_group
 
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-        config = config.replace(model={"device": f"cuda:{rank}"})
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(backend_for(torch.device(device_type)), init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
+    config = join_group(rank, world, port, device_type, config)
     engine = None
     try:
         engine = HeadParallelEngine(config, placement, progress=False)
@@ -108,9 +101,7 @@ def _rank_main(rank, world, port, device_type, config, placement, prompts, steps
                   "tokens": [tokens[i] for i in ids], "graph_replays": graphs.replays if graphs else 0}
         results.put((rank, report if rank == 0 else None))
     finally:
-        if engine is not None:
-            engine.release_cuda_graphs()  # before the group: graphs hold NCCL resources
-        dist.destroy_process_group()
+        leave_group(engine)
 
 
 def run_config(config, placement, prompts, steps: int, num_ranks: int, device_type: str, timeout_s: float) -> dict:

@@ -128,7 +128,7 @@ def _head_mandatory_pages(config: SpinConfig, num_layers: int, max_pages: int) -
     S, sp = config.cache.page_size, config.sparse
     if len(sp.per_head_budgets) != num_layers:
         raise ValueError(f"sparse.per_head_budgets has {len(sp.per_head_budgets)} layers, the model {num_layers}")
-    edge = -(-sp.sink_tokens // S) + max(1, -(-sp.local_tokens // S))
+    edge = _edge_pages(config)
     return [[min(max_pages, edge + -(-int(b) // S)) for b in row] for row in sp.per_head_budgets]
 
 
@@ -136,8 +136,13 @@ def _mandatory_pages(config: SpinConfig, algorithm, max_model_len: int) -> int:
     S, sp = config.cache.page_size, config.sparse
     if algorithm.selects_all:
         return -(-max_model_len // S)
-    budget = max_middle_pages(sp, S, algorithm.num_kv_heads, max_model_len)
-    return -(-sp.sink_tokens // S) + budget + max(1, -(-sp.local_tokens // S))
+    return _edge_pages(config) + max_middle_pages(sp, S, algorithm.num_kv_heads, max_model_len)
+
+
+def _edge_pages(config: SpinConfig) -> int:
+    """Pages every head selects besides its budget: the sink's and the local window's (>= 1)."""
+    S, sp = config.cache.page_size, config.sparse
+    return -(-sp.sink_tokens // S) + max(1, -(-sp.local_tokens // S))
 
 
 def gpu_budget_bytes(config: SpinConfig, device: torch.device) -> float:

@@ -208,10 +208,10 @@ class GpuBuffer:
             raise AssertionError(f"buffer shares held by rows without a request: {sorted(set(self._row_slots) - live_rows)}")
         for row, ids in self._row_slots.items():
             slots = self.res_slot[row].cpu()
-            held = slots >= 0
-            if not torch.equal(held, torch.arange(self.max_share) < self.widths(self._row_share[row])[..., None]):
+            has_slot = slots >= 0
+            if not torch.equal(has_slot, torch.arange(self.max_share) < self.widths(self._row_share[row])[..., None]):
                 raise AssertionError(f"buffer share of row {row} does not have its heads' widths")
-            if sorted(slots[held].tolist()) != sorted(ids):
+            if sorted(slots[has_slot].tolist()) != sorted(ids):
                 raise AssertionError(f"buffer share of row {row} disagrees with its slot list")
             if self.res_col is not None and self.reuse:
                 if not torch.equal(self.res_col[row], page_columns(self.res_page[row], self.res_col.shape[-1])):

@@ -62,7 +62,11 @@ class _RankBackend:
         self._after_end()
         capturing = self.inner.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if not capturing:  # a capture runs nothing to time
-            self._rank_layer_s = all_gather_floats(self.timer.read(), self.group)
+            self._gather_times()
+
+    def _gather_times(self) -> None:
+        """Every rank's layer times of this step (a collective: every rank calls it)."""
+        self._rank_layer_s = all_gather_floats(self.timer.read(), self.group)
 
     def pop_rank_layer_s(self) -> list[list[float]] | None:
         """[R][L] attention seconds of every rank in the last step, once (None after that)."""
@@ -174,7 +178,7 @@ class HeadParallelSpinAttention(_RankBackend, SpinGraphBackend):
     def replayed(self) -> None:
         self.inner.replayed()
         self.timer.replayed(self._owned_layers)
-        self._rank_layer_s = all_gather_floats(self.timer.read(), self.group)
+        self._gather_times()
 
     def _attend(self, layer_id, q, k, v):
         n = k.shape[1]

@@ -128,7 +128,9 @@ def _dump_and_terminate(processes) -> None:
             p.terminate()
 
 
-def _rank_main(rank, num_ranks, port, device_type, config, prompts, params, placement, results) -> None:
+def join_group(rank: int, num_ranks: int, port: int, device_type: str, config: SpinConfig) -> SpinConfig:
+    """A rank process's start: its GPU (or its share of the CPU cores), then the process group
+    on 127.0.0.1. Returns ``config`` with the model on this rank's device."""
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         config = config.replace(model={"device": f"cuda:{rank}"})
@@ -136,6 +138,19 @@ def _rank_main(rank, num_ranks, port, device_type, config, prompts, params, plac
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
     backend = backend_for(torch.device(device_type))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    return config
+
+
+def leave_group(engine: HeadParallelEngine | None) -> None:
+    """A rank process's end: the engine's CUDA graphs first (they hold NCCL resources), then
+    the process group."""
+    if engine is not None:
+        engine.release_cuda_graphs()
+    dist.destroy_process_group()
+
+
+def _rank_main(rank, num_ranks, port, device_type, config, prompts, params, placement, results) -> None:
+    config = join_group(rank, num_ranks, port, device_type, config)
     engine = None
     try:
         engine = HeadParallelEngine(config, placement, progress=False)
@@ -148,6 +163,4 @@ def _rank_main(rank, num_ranks, port, device_type, config, prompts, params, plac
         )
         results.put((rank, report))
     finally:
-        if engine is not None:
-            engine.release_cuda_graphs()
-        dist.destroy_process_group()
+        leave_group(engine)

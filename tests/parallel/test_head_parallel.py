@@ -322,9 +322,10 @@ def test_run_ranks_prints_where_ranks_hang_and_raises_past_the_timeout(capfd):
 def _static_path_rank(rank, world, port, cfg, prompts, params, placement, results):
     """A gloo rank whose decode steps take the path SpinDecodeGraphs captures on the GPU."""
     from spin_cluster.engine.model_runner import SpinDecodeGraphs
+    from spin_cluster.parallel.launch import join_group, leave_group
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    cfg = join_group(rank, world, port, "cpu", cfg)
+    engine = None
     try:
         engine = HeadParallelEngine(cfg, placement, progress=False)
         static = SpinDecodeGraphs(engine.model, engine.attention, max_batch=4, capture=False)
@@ -336,7 +337,7 @@ def _static_path_rank(rank, world, port, cfg, prompts, params, placement, result
         engine.check_integrity()
         results.put((rank, ([o.token_ids for o in outs], len(steps), engine.last_stats.attention_rank_s_total)))
     finally:
-        dist.destroy_process_group()
+        leave_group(engine)
 
 
 def test_two_gloo_ranks_on_the_static_decode_path_give_the_tokens_of_one(four_kv_head_llama):
