@@ -103,8 +103,8 @@ class EvalConfig:
             raise ValueError(
                 f"lengths must exceed max_tokens ({self.max_tokens}): the prompt fills length - max_tokens"
             )
-        if not self.buffer_share >= 1:
-            raise ValueError(f"buffer_share={self.buffer_share}: must be >= 1")
+        if not (self.buffer_share >= 1 or self.buffer_share == 0):
+            raise ValueError(f"buffer_share={self.buffer_share}: must be >= 1, or 0 for no cap")
         if not self.resident_margin >= 0:
             raise ValueError(f"resident_margin={self.resident_margin}: must be >= 0")
         if not 0 <= self.dense_threshold <= 1:

@@ -61,9 +61,11 @@ class CacheConfig:
     # GPU buffer share per (request, layer, KV head), in pages, >= the pages a step selects
     # (sink + budget + local); 0: buffer_share times those.
     buffer_pages_per_head: int = 0
-    # The share, when buffer_pages_per_head is 0, as a multiple (>= 1) of the pages a step
-    # selects: the columns past 1x keep pages that recent steps selected (temporal locality).
-    buffer_share: float = 2.0
+    # The share's cap, when buffer_pages_per_head is 0, as a multiple (>= 1) of the pages a
+    # step selects: the columns past 1x keep pages that recent steps selected (temporal
+    # locality). 0: no cap, a share may grow to the request's every page while the GPU
+    # buffer has room (elastic_shares), so KV that fits the GPU is kept there whole.
+    buffer_share: float = 0.0
     # Host pages per second-level segment of the page table (offload), power of two 1..1024.
     # The GPU directory is 1/segment_pages of a flat table; a request's last segment may be
     # partly unused (at most segment_pages - 1 host pages per layer and head).
@@ -88,8 +90,9 @@ class CacheConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"cache.{name}={value}: must be > 0 or null")
-        if not self.buffer_share >= 1:
-            raise ValueError(f"cache.buffer_share={self.buffer_share}: must be >= 1 (a multiple of the selected pages)")
+        if not (self.buffer_share >= 1 or self.buffer_share == 0):
+            raise ValueError(f"cache.buffer_share={self.buffer_share}: must be >= 1 (a multiple of the selected "
+                             f"pages) or 0 (no cap)")
         if self.buffer_pages_per_head < 0:
             raise ValueError(f"cache.buffer_pages_per_head={self.buffer_pages_per_head}: must be >= 0")
         if self.segment_pages < 1 or self.segment_pages > 1024 or self.segment_pages & (self.segment_pages - 1):

@@ -28,6 +28,8 @@ _DEFAULT_HOST_KV_GIB = 8.0
 # Of the GPU memory free after loading weights, the share given to KV pages; the rest is
 # for activations of a full token budget.
 _GPU_KV_FRACTION = 0.85
+# Most columns of one buffer share (the page -> column map holds int16 columns).
+_MAX_SHARE = 2**15 - 1
 
 
 def build_cache(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -64,8 +66,12 @@ def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, de
     )
     mandatory = min(max_pages, _mandatory_pages(config, algorithm, max_model_len))
     # Without reuse a page never outlives its step: columns past the mandatory ones are idle.
-    multiple = cc.buffer_share if cc.buffer_reuse else 1
+    # buffer_share 0: no cap below the request's pages (the share grows while slots are free).
+    multiple = (cc.buffer_share or max_pages / mandatory) if cc.buffer_reuse else 1
     share = cc.buffer_pages_per_head or min(max_pages, math.ceil(multiple * mandatory))
+    if share > _MAX_SHARE:
+        raise ValueError(f"a GPU buffer share of {share} pages per head is over {_MAX_SHARE} (the page -> "
+                         f"column map is 16-bit): raise cache.page_size or set cache.buffer_share")
     slot_bytes = PagePool.bytes_per_page(S, mc.head_dim, dtype)
     gpu_bytes = gpu_budget_bytes(config, device)
     per_column = mc.num_layers * mc.num_kv_heads

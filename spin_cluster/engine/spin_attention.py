@@ -10,7 +10,9 @@ Per layer, for the decode requests of the step (all on the device, no host round
     Attention paged decode over the selected slots, per-head lengths
 
 Prefill chunks write their K/V to the host pages and attend with SDPA: the first chunk to
-itself, later chunks to the request's earlier pages gathered from the host tier.
+itself, later chunks to the request's earlier pages gathered from the host tier. Their pages
+also stay in the request's GPU buffer share as far as it has room (``GpuBuffer.install``):
+they are on the GPU already, and decode then starts warm.
 The step plan is built once (``begin_step``) and read by every layer.
 """
 
@@ -26,6 +28,7 @@ from spin_cluster.config import SparseConfig
 from spin_cluster.engine.paged_attention import decode_impl, prefill_attention
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import lookup_epilogue, offload, retrieve
+from spin_cluster.kvcache.buffer import InstallPlan
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.partition import SelectPlan, SparseAlgorithm, select_pages
 
@@ -46,6 +49,8 @@ class SpinPrefill:
     dst_ids: torch.Tensor | None = None
     k_ctx: torch.Tensor | None = None
     v_ctx: torch.Tensor | None = None
+    # The chunk's pages to keep in the GPU buffer (they are on the GPU already), None: none.
+    install: InstallPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,9 @@ class SpinAttention:
         dense_decode = tuple(self._prefill_plan(c, i) for i, c in enumerate(decode)) if self.dense_layers else ()
         prefill, start = [], bd
         for c in chunks[bd:]:
-            prefill.append(self._prefill_plan(c, start))
+            install = self.kv.buffer.install_plan(self.row(c.request.request_id), c.start, c.num_tokens,
+                                                  self.kv.page_size)
+            prefill.append(dataclasses.replace(self._prefill_plan(c, start), install=install))
             start += c.num_tokens
         self.advance()
         self.plan = self.step_plan(positions, token_rows, bd, pages, tuple(prefill), dense_decode)
@@ -225,8 +232,16 @@ class SpinAttention:
             self._decode_layer(layer_id, q[:bd], k[:bd], v[:bd], out[:bd])
         for seg in plan.prefill:
             rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
+            if seg.install is not None and layer_id >= self.dense_layers:
+                self._install(layer_id, seg.install, k[rows].reshape(-1, D), v[rows].reshape(-1, D))
             out[rows] = self._prefill(layer_id, seg, q[rows], k[rows], v[rows])
         return out
+
+    def _install(self, layer: int, install: InstallPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Prefill's pages stay in the GPU buffer as far as the share allows, so that decode
+        does not start cold: k, v [n * Hkv, D] of the chunk's tokens, (token, head) order."""
+        buf = self.kv.buffer
+        self._write(buf.k_slots, buf.v_slots, k, v, buf.install(install, layer, self.now))
 
     def _offload(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         host = self.kv.host

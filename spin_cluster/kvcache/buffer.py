@@ -17,11 +17,22 @@ Everything is fixed-shape tensor work: no host sync, no sort. On CUDA it is one 
 per layer (``kernels/buffer_lookup.py``: a program per request and head, hits found through
 the share's page -> column map) instead of about 60 torch operators.
 
-Elastic shares: the scheduler asks ``share_for`` at admission. A request gets
-``min(buffer_pages, max(mandatory, free / (1 + waiting)))`` columns per head: alone it
-keeps up to ``buffer_pages`` pages per head for temporal locality (high hit ratio); under
-load each newcomer takes an equal part of what is free, down to its mandatory pages, so
-more requests run at once at a lower hit ratio. Below the mandatory pages it waits.
+Elastic shares (the Spin paper's mandatory + buffering pages): a share is not fixed at
+admission. Its columns past the mandatory ones (the pages a step selects) are buffering
+pages, and they grow into whatever slots are free and are taken back, least recently used
+first, when another request needs room:
+
+    admission  a newcomer gets ``share_for``: an equal part of all slots among the running
+               requests, itself and the queue behind it (``fair``), at least its mandatory
+               pages, at most ``max_share``; running shares wider than that part give back
+               their least recently used columns (``make_room``) until it fits. If even the
+               mandatory pages do not fit, it waits.
+    release    when a request leaves, the running shares grow into the freed slots, up to
+               an equal part each (``spread_free``).
+
+With ``max_share`` at a request's whole page count (``cache.buffer_share: 0``) a buffer with
+room for every page keeps every page once touched (prefill installs its pages too, see
+``SpinAttention``), and under pressure the shares shrink to what the batch leaves them.
 
 Per-head widths (``head_widths``): with S-HPLB's per-head budgets, one width for every head
 is the widest head's (537 pages at 128K for a 17K-token head, against 67 for the mean one),
@@ -49,6 +60,17 @@ _NEVER = -(2**30)  # last_use of an empty column: older than any real step
 class Lookup:
     slots: torch.Tensor  # [B, Hkv, K] int32 slot of each selected page (0 where invalid)
     miss_dst: torch.Tensor  # [B*Hkv*K] int64 slot to fill, -1 where no miss
+
+
+@dataclass(frozen=True)
+class InstallPlan:
+    """A prefill chunk's pages to keep in the buffer (``GpuBuffer.install_plan``), per layer."""
+
+    row: torch.Tensor  # [1] int64 the request's row
+    want: torch.Tensor  # [L, 1, Hkv, Kc] pages starting in the chunk, -1 where a head has no room
+    straddle: int  # the page begun in an earlier chunk (forgotten), -1: none
+    page_index: torch.Tensor  # [n] each token's page minus the first page starting in the chunk
+    offset: torch.Tensor  # [n] each token's offset in its page
 
 
 class GpuBuffer:
@@ -135,18 +157,107 @@ class GpuBuffer:
         return int(self.widths(share).sum())
 
     def share_for(self, mandatory: int, num_waiting: int, elastic: bool = True) -> int:
-        """Columns per head (at the widest head) for a newcomer; 0 if they don't fit (it waits)."""
+        """Columns per head (at the widest head) for a newcomer; 0 if they don't fit (it waits).
+        Elastic: counts the columns running shares would give back (``make_room``)."""
         free = self.num_free_slots
         if not elastic:
             return self.max_share if self.slots_for(self.max_share) <= free else 0
-        # The widest share within an equal part of the free slots, and at least the mandatory one.
-        target = free // (1 + num_waiting)
-        lo, hi = mandatory, self.max_share
-        while lo < hi:  # slots_for grows with the share: the largest share within the target
+        floor = self.floor_share(mandatory, num_waiting)
+        room = free + self._reclaimable(floor)
+        share = self._widest_within(room, mandatory, floor)
+        return share if share and self.slots_for(share) <= room else 0
+
+    def floor_share(self, mandatory: int, num_waiting: int) -> int:
+        """The share a newcomer aims at and running shares keep when it is admitted: an equal
+        part of every slot among the running requests, it and ``num_waiting`` more, at least
+        ``mandatory``, at most ``max_share``."""
+        part = self.num_slots // (len(self._row_share) + 1 + num_waiting)
+        return max(mandatory, self._widest_within(part, 1, self.max_share) or 1)
+
+    def _widest_within(self, num_slots: int, lo: int, hi: int) -> int:
+        """The largest share in [lo, hi] whose slots fit ``num_slots``; 0 if lo does not."""
+        if self.slots_for(lo) > num_slots:
+            return 0
+        while lo < hi:  # slots_for grows with the share
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.slots_for(mid) <= target else (lo, mid - 1)
-        share = min(self.max_share, lo)
-        return share if self.slots_for(share) <= free else 0
+            lo, hi = (mid, hi) if self.slots_for(mid) <= num_slots else (lo, mid - 1)
+        return lo
+
+    def _reclaimable(self, floor: int) -> int:
+        """Slots running shares wider than ``floor`` would give back, shrunk to it."""
+        keep = self.slots_for(floor)
+        return sum(max(0, len(ids) - keep) for ids in self._row_slots.values())
+
+    def make_room(self, num_slots: int, floor: int) -> None:
+        """Shrink running shares, widest first, towards ``floor`` columns (their least
+        recently used columns first, see ``shrink``) until ``num_slots`` are free."""
+        for row in sorted(self._row_share, key=lambda r: (-self._row_share[r], r)):
+            if self.num_free_slots >= num_slots:
+                return
+            share = self._row_share[row]
+            if share <= floor:
+                continue
+            # The widest share, not below the floor, that frees enough (or the floor).
+            missing = num_slots - self.num_free_slots
+            target = self._widest_within(len(self._row_slots[row]) - missing, floor, share) or floor
+            self.shrink(row, target)
+
+    def spread_free(self) -> None:
+        """Grow running shares into the free slots, up to an equal part of every slot each
+        (lower rows first when the free slots do not reach every share)."""
+        if not self._row_share:
+            return
+        part = self._widest_within(self.num_slots // len(self._row_share), 1, self.max_share)
+        for row in sorted(self._row_share):
+            share = self._row_share[row]
+            if part <= share:
+                continue
+            room = self.num_free_slots + len(self._row_slots[row])
+            target = self._widest_within(room, share, part)
+            if target > share:
+                self.grow(row, target)
+
+    def shrink(self, row: int, share: int) -> None:
+        """Narrow the share of ``row`` to ``share`` columns: per (layer, head) the columns
+        kept are the most recently used (empty columns count as oldest; ties: lower column
+        first), moved to the front; the others' slots are freed and their pages forgotten."""
+        old = self._row_share[row]
+        if not 1 <= share <= old:
+            raise ValueError(f"cannot shrink a share of {old} columns to {share}")
+        slot, page, last = self.res_slot[row], self.res_page[row], self.res_last_use[row]  # [L, Hkv, C]
+        key = torch.where(slot >= 0, last, torch.iinfo(torch.int32).min)
+        order = key.argsort(dim=-1, descending=True, stable=True)
+        slot, page, last = (t.gather(-1, order) for t in (slot, page, last))
+        cols = torch.arange(self.max_share, device=slot.device)
+        keep = cols < self.widths(share).to(slot.device)[..., None]  # [L, Hkv, C]
+        dropped = slot[~keep & (slot >= 0)].tolist()
+        self.res_slot[row] = slot.masked_fill(~keep, -1)
+        self.res_page[row] = page.masked_fill(~keep, -1)
+        self.res_last_use[row] = last.masked_fill(~keep, _NEVER)
+        if self.res_col is not None:
+            self.res_col[row] = page_columns(self.res_page[row], self.res_col.shape[-1])
+        freed = set(dropped)
+        self._row_slots[row] = [s for s in self._row_slots[row] if s not in freed]
+        self._free_slots.give(dropped)
+        self._row_share[row] = share
+
+    def grow(self, row: int, share: int) -> None:
+        """Widen the share of ``row`` to ``share`` columns: the new columns (past each head's
+        old width) take free slots and hold nothing yet."""
+        old = self._row_share[row]
+        if not old <= share <= self.max_share:
+            raise ValueError(f"cannot grow a share of {old} columns to {share} (max {self.max_share})")
+        cols = torch.arange(self.max_share)
+        new = (cols < self.widths(share)[..., None]) & ~(cols < self.widths(old)[..., None])  # [L, Hkv, C]
+        n = int(new.sum())
+        if n > self.num_free_slots:
+            raise RuntimeError(f"cannot grow a share by {n} slots ({self.num_free_slots} free)")
+        ids = self._free_slots.take(n)
+        block = self.res_slot[row].cpu()
+        block[new] = torch.tensor(ids, dtype=torch.int32)
+        self.res_slot[row] = block.to(self.res_slot.device)
+        self._row_slots[row] = self._row_slots[row] + ids
+        self._row_share[row] = share
 
     def attach(self, row: int, share: int) -> None:
         n = self.slots_for(share) if 1 <= share <= self.max_share else 0
@@ -176,19 +287,74 @@ class GpuBuffer:
     def share_of(self, row: int) -> int:
         return self._row_share.get(row, 0)
 
-    def lookup(self, rows: torch.Tensor, layer: int, want: torch.Tensor, now: int | torch.Tensor) -> tuple[Lookup, torch.Tensor]:
+    def lookup(self, rows: torch.Tensor, layer: int, want: torch.Tensor, now: int | torch.Tensor,
+               count: bool = True) -> tuple[Lookup, torch.Tensor]:
         """Resolve selected pages to slots and update the shares.
 
         rows: [B] int64 rows; want: [B, Hkv, K] int logical pages, -1 padding (all valid
-        entries of a head distinct). Returns the Lookup and the [B, Hkv, K] miss mask.
-        One Triton launch on CUDA (``kernels.buffer_lookup``), else the same steps as
-        fixed-shape torch ops.
+        entries of a head distinct, at most the head's width). Returns the Lookup and the
+        [B, Hkv, K] miss mask. One Triton launch on CUDA (``kernels.buffer_lookup``), else the
+        same steps as fixed-shape torch ops. ``count``: add to the hit/miss counters (False
+        for pages prefill installs, which no step selected).
         """
         fn = buffer_lookup if want.device.type == "cuda" else buffer_lookup_ref
+        counters = self.counters if count else torch.zeros_like(self.counters)
         slots, miss_dst, miss = fn(self.res_page, self.res_slot, self.res_last_use, rows, layer, want, now,
-                                   self.counters, num_buckets=self.num_buckets, reuse=self.reuse, res_col=self.res_col)
+                                   counters, num_buckets=self.num_buckets, reuse=self.reuse, res_col=self.res_col)
         # The caller pairs miss_dst with the host pages (it knows the directory).
         return Lookup(slots=slots, miss_dst=miss_dst), miss
+
+    def install_plan(self, row: int, first_token: int, num_tokens: int, page_size: int) -> "InstallPlan | None":
+        """Which pages of a prefill chunk (tokens first_token .. +num_tokens of ``row``) to keep
+        in the buffer: the pages that start inside the chunk, the newest ones first, as many
+        per head as its share's width::
+
+            tokens       |   earlier chunk   |         this chunk          |
+            pages        | .. | straddle |  p_lo  ..  (older, dropped) .. newest (kept) |
+
+        A page that began in an earlier chunk (``straddle``) is forgotten rather than
+        completed: its slot may lack this chunk's tokens, and a later miss reads it whole
+        from the host tier. None when nothing is kept (no reuse, or no share)."""
+        share = self._row_share.get(row, 0)
+        if not self.reuse or not share:
+            return None
+        S = page_size
+        end = first_token + num_tokens
+        p_lo, p_hi = -(-first_token // S), -(-end // S)  # pages starting in the chunk: [p_lo, p_hi)
+        straddle = first_token // S if first_token % S else -1
+        if p_hi <= p_lo and straddle < 0:
+            return None
+        dev = self.res_page.device
+        widths = self.widths(share).to(dev)  # [L, Hkv]
+        pages = torch.arange(p_lo, max(p_hi, p_lo), device=dev)  # [Kc]
+        keep = pages >= p_hi - widths[..., None]  # [L, Hkv, Kc]: each head's newest pages
+        want = torch.where(keep, pages, -1).unsqueeze(1)  # [L, 1, Hkv, Kc]
+        pos = torch.arange(first_token, end, device=dev)  # [n]
+        return InstallPlan(row=torch.tensor([row], device=dev), want=want, straddle=straddle,
+                           page_index=(pos // S - p_lo), offset=pos % S)
+
+    def install(self, plan: "InstallPlan", layer: int, now: int | torch.Tensor) -> torch.Tensor:
+        """Give the plan's pages of one layer columns of the share (as misses would get them,
+        least recently used columns first, uncounted) and forget its straddling page.
+        Returns [n * Hkv] flat slot indices (slot * S + offset, -1: not kept) for the chunk's
+        tokens in (token, head) order, for ``write_tokens``."""
+        row = int(plan.row[0])
+        if plan.straddle >= 0:
+            held = self.res_page[row, layer] == plan.straddle  # [Hkv, C]
+            self.res_page[row, layer].masked_fill_(held, -1)
+            self.res_last_use[row, layer].masked_fill_(held, _NEVER)
+            if self.res_col is not None:
+                self.res_col[row, layer, :, plan.straddle] = -1
+        want = plan.want[layer]  # [1, Hkv, Kc]
+        n = plan.page_index.shape[0]
+        if want.shape[-1] == 0:
+            return torch.full((n * self.num_kv_heads,), -1, dtype=torch.int64, device=want.device)
+        lookup, _ = self.lookup(plan.row, layer, want, now, count=False)
+        idx = plan.page_index.clamp(min=0)  # [n] (tokens of the straddling page: index < 0)
+        slot = lookup.slots[0][:, idx].T.long()  # [n, Hkv]
+        kept = (want[0][:, idx].T >= 0) & (plan.page_index >= 0)[:, None]
+        S = self.k_slots.shape[1]
+        return torch.where(kept, slot * S + plan.offset[:, None], -1).flatten()
 
     def resident(self, rows: torch.Tensor, layer: int, num_pages: int) -> torch.Tensor:
         """[B, Hkv, num_pages] bool: which of pages 0 .. num_pages - 1 each head's share of

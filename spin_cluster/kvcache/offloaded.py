@@ -99,9 +99,12 @@ class OffloadedKVManager:
         if num_tokens > self.max_model_len:
             raise ValueError(f"{num_tokens} tokens exceed max_model_len={self.max_model_len}")
         if request_id not in self.directory:
-            share = self.buffer.share_for(self.mandatory_pages_per_head, num_queued, self.elastic_shares)
+            buf, mandatory = self.buffer, self.mandatory_pages_per_head
+            share = buf.share_for(mandatory, num_queued, self.elastic_shares)
+            if self.elastic_shares:  # running shares give back their least recently used columns
+                buf.make_room(buf.slots_for(share), buf.floor_share(mandatory, num_queued))
             row = self.directory.add(request_id)
-            self.buffer.attach(row, share)
+            buf.attach(row, share)
         self.directory.grow(request_id, num_tokens)
 
     def free(self, request_id: str) -> None:
@@ -109,6 +112,8 @@ class OffloadedKVManager:
             row = self.directory.row(request_id)
             self.buffer.detach(row)
             self.host.free(self.directory.remove(request_id))
+            if self.elastic_shares:  # the others' buffering pages grow into the freed slots
+                self.buffer.spread_free()
 
     def has(self, request_id: str) -> bool:
         return request_id in self.directory

@@ -168,6 +168,8 @@ def test_buffer_share_sizes_each_heads_share_as_a_multiple_of_the_selected_pages
     shares = {m: _engine(smollm2_path, cache={"offload": True, "buffer_share": m}, sparse=sparse).kv.buffer.max_share
               for m in (1, 2, 3.5)}
     assert shares == {1: 7, 2: 14, 3.5: 25}
+    # 0 (the default): no cap below the request's pages (max_model_len 256 / page 4)
+    assert _engine(smollm2_path, cache={"offload": True}, sparse=sparse).kv.buffer.max_share == 64
     with pytest.raises(ValueError, match="buffer_share"):
         _engine(smollm2_path, cache={"offload": True, "buffer_share": 0.5}, sparse=sparse)
 
@@ -207,8 +209,8 @@ def test_per_head_shares_fit_more_requests_with_the_same_tokens(smollm2_path):
     gib = 3 * uniform_slots * (2 * 4 * 64 * 4) / 2**30  # three uniform full shares
     tokens, peak = {}, {}
     for per_head in (False, True):
-        eng = _engine(smollm2_path, cache={"offload": True, "kv_cache_gib": gib, "per_head_shares": per_head},
-                      sparse=sparse)
+        eng = _engine(smollm2_path, cache={"offload": True, "kv_cache_gib": gib, "per_head_shares": per_head,
+                                           "buffer_share": 2}, sparse=sparse)
         b = eng.kv.buffer
         assert b.max_share == 26 and b.per_head_widths == per_head
         assert b.slots_for(26) == ((10 + 14 + 26) * 30 if per_head else uniform_slots)

@@ -51,18 +51,46 @@ def test_shares_are_elastic_and_freed():
     b = GpuBuffer(24, 2, 4, 1, 2, max_seqs=4, max_share=6, dtype=torch.float32, device="cpu")
     # 24 slots / 2 heads = 12 columns free: alone a request gets its max share of 6...
     assert b.share_for(mandatory=2, num_waiting=0) == 6
-    # ... with two more waiting, an equal part of what is free (12 / 3 = 4)
+    # ... with two more waiting, an equal part of every slot (12 / 3 = 4)
     assert b.share_for(mandatory=2, num_waiting=2) == 4
     assert b.share_for(mandatory=2, num_waiting=2, elastic=False) == 6  # fixed shares
     b.attach(0, 6)
     b.attach(1, 4)
+    assert b.num_free_slots == 4
     assert b.share_for(mandatory=2, num_waiting=0, elastic=False) == 0
-    assert b.share_for(mandatory=2, num_waiting=0) == 2
-    assert b.share_for(mandatory=3, num_waiting=0) == 0  # mandatory pages don't fit: wait
-    b.check_integrity({0, 1})
+    # A third request's equal part is 4 columns: row 0's share of 6 would give back 2 of them.
+    assert b.floor_share(mandatory=2, num_waiting=0) == 4
+    assert b.share_for(mandatory=2, num_waiting=0) == 4
+    assert b.share_for(mandatory=5, num_waiting=0) == 0  # its mandatory pages would need 10 of 8: wait
+    b.make_room(b.slots_for(4), floor=4)
+    assert (b.share_of(0), b.share_of(1), b.num_free_slots) == (4, 4, 8)
+    b.attach(2, 4)
+    b.check_integrity({0, 1, 2})
+    assert b.share_for(mandatory=2, num_waiting=0) == 3  # 6 slots reclaimable down to 3 columns each
+    # A request leaves: the others grow into its slots, up to an equal part (6 columns) each.
     b.detach(0)
-    assert b.num_free_slots == 24 - 8
-    b.check_integrity({1})
+    b.spread_free()
+    assert (b.share_of(1), b.share_of(2), b.num_free_slots) == (6, 6, 0)
+    b.check_integrity({1, 2})
+
+
+def test_shrink_keeps_the_most_recently_used_pages_and_frees_the_rest():
+    b = _buf(share=4)
+    slots = b.res_slot[0, 0, 0].tolist()
+    _look(b, [1, 2, 3], now=1)  # columns 0..2 hold pages 1..3, column 3 stays empty
+    _look(b, [2], now=2)
+    _look(b, [3], now=3)
+    b.shrink(0, 2)  # keeps page 3 (used at 3) and page 2 (at 2); page 1 and the empty column go
+    assert b.res_page[0, 0, 0].tolist() == [3, 2, -1, -1]
+    assert b.res_slot[0, 0, 0].tolist() == [slots[2], slots[1], -1, -1]
+    assert b.res_last_use[0, 0, 0, :2].tolist() == [3, 2]
+    assert b.num_free_slots == 64 - 2 and b.share_of(0) == 2
+    b.check_integrity({0})
+    lookup, miss = _look(b, [2, 3, 1], now=4)  # held pages still hit; page 1 was forgotten
+    assert miss == [False, False, True]
+    b.grow(0, 4)
+    assert (b.res_slot[0, 0, 0] >= 0).tolist() == [True, True, True, True] and b.num_free_slots == 60
+    b.check_integrity({0})
 
 
 def _ragged(slots=64, max_seqs=2):
@@ -101,11 +129,15 @@ def test_per_head_widths_make_elastic_shares_in_slots():
     assert (b.slots_for(6), b.slots_for(7)) == (11, 13)
     assert b.share_for(mandatory=4, num_waiting=3) == 4  # the mandatory share (7 slots), above 22 / 4
     b.attach(0, 8)
-    assert b.share_for(mandatory=4, num_waiting=0) == 4  # 8 slots free: the mandatory 7 fit, 5 (10) not
+    # An equal part of 22 slots for two is 11 (share 6): 8 are free, row 0 gives back 3.
+    assert b.share_for(mandatory=4, num_waiting=0) == 6
     assert b.share_for(mandatory=4, num_waiting=0, elastic=False) == 0
-    b.attach(1, 4)
-    assert b.share_for(mandatory=4, num_waiting=0) == 0  # the mandatory share does not fit: wait
+    b.make_room(b.slots_for(6), b.floor_share(mandatory=4, num_waiting=0))
+    assert b.share_of(0) == 6 and b.num_free_slots == 11
+    b.attach(1, 6)
     b.check_integrity({0, 1})
+    assert b.share_for(mandatory=4, num_waiting=0) == 4  # 7 slots: each share gives back 4
+    assert b.slots_for(5) == 10 and b.share_for(mandatory=5, num_waiting=0) == 0  # 2 reclaimable: wait
 
 
 def test_per_head_widths_are_checked():

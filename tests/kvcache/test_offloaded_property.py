@@ -1,5 +1,5 @@
 """Random sequences of allocate / append / select+retrieve / evict / abort on the offloaded
-cache; after every step the integrity check passes and every selected page's slot holds
+cache (elastic shares shrink on admissions and grow on releases); after every step the integrity check passes and every selected page's slot holds
 exactly that page's host data."""
 
 import torch
@@ -44,8 +44,9 @@ def test_random_operations_keep_the_cache_consistent(ops):
         rid = f"r{rid_i}"
         if name == "grow":
             want = min(32, tokens.get(rid, 0) + arg)
-            if kv.can_allocate(rid, want):
-                kv.allocate(rid, want)
+            queued = arg % 3  # requests waiting behind a newcomer: smaller elastic shares
+            if kv.can_allocate(rid, want, queued):
+                kv.allocate(rid, want, queued)
                 tokens[rid] = want
         elif name == "abort":
             kv.free(rid)
