@@ -5,11 +5,16 @@ a hit is found through the share's page -> column map (res_col, kept in step wit
 not by comparing every selected page with every column. Columns and selected pages go in
 chunks of CB and KB, in five passes:
 
-    1 columns     age bucket min(now - last_use, NB - 1) of every column with a slot
-    2 selections  hit column through the map, or a miss; hit columns become unevictable
+    1 selections  hit column through the map, or a miss
+    2 columns     age bucket min(now - last_use, NB - 1) of every column with a slot; hit
+                  columns unevictable
     3 columns     evictable columns in buckets >= j: the cutoff bucket, as the bucketed LRU
     4 columns     victims: older than the cutoff, then the cutoff bucket's first columns
     5 selections  the i-th miss takes the i-th victim; outputs, the share and its map updated
+
+Passes 2-4 walk the whole share and run only for a head with a miss: once a share holds its
+head's working set (an elastic share may be as wide as the request's pages), a step costs
+O(K) per head, not O(C).
 
 One pass's per-column and per-selection state waits for the next in scratch rows
 (col_state [C], sel_state [K], rank_col [C]); the step's counters are added atomically.
@@ -50,18 +55,7 @@ def _buffer_lookup(
     sel_state = sel_state_ptr + pid.to(tl.int64) * K
     rank_col = rank_col_ptr + pid.to(tl.int64) * C
 
-    # Pass 1, columns: the age bucket of every column with a slot (-1: no slot).
-    for ci in range(NCC):
-        cs = ci * CB + cr
-        c_in = cs < C
-        slot = tl.load(res_slot_ptr + base + cs, mask=c_in, other=-1)
-        last = tl.load(last_use_ptr + base + cs, mask=c_in, other=0)
-        bucket = tl.minimum(tl.maximum(now - last, 0), NUM_BUCKETS - 1)
-        tl.store(col_state + cs, tl.where(slot >= 0, bucket, -1), mask=c_in)
-    tl.debug_barrier()
-
-    # Pass 2, selections: hit column (through the map), or -2 for a miss, -1 for padding;
-    # a hit's column is protected (col_state -1: not evictable).
+    # Pass 1, selections: hit column (through the map), or -2 for a miss, -1 for padding.
     need = 0
     n_valid = 0
     for ki in range(NKC):
@@ -78,39 +72,55 @@ def _buffer_lookup(
         need += tl.sum(miss.to(tl.int32), axis=0)
         n_valid += tl.sum(valid.to(tl.int32), axis=0)
         tl.store(sel_state + ks, tl.where(hit, col, tl.where(miss, -2, -1)), mask=k_in)
-        tl.store(col_state + col, tl.full([KB], -1, tl.int32), mask=hit)
     tl.debug_barrier()
 
-    # Pass 3: how many evictable columns are at least j buckets old; the bucketed LRU's cutoff.
-    at_least = tl.zeros([NB_PAD], tl.int32)
-    for ci in range(NCC):
-        cs = ci * CB + cr
-        bk = tl.load(col_state + cs, mask=cs < C, other=-1)
-        at_least += tl.sum(((bk[None, :] >= js[:, None]) & (bk >= 0)[None, :]).to(tl.int32), axis=1)
-    take = tl.minimum(need, tl.sum(tl.where(js == 0, at_least, 0), axis=0))
-    cut = tl.max(tl.where((at_least >= take) & (js < NUM_BUCKETS), js, -1), axis=0)
-    above = tl.sum(tl.where(js == cut + 1, at_least, 0), axis=0)
+    evicted = need * 0  # a tensor like need: both branches of the if below give one type
+    if need > 0:
+        # Pass 2, columns: the age bucket of every column with a slot (-1: no slot), then the
+        # hits' columns protected (-1: not evictable).
+        for ci in range(NCC):
+            cs = ci * CB + cr
+            c_in = cs < C
+            slot = tl.load(res_slot_ptr + base + cs, mask=c_in, other=-1)
+            last = tl.load(last_use_ptr + base + cs, mask=c_in, other=0)
+            bucket = tl.minimum(tl.maximum(now - last, 0), NUM_BUCKETS - 1)
+            tl.store(col_state + cs, tl.where(slot >= 0, bucket, -1), mask=c_in)
+        tl.debug_barrier()
+        for ki in range(NKC):
+            ks = ki * KB + kr
+            st = tl.load(sel_state + ks, mask=ks < K, other=-1)
+            tl.store(col_state + st, tl.full([KB], -1, tl.int32), mask=st >= 0)
+        tl.debug_barrier()
 
-    # Pass 4, columns in order: victims, and which column the i-th victim is.
-    run_cut = 0
-    run_victim = 0
-    evicted = 0
-    for ci in range(NCC):
-        cs = ci * CB + cr
-        c_in = cs < C
-        bk = tl.load(col_state + cs, mask=c_in, other=-1)
-        evictable = bk >= 0
-        in_cut = evictable & (bk == cut)
-        cut_rank = run_cut + tl.cumsum(in_cut.to(tl.int32), axis=0) - 1
-        victim = ((evictable & (bk > cut)) | (in_cut & (cut_rank < take - above))) & (take > 0)
-        v_rank = run_victim + tl.cumsum(victim.to(tl.int32), axis=0) - 1
-        tl.store(rank_col + v_rank, cs, mask=victim)
-        if REUSE:
-            page = tl.load(res_page_ptr + base + cs, mask=c_in, other=-1)
-            evicted += tl.sum((victim & (page >= 0)).to(tl.int32), axis=0)
-        run_cut += tl.sum(in_cut.to(tl.int32), axis=0)
-        run_victim += tl.sum(victim.to(tl.int32), axis=0)
-    tl.debug_barrier()
+        # Pass 3: how many evictable columns are at least j buckets old; the bucketed LRU's cutoff.
+        at_least = tl.zeros([NB_PAD], tl.int32)
+        for ci in range(NCC):
+            cs = ci * CB + cr
+            bk = tl.load(col_state + cs, mask=cs < C, other=-1)
+            at_least += tl.sum(((bk[None, :] >= js[:, None]) & (bk >= 0)[None, :]).to(tl.int32), axis=1)
+        take = tl.minimum(need, tl.sum(tl.where(js == 0, at_least, 0), axis=0))
+        cut = tl.max(tl.where((at_least >= take) & (js < NUM_BUCKETS), js, -1), axis=0)
+        above = tl.sum(tl.where(js == cut + 1, at_least, 0), axis=0)
+
+        # Pass 4, columns in order: victims, and which column the i-th victim is.
+        run_cut = 0
+        run_victim = 0
+        for ci in range(NCC):
+            cs = ci * CB + cr
+            c_in = cs < C
+            bk = tl.load(col_state + cs, mask=c_in, other=-1)
+            evictable = bk >= 0
+            in_cut = evictable & (bk == cut)
+            cut_rank = run_cut + tl.cumsum(in_cut.to(tl.int32), axis=0) - 1
+            victim = ((evictable & (bk > cut)) | (in_cut & (cut_rank < take - above))) & (take > 0)
+            v_rank = run_victim + tl.cumsum(victim.to(tl.int32), axis=0) - 1
+            tl.store(rank_col + v_rank, cs, mask=victim)
+            if REUSE:
+                page = tl.load(res_page_ptr + base + cs, mask=c_in, other=-1)
+                evicted += tl.sum((victim & (page >= 0)).to(tl.int32), axis=0)
+            run_cut += tl.sum(in_cut.to(tl.int32), axis=0)
+            run_victim += tl.sum(victim.to(tl.int32), axis=0)
+        tl.debug_barrier()
     if not REUSE:  # the share forgets what it held: only this step's misses stay
         for ci in range(NCC):
             cs = ci * CB + cr

@@ -25,8 +25,8 @@ treats every held page as forgotten (every selected page is a miss).
 Two implementations with the same contract: ``buffer_lookup`` (Triton, one launch: one
 program per (row, head); CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and
 ``buffer_lookup_ref`` (fixed-shape torch ops, about 60 per call; ``res_col`` optional). The
-Triton launch finds hits through the map and walks columns and selections in chunks of 64,
-O(K + C) per head at any width: per-head budgets of 500+ pages and shares of 1000+ columns
+Triton launch finds hits through the map and walks columns in chunks of 64 and selected
+pages in one chunk of up to 1024, O(K + C) per head (O(K) for a head without a miss) at any width: per-head budgets of 500+ pages and shares of 1000+ columns
 are what S-HPLB gives its widest heads.
 Neither syncs with the host. This module imports only torch (and Triton, lazily).
 """
@@ -60,6 +60,10 @@ def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int
     miss = torch.empty(B, H, K, dtype=torch.int8, device=want.device)
     if not B * H:
         return slots, miss_dst, miss.bool()
+    # Selected pages go in one chunk when they fit 1024 (each chunk is a round trip to memory
+    # through the page map: with 500+ pages in chunks of 64 the walk was latency-bound);
+    # columns in chunks of 64 (pass 3 holds a [buckets, chunk] tile).
+    kb = chunk or min(1024, max(CHUNK, next_pow2(K)))
     chunk = chunk or CHUNK
     # Scratch rows of each (request, head): column state, selection state, victim columns.
     scratch = torch.empty(3, B * H, max(K, C), dtype=torch.int32, device=want.device)
@@ -68,7 +72,7 @@ def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int
         scratch[0], scratch[1], scratch[2], now if now_from_ptr else counters, 0 if now_from_ptr else int(now),
         int(layer), res_page.stride(0), res_page.stride(1), res_page.stride(2),
         res_col.stride(0), res_col.stride(1), res_col.stride(2), K, C, H,
-        NUM_BUCKETS=num_buckets, KB=chunk, CB=chunk, NKC=-(-K // chunk), NCC=-(-C // chunk),
+        NUM_BUCKETS=num_buckets, KB=kb, CB=chunk, NKC=-(-K // kb), NCC=-(-C // chunk),
         NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse, NOW_FROM_PTR=now_from_ptr, num_warps=4,
     )
     return slots, miss_dst, miss.bool()

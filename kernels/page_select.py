@@ -140,10 +140,12 @@ def topk_ragged(scores: torch.Tensor, budgets: torch.Tensor, k: int) -> torch.Te
 
 
 def _row_launch(P: int) -> tuple[int, int]:
-    """(P_PAD, num_warps) of a one-row-per-program kernel: about 32 keys per thread, so the
-    row stays in registers without spilling."""
+    """(P_PAD, num_warps) of a one-row-per-program kernel: 8 keys or more per thread, at most
+    16 warps. A decode step has few rows (B x Hkv: 32 at batch 4), so a row's latency is the
+    launch's: on the H200 (``benchmarks/bench_select.py``, 4096 pages) the radix select took
+    70 us with 4 warps, 38 us with 8, 24 us with 16 and 30 us with 32."""
     p_pad = 1 << max(4, (P - 1).bit_length())
-    return p_pad, min(16, max(4, p_pad // 1024))
+    return p_pad, min(16, max(4, p_pad // 256))
 
 
 def _check_select(scores, num_pages, sink_pages, local_pages, budgets, width):
@@ -174,9 +176,10 @@ def select_ragged_ref(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages:
 
 
 def select_ragged(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, local_pages: int,
-                  budgets: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  budgets: torch.Tensor, width: int, num_warps: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton: one program per (request, KV head) row: the edge masks, the radix-select
-    threshold of ``topk_ragged`` over the middle pages, and the compaction, in one launch."""
+    threshold of ``topk_ragged`` over the middle pages, and the compaction, in one launch.
+    ``num_warps``: per program (0: about 32 pages per thread, ``_row_launch``)."""
     _check_select(scores, num_pages, sink_pages, local_pages, budgets, width)
     if scores.device.type != "cuda" and not interpreter_requested():
         raise ValueError("the Triton Select kernel needs CUDA tensors (or TRITON_INTERPRET=1); use select_ragged_ref")
@@ -187,7 +190,8 @@ def select_ragged(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int
     count = torch.zeros(B, hkv, dtype=torch.int64, device=scores.device)
     if B == 0 or P == 0:
         return want.fill_(-1), count
-    p_pad, num_warps = _row_launch(P)
+    p_pad, warps = _row_launch(P)
+    num_warps = num_warps or warps
     _kernels()._select_ragged[(B * hkv,)](
         scores.float().contiguous(), num_pages.contiguous(), budgets.contiguous(), want, count,
         P, width, sink_pages, local_pages,

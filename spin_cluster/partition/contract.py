@@ -54,6 +54,11 @@ class SparseAlgorithm(ABC):
         Called by Offload for prefill chunks and decode tokens alike. Default: no index.
         """
 
+    def index_bytes_per_token(self) -> float:
+        """Bytes of index one Select reads per context token of a request, over every layer
+        and KV head (the step's byte budget: ``benchmarks/e2e.py``'s roofline). Default: none."""
+        return 0.0
+
     def plan_append(self, rows: torch.Tensor, positions: torch.Tensor):
         """Once per step, before any layer's ``append``: whatever ``append`` needs from the
         step's [T] token rows and positions, computed once instead of once per layer.

@@ -56,6 +56,10 @@ class Labels(SparseAlgorithm):
         self.labels = torch.zeros(self.num_layers, n, self.num_kv_heads, r, dtype=self.index_dtype, device=self.device)
         self.lengths = torch.zeros(self.max_seqs + 1, dtype=torch.long, device=self.device)
 
+    def index_bytes_per_token(self) -> float:
+        # r channels of every key
+        return self.num_layers * self.num_kv_heads * self.channels * self.labels.element_size()
+
     def on_append(self, layer, rows, positions, k):
         self.append(layer, self.plan_append(rows, positions), k)
 

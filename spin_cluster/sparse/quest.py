@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from spin_cluster.kernels.index_append import bounds_append, bounds_append_ref
 from spin_cluster.kernels.page_select import page_scores, page_scores_ref
 from spin_cluster.partition.contract import SparseAlgorithm, register
 
@@ -46,33 +47,23 @@ class Quest(SparseAlgorithm):
         self.kmin = torch.full(shape, float("inf"), dtype=self.index_dtype, device=self.device)
         self.kmax = torch.full(shape, float("-inf"), dtype=self.index_dtype, device=self.device)
 
+    def index_bytes_per_token(self) -> float:
+        # kmin and kmax: two D-wide bounds per scoring block
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kmin.element_size() / self.block_tokens
+
     def on_append(self, layer, rows, positions, k):
         # rows, positions: [T]; k: [T, Hkv, D]
         self.append(layer, self.plan_append(rows, positions), k)
 
     def plan_append(self, rows, positions):
-        """(flat block index of each token's K expanded to [T, Hkv, D], [T] rows to reset:
-        the block's own index where a token starts a block, else the dump row)."""
-        P, nb, blk = self.max_pages_per_seq, self.blocks_per_page, self.block_tokens
-        idx = rows * (P * nb) + positions // blk  # [T] flat block index
-        first = positions % blk == 0  # a block's first token: forget what a previous owner left
-        fresh = torch.where(first, idx, self.kmin.shape[1] - 1)
-        return idx[:, None, None].expand(-1, self.num_kv_heads, self.head_dim), fresh
+        """([T] flat block row of each token, [T] positions: a token at a block's start resets it)."""
+        return rows * (self.max_pages_per_seq * self.blocks_per_page) + positions // self.block_tokens, positions
 
     def append(self, layer, plan, k):
-        expanded, fresh = plan
-        kmin, kmax = self.kmin[layer], self.kmax[layer]
-        kmin.index_fill_(0, fresh, float("inf"))
-        kmax.index_fill_(0, fresh, float("-inf"))
-        k = k.float()
-        lo = hi = k
-        if self.index_dtype != torch.float32:
-            # Outward rounding to a 16-bit index: nearest rounding errs by <= 2^-8 relative
-            # (bfloat16; 2^-11 for float16), so a 2^-7 relative margin keeps the bound.
-            slack = k.abs() * (2.0 ** -7)
-            lo, hi = (k - slack).to(self.index_dtype), (k + slack).to(self.index_dtype)
-        kmin.scatter_reduce_(0, expanded, lo, "amin")
-        kmax.scatter_reduce_(0, expanded, hi, "amax")
+        # One Triton launch on CUDA (bounds rounded outward in a 16-bit index), else torch ops.
+        blocks, positions = plan
+        fn = bounds_append if k.is_cuda else bounds_append_ref
+        fn(self.kmin[layer], self.kmax[layer], k, blocks, positions, self.block_tokens)
 
     def score(self, layer, q, rows, num_pages):
         # q: [B, H, D] -> [B, Hkv, num_pages]; Triton on CUDA, the torch reference elsewhere

@@ -1,0 +1,72 @@
+"""Quest's Index: fold new keys into per-block key bounds, one launch per layer.
+
+    kmin, kmax : [N, Hkv, D]   per-block bounds of one layer (float32 or a 16-bit dtype)
+    k          : [T, Hkv, D]   the step's new keys
+    blocks     : [T] int64     each token's flat block row in kmin/kmax
+    positions  : [T] int64     each token's position (a token at a multiple of ``block_tokens``
+                               starts its block afresh: whatever an earlier owner left goes)
+
+    kmin[b] = min(kmin[b], k - slack), kmax[b] = max(kmax[b], k + slack)  for every token of b
+
+A 16-bit index rounds outward: ``slack = |k| * 2^-7`` (nearest rounding errs by <= 2^-8
+relative for bfloat16, 2^-11 for float16), so the stored bounds stay bounds; float32 adds
+none. Tokens of one block must be adjacent in ``blocks`` (as a step's tokens of one request
+are). Two entry points, same signature: :func:`bounds_append` (Triton: one program per
+(token, head), about a dozen torch launches fewer per layer) and :func:`bounds_append_ref`.
+This module imports only torch (and Triton, lazily).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton_support import is_interpreted, load_kernel_module, next_pow2
+
+__all__ = ["bounds_append", "bounds_append_ref", "SLACK_16BIT"]
+
+SLACK_16BIT = 2.0 ** -7
+
+
+def _slack(dtype: torch.dtype) -> float:
+    return 0.0 if dtype == torch.float32 else SLACK_16BIT
+
+
+def _check(kmin, kmax, k, blocks, positions):
+    if kmin.dim() != 3 or kmax.shape != kmin.shape or k.dim() != 3 or k.shape[1:] != kmin.shape[1:]:
+        raise ValueError(f"kmin/kmax must be [N, Hkv, D] and k [T, Hkv, D] alike; got {tuple(kmin.shape)}, "
+                         f"{tuple(kmax.shape)}, {tuple(k.shape)}")
+    T = k.shape[0]
+    if blocks.shape != (T,) or positions.shape != (T,):
+        raise ValueError(f"blocks and positions must be [T={T}], got {tuple(blocks.shape)}, {tuple(positions.shape)}")
+
+
+def bounds_append_ref(kmin, kmax, k, blocks, positions, block_tokens: int) -> None:
+    _check(kmin, kmax, k, blocks, positions)
+    first = positions % block_tokens == 0  # a block's first token: forget a previous owner
+    fresh = torch.where(first, blocks, kmin.shape[0] - 1)  # the last row absorbs the rest
+    kmin.index_fill_(0, fresh, float("inf"))
+    kmax.index_fill_(0, fresh, float("-inf"))
+    k = k.float()
+    lo = hi = k
+    if kmin.dtype != torch.float32:
+        slack = k.abs() * _slack(kmin.dtype)
+        lo, hi = (k - slack).to(kmin.dtype), (k + slack).to(kmax.dtype)
+    expanded = blocks[:, None, None].expand_as(k)
+    kmin.scatter_reduce_(0, expanded, lo, "amin")
+    kmax.scatter_reduce_(0, expanded, hi, "amax")
+
+
+def bounds_append(kmin, kmax, k, blocks, positions, block_tokens: int) -> None:
+    _check(kmin, kmax, k, blocks, positions)
+    kmod = load_kernel_module("_index_append_kernel", "bounds_append", "bounds_append_ref")
+    if k.device.type != "cuda" and not is_interpreted(kmod._bounds_append):
+        raise ValueError("the Triton index append needs CUDA tensors (or TRITON_INTERPRET=1); use bounds_append_ref")
+    T, H, D = k.shape
+    if T == 0:
+        return
+    if k.stride(2) != 1 or kmin.stride(2) != 1 or kmin.stride() != kmax.stride():
+        raise ValueError("k, kmin and kmax need contiguous head dims, and kmin/kmax one layout")
+    kmod._bounds_append[(T, H)](
+        kmin, kmax, k, blocks, positions, T, k.stride(0), k.stride(1), kmin.stride(0), kmin.stride(1),
+        BLK=block_tokens, D=D, BLOCK_D=next_pow2(D), SLACK=_slack(kmin.dtype),
+    )
