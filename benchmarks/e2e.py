@@ -61,8 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--workloads", nargs="+", default=None, metavar="NAME",
                     help="run only these workloads (offline-128K, offline-32K, online-1rps, ...): "
                          "one device call per group when all of them do not fit in one")
-    ap.add_argument("--gpu-kv-gib", type=float, default=24.0, help="GPU KV capacity of every mode (pages / buffer)")
-    ap.add_argument("--host-kv-gib", type=float, default=72.0, help="host tier of the offloaded modes")
+    add_engine_args(ap)
     ap.add_argument("--offline-lengths", type=int, nargs="+", default=[131072, 32768])
     ap.add_argument("--offline-batch", type=int, default=4)
     ap.add_argument("--output-tokens", type=int, default=256)
@@ -70,23 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--online-length", type=int, default=32768)
     ap.add_argument("--online-requests", type=int, default=4)
     ap.add_argument("--online-output-tokens", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=2048, help="sparse modes: mean middle tokens per head")
-    ap.add_argument("--algorithm", default="quest", choices=["quest", "labels"],
-                    help="sparse modes' Select (graph-safe algorithms)")
-    ap.add_argument("--resident-margin", type=float, default=0.0,
-                    help="spin: sparse.resident_margin, Select's hysteresis in nats (0: off)")
-    ap.add_argument("--per-head-shares", action="store_true",
-                    help="spin: cache.per_head_shares, each head's buffer share sized by its own S-HPLB budget")
-    ap.add_argument("--buffer-share", type=float, default=2.0,
-                    help="spin: cache.buffer_share, a share's full width as a multiple of the pages a step selects")
-    ap.add_argument("--page-size", type=int, default=32)
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--max-batched-tokens", type=int, default=65536,
-                    help="prefill chunk size: a 128K prompt in two chunks (later chunks of an offloaded "
-                         "request gather its earlier context from the host tier in every layer)")
     ap.add_argument("--deadline-s", type=float, default=480.0, help="wall time for all measurements")
-    ap.add_argument("--tokenizer", default=None, metavar="DIR",
-                    help="folder with tokenizer.json (default: the prepared default model's)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -96,6 +79,30 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.budget, args.page_size, args.max_num_seqs, args.max_batched_tokens = 64, 16, 4, 256
         args.deadline_s = min(args.deadline_s, 60.0)
     return args
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The engine's settings every mode is built from (``mode_config``): shared with
+    ``profile_step.py`` so that a profile runs the engine the end-to-end run measures."""
+    ap.add_argument("--gpu-kv-gib", type=float, default=24.0, help="GPU KV capacity of every mode (pages / buffer)")
+    ap.add_argument("--host-kv-gib", type=float, default=72.0, help="host tier of the offloaded modes")
+    ap.add_argument("--budget", type=int, default=2048, help="sparse modes: mean middle tokens per head")
+    ap.add_argument("--algorithm", default="quest", choices=["quest", "labels"],
+                    help="sparse modes' Select (graph-safe algorithms)")
+    ap.add_argument("--resident-margin", type=float, default=0.0,
+                    help="spin: sparse.resident_margin, Select's hysteresis in nats (0: off)")
+    ap.add_argument("--per-head-shares", action="store_true",
+                    help="spin: cache.per_head_shares, each head's buffer share sized by its own S-HPLB budget")
+    ap.add_argument("--buffer-share", type=float, default=0.0,
+                    help="spin: cache.buffer_share, a share's cap as a multiple of the pages a step selects "
+                         "(0: none, shares grow into every free slot of the GPU memory budget)")
+    ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-batched-tokens", type=int, default=65536,
+                    help="prefill chunk size: a 128K prompt in two chunks (later chunks of an offloaded "
+                         "request gather its earlier context from the host tier in every layer)")
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="folder with tokenizer.json (default: the prepared default model's)")
 
 
 def _import_package() -> None:
@@ -145,6 +152,7 @@ def run_workload(engine, prompts: list[list[int]], arrivals_s: list[float], max_
     start = time.monotonic()
     times: dict[str, RequestTimes] = {}
     steps: list[tuple[float, int, bool, int]] = []  # (seconds, tokens run, decode only, running)
+    capture_s: list[float] = []  # steps that captured a CUDA graph
     pending = sorted(zip(arrivals_s, range(len(prompts))))
     truncated = False
     while pending or engine.has_unfinished():
@@ -161,11 +169,18 @@ def run_workload(engine, prompts: list[list[int]], arrivals_s: list[float], max_
         # A decode-only step: every token it ran was a decode token of a running request
         # (requests waiting for room do not make it a prefill step).
         ready = sum(r.num_computed_tokens >= len(r.prompt_token_ids) for r in engine.scheduler.running)
+        captures = getattr(engine.runner.graphs, "captures", 0)
         t0 = time.perf_counter()
         outputs = engine.step()
         _sync(engine)
         tokens = engine.last_stats.num_batched_tokens
-        steps.append((time.perf_counter() - t0, tokens, 0 < tokens == ready, engine.last_stats.num_running))
+        seconds = time.perf_counter() - t0
+        if getattr(engine.runner.graphs, "captures", 0) != captures:
+            # A new decode shape ran eagerly and was captured (once per shape in a server's
+            # life; dense captures its graphs at start-up): counted apart, not as decode speed.
+            capture_s.append(seconds)
+            tokens = 0
+        steps.append((seconds, tokens, 0 < tokens == ready, engine.last_stats.num_running))
         t = time.monotonic()
         for out in outputs:
             rt = times[out.request_id]
@@ -178,7 +193,8 @@ def run_workload(engine, prompts: list[list[int]], arrivals_s: list[float], max_
     for rid, rt in times.items():
         if rt.finished_s is None:
             engine.abort(rid)
-    return summarize(list(times.values()), steps, time.monotonic() - start, truncated, engine)
+    return {**summarize(list(times.values()), steps, time.monotonic() - start, truncated, engine),
+            "capture_steps": len(capture_s), "capture_s": sum(capture_s)}
 
 
 def summarize(times: list[RequestTimes], steps, wall_s: float, truncated: bool, engine) -> dict:
@@ -194,8 +210,12 @@ def summarize(times: list[RequestTimes], steps, wall_s: float, truncated: bool, 
         "throughput_tok_s": sum(r.num_output for r in times) / wall_s if wall_s else 0.0,
         "decode_tok_s": sum(n for _, n in decode) / sum(s for s, _ in decode) if decode else None,
         "batch1_decode_step_s": _median([s for s, n in decode if n == 1]),
+        "decode_steps": sum(1 for _, n, _, _ in steps if n),
         "peak_running": max((r for *_, r in steps), default=0),
         "peak_decode_batch": max((n for _, n in decode), default=0),
+        # Decode-only steps at the largest batch: median and spread (10th / 90th percentile).
+        **{f"full_batch_step_s_p{p}": _pct([s for s, n in decode if n == max(m for _, m in decode)], p)
+           for p in (10, 50, 90)},
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
         "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
         "buffer_hits_total": stats.buffer_hits_total, "buffer_misses_total": stats.buffer_misses_total,
@@ -277,6 +297,50 @@ def roofline(engine, context: int, step_s: float | None, bandwidth: float | None
             "fraction_of_roofline": bound_s / step_s if bound_s and step_s else None}
 
 
+# PCIe host -> device bandwidth of the gather that Retrieve runs (measured on the H200 here,
+# shared/ARCHITECTURE.md: 50.5-51.2 GB/s zero-copy gather, 55 GB/s contiguous copy).
+PCIE_BYTES_S = 55e9
+
+
+def step_roofline(engine, r: dict, context: int, bandwidth: float | None) -> dict | None:
+    """The bytes a decode step of this mode must move at its decode batch B and ``context``
+    tokens per request, and the time they take (HBM at ``bandwidth``, misses and
+    dense-offload's KV over PCIe at ``PCIE_BYTES_S``), against the measured step:
+
+        dense            weights + B x every token's K and V
+        dense-offload    weights; B x every token's K and V over PCIe
+        sparse modes     weights + B x (Select's index + the attended pages' K and V);
+                         the measured misses per decode step over PCIe
+    """
+    if not bandwidth or not r.get("decode_tok_s") or not r.get("peak_decode_batch"):
+        return None
+    model, mc = engine.model, engine.model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    if not mc.tie_word_embeddings:
+        weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    B = r["peak_decode_batch"]
+    elem = model.embed_tokens.weight.element_size()
+    per_token_kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
+    attn = engine.runner.attention
+    kv = engine.kv
+    hbm, pcie = weight_bytes, 0.0
+    if not hasattr(kv, "buffer"):  # GPU-only pages
+        hbm += B * context * per_token_kv
+    elif attn.algorithm.selects_all:
+        pcie += B * context * per_token_kv
+    else:
+        S = kv.page_size
+        attended = attn.mandatory_pages(context) * S  # sink + budget + local, per head
+        hbm += B * (context * attn.algorithm.index_bytes_per_token() + attended * per_token_kv)
+        steps = r.get("decode_steps") or 0
+        if steps:
+            pcie += r["buffer_misses_total"] / steps * kv.buffer.page_bytes
+    bound_s = hbm / bandwidth + pcie / PCIE_BYTES_S
+    step_s = B / r["decode_tok_s"]
+    return {"batch": B, "context": context, "hbm_bytes": hbm, "pcie_bytes": pcie, "bound_step_s": bound_s,
+            "measured_step_s": step_s, "x_roofline": step_s / bound_s}
+
+
 # ---- report -------------------------------------------------------------------------------------
 
 
@@ -298,6 +362,17 @@ def markdown(results: dict) -> str:
                 f"| {f(r['decode_tok_s'], fmt='{:.1f}')} | {r['peak_running']} | {f(r['ttft_p50_s'])} "
                 f"| {f(r['ttft_p99_s'])} | {f(r['tpot_p50_s'], 1e3, '{:.1f}')} | {f(r['tpot_p99_s'], 1e3, '{:.1f}')} "
                 f"| {f(hit, 100, '{:.1f}%')} |")
+    steps = [(name, mode, r["roofline"], by_mode.get("dense")) for name, by_mode in results["workloads"].items()
+             for mode, r in by_mode.items() if r.get("roofline")]
+    if steps:
+        lines += ["", "| workload | mode | decode batch | step ms | roofline ms (HBM GB + PCIe GB) | x roofline "
+                  "| decode tok/s vs dense |", "|---|---|---:|---:|---:|---:|---:|"]
+        for name, mode, rl, dense in steps:
+            r = results["workloads"][name][mode]
+            vs = r["decode_tok_s"] / dense["decode_tok_s"] if dense and dense.get("decode_tok_s") else None
+            lines.append(f"| {name} | {mode} | {rl['batch']} | {1e3 * rl['measured_step_s']:.2f} "
+                         f"| {1e3 * rl['bound_step_s']:.2f} ({rl['hbm_bytes'] / 1e9:.1f} + {rl['pcie_bytes'] / 1e9:.2f}) "
+                         f"| {rl['x_roofline']:.2f} | {f(vs, fmt='{:.2f}x')} |")
     rf = results.get("roofline")
     if rf and rf.get("fraction_of_roofline"):
         lines += ["", f"Dense batch-1 decode at {rf['context']} tokens: {1e3 * rf['measured_step_s']:.2f} ms/step, "
@@ -399,6 +474,7 @@ def main(argv=None) -> dict:
             deadline = time.monotonic() + (start + args.deadline_s - time.monotonic()) * weight / weight_left
             weight_left -= weight
             r = run_workload(engine, prompts, arrivals, max_tokens, deadline)
+            r["roofline"] = None if args.tiny else step_roofline(engine, r, len(prompts[0]), bandwidth)
             results["workloads"][name][mode] = r
             print(f"[{mode}] {name}: {json.dumps({k: r[k] for k in ('finished', 'wall_s', 'decode_tok_s', 'ttft_p99_s', 'tpot_p99_s', 'peak_running')})}",
                   flush=True)

@@ -34,14 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--top", type=int, default=25, help="kernels listed")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=".")
-    # the engine's settings, as e2e.py
-    ap.add_argument("--gpu-kv-gib", type=float, default=24.0)
-    ap.add_argument("--host-kv-gib", type=float, default=72.0)
-    ap.add_argument("--budget", type=int, default=2048)
-    ap.add_argument("--page-size", type=int, default=32)
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--max-batched-tokens", type=int, default=65536)
-    ap.add_argument("--tokenizer", default=None)
+    e2e.add_engine_args(ap)  # the engine's settings, as e2e.py
     args = ap.parse_args(argv)
     if args.tiny:
         args.gpu_kv_gib, args.host_kv_gib, args.context, args.batch = 0.002, 0.05, 256, 2
@@ -101,6 +94,19 @@ def main(argv=None) -> dict:
         sync()
         step_s.append(time.perf_counter() - t0)
     runner.execute = execute
+    # One step as served (graph replay) under the profiler: the GPU's span from its first
+    # kernel's start to its last one's end, against the kernels' own time (the rest: gaps
+    # between kernels, which a graph shrinks but does not remove).
+    replay = None
+    if cuda and runner.graphs is not None:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            sync()
+        spans = [(ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                 if ev.device_type.name == "CUDA" and getattr(ev, "device_time", 0)]
+        if spans:
+            replay = {"kernels": len(spans), "kernel_s": sum(e - b for b, e in spans) / 1e6,
+                      "span_s": (max(e for _, e in spans) - min(b for b, _ in spans)) / 1e6}
     # One step eagerly under the profiler: its kernels, by name.
     graphs, runner.graphs = runner.graphs, None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -125,6 +131,12 @@ def main(argv=None) -> dict:
             kernels.setdefault(ev.name, []).append(ev.cpu_time_total / 1e6)
     rows = sorted(((name, sum(ts), len(ts)) for name, ts in kernels.items()), key=lambda r: -r[1])
     gpu_s = sum(t for _, t, _ in rows)
+    layers = engine.kv.num_layers
+    parts = {}
+    for name, t, n in rows:
+        part = parts.setdefault(kernel_part(name), {"ms_per_step": 0.0, "kernels_per_layer": 0.0})
+        part["ms_per_step"] += 1e3 * t
+        part["kernels_per_layer"] += n / layers
     result = {
         "mode": args.mode, "context": args.context, "batch": batch, "device": str(engine.device),
         "gpu": torch.cuda.get_device_name() if cuda else "cpu",
@@ -132,7 +144,9 @@ def main(argv=None) -> dict:
         "graph_replays": getattr(graphs, "replays", None),
         "step_s_median": statistics.median(step_s), "runner_s_median": statistics.median(runner_s),
         "eager_step_s": eager_s, "eager_profiled_step_s": eager_profiled_s,
+        "replay": replay,
         "kernel_s_sum": gpu_s, "num_kernels": sum(n for *_, n in rows),
+        "kernels_per_layer": sum(n for *_, n in rows) / layers, "parts": parts,
         "top": [{"name": n[:120], "s": t, "calls": c} for n, t, c in rows[: args.top]],
         "hit_ratio": (engine.last_stats.buffer_hits_total / engine.last_stats.buffer_lookups_total
                       if engine.last_stats.buffer_lookups_total else None),
@@ -144,6 +158,12 @@ def main(argv=None) -> dict:
           f"as served (runner {1e3 * result['runner_s_median']:.2f} ms, graphs: {result['graphs']}), "
           f"eager {1e3 * eager_s:.2f} ms; kernels of one eager step: {result['num_kernels']} taking "
           f"{1e3 * gpu_s:.2f} ms; buffer hit ratio {result['hit_ratio']}")
+    if replay:
+        print(f"graph replay: {replay['kernels']} kernels taking {1e3 * replay['kernel_s']:.2f} ms over a GPU span of "
+              f"{1e3 * replay['span_s']:.2f} ms")
+    print("| part | ms per step | kernels per layer |\n|---|---:|---:|")
+    for name, part in sorted(parts.items(), key=lambda kv: -kv[1]["ms_per_step"]):
+        print(f"| {name} | {part['ms_per_step']:.3f} | {part['kernels_per_layer']:.1f} |")
     print("| kernel | ms per step | calls |\n|---|---:|---:|")
     for r in result["top"]:
         print(f"| {r['name'][:90]} | {1e3 * r['s']:.3f} | {r['calls']} |")
@@ -151,6 +171,27 @@ def main(argv=None) -> dict:
 
     shutil.rmtree(folder, ignore_errors=True)
     return result
+
+
+# Kernel name fragments -> the part of the step they belong to (first match wins).
+_PARTS = (
+    ("select", ("_page_scores", "_label_scores", "_select_ragged", "_topk_ragged", "_quest_append", "scatter_reduce",
+                "index_fill")),
+    ("retrieve", ("_buffer_lookup", "_lookup_epilogue", "_retrieve_pages")),
+    ("offload", ("_write_tokens",)),
+    ("attention", ("_paged_decode", "flash", "fmha", "attention")),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitK", "cublas")),
+    ("layer ops", ("_add_rms_norm", "_rope_qk", "_silu_mul", "rms_norm")),
+)
+
+
+def kernel_part(name: str) -> str:
+    """The step part (Select, Retrieve, Offload, attention, GEMMs, layer ops, other) of a kernel."""
+    low = name.lower()
+    for part, keys in _PARTS:
+        if any(k.lower() in low for k in keys):
+            return part
+    return "other"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,75 @@
+"""Spin's data path gives dense's tokens where its Select keeps every page: a check that runs
+where the SmolLM2 tests cannot (the GPU machine has no default model), on toy shapes with
+random float32 weights (``model.load_format: dummy``).
+
+    python benchmarks/check_spin_tokens.py --tokenizer DIR     # CUDA (decode CUDA graphs on)
+    python benchmarks/check_spin_tokens.py --device cpu        # the same on the CPU
+
+Greedy tokens of a few prompts (several 64-token prefill chunks each, so that prefill
+installs pages and the chunk boundaries straddle pages) under three engines:
+
+    dense       GPU-only pages
+    offloaded   dense attention over the offloaded cache: every page Retrieved or installed
+                into the elastic GPU buffer, in a buffer too small for all of them
+    quest       Spin with Quest's Select and a budget of the whole context (every page
+                selected: the bounds append, Select, lookup and install on the real path)
+
+Exit status 1 when any engine's tokens differ from dense's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e  # noqa: E402  (same folder: the package import and the toy shape)
+
+SHAPE = {**e2e.TINY, "num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 4, "head_dim": 32}
+
+
+def engines(device: str, folder: str, max_len: int) -> dict[str, dict]:
+    base = {"model": {"path": folder, "load_format": "dummy", "max_model_len": max_len, "device": device,
+                      "dtype": "float32"},
+            "cache": {"page_size": 16, "kv_cache_gib": 0.002},
+            "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}}
+    off = {**base["cache"], "offload": True, "host_kv_gib": 0.01}
+    return {
+        "dense": base,
+        "offloaded": {**base, "cache": {**off, "kv_cache_gib": 0.0008}},
+        "quest": {**base, "cache": off, "sparse": {"algorithm": "quest", "budget": max_len, "sink_tokens": 16,
+                                                    "local_tokens": 32, "options": {"index_dtype": "bfloat16"}}},
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    args = ap.parse_args(argv)
+    e2e._import_package()
+    from spin_cluster.config import SpinConfig
+    from spin_cluster.engine import Engine, SamplingParams
+    from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
+
+    max_len = 512
+    folder = shape_folder({**LLAMA_31_8B, **SHAPE}, max_len, args.tokenizer, prefix="check-model-")
+    prompts = [[1000 + (31 * i + 7 * j) % 20000 for j in range(n)] for i, n in enumerate((150, 97, 211))]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    tokens, failed = {}, False
+    for name, cfg in engines(args.device, folder, max_len).items():
+        engine = Engine(SpinConfig.from_dict(cfg), progress=False)
+        tokens[name] = [o.token_ids for o in engine.generate(prompts, params)]
+        engine.check_integrity()
+        stats = engine.last_stats
+        same = tokens[name] == tokens["dense"]
+        failed |= not same
+        print(f"{name}: {'same tokens as dense' if same else 'TOKENS DIFFER'}; buffer hits "
+              f"{stats.buffer_hits_total} of {stats.buffer_lookups_total} lookups", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
