@@ -324,7 +324,7 @@ def step_roofline(engine, r: dict, context: int, bandwidth: float | None) -> dic
     attn = engine.runner.attention
     kv = engine.kv
     hbm, pcie = weight_bytes, 0.0
-    if not hasattr(kv, "buffer"):  # GPU-only pages
+    if kv.buffer is None:  # GPU-only pages
         hbm += B * context * per_token_kv
     elif attn.algorithm.selects_all:
         pcie += B * context * per_token_kv

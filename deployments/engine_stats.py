@@ -25,7 +25,7 @@ def free_kv_tokens(kv: Any, num_free_pages: int) -> int:
 def engine_report(engine: Any, replica_id: str) -> EngineReport:
     st = engine.last_stats
     kv = engine.kv
-    buffer = getattr(kv, "buffer", None)
+    buffer = kv.buffer
     if buffer is None:  # device pages only
         kv_pages = _pages("gpu", kv.num_free_pages, kv.num_total_pages)
     else:  # home pages on the host, the buffer's page slots on the device

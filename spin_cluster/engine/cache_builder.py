@@ -13,8 +13,9 @@ import math
 import torch
 
 from spin_cluster.config import SpinConfig
-from spin_cluster.engine.paged_attention import PagedAttention
-from spin_cluster.engine.spin_attention import SpinAttention, max_middle_pages
+from spin_cluster.engine.backend import backend_class
+from spin_cluster.engine.paged_attention import PagedAttention  # noqa: F401  (registers "paged")
+from spin_cluster.engine.spin_attention import max_middle_pages  # (and registers "spin")
 from spin_cluster.kvcache.host_tier import HostTier
 from spin_cluster.kvcache.manager import KVCacheManager
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
@@ -52,7 +53,7 @@ def build_cache(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, device:
             page_size=config.cache.page_size, num_pages=num_gpu_pages(config, mc, dtype, device, max_model_len),
             max_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
         )
-        return kv, PagedAttention(kv, decode_attention, _sparse_prefill(config, mc, device))
+        return kv, backend_class("paged")(kv, decode_attention, _sparse_prefill(config, mc, device))
     return _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, decode_attention)
 
 
@@ -105,8 +106,8 @@ def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, de
         num_buckets=cc.lru_buckets, elastic_shares=cc.elastic_shares, reuse=cc.buffer_reuse,
         head_widths=widths, head_mandatory=head_mandatory,
     )
-    return kv, SpinAttention(kv, algorithm, config.sparse, max_model_len, decode_attention,
-                             _sparse_prefill(config, mc, device))
+    return kv, backend_class("spin")(kv, algorithm, config.sparse, max_model_len, decode_attention,
+                                     _sparse_prefill(config, mc, device))
 
 
 def _sparse_prefill(config: SpinConfig, mc: ModelConfig, device: torch.device) -> BlockSparsePrefill | None:

@@ -156,7 +156,7 @@ class Engine:
         return outputs
 
     def _cache_stats(self) -> dict[str, int]:
-        buffer = getattr(self.kv, "buffer", None)
+        buffer = self.kv.buffer
         if buffer is None:
             return {}
         lookups, hits, misses, evicted = buffer.counters.tolist()  # one read per step

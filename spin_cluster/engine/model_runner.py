@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
+from spin_cluster.engine.backend import AttentionBackend
 from spin_cluster.engine.paged_attention import DecodeBuffers, PagedAttention
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.engine.spin_attention import SpinAttention
@@ -38,11 +39,8 @@ class ModelRunner:
         self.model = model
         self.attention = attention  # PagedAttention or SpinAttention: begin_step/forward/end_step
         self.device = device
-        self.graphs: DecodeGraphs | SpinDecodeGraphs | None = None
-        if cuda_graph_max_batch and device.type == "cuda" and type(attention) is PagedAttention:
-            self.graphs = DecodeGraphs(model, attention, cuda_graph_max_batch, progress)
-        elif cuda_graph_max_batch and isinstance(attention, SpinAttention | SpinGraphBackend) and attention.graph_safe:
-            self.graphs = SpinDecodeGraphs(model, attention, cuda_graph_max_batch)
+        self.graphs: DecodeGraphs | SpinDecodeGraphs | None = (
+            attention.decode_graphs(model, cuda_graph_max_batch, progress) if cuda_graph_max_batch else None)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
@@ -127,11 +125,14 @@ class DecodeGraphs:
         self.attention.plan = None
 
 
-class SpinGraphBackend:
-    """Marker base of attention backends that wrap a ``SpinAttention`` and can stand in for
-    it in ``SpinDecodeGraphs`` (a head-parallel rank's): they provide ``graph_safe``,
-    ``device``, ``plan``, ``advance``, ``decode_pages``, ``step_plan``, ``forward``,
-    ``end_step`` and ``replayed`` with its meanings."""
+class SpinGraphBackend(AttentionBackend):
+    """Base of attention backends that wrap a ``SpinAttention`` and can stand in for it in
+    ``SpinDecodeGraphs`` (a head-parallel rank's): they provide ``graph_safe``, ``device``,
+    ``plan``, ``advance``, ``decode_pages``, ``step_plan``, ``forward``, ``end_step`` and
+    ``replayed`` with its meanings."""
+
+    def decode_graphs(self, model: torch.nn.Module, max_batch: int, progress: bool = False):
+        return SpinDecodeGraphs(model, self, max_batch) if self.graph_safe else None
 
 
 class SpinDecodeGraphs:

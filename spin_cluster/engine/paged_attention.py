@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from spin_cluster.engine.backend import AttentionBackend, register_backend
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import paged_decode
 from spin_cluster.kvcache.manager import KVCacheManager
@@ -106,7 +107,10 @@ class DecodeBuffers:
         self.slot_mapping[:, B:padded].fill_(self.scratch_slot)
 
 
-class PagedAttention:
+@register_backend
+class PagedAttention(AttentionBackend):
+    name = "paged"
+
     def __init__(self, kv: KVCacheManager, decode: str = "auto", prefill: BlockSparsePrefill | None = None) -> None:
         self.kv = kv
         self.sparse_prefill = prefill  # None: dense prefill
@@ -120,6 +124,13 @@ class PagedAttention:
 
     def row(self, request_id: str) -> int:
         return self.kv.table.row(request_id)
+
+    def decode_graphs(self, model: torch.nn.Module, max_batch: int, progress: bool = False):
+        if self.device.type != "cuda":
+            return None
+        from spin_cluster.engine.model_runner import DecodeGraphs
+
+        return DecodeGraphs(model, self, max_batch, progress)
 
     def begin_step(self, chunks: list[ScheduledChunk], positions: torch.Tensor, token_rows: torch.Tensor) -> None:
         S = self.kv.page_size

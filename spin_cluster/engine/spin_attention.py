@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from spin_cluster.config import SparseConfig
+from spin_cluster.engine.backend import AttentionBackend, register_backend
 from spin_cluster.engine.paged_attention import decode_impl, prefill_attention
 from spin_cluster.engine.scheduler import ScheduledChunk
-from spin_cluster.kernels import lookup_epilogue, offload, retrieve
+from spin_cluster.kernels import lookup_epilogue
 from spin_cluster.kvcache.buffer import InstallPlan
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
+from spin_cluster.kvcache.transfer import Transfer
 from spin_cluster.partition import SelectPlan, SparseAlgorithm, select_pages
 
 if TYPE_CHECKING:
@@ -66,7 +68,10 @@ class SpinStepPlan:
     dense_decode: tuple[SpinPrefill, ...] = ()
 
 
-class SpinAttention:
+@register_backend
+class SpinAttention(AttentionBackend):
+    name = "spin"
+
     def __init__(self, kv: OffloadedKVManager, algorithm: SparseAlgorithm, sparse: SparseConfig,
                  max_model_len: int, decode: str = "auto", prefill: BlockSparsePrefill | None = None) -> None:
         self.kv = kv
@@ -77,11 +82,8 @@ class SpinAttention:
         dev = kv.buffer.k_slots.device
         self.device = dev
         self._decode = decode_impl(decode, dev)
-        on_cuda = dev.type == "cuda"
-        self._write = offload.write_tokens if on_cuda else offload.write_tokens_ref
-        self._retrieve = retrieve.retrieve_pages if on_cuda else retrieve.retrieve_pages_ref
-        self._epilogue = lookup_epilogue.lookup_epilogue if on_cuda else lookup_epilogue.lookup_epilogue_ref
-        self._side = torch.cuda.Stream(dev) if on_cuda else None
+        self.transfer = Transfer(kv.host, dev)  # Offload and Retrieve
+        self._epilogue = lookup_epilogue.lookup_epilogue if dev.type == "cuda" else lookup_epilogue.lookup_epilogue_ref
         S = kv.page_size
         if sparse.dense_layers > kv.num_layers:
             raise ValueError(f"sparse.dense_layers={sparse.dense_layers}: the model has {kv.num_layers} layers")
@@ -209,6 +211,13 @@ class SpinAttention:
         each request's whole context, a shape that grows every step)."""
         return self.device.type == "cuda" and self.algorithm.graph_safe and not self.dense_layers
 
+    def decode_graphs(self, model: torch.nn.Module, max_batch: int, progress: bool = False):
+        if not self.graph_safe:
+            return None
+        from spin_cluster.engine.model_runner import SpinDecodeGraphs
+
+        return SpinDecodeGraphs(model, self, max_batch)
+
     def replayed(self) -> None:
         """A CUDA graph replayed a decode step (``SpinDecodeGraphs``): host bookkeeping that
         an eager step does in ``end_step``. Nothing here; a head-parallel rank reads its layer
@@ -216,15 +225,14 @@ class SpinAttention:
 
     def end_step(self) -> None:
         self.plan = None
-        if self._side is not None and not torch.cuda.is_current_stream_capturing():
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        self.transfer.wait_offload()
 
     # ---- per layer ----------------------------------------------------------------------------
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self.plan
         T, H, D = q.shape
-        self._offload(plan.host_slots[layer_id], k.reshape(-1, D), v.reshape(-1, D))
+        self.transfer.offload(plan.host_slots[layer_id], k.reshape(-1, D), v.reshape(-1, D))
         self.algorithm.append(layer_id, plan.append, k)
         out = torch.empty_like(q)  # [T, H, D]
         if plan.num_decode:
@@ -241,21 +249,7 @@ class SpinAttention:
         """Prefill's pages stay in the GPU buffer as far as the share allows, so that decode
         does not start cold: k, v [n * Hkv, D] of the chunk's tokens, (token, head) order."""
         buf = self.kv.buffer
-        self._write(buf.k_slots, buf.v_slots, k, v, buf.install(install, layer, self.now))
-
-    def _offload(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        host = self.kv.host
-        if self._side is None or torch.cuda.is_current_stream_capturing():
-            # In a CUDA graph the write is a node of the graph: a decode step's few KB need
-            # no side stream, and a graph must not wait on work outside it.
-            self._write(host.k_pages, host.v_pages, k, v, slots)
-            return
-        # The write to host memory runs beside the layer's compute; the step ends by waiting.
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side):
-            self._write(host.k_pages, host.v_pages, k, v, slots)
-        for t in (k, v, slots):
-            t.record_stream(self._side)
+        self.transfer.write(buf.k_slots, buf.v_slots, k, v, buf.install(install, layer, self.now))
 
     def _decode_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         """q [Bd, H, D]; k, v [Bd, Hkv, D] of the new tokens; writes out [Bd, H, D]."""
@@ -286,10 +280,10 @@ class SpinAttention:
         src, lens, tail_slot = self._epilogue(want, lookup.slots, miss, num_selected, plan.decode_rows, sel.tail_len,
                                               kv.directory.directory, layer, kv.directory.segment_pages, kv.page_size)
         buf = kv.buffer
-        self._retrieve(kv.host.k_pages, kv.host.v_pages, buf.k_slots, buf.v_slots, src, lookup.miss_dst)
+        self.transfer.retrieve(src, buf.k_slots, buf.v_slots, lookup.miss_dst)
         # Write-through: the new token into its tail page's slot (the last selected page).
         D = q.shape[-1]
-        self._write(buf.k_slots, buf.v_slots, k.reshape(-1, D), v.reshape(-1, D), tail_slot)
+        self.transfer.write(buf.k_slots, buf.v_slots, k.reshape(-1, D), v.reshape(-1, D), tail_slot)
         self._decode(q, buf.k_slots, buf.v_slots, lookup.slots, lens, out=out)
 
     def _prefill(self, layer: int, seg: SpinPrefill, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -301,11 +295,9 @@ class SpinAttention:
 
     def _gather_context(self, layer: int, seg: SpinPrefill) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's first context_start + n K/V of this layer from the host tier: [Hkv, T, D]."""
-        if self._side is not None:  # this chunk's own K/V reach the host on the side stream
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        self.transfer.wait_offload()  # this chunk's own K/V reach the host on the side stream
         hkv, D = self.kv.num_kv_heads, seg.k_ctx.shape[-1]
-        host = self.kv.host
-        self._retrieve(host.k_pages, host.v_pages, seg.k_ctx, seg.v_ctx, seg.host_pages[layer], seg.dst_ids)
+        self.transfer.retrieve(seg.host_pages[layer], seg.k_ctx, seg.v_ctx, seg.dst_ids)
         num_tokens = seg.context_start + seg.num_tokens
         return seg.k_ctx.view(hkv, -1, D)[:, :num_tokens], seg.v_ctx.view(hkv, -1, D)[:, :num_tokens]
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from spin_cluster.kvcache.base import KVCache
 from spin_cluster.kvcache.free_list import check_partition
 from spin_cluster.kvcache.page_pool import PagePool
 from spin_cluster.kvcache.page_table import PageTable
 
 
-class KVCacheManager:
+class KVCacheManager(KVCache):
     def __init__(
         self,
         *,

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from spin_cluster.kvcache.base import KVCache
 from spin_cluster.kvcache.buffer import GpuBuffer
 from spin_cluster.kvcache.directory import SegmentDirectory
 from spin_cluster.kvcache.free_list import check_partition
 from spin_cluster.kvcache.host_tier import HostTier
 
 
-class OffloadedKVManager:
+class OffloadedKVManager(KVCache):
     def __init__(
         self,
         *,

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from spin_cluster.engine.backend import AttentionBackend
 from spin_cluster.engine.model_runner import SpinGraphBackend
 from spin_cluster.engine.paged_attention import PagedAttention, StepPlan
 from spin_cluster.engine.scheduler import ScheduledChunk
@@ -29,7 +30,7 @@ from spin_cluster.parallel.group import all_gather_floats
 from spin_cluster.parallel.timing import LayerTimer
 
 
-class _RankBackend:
+class _RankBackend(AttentionBackend):
     """What both rank backends share: the wrapped backend's step, the per-layer timing of this
     rank's attention, and the all-gather of every rank's times at the end of the step.
     Subclasses attend in ``_attend``; a layer where the rank owns no head is skipped."""
