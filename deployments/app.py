@@ -33,6 +33,7 @@ _INGRESS_MAX_ONGOING = 4096
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """``args``: {"config": YAML file or bundled name, <section>: overrides} (see settings.py)."""
     config = load_app_config(args)
+    config.check_model()  # a deploy fails with the reason, not with replicas that fail to start
     opts = config.serve
     planner = serve.deployment(ClusterPlanner, name="ClusterPlanner").options(
         num_replicas=1,

@@ -18,14 +18,18 @@ LOCAL_NUM_CPUS = 8
 
 def run_local(args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000,
               app_name: str = "spin", stop: threading.Event | None = None) -> None:
+    from spin_cluster.deployments.settings import load_app_config
+
+    # Bad settings, or settings the model cannot run, fail here: before Ray (or even its
+    # import) starts, so the reason is the one line the user sees.
+    config = load_app_config(args)
+    config.check_model()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray import serve
 
     from spin_cluster.deployments.app import build_app
-    from spin_cluster.deployments.settings import load_app_config
 
-    config = load_app_config(args)  # bad settings fail here, before Ray starts
     stop = stop or threading.Event()
     previous: dict[int, Any] = {}
     # A new single-machine cluster whose own services listen on loopback only.

@@ -106,6 +106,22 @@ class AppConfig:
         if ranks is not None and ranks > 1 and refusal is not None:
             raise ValueError(f"serve.engine_ranks={ranks}: {refusal}, or set serve.engine_ranks: 1")
 
+    def check_model(self) -> None:
+        """Reads the model folder's ``config.json`` and raises ``ValueError`` where the config
+        does not fit it: ``SpinConfig.check_model``, head-parallel ranks against the KV heads,
+        a GPU device on engines that Ray gives no GPU. Run before Ray starts anything."""
+        from spin_cluster.models.config import ModelConfig
+
+        mc = ModelConfig.from_folder(self.spin.model.resolved_path())
+        self.spin.check_model(mc)
+        ranks = self.serve.engine_ranks
+        if ranks is not None and ranks > mc.num_kv_heads:
+            raise ValueError(f"serve.engine_ranks={ranks} exceeds the model's num_key_value_heads="
+                             f"{mc.num_kv_heads}: each head-parallel rank needs a KV head of its own")
+        if self.spin.model.device.startswith("cuda") and self.serve.engine_num_gpus == 0:
+            raise ValueError(f"model.device={self.spin.model.device!r} but serve.engine_num_gpus=0, so Ray gives "
+                             "an engine no GPU: set serve.engine_num_gpus, or model.device: cpu (or auto)")
+
     def ranks_per_engine(self, num_kv_heads: int | None = None) -> int:
         """Head-parallel ranks of one engine replica: ``serve.engine_ranks`` when set, else
         one per GPU (``max(1, int(engine_num_gpus))``), at most ``num_kv_heads`` (the model's,
