@@ -122,6 +122,29 @@ def wait_engine_idle(app_name: str, timeout_s: float = 60.0) -> dict:
         time.sleep(0.25)
 
 
+class RayLogs:
+    """What the Ray session's log files (every worker's and Serve's) gain from now on."""
+
+    def __init__(self) -> None:
+        import ray
+
+        self._dir = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+        self._sizes = {path: path.stat().st_size for path in self._files()}
+
+    def new_text(self, under: str = "") -> str:
+        """``under``: a subfolder of the log folder (``serve``: the replicas' own log files)."""
+        parts = []
+        for path in self._files(under):
+            with path.open("rb") as f:
+                f.seek(self._sizes.get(path, 0))
+                parts.append(f.read().decode(errors="replace"))
+        return "".join(parts)
+
+    def _files(self, under: str = "") -> list[Path]:
+        folder = self._dir / under
+        return [p for p in folder.rglob("*") if p.is_file() and p.suffix in (".log", ".err", ".out")]
+
+
 @pytest.fixture
 def prometheus(spin_app, tmp_path):
     """Debian's Prometheus server scraping the SmolLM2 app's /metrics every second; yields its URL."""
