@@ -46,6 +46,8 @@ def test_a_yaml_file_path_works(tmp_path):
     ({"serve": {"no_such_key": 1}}, "no_such_key"),
     ({"serve": {"engine_stale_s": 0.1, "stats_interval_s": 0.5}}, "engine_stale_s"),
     ({"scheduler": {"max_num_seqs": 0}}, "max_num_seqs"),
+    ({"serve": {"engine_resources": {"engine_node": -1}}}, "engine_resources"),
+    ({"serve": {"engine_resources": ["engine_node"]}}, "engine_resources"),
     ({"config": "no-such-config"}, "no-such-config"),
 ])
 def test_bad_settings_say_what_to_change(bad, words):
