@@ -14,7 +14,7 @@ import pytest
 from .conftest import free_port
 
 # Starts a three-node Ray; the timeout stops a hang, not a slow run.
-pytestmark = [pytest.mark.serve, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.serve, pytest.mark.slow, pytest.mark.timeout(480)]
 
 SCRIPT = Path(__file__).with_name("two_node_cluster.py")
 
