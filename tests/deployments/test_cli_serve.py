@@ -69,3 +69,18 @@ def test_the_command_exits_2_within_seconds_with_one_error_line(tmp_path, smollm
     assert proc.stdout == ""
     assert list(ray_tmp.iterdir()) == []
     assert elapsed_s < 20, f"took {elapsed_s:.1f}s"
+
+
+@pytest.mark.parametrize("host, node_ip", [
+    ("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.1"), ("::1", "::1"),
+    ("0.0.0.0", None), ("::", None), ("10.1.2.3", "10.1.2.3"),
+])
+def test_ray_binds_to_the_address_the_api_is_served_on(host, node_ip):
+    from spin_cluster.deployments.local import _ray_node_ip
+
+    assert _ray_node_ip(host) == node_ip
+
+
+def test_a_host_that_is_not_an_address_is_an_error_before_ray_starts(capsys):
+    assert cli.main(["serve", "--host", "my-machine"]) == 2
+    assert capsys.readouterr().err.startswith("error: --host 'my-machine': give an IP address")
