@@ -1,7 +1,8 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a status.
 
 Handlers installed on the FastAPI app turn ``ApiError``, unknown routes and anything
-unexpected into that body, so no client ever sees an HTML page or a bare 500.
+unexpected into that body, so no client ever sees an HTML page or a bare 500. A client that
+hangs up is not an error: it is logged in one INFO line, without a traceback.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def install_handlers(app: FastAPI) -> None:
     async def _disconnected(request: Request, _: ClientDisconnect) -> Response:
         logger.info("client disconnected while sending its request to %s", request.url.path)
         return ApiError(400, "the client disconnected", code="client_disconnected").response()  # never read
+
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> Response:
         return exc.response()
