@@ -1,8 +1,9 @@
-"""A real Ray Serve cluster on 127.0.0.1 for the deployments tests.
+"""A real Ray Serve cluster for the deployments tests, its HTTP API on 127.0.0.1.
 
 One Ray instance for this test package (started by the first test that needs it, shut
 down after the package's last test); the apps on it are deployed once each. Ray's usage
-reporting is off and everything binds to 127.0.0.1.
+reporting is off, and all test traffic goes to 127.0.0.1. (Ray's own servers bind where Ray
+puts them; `spin-cluster serve` keeps them on loopback, which test_local_listeners.py checks.)
 """
 
 import contextlib
