@@ -20,7 +20,7 @@ from ray.serve.config import RequestRouterConfig
 
 from spin_cluster.deployments.engine_server import EngineServer
 from spin_cluster.deployments.ingress import OpenAIIngress
-from spin_cluster.deployments.planner import ClusterPlanner
+from spin_cluster.deployments.engine_watch import WatchedPlanner
 from spin_cluster.deployments.routing import PlannerRouter
 from spin_cluster.deployments.settings import AppConfig, load_app_config
 
@@ -33,8 +33,9 @@ _INGRESS_MAX_ONGOING = 4096
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """``args``: {"config": YAML file or bundled name, <section>: overrides} (see settings.py)."""
     config = load_app_config(args)
+    config.check_model()  # a deploy fails with the reason, not with replicas that fail to start
     opts = config.serve
-    planner = serve.deployment(ClusterPlanner, name="ClusterPlanner").options(
+    planner = serve.deployment(WatchedPlanner, name="ClusterPlanner").options(
         num_replicas=1,
         max_ongoing_requests=_INGRESS_MAX_ONGOING,
         ray_actor_options={"num_cpus": opts.planner_num_cpus},
@@ -44,7 +45,8 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         num_replicas=opts.num_engine_replicas,
         max_replicas_per_node=1,
         max_ongoing_requests=config.spin.scheduler.max_num_seqs + opts.max_waiting_requests + _SPARE_CALLS,
-        ray_actor_options={"num_cpus": opts.engine_num_cpus, "num_gpus": opts.engine_num_gpus},
+        ray_actor_options={"num_cpus": opts.engine_num_cpus, "num_gpus": opts.engine_num_gpus,
+                           "resources": dict(opts.engine_resources or {})},
         request_router_config=RequestRouterConfig(request_router_class=PlannerRouter),
         graceful_shutdown_timeout_s=5,
     ).bind(config, planner)

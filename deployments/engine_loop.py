@@ -41,6 +41,7 @@ class EngineLoop:
         # Published by the loop thread after every step; read from any thread.
         self.num_waiting = 0
         self.num_running = 0
+        self.num_admitted_total = 0
         # Set when a step raised: the engine's state is suspect (the server then reports
         # itself unhealthy, and Serve replaces the replica).
         self.failure: str | None = None
@@ -58,7 +59,7 @@ class EngineLoop:
         self._thread.join(timeout_s)
 
     def on_step(self, fn: Callable[[Any], None]) -> None:
-        """Run ``fn(engine)`` on the loop thread after every step and every idle wake-up."""
+        """Run ``fn(engine)`` on the loop thread after every step, and before every idle wait."""
         self._after_step.append(fn)
 
     def num_queued(self) -> int:
@@ -109,9 +110,10 @@ class EngineLoop:
             if self.engine.has_unfinished():
                 self._step()
                 self._publish_counts()
-            else:
+                self._run_hooks()
+            else:  # hooks first: they see what the commands (an abort, say) left, before the wait
+                self._run_hooks()
                 self._wake.wait(self._idle_wait_s)
-            self._run_hooks()
         self._run_commands()
         for request_id in list(self._sinks):
             self._abort(request_id)
@@ -147,6 +149,7 @@ class EngineLoop:
             _deliver(sink, Failed(400, str(e), param="prompt", code="invalid_prompt"))
             return
         self._sinks[request_id] = sink
+        self.num_admitted_total += 1
         if not _deliver(sink, Admitted(len(ids))):
             self._abort(request_id)
 

@@ -89,7 +89,7 @@ class EngineServer:
         self._serve = config.serve
         self._planner = planner
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        plan = await planner.register.remote(self.replica_id)
+        plan = await planner.register.remote(self.replica_id, ray.get_runtime_context().get_actor_name())
         spin = config.spin.replace(sparse=plan.sparse)
         # A step's collectives may wait as long as a request may wait for its next token.
         self._engine = await asyncio.to_thread(_build_engine, spin, plan, self._serve.token_timeout_s)
@@ -183,9 +183,11 @@ class EngineServer:
     # ---- reports ------------------------------------------------------------------------
 
     def _refresh_report(self, engine: Any) -> None:
+        """Busy, at most twice per report period (a step may take milliseconds); idle, every
+        time, so that the state an abort or a last step leaves is in the next report."""
         now = time.monotonic()
-        if now - self._report_s >= self._serve.stats_interval_s / 2:
-            self._report = engine_report(engine, self.replica_id)
+        if not engine.has_unfinished() or now - self._report_s >= self._serve.stats_interval_s / 2:
+            self._report = engine_report(engine, self.replica_id, self._loop.num_admitted_total)
             self._report_s = now
 
     async def _report_forever(self) -> None:

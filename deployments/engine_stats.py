@@ -22,7 +22,7 @@ def free_kv_tokens(kv: Any, num_free_pages: int) -> int:
     return int(num_free_pages // pages_per_token_page) * S
 
 
-def engine_report(engine: Any, replica_id: str) -> EngineReport:
+def engine_report(engine: Any, replica_id: str, num_requests_total: int = 0) -> EngineReport:
     st = engine.last_stats
     kv = engine.kv
     buffer = kv.buffer
@@ -37,6 +37,7 @@ def engine_report(engine: Any, replica_id: str) -> EngineReport:
         replica_id=replica_id,
         reported_s=time.time(),
         free_kv_tokens=free_kv_tokens(kv, kv.num_free_pages),
+        num_requests_total=num_requests_total,
         num_running=engine.scheduler.num_running(),
         num_waiting=engine.scheduler.num_waiting(),
         kv_pages=kv_pages,

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from spin_cluster.deployments.errors import ApiError, install_handlers
+from spin_cluster.deployments.errors import ApiError, install_handlers, logger
 from spin_cluster.deployments.messages import Admitted, Failed, GenerateRequest
 from spin_cluster.deployments.metrics import CONTENT_TYPE, RequestMetrics, ServingMetrics
 from spin_cluster.deployments.openai_protocol import (
@@ -47,6 +47,13 @@ install_handlers(api)
 
 # Planner demand estimate when the prompt is text: about four characters per token.
 _CHARS_PER_TOKEN = 4
+
+
+def _client_gone(request_id: str, num_tokens: int, timeline: RequestMetrics) -> None:
+    """A client that hangs up is an expected event: counted (finished_reason "abort") and
+    logged in one line; the engine call is cancelled by the caller, which aborts the request."""
+    timeline.finished("abort")
+    logger.info("client disconnected: request %s aborted after %d tokens", request_id, num_tokens)
 
 
 async def _read_body(request: Request, limit_bytes: int) -> bytes:
@@ -136,8 +143,10 @@ class OpenAIIngress:
         stream = self._engine.generate.remote(gen, route_to=target)
         try:
             first = await self._next(stream, self._opts.handle_timeout_s)
-        except BaseException:
+        except BaseException as e:
             stream.cancel()
+            if isinstance(e, asyncio.CancelledError):
+                _client_gone(gen.request_id, 0, timeline)
             raise
         if isinstance(first, Failed):
             raise ApiError(first.status, first.message, param=first.param, code=first.code)
@@ -157,7 +166,7 @@ class OpenAIIngress:
                 if item.finished:
                     reason = item.finish_reason or "stop"
         except asyncio.CancelledError:
-            timeline.finished("abort")
+            _client_gone(fmt.id, num_tokens, timeline)
             raise
         finally:
             if reason is None:
@@ -186,7 +195,7 @@ class OpenAIIngress:
         except ApiError as e:  # headers are sent: the error goes in the stream
             yield sse(e.body())
         except (asyncio.CancelledError, GeneratorExit):
-            timeline.finished("abort")
+            _client_gone(fmt.id, num_tokens, timeline)
             raise
         finally:
             if reason is None:

@@ -1,11 +1,15 @@
 """Local mode: start Ray on this machine, run the app, block until SIGINT/SIGTERM, shut down.
 
 What ``spin-cluster serve`` runs. No dashboard; Ray's usage reporting is off, so nothing
-leaves the machine.
+leaves the machine. Ray binds to the address the API is served on: with a loopback host (the
+default, 127.0.0.1) the GCS, the raylet, the object manager, every worker's gRPC server and
+the node's agents listen on 127.0.0.1 only; ``--host 0.0.0.0`` opens the API, and Ray then
+takes the machine's address as it would by itself.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import threading
@@ -14,23 +18,67 @@ from typing import Any
 # Ray's logical CPUs in local mode: actors reserve fractions of these, not real cores, so
 # a small machine still fits the ingress, the planner and an engine.
 LOCAL_NUM_CPUS = 8
+# Named for its use on Windows and macOS, where it is off by default; see run_local.
+_RAY_KEEPS_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _ray_node_ip(host: str) -> str | None:
+    """The address Ray's node binds to for an API served on ``host``: that address, loopback
+    for ``localhost``, and None (Ray's own choice) for a wildcard such as 0.0.0.0."""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"--host {host!r}: give an IP address (127.0.0.1, 0.0.0.0, or one of this "
+                         "machine's) or localhost") from None
+    return None if address.is_unspecified else host
+
+
+def serve_grpc_on_loopback() -> None:
+    """Set-up hook of every Ray worker when Ray runs on loopback. Each Serve replica opens a
+    gRPC server for calls between deployments on "[::]:0", every interface, whatever the node
+    address, and Serve has no setting for it; this makes that address 127.0.0.1. Should a
+    Ray release rename the function, the loopback test (test_local_listeners.py) fails."""
+    from ray.serve._private import replica
+
+    bind = replica.add_port_to_grpc_server
+
+    def bind_on_loopback(server: Any, address: str) -> int:
+        host, _, port = address.rpartition(":")
+        return bind(server, f"127.0.0.1:{port}" if host in ("[::]", "0.0.0.0") else address)
+
+    replica.add_port_to_grpc_server = bind_on_loopback
 
 
 def run_local(args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000,
               app_name: str = "spin", stop: threading.Event | None = None) -> None:
+    from spin_cluster.deployments.settings import load_app_config
+
+    # Bad settings, or settings the model cannot run, fail here: before Ray (or even its
+    # import) starts, so the reason is the one line the user sees.
+    config = load_app_config(args)
+    config.check_model()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    node_ip = _ray_node_ip(host)
+    if node_ip is not None and ipaddress.ip_address(node_ip).is_loopback:  # and serve_grpc_on_loopback
+        # On Linux Ray replaces a loopback node address with the machine's own and then binds
+        # its gRPC servers to every interface; with this off it keeps the loopback address,
+        # and its servers and agents bind to it. Read when Ray is imported, and inherited by
+        # the processes it starts.
+        os.environ[_RAY_KEEPS_LOOPBACK_ENV] = "0"
     import ray
     from ray import serve
 
     from spin_cluster.deployments.app import build_app
-    from spin_cluster.deployments.settings import load_app_config
 
-    config = load_app_config(args)  # bad settings fail here, before Ray starts
     stop = stop or threading.Event()
     previous: dict[int, Any] = {}
-    # A new single-machine cluster whose own services listen on loopback only.
+    # A new single-machine cluster whose own services listen on node_ip (above).
+    loopback = node_ip is not None and ipaddress.ip_address(node_ip).is_loopback
     ray.init(address="local", num_cpus=max(LOCAL_NUM_CPUS, os.cpu_count() or 1), include_dashboard=False,
-             _node_ip_address="127.0.0.1")
+             _node_ip_address=node_ip,
+             runtime_env={"worker_process_setup_hook": f"{__name__}.serve_grpc_on_loopback"} if loopback else None)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(build_app(config), name=app_name, route_prefix="/")  # Ctrl-C here: KeyboardInterrupt

@@ -74,6 +74,8 @@ class EngineReport(KvUsage):
     replica_id: str
     reported_s: float
     free_kv_tokens: int = 0
+    # Requests this engine has admitted since it started.
+    num_requests_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,3 +98,5 @@ class ClusterStats(KvUsage):
 
     num_engines: int = 0
     head_placement_imbalance: float = 0.0
+    # Replica id -> requests it admitted, for every engine that ever reported (gone ones too).
+    requests_by_engine: dict[str, int] = field(default_factory=dict)

@@ -136,6 +136,11 @@ class _ClusterCollector(Collector):
         yield meta
         yield _gauge("spin_head_placement_imbalance", "Max rank load over mean rank load, minus 1.",
                      st.head_placement_imbalance, name)
+        engines = CounterMetricFamily("spin_engine_requests", "Requests each engine replica admitted.",
+                                      labels=["model_name", "engine"])
+        for replica_id, n in sorted(st.requests_by_engine.items()):
+            engines.add_metric([name, replica_id], float(n))
+        yield engines
 
 
 def _gauge(metric: str, doc: str, value: float, model_name: str) -> GaugeMetricFamily:

@@ -10,6 +10,7 @@ Unknown fields are ignored, as OpenAI-compatible servers do.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spin_cluster.deployments.errors import ApiError
 from spin_cluster.deployments.messages import GenerateRequest
+from spin_cluster.deployments.request_body import load_json_object
 
 # Chat without max_tokens runs to the end of the context; the engine stops there.
 _UNBOUNDED_MAX_TOKENS = 1 << 30
@@ -63,6 +65,7 @@ class _Common(BaseModel):
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         """SamplingParams fields; the engine server builds them and reports bad values."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop = [checked_text(s, "stop") for s in stop]
         out: dict[str, Any] = {
             "max_tokens": default_max_tokens if self.max_tokens is None else self.max_tokens,
             "stop": tuple(stop),
@@ -103,7 +106,7 @@ class CompletionRequest(_Common):
                            param="prompt", code="unsupported_value")
         sampling = self.sampling(16)
         if isinstance(p, str):
-            return GenerateRequest(request_id, sampling, prompt=p)
+            return GenerateRequest(request_id, sampling, prompt=checked_text(p, "prompt"))
         return GenerateRequest(request_id, sampling, prompt_token_ids=tuple(p))
 
 
@@ -142,17 +145,27 @@ class ChatCompletionRequest(_Common):
         sampling = self.sampling(_UNBOUNDED_MAX_TOKENS)
         if self.max_tokens is None and self.max_completion_tokens is not None:
             sampling["max_tokens"] = self.max_completion_tokens
-        messages = tuple({"role": m.role, "content": m.text()} for m in self.messages)
+        messages = tuple({"role": m.role, "content": checked_text(m.text(), f"messages[{i}].content")}
+                         for i, m in enumerate(self.messages))
         return GenerateRequest(request_id, sampling, messages=messages)
 
 
+# UTF-16 halves; json.loads joins an escaped pair (\ud83d\ude00) into one character, so any
+# left in a string stood alone, which no tokenizer can encode.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def checked_text(text: str, param: str) -> str:
+    """``text``, or a 400 saying where it holds an unpaired surrogate."""
+    found = _SURROGATE.search(text)
+    if found:
+        raise ApiError(400, f"{param} holds an unpaired surrogate (U+{ord(found.group()):04X}) at position "
+                       f"{found.start()}; send valid Unicode text", param=param, code="invalid_value")
+    return text
+
+
 def parse_body(raw: bytes, model: type[_Common]) -> _Common:
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    data = load_json_object(raw)
     try:
         req = model.model_validate(data)
     except ValidationError as e:

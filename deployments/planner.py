@@ -7,8 +7,8 @@
 
 Routing: the live engine with the most free KV tokens, less the tokens already routed to it
 since its last report (so a burst between two reports spreads instead of piling on one).
-An engine silent for ``serve.engine_stale_s`` is dropped; its counters are kept so that the
-exported sums never go backwards.
+An engine silent for ``serve.engine_stale_s`` is dropped, and one whose replica died as soon
+as ``engine_watch`` sees it; its counters are kept so that the exported sums never go backwards.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ class ClusterPlanner:
         self._reserved_tokens: Counter[str] = Counter()
         self._retired_counters: Counter[str] = Counter()
         self._retired_rank_s: Counter[str] = Counter()
+        self._actor_names: dict[str, str] = {}
+        self._requests_by_engine: dict[str, int] = {}
+        self._dead: set[str] = set()
 
     def plan_engines(self) -> EnginePlan:
         """S-HPLB for the whole cluster, decided once. With ``serve.hplb_profile``, the offline
@@ -61,13 +64,31 @@ class ClusterPlanner:
 
     # ---- engines ------------------------------------------------------------------------
 
-    def register(self, replica_id: str) -> EnginePlan:
+    def register(self, replica_id: str, actor_name: str | None = None) -> EnginePlan:
+        """``actor_name``: the replica's Ray actor, which ``engine_watch`` probes for death."""
         self._reports.setdefault(replica_id, EngineReport(replica_id=replica_id, reported_s=0.0))
+        if actor_name is not None:
+            self._actor_names[replica_id] = actor_name
         return self.plan
 
     def report(self, report: EngineReport) -> None:
+        if report.replica_id in self._dead:
+            return  # sent before its replica died, delivered after
         self._reports[report.replica_id] = report
         self._reserved_tokens.pop(report.replica_id, None)
+        self._requests_by_engine[report.replica_id] = report.num_requests_total
+
+    def engine_died(self, replica_id: str) -> None:
+        """Drop a dead engine now rather than after ``engine_stale_s`` of silence."""
+        self._dead.add(replica_id)
+        self._actor_names.pop(replica_id, None)
+        rep = self._reports.get(replica_id)
+        if rep is not None:
+            self._retire(rep)
+
+    def engine_actor_names(self) -> dict[str, str]:
+        """Replica id -> Ray actor name of every engine that registered and has not died."""
+        return dict(self._actor_names)
 
     def live_reports(self, now_s: float | None = None) -> list[EngineReport]:
         self._retire_stale(time.time() if now_s is None else now_s)
@@ -77,13 +98,19 @@ class ClusterPlanner:
         return len(self.live_reports())
 
     def _retire_stale(self, now_s: float) -> None:
-        for rid, rep in list(self._reports.items()):
+        for rep in list(self._reports.values()):
             registered_only = rep.reported_s == 0
             if not registered_only and now_s - rep.reported_s > self._stale_s:
-                self._retired_counters.update(rep.counters)
-                self._retired_rank_s.update(rep.attention_rank_s)
-                del self._reports[rid]
-                self._reserved_tokens.pop(rid, None)
+                self._retire(rep)
+
+    def _retire(self, rep: EngineReport) -> None:
+        """Keeps its counters, so that exported totals never go back. Serve runs the sync
+        methods on a thread pool, so two calls may retire one engine: the pop makes it once."""
+        if self._reports.pop(rep.replica_id, None) is None:
+            return
+        self._retired_counters.update(rep.counters)
+        self._retired_rank_s.update(rep.attention_rank_s)
+        self._reserved_tokens.pop(rep.replica_id, None)
 
     # ---- routing ------------------------------------------------------------------------
 
@@ -119,4 +146,5 @@ class ClusterPlanner:
             counters=dict(counters),
             attention_rank_s=dict(rank_s),
             head_placement_imbalance=self.plan.imbalance,
+            requests_by_engine=dict(self._requests_by_engine),
         )

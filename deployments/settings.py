@@ -34,6 +34,10 @@ class ServeOptions:
     # Logical Ray resources of one EngineServer replica; GPUs: that node's GPUs, >= 0.
     engine_num_cpus: float = 1.0
     engine_num_gpus: float = 0.0
+    # Custom Ray resources one EngineServer replica needs besides those, each amount >= 0:
+    # {"engine_node": 1} keeps engines on the nodes that offer "engine_node" (a KubeRay worker
+    # group's rayStartParams resources), so that the head keeps the ingress and the planner.
+    engine_resources: dict[str, float] | None = None
     # Head-parallel ranks of one EngineServer replica (S-HPLB): one process per rank, each
     # attending with its share of the KV heads (the planner's placement) and summing the
     # attention output with the others'. On GPUs rank r uses the replica's GPU r, so at most
@@ -68,6 +72,10 @@ class ServeOptions:
             raise ValueError(f"serve.num_engine_replicas={self.num_engine_replicas}: must be >= 1")
         if self.engine_num_cpus < 0 or self.engine_num_gpus < 0:
             raise ValueError("serve.engine_num_cpus and serve.engine_num_gpus must be >= 0")
+        resources = self.engine_resources
+        if resources is not None and not (isinstance(resources, dict) and all(
+                isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in resources.items())):
+            raise ValueError(f"serve.engine_resources={resources!r}: use a mapping of resource name to amount >= 0")
         if self.engine_ranks is not None:
             if isinstance(self.engine_ranks, bool) or not isinstance(self.engine_ranks, int) or self.engine_ranks < 1:
                 raise ValueError(f"serve.engine_ranks={self.engine_ranks!r}: use an integer >= 1, or null")
@@ -105,6 +113,22 @@ class AppConfig:
         refusal = self.spin.head_parallel_refusal()
         if ranks is not None and ranks > 1 and refusal is not None:
             raise ValueError(f"serve.engine_ranks={ranks}: {refusal}, or set serve.engine_ranks: 1")
+
+    def check_model(self) -> None:
+        """Reads the model folder's ``config.json`` and raises ``ValueError`` where the config
+        does not fit it: ``SpinConfig.check_model``, head-parallel ranks against the KV heads,
+        a GPU device on engines that Ray gives no GPU. Run before Ray starts anything."""
+        from spin_cluster.models.config import ModelConfig
+
+        mc = ModelConfig.from_folder(self.spin.model.resolved_path())
+        self.spin.check_model(mc)
+        ranks = self.serve.engine_ranks
+        if ranks is not None and ranks > mc.num_kv_heads:
+            raise ValueError(f"serve.engine_ranks={ranks} exceeds the model's num_key_value_heads="
+                             f"{mc.num_kv_heads}: each head-parallel rank needs a KV head of its own")
+        if self.spin.model.device.startswith("cuda") and self.serve.engine_num_gpus == 0:
+            raise ValueError(f"model.device={self.spin.model.device!r} but serve.engine_num_gpus=0, so Ray gives "
+                             "an engine no GPU: set serve.engine_num_gpus, or model.device: cpu (or auto)")
 
     def ranks_per_engine(self, num_kv_heads: int | None = None) -> int:
         """Head-parallel ranks of one engine replica: ``serve.engine_ranks`` when set, else

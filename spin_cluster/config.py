@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spin_cluster import env
+
+if TYPE_CHECKING:
+    from spin_cluster.models.config import ModelConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
@@ -275,6 +278,28 @@ class SpinConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def check_model(self, mc: ModelConfig) -> None:
+        """Raises ``ValueError`` where this config does not fit the model ``mc`` (its
+        ``config.json``): the context, the prefill token budget, per-head budget shapes.
+        Cheap (no weights), so a server checks it before it starts anything."""
+        context = self.model.max_model_len or mc.max_position_embeddings
+        if context > mc.max_position_embeddings:
+            raise ValueError(
+                f"model.max_model_len={context} exceeds the model's max_position_embeddings="
+                f"{mc.max_position_embeddings}: lower it, or leave it null for {mc.max_position_embeddings}"
+            )
+        sc = self.scheduler
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < context:
+            raise ValueError(
+                f"without chunked prefill, scheduler.max_num_batched_tokens ({sc.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({context})"
+            )
+        for name, rows in (("sparse.per_head_budgets", self.sparse.per_head_budgets),
+                           ("sparse.prefill.per_head_budgets", self.sparse.prefill.per_head_budgets)):
+            if rows is not None and (len(rows) != mc.num_layers or any(len(r) != mc.num_kv_heads for r in rows)):
+                raise ValueError(f"{name} must be [{mc.num_layers}][{mc.num_kv_heads}] (layers x KV heads) "
+                                 "for this model")
 
     def head_parallel_refusal(self) -> str | None:
         """Why head-parallel ranks (``spin_cluster.parallel``) cannot run this config, or None.

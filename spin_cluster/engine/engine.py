@@ -55,18 +55,9 @@ class Engine:
         self.model = self._load_model(path, progress)
         self.tokenizer = Tokenizer(path)
         mc = self.model.config
+        config.check_model(mc)
         self.max_model_len = config.model.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"model.max_model_len={self.max_model_len} exceeds the model's "
-                f"max_position_embeddings={mc.max_position_embeddings}"
-            )
         sc = config.scheduler
-        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"without chunked prefill, scheduler.max_num_batched_tokens "
-                f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
-            )
         self.kv, attention = self._build_cache(decode_attention)
         self.scheduler = Scheduler(sc, self.kv)
         self.runner = ModelRunner(self.model, attention, self.device, progress=progress,

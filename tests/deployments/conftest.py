@@ -1,8 +1,9 @@
-"""A real Ray Serve cluster on 127.0.0.1 for the deployments tests.
+"""A real Ray Serve cluster for the deployments tests, its HTTP API on 127.0.0.1.
 
 One Ray instance for this test package (started by the first test that needs it, shut
 down after the package's last test); the apps on it are deployed once each. Ray's usage
-reporting is off and everything binds to 127.0.0.1.
+reporting is off, and all test traffic goes to 127.0.0.1. (Ray's own servers bind where Ray
+puts them; `spin-cluster serve` keeps them on loopback, which test_local_listeners.py checks.)
 """
 
 import contextlib
@@ -120,6 +121,29 @@ def wait_engine_idle(app_name: str, timeout_s: float = 60.0) -> dict:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the engine is still busy after {timeout_s}s: {info}")
         time.sleep(0.25)
+
+
+class RayLogs:
+    """What the Ray session's log files (every worker's and Serve's) gain from now on."""
+
+    def __init__(self) -> None:
+        import ray
+
+        self._dir = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+        self._sizes = {path: path.stat().st_size for path in self._files()}
+
+    def new_text(self, under: str = "") -> str:
+        """``under``: a subfolder of the log folder (``serve``: the replicas' own log files)."""
+        parts = []
+        for path in self._files(under):
+            with path.open("rb") as f:
+                f.seek(self._sizes.get(path, 0))
+                parts.append(f.read().decode(errors="replace"))
+        return "".join(parts)
+
+    def _files(self, under: str = "") -> list[Path]:
+        folder = self._dir / under
+        return [p for p in folder.rglob("*") if p.is_file() and p.suffix in (".log", ".err", ".out")]
 
 
 @pytest.fixture

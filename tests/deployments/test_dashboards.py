@@ -23,9 +23,10 @@ MODEL_FILTER = '{model_name=~"$model_name"'
 
 
 def _exported() -> dict[str, set[str]]:
-    """Family name -> sample names, from the exporter /metrics serves; without the creation
-    timestamps (``*_created``) prometheus_client adds beside counters and histograms."""
-    text = ServingMetrics("m").render(ClusterStats()).decode()
+    """Family name -> sample names, from the exporter /metrics serves once an engine has
+    reported (per-engine series need one); without the creation timestamps (``*_created``)
+    prometheus_client adds beside counters and histograms."""
+    text = ServingMetrics("m").render(ClusterStats(requests_by_engine={"replica-1": 0})).decode()
     return {f.name: {s.name for s in f.samples} for f in text_string_to_metric_families(text)
             if not f.name.endswith("_created")}
 

@@ -1,6 +1,7 @@
 """The planner's routing and stats, the request router's ranking, and the metrics text,
 as plain objects (no Ray cluster)."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -115,6 +116,25 @@ def test_silent_engines_are_dropped_and_their_counters_kept(monkeypatch):
     assert stats.num_engines == 1 and stats.counters["buffer_hits"] == 12  # a's 5 retired, not lost
     assert stats.kv_pages == {("host", "free"): 20}
     assert p.route(1) == "b"
+
+
+def test_a_dead_engine_is_dropped_at_once_and_its_late_reports_ignored(monkeypatch):
+    monkeypatch.setattr("time.time", lambda: NOW)
+    p = _planner()
+    p.register("a", actor_name="SERVE_REPLICA::spin#EngineServer#a")
+    p.register("b", actor_name="SERVE_REPLICA::spin#EngineServer#b")
+    p.report(_report("a", 10, buffer_hits=5.0))
+    p.report(dataclasses.replace(_report("b", 20, buffer_hits=7.0), num_requests_total=3))
+    p.engine_died("b")
+    assert p.num_ready() == 1 and p.route(1) == "a"
+    assert p.engine_actor_names() == {"a": "SERVE_REPLICA::spin#EngineServer#a"}
+    p.report(_report("b", 20, buffer_hits=9.0))  # sent before it died
+    p.engine_died("b")
+    stats = p.cluster_stats()
+    assert stats.num_engines == 1 and stats.counters["buffer_hits"] == 12  # b's 7 retired once
+    assert stats.requests_by_engine == {"a": 0, "b": 3}  # a gone engine's count stays
+    text = ServingMetrics("m").render(stats).decode()
+    assert 'spin_engine_requests_total{engine="b",model_name="m"} 3.0' in text
 
 
 def _replica(rid: str):

@@ -13,6 +13,7 @@ from spin_cluster.deployments.openai_protocol import (
     parse_body,
     usage,
 )
+from spin_cluster.deployments.request_body import load_json_object
 from spin_cluster.engine import SamplingParams
 
 
@@ -99,3 +100,40 @@ def test_response_bodies():
     comp = CompletionFormat("cmpl-1", "m")
     assert comp.chunk("a", None, False)["choices"][0]["text"] == "a"
     assert "usage" not in comp.chunk("a", None, False) and comp.chunk("a", None, True)["usage"] is None
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b'{"a": ' + b"[" * 33 + b"]" * 33 + b"}", "more than 32 levels"),
+    (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "more than 32 levels"),
+    (b'{"a": NaN}', "NaN is not a JSON number"),
+    (b'{"a": -Infinity}', "-Infinity is not a JSON number"),
+    (b'{"a": 9223372036854775808}', "outside the signed 64-bit range"),
+    (b'{"a": ' + b"7" * 5000 + b"}", "not valid JSON"),
+    (b'{"a": "\xff"}', "not valid UTF-8"),
+])
+def test_bodies_past_the_shape_limits_are_400(raw, words):
+    with pytest.raises(ApiError, match=words) as e:
+        load_json_object(raw)
+    assert e.value.status == 400
+
+
+def test_a_body_at_the_depth_limit_loads():
+    raw = b'{"a": ' + b"[" * 31 + b"]" * 31 + b', "b": -9223372036854775808}'
+    assert load_json_object(raw)["b"] == -(2**63)
+
+
+def test_unpaired_surrogates_are_refused_with_their_position():
+    with pytest.raises(ApiError, match=r"prompt holds an unpaired surrogate \(U\+DC00\) at position 3") as e:
+        _parse(CompletionRequest, {"model": "m", "prompt": "abc\udc00"}).to_generate("a")
+    assert e.value.param == "prompt"
+    assert _parse(CompletionRequest, {"model": "m", "prompt": "ok \ud83d\ude00"}).to_generate("a").prompt == "ok 😀"
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "\ud800"}]}
+    with pytest.raises(ApiError, match=r"messages\[1\]\.content holds an unpaired surrogate"):
+        _parse(ChatCompletionRequest, chat).to_generate("a")
+    with pytest.raises(ApiError, match="stop holds an unpaired surrogate"):
+        _parse(CompletionRequest, {"model": "m", "prompt": "x", "stop": ["\ud800"]}).to_generate("a")
+
+
+def test_an_error_quoting_a_surrogate_still_encodes():
+    body = ApiError(400, "model '\ud800' is not served here").response().body
+    assert json.loads(body)["error"]["message"] == "model '\ud800' is not served here"

@@ -1,6 +1,6 @@
 """Limits and faults, on a second app (a toy model, one running request, one waiting):
 a full queue gives 429, and a killed engine replica ends its stream with an error event,
-is restarted by Serve, and the next request succeeds."""
+turns /health to 503 within 1.5 s, is restarted by Serve, and the next request succeeds."""
 
 import contextlib
 import json
@@ -30,9 +30,10 @@ def small_app(serve_port, tiny_llama_path):
         "model": {"path": tiny_llama_path, "device": "cpu", "dtype": "float32", "max_model_len": 512},
         "cache": {"kv_cache_gib": 0.01},
         "scheduler": {"max_num_seqs": 1, "max_num_batched_tokens": 512},
-        # An engine 1 s silent counts as gone: /health shows the gap while Serve restarts one.
+        # Silence alone takes 30 s to count as death: a dead engine must be seen by the
+        # planner's probe, well within that.
         "serve": {"model_name": MODEL, "max_waiting_requests": 1, "handle_timeout_s": 30, "token_timeout_s": 30,
-                  "stats_interval_s": 0.25, "engine_stale_s": 1.0},
+                  "stats_interval_s": 0.25, "engine_stale_s": 30.0},
     }
     serve.run(build_app(args), name=SMALL_APP, route_prefix=f"/{SMALL_APP}")
     base = f"http://127.0.0.1:{serve_port}/{SMALL_APP}"
@@ -93,13 +94,24 @@ def test_a_killed_engine_ends_the_stream_with_an_error_and_comes_back(small_app)
     assert new != old["replica_id"]
 
 
+def test_health_is_503_within_1_5_s_of_an_engine_death_and_200_once_it_is_back(small_app):
+    assert httpx.get(f"{small_app}/health", timeout=30).status_code == 200
+    old = engine_handle(SMALL_APP).replica_info.remote().result(timeout_s=30)
+    ray.kill(ray.get_actor(old["actor_name"], namespace="serve"), no_restart=True)
+    killed_s = time.monotonic()
+    assert _health_turns(small_app, 503, timeout_s=1.5), "still 200 1.5 s after the engine died"
+    print(f"/health 503 {time.monotonic() - killed_s:.2f} s after the kill")
+    _wait_for_new_engine(old["replica_id"])
+    assert _health_turns(small_app, 200, timeout_s=10)
+
+
 def _health_turns(base: str, status: int, timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         r = httpx.get(f"{base}/health", timeout=30)
         if r.status_code == status:
             return True
-        time.sleep(0.1)
+        time.sleep(0.05)
     return False
 
 

@@ -6,7 +6,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import LONG_PROMPT, complete, requests_while_scraped, wait_for_series
+from .conftest import API_KEY, APP, LONG_PROMPT, complete, requests_while_scraped, wait_engine_idle, wait_for_series
 
 # A real Serve cluster; the timeout (which includes starting it) stops a hang, not a slow run.
 pytestmark = [pytest.mark.serve, pytest.mark.timeout(600)]
@@ -19,7 +19,7 @@ SERIES = {
     "spin_buffer_lookups": "counter", "spin_buffer_hits": "counter", "spin_retrieved_bytes": "counter",
     "spin_evicted_pages": "counter", "spin_kv_pages": "gauge", "spin_metadata_bytes": "gauge",
     "spin_attention_rank_seconds": "counter", "spin_attention_bubble_seconds": "counter",
-    "spin_head_placement_imbalance": "gauge",
+    "spin_head_placement_imbalance": "gauge", "spin_engine_requests": "counter",
 }
 QUERIES = {
     "buffer hit ratio": "sum(rate(spin_buffer_hits_total[1m])) / sum(rate(spin_buffer_lookups_total[1m]))",
@@ -55,6 +55,36 @@ def test_every_series_is_exported_with_model_name(spin_app):
     assert value["spin_prompt_tokens_total"] > 0 and value["spin_generation_tokens_total"] > 0
     tiers = {(s.labels["tier"], s.labels["state"]) for s in fams["spin_kv_pages"].samples}
     assert tiers == {(t, s) for t in ("gpu", "host") for s in ("free", "used")}
+
+
+def test_engine_gauges_follow_a_state_change_within_a_second(spin_app):
+    """The engine's report is refreshed before it idles and sent every 0.5 s: /metrics shows a
+    request start running, and its pages freed once its client has gone, within about 1 s."""
+    base, _ = spin_app
+    wait_engine_idle(APP)
+    body = {"model": "smollm2", "prompt": LONG_PROMPT, "max_tokens": 400, "min_tokens": 400, "stream": True}
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line.startswith("data: {"))
+            running_s = _seconds_until(base, lambda running, used: running == 1 and used > 0)
+        # the connection closes here: the client is gone
+    freed_s = _seconds_until(base, lambda running, used: running == 0 and used == 0)
+    print(f"running on /metrics after {running_s:.2f} s, freed after {freed_s:.2f} s")
+    assert running_s <= 1.5 and freed_s <= 1.5
+
+
+def _seconds_until(base: str, state, timeout_s: float = 10.0) -> float:
+    """Seconds until /metrics shows ``state(running requests, used KV pages)``."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        fams = _families(base)
+        running = fams["spin_requests_running"].samples[0].value
+        used = sum(s.value for s in fams["spin_kv_pages"].samples if s.labels["state"] == "used")
+        if state(running, used):
+            return time.monotonic() - started
+        time.sleep(0.05)
+    raise TimeoutError(f"/metrics did not reach the state within {timeout_s}s")
 
 
 def test_prometheus_scrapes_and_answers_the_dashboard_queries(spin_app, prometheus):

@@ -2,16 +2,20 @@
 openai client, against the engine's own output for the same config."""
 
 import asyncio
+import json
+
+import time
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.deployments.settings import load_app_config
 from spin_cluster.engine import Engine, SamplingParams
 
-from .conftest import API_KEY, APP, engine_handle, wait_engine_idle
+from .conftest import API_KEY, APP, RayLogs, engine_handle, wait_engine_idle
 
 # A real Serve cluster; the timeout (which includes starting it) stops a hang, not a slow run.
 pytestmark = [pytest.mark.serve, pytest.mark.timeout(600)]
@@ -172,14 +176,106 @@ def test_unknown_route_is_a_json_404(spin_app):
     _assert_error(httpx.get(f"{spin_app[0]}/v1/nothing", headers=_auth(), timeout=30), 404)
 
 
+# ---- the malformed-body sweep: every answer a 4xx (or a 200), with a JSON error, never a 5xx --
+
+def _nested(levels: int, opener: str, closer: str) -> bytes:
+    return f'{{"model": "{MODEL}", "max_tokens": 1, "messages": {opener * levels}0{closer * levels}}}'.encode()
+
+
+_WRONG_VALUES = [{"x": 1}, ["x"], "x", 1.5, -1, 2**64, None, True, "\ud800"]
+_COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "max_completion_tokens": 1}
+_FIELDS = ["model", "max_tokens", "temperature", "top_p", "top_k", "min_tokens", "n", "stream", "stream_options",
+           "stop", "stop_token_ids", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "best_of", "user"]
+
+
+def _sweep_bodies() -> list[tuple[str, bytes]]:
+    """(path, raw body): deep nesting, a wrong value in every field, bytes that are not UTF-8,
+    unpaired surrogates, numbers JSON does not have."""
+    comp, chat = "/v1/completions", "/v1/chat/completions"
+    bodies = [(chat, _nested(n, o, c)) for n in (100, 2_000, 100_000) for o, c in (("[", "]"), ('{"a":', "}"))]
+    fields = [(comp, _COMPLETION, f) for f in [*_FIELDS, "prompt", "echo", "suffix", "logprobs"]]
+    fields += [(chat, _CHAT, f) for f in [*_FIELDS, "messages", "max_completion_tokens", "logprobs", "tools"]]
+    for path, base, field in fields:
+        bodies += [(path, json.dumps({**base, field: value}).encode()) for value in _WRONG_VALUES]
+    for field in ("role", "content"):
+        bodies += [(chat, json.dumps({**_CHAT, "messages": [{"role": "user", "content": "Hi", field: value}]}).encode())
+                   for value in _WRONG_VALUES]
+    prefix = f'{{"model": "{MODEL}", "max_tokens": 1, "prompt": '.encode()
+    bodies += [(comp, prefix + raw + b"}") for raw in (
+        b'"\xff\xfe"', b'"\xc0\xaf"', b'"\xe2\x82"', b'"\ud800"', b'"a\udc00b"', b'"\ud83d"', b"NaN",
+        b"Infinity", b"-Infinity", b"1" * 5000, b"[" + b",".join([b"1" * 30] * 3) + b"]")]
+    bodies += [(chat, json.dumps({**_CHAT, "messages": [{"role": "user", "content": "Hi \udc00"}]}).encode()),
+               (comp, json.dumps({**_COMPLETION, "\ud800": 1}).encode()), (comp, b"\xff" * 64), (comp, b"")]
+    return bodies
+
+
+def test_malformed_bodies_never_get_a_5xx(spin_app):
+    base = spin_app[0]
+    answers = asyncio.run(_post_all(base, _sweep_bodies()))
+    for (path, body), (status, content) in zip(_sweep_bodies(), answers):
+        where = f"{path} {body[:120]!r}: {status} {content[:300]!r}"
+        assert status in (200, 400), where  # 200: a wrong-looking value that is valid (null, "x" as a stop)
+        if status == 400:
+            err = json.loads(content)["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], where
+    deep = answers[:6]  # 100 levels is past the limit too
+    assert all(json.loads(c)["error"]["message"].startswith("the body nests") for _, c in deep), deep
+
+
+def test_an_unpaired_surrogate_is_named_with_its_position(spin_app):
+    for path, body, param in (
+        ("/v1/completions", {**_COMPLETION, "prompt": "ab\ud800"}, "prompt"),
+        ("/v1/chat/completions", {**_CHAT, "messages": [{"role": "user", "content": "ok"},
+                                                        {"role": "user", "content": "x\udfff"}]},
+         "messages[1].content"),
+    ):
+        r = httpx.post(f"{spin_app[0]}{path}", content=json.dumps(body), timeout=60,
+                       headers={**_auth(), "content-type": "application/json"})
+        _assert_error(r, 400)
+        assert r.json()["error"]["param"] == param
+        position = 2 if param == "prompt" else 1
+        assert f"{param} holds an unpaired surrogate (U+" in r.json()["error"]["message"]
+        assert f"at position {position}" in r.json()["error"]["message"]
+
+
+async def _post_all(base: str, bodies: list[tuple[str, bytes]]) -> list[tuple[int, bytes]]:
+    headers = {**_auth(), "content-type": "application/json"}
+    gate = asyncio.Semaphore(16)
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as http:
+
+        async def one(path: str, body: bytes) -> tuple[int, bytes]:
+            async with gate:
+                r = await http.post(path, content=body)
+                return r.status_code, r.content
+
+        return await asyncio.wait_for(asyncio.gather(*(one(p, b) for p, b in bodies)), 300)
+
+
 # ---- disconnects -----------------------------------------------------------------------
 
-def test_fifty_abandoned_streams_free_every_page(spin_app):
+def test_fifty_abandoned_streams_free_every_page_and_log_no_traceback(spin_app):
     base, _ = spin_app
     before = wait_engine_idle(APP)
+    aborted_before = _aborted_count(base)
+    logs = RayLogs()
     asyncio.run(_abandon_streams(base, 50))
     after = wait_engine_idle(APP)  # polls until nothing runs: each was aborted, none finished
     assert after["num_free_pages"] == after["num_total_pages"] == before["num_total_pages"]
+    assert _aborted_count(base) - aborted_before == 50
+    time.sleep(1)  # log lines reach their files
+    new = logs.new_text()
+    assert "Traceback" not in new, new[new.find("Traceback") - 2000:][:6000]
+    assert logs.new_text(under="serve").count("client disconnected") == 50  # one line each
+
+
+def _aborted_count(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "spin_request_success_total" and sample.labels.get("finished_reason") == "abort":
+                return sample.value
+    return 0.0
 
 
 async def _abandon_streams(base: str, count: int) -> None:

@@ -46,6 +46,8 @@ def test_a_yaml_file_path_works(tmp_path):
     ({"serve": {"no_such_key": 1}}, "no_such_key"),
     ({"serve": {"engine_stale_s": 0.1, "stats_interval_s": 0.5}}, "engine_stale_s"),
     ({"scheduler": {"max_num_seqs": 0}}, "max_num_seqs"),
+    ({"serve": {"engine_resources": {"engine_node": -1}}}, "engine_resources"),
+    ({"serve": {"engine_resources": ["engine_node"]}}, "engine_resources"),
     ({"config": "no-such-config"}, "no-such-config"),
 ])
 def test_bad_settings_say_what_to_change(bad, words):
@@ -91,3 +93,24 @@ def test_bad_engine_ranks_say_what_to_change(bad, words):
 ])
 def test_ranks_per_engine(args, num_kv_heads, ranks):
     assert load_app_config(args).ranks_per_engine(num_kv_heads) == ranks
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"model": {"max_model_len": 8448}}, r"max_model_len=8448 exceeds the model's max_position_embeddings=8192"),
+    ({"scheduler": {"enable_chunked_prefill": False, "max_num_batched_tokens": 512}},
+     r"max_num_batched_tokens \(512\) must be >= max_model_len \(2048\)"),
+    ({"sparse": {"per_head_budgets": [[64] * 2] * 30}}, r"per_head_budgets must be \[30\]\[3\]"),
+    ({"serve": {"engine_ranks": 4}}, "serve.engine_ranks=4 exceeds the model's num_key_value_heads=3"),
+    ({"model": {"device": "cuda"}}, "serve.engine_num_gpus=0, so Ray gives an engine no GPU"),
+])
+def test_settings_the_model_cannot_run_say_what_to_change(smollm2_path, bad, words):
+    config = load_app_config({"config": "default", **bad, "model": {"path": smollm2_path, **bad.get("model", {})}})
+    with pytest.raises(ValueError, match=words):
+        config.check_model()
+    with pytest.raises(ValueError, match=words):
+        build_app(config)
+
+
+def test_bundled_configs_fit_the_default_model(smollm2_path):
+    for name in BUNDLED:
+        load_app_config({"config": name, "model": {"path": smollm2_path}}).check_model()
