@@ -243,8 +243,9 @@ def _write(result: dict, args) -> str:
     }
     table = markdown(result)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        from spin_cluster.provenance import write_json
+
+        write_json(args.out, result)
     if args.md:
         with open(args.md, "w") as f:
             f.write(table)
