@@ -319,6 +319,33 @@ def test_run_ranks_prints_where_ranks_hang_and_raises_past_the_timeout(capfd):
     assert err.count("stuck_in_the_collective") >= 2  # each rank's stack names where it sits
 
 
+def _report_soon(rank, results):
+    import time
+
+    time.sleep(0.2)
+    results.put((rank, rank))
+
+
+def test_run_ranks_starts_the_timeout_once_every_rank_has_started():
+    """Spawning a rank and importing torch takes longer than this timeout; only the time
+    after every rank has entered its function counts against it."""
+    import time
+
+    from spin_cluster.parallel import launch
+
+    start = time.monotonic()
+    assert launch.run_ranks(_report_soon, (), 2, timeout_s=1.0) == {0: 0, 1: 1}
+    assert time.monotonic() - start > 1.0
+
+
+def test_run_ranks_raises_when_ranks_do_not_start_in_time(monkeypatch):
+    from spin_cluster.parallel import launch
+
+    monkeypatch.setattr(launch, "_START_TIMEOUT_S", 0.1)
+    with pytest.raises(TimeoutError, match="2 of 2 ranks did not start within 0 s"):
+        launch.run_ranks(_report_soon, (), 2, timeout_s=60.0)
+
+
 def _static_path_rank(rank, world, port, cfg, prompts, params, placement, results):
     """A gloo rank whose decode steps take the path SpinDecodeGraphs captures on the GPU."""
     from spin_cluster.engine.model_runner import SpinDecodeGraphs
