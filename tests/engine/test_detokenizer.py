@@ -74,7 +74,8 @@ def test_a_stop_string_across_a_token_boundary_stops_at_the_token_that_completes
 
 def test_of_several_stop_strings_the_first_to_appear_cuts_at_the_earliest_start(tokenizer):
     ids = tokenizer.encode(TEXT)
-    # "天気" completes before "Emoji" and "Rue"... appears first of all: the text ends before "Rue".
+    # The text ends at the first token that completes any stop string, cut at the earliest
+    # start among the stop strings present then; the order of the stops does not matter.
     for stop in [("Emoji", "天気"), ("天気", "Emoji"), ("Rue de", "café on Rue"), ("x² ≤", "∑ x", "Math")]:
         assert incremental(tokenizer, ids, stop) == whole_decode_reference(tokenizer, ids, stop), stop
     text, _ = incremental(tokenizer, ids, ("café on Rue", "Rue de"))
