@@ -121,7 +121,9 @@ class Engine:
         if req is None or req.is_finished:
             return None
         self._finish(req, FinishReason.ABORT)
-        return self._output(req, [], "")
+        old_text = req.output_text
+        req.output_text = req.detokenizer.visible_text(finished=True)  # what was held back for stop strings
+        return self._output(req, [], req.output_text[len(old_text) :])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
