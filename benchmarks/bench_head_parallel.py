@@ -50,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpu-kv-gib", type=float, default=24.0)
     ap.add_argument("--host-kv-gib", type=float, default=40.0)
     ap.add_argument("--tokenizer", default=None, metavar="DIR", help="folder with tokenizer.json (default: the default model's)")
-    ap.add_argument("--timeout-s", type=float, default=480.0, help="per configuration")
+    ap.add_argument("--timeout-s", type=float, default=480.0,
+                    help="per configuration, counted once every rank has started")
     ap.add_argument("--out", default=None, metavar="JSON")
     ap.add_argument("--md", default=None, metavar="MD")
     args = ap.parse_args(argv)
@@ -243,8 +244,9 @@ def _write(result: dict, args) -> str:
     }
     table = markdown(result)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        from spin_cluster.provenance import write_json
+
+        write_json(args.out, result)
     if args.md:
         with open(args.md, "w") as f:
             f.write(table)

@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 from spin_cluster.hplb.placement import HeadPlacement, contiguous_placement, greedy_placement, head_costs
 from spin_cluster.kernels import paged_decode
 from spin_cluster.parallel.timing import bubble_ratio
+from spin_cluster.provenance import write_json
 
 
 def synthetic_budgets(num_layers: int, num_kv_heads: int, sigma: float, seed: int) -> np.ndarray:
@@ -327,8 +328,7 @@ def _report(result: dict, args) -> None:
         with open(args.md, "w") as f:
             f.write(text + "\n")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ GPU is measured in the same run, and the attention part's bandwidth is given aga
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 def main() -> None:
@@ -52,6 +51,7 @@ def main() -> None:
         sys.exit("bench_sparse_decode needs a CUDA GPU")
     from spin_cluster.kernels.paged_decode import paged_decode_attention
     from spin_cluster.partition import SelectPlan, get_algorithm, select_pages
+    from spin_cluster.provenance import write_json
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -162,8 +162,7 @@ def main() -> None:
         del k_dense, v_dense, k_pages, v_pages, quest, sel
         torch.cuda.empty_cache()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.out, results)
 
 
 if __name__ == "__main__":

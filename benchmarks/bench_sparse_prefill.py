@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
 import statistics
@@ -343,8 +342,9 @@ def main() -> None:
     _import_package()
     result = {"kernel": run_kernel, "ttft": run_ttft, "accuracy": run_accuracy}[args.what](args)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        from spin_cluster.provenance import write_json
+
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

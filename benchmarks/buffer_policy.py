@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from spin_cluster.model_store import prepare_default_model
+    from spin_cluster.provenance import write_json
 
     model = a.model or str(prepare_default_model())
     rows = []
@@ -89,8 +90,7 @@ def main() -> None:
         print(f"| {r['columns_per_head']} | {'elastic' if r['elastic'] else 'fixed'} | {r['peak_running']} | "
               f"{r['hit_ratio']:.1%} | {r['retrieved_mib']:.1f} | {r['wall_s']:.1f} |")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_json(a.out, rows, indent=2)
 
 
 if __name__ == "__main__":

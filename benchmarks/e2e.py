@@ -431,6 +431,7 @@ def main(argv=None) -> dict:
     from spin_cluster.engine import Engine
 
     from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
+    from spin_cluster.provenance import write_json
 
     shape = {**LLAMA_31_8B, **TINY} if args.tiny else LLAMA_31_8B
     longest = max(args.offline_lengths + [args.online_length])
@@ -480,13 +481,11 @@ def main(argv=None) -> dict:
                   flush=True)
         del engine
         gc.collect()
-        with open(os.path.join(args.out, "e2e.json"), "w") as f:  # kept if a later mode fails
-            json.dump(results, f, indent=1)
+        write_json(os.path.join(args.out, "e2e.json"), results)  # kept if a later mode fails
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     shutil.rmtree(folder, ignore_errors=True)
-    with open(os.path.join(args.out, "e2e.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(os.path.join(args.out, "e2e.json"), results)
     table = markdown(results)
     with open(os.path.join(args.out, "e2e.md"), "w") as f:
         f.write(table)

@@ -12,7 +12,6 @@ generate(N+1 new tokens) - generate(1 new token), so its prefill is excluded the
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -119,9 +118,9 @@ def main() -> None:
     for name, x, y in rows:
         print(f"{name:32s} {x:14.1f} {y:14.1f} {x / y:7.2f}")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(a),
-                       "spin_cluster": ours, "transformers": theirs}, f, indent=2)
+        from spin_cluster.provenance import write_json
+
+        write_json(a.out, {"args": vars(a), "spin_cluster": ours, "transformers": theirs}, indent=2)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 # Installs carried wheels (.whl/) into /tmp/site without touching the image's torch/triton,
 # lays this package out under /tmp/pkg with the same folder mapping as pyproject.toml, and
 # reassembles the default model's GGUF from carried parts (.carry/p*/gguf.part*), which may
-# arrive over several calls while the machine stays warm.
+# arrive over several calls while the machine stays warm. The tree arrives without .git: set
+# SPIN_COMMIT=$(git rev-parse HEAD) in the command so that result files name their commit.
 REPO=$(pwd)
 mkdir -p /tmp/site /tmp/pkg
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -351,6 +351,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/memory.py needs a CUDA GPU")
     retrieve, lru = _import_modules()
+    from spin_cluster.provenance import write_json
+
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     result = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__,
@@ -378,8 +380,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.out, result, indent=2)
     if args.md:
         with open(args.md, "w") as f:
             f.write(text)

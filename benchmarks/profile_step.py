@@ -14,7 +14,6 @@ batch's prompts are prefilled, then ``--warmup`` decode steps capture the graphs
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -52,6 +51,7 @@ def main(argv=None) -> dict:
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import Engine, SamplingParams
     from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
+    from spin_cluster.provenance import write_json
 
     shape = {**LLAMA_31_8B, **e2e.TINY} if args.tiny else LLAMA_31_8B
     total = args.warmup + args.steps + 4  # the profiled and the eager step still decode
@@ -152,8 +152,7 @@ def main(argv=None) -> dict:
                       if engine.last_stats.buffer_lookups_total else None),
     }
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"profile-{args.mode}-{args.context}.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(os.path.join(args.out, f"profile-{args.mode}-{args.context}.json"), result)
     print(f"{args.mode} context {args.context} batch {batch} on {result['gpu']}: step {1e3 * result['step_s_median']:.2f} ms "
           f"as served (runner {1e3 * result['runner_s_median']:.2f} ms, graphs: {result['graphs']}), "
           f"eager {1e3 * eager_s:.2f} ms; kernels of one eager step: {result['num_kernels']} taking "

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from spin_cluster import provenance
 from spin_cluster.profiling.evaluate import EvalResults
 from spin_cluster.profiling.methods import budget_label
 
@@ -58,7 +58,7 @@ def fidelity_markdown(results: EvalResults) -> str:
 
 
 def write_json(results: EvalResults, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(results.to_dict(), indent=1) + "\n")
+    provenance.write_json(path, results.to_dict())
 
 
 def plot(results: EvalResults, path: str | Path) -> None:

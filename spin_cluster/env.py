@@ -16,3 +16,8 @@ def model_cache_dir() -> Path:
 
 def default_model_dir() -> Path:
     return model_cache_dir() / DEFAULT_MODEL_NAME
+
+
+def commit_override() -> str | None:
+    """SPIN_COMMIT: the commit a copy of the tree without its .git was made from."""
+    return os.environ.get("SPIN_COMMIT") or None

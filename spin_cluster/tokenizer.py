@@ -1,4 +1,5 @@
-"""The model folder's tokenizer and chat template, and incremental detokenization."""
+"""The model folder's tokenizer and chat template (a request's incremental detokenization is
+``spin_cluster.engine.detokenizer``)."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from spin_cluster.engine.sampler import Sampler
 from spin_cluster.engine.scheduler import Scheduler
 from spin_cluster.engine.stats import StepStats
 from spin_cluster.engine.cache_builder import build_cache
+from spin_cluster.engine.detokenizer import Detokenizer
 from spin_cluster.models import ModelConfig, load_model, random_model
 from spin_cluster.tokenizer import Tokenizer
 
@@ -99,7 +100,8 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id=request_id, prompt_token_ids=ids, params=params, prompt=text)
+        req = Request(request_id=request_id, prompt_token_ids=ids, params=params, prompt=text,
+                      detokenizer=Detokenizer(self.tokenizer, params.stop))
         self._requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -110,7 +112,9 @@ class Engine:
         if req is None or req.is_finished:
             return None
         self._finish(req, FinishReason.ABORT)
-        return self._output(req, [], "")
+        old_text = req.output_text
+        req.output_text = req.detokenizer.visible_text(finished=True)  # what was held back for stop strings
+        return self._output(req, [], req.output_text[len(old_text) :])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -179,17 +183,13 @@ class Engine:
             req.first_token_s = now
         old_text = req.output_text
         req.output_token_ids.append(token_id)
-        text = self.tokenizer.decode(req.output_token_ids)
         reason = self._finish_reason(req, token_id)
-        stop_at = self._stop_string_at(req, text)
-        if stop_at is not None:
-            text, reason = text[:stop_at], FinishReason.STOP
-        if reason is None and text.endswith("\ufffd"):
-            text = old_text  # an incomplete UTF-8 sequence: wait for the next token
-        req.output_text = text
+        if req.detokenizer.add(req.output_token_ids, finishing=reason is not None):
+            reason = FinishReason.STOP
+        req.output_text = req.detokenizer.visible_text(finished=reason is not None)
         if reason is not None:
             self._finish(req, reason)
-        return self._output(req, [token_id], text[len(old_text) :] if text.startswith(old_text) else text)
+        return self._output(req, [token_id], req.output_text[len(old_text) :])
 
     def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
         p = req.params
@@ -198,11 +198,6 @@ class Engine:
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
-
-    @staticmethod
-    def _stop_string_at(req: Request, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
-        return min(hits) if hits else None
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.status = RequestStatus.FINISHED

@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from spin_cluster.engine.detokenizer import Detokenizer
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -77,8 +79,10 @@ class Request:
     # Tokens whose K/V are in the cache (prompt and generated).
     num_computed_tokens: int = 0
     finish_reason: FinishReason | None = None
-    # Detokenized output so far; the stop-string check reads it.
+    # The output text a caller sees so far (while running, less what a stop string may cut).
     output_text: str = ""
+    # Decodes the output token by token and finds stop strings; the engine sets it on admission.
+    detokenizer: Detokenizer | None = None
     first_token_s: float | None = None
     finished_s: float | None = None
     num_preemptions: int = 0

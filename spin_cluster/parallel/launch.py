@@ -33,6 +33,8 @@ from spin_cluster.parallel.group import backend_for, free_port
 
 _POLL_S = 0.5
 _EXIT_GRACE_S = 60.0
+# Spawning a rank and importing torch: seconds when idle, tens of seconds on a busy machine.
+_START_TIMEOUT_S = 300.0
 logger = logging.getLogger(__name__)
 
 
@@ -80,14 +82,19 @@ def launch_generate(
 def run_ranks(fn, args: tuple, num_ranks: int, timeout_s: float | None = None) -> dict:
     """Run ``fn(rank, *args, results)`` in ``num_ranks`` spawned processes and return
     {rank: report}: every rank puts ``(rank, report)`` on the ``results`` queue. A rank that
-    fails raises here with its traceback; past ``timeout_s`` the ranks print the stacks of
-    their threads to stderr (where a hang sits), are terminated, and TimeoutError is raised.
-    ``fn`` must be importable by the children (a module-level function; a script calls this
-    under ``if __name__ == "__main__":``)."""
+    fails raises here with its traceback. ``timeout_s`` counts from the moment every rank
+    has entered ``fn``, so that a slow start (spawning, importing torch on a busy machine)
+    does not use it up; the start itself may take up to ``_START_TIMEOUT_S``. Past either,
+    the ranks print the stacks of their threads to stderr (where a hang sits), are
+    terminated, and TimeoutError is raised. ``fn`` must be importable by the children (a
+    module-level function; a script calls this under ``if __name__ == "__main__":``)."""
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = mp.start_processes(_traced, args=(fn, *args, results), nprocs=num_ranks, join=False, start_method="spawn")
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    results, entered = ctx.Queue(), ctx.Queue()
+    procs = mp.start_processes(_traced, args=(entered, fn, *args, results), nprocs=num_ranks, join=False,
+                               start_method="spawn")
+    start_deadline = None if timeout_s is None else time.monotonic() + _START_TIMEOUT_S
+    deadline = None
+    num_entered = 0
     reports = {}
     while len(reports) < num_ranks:
         try:
@@ -96,6 +103,15 @@ def run_ranks(fn, args: tuple, num_ranks: int, timeout_s: float | None = None) -
             # join raises (with the rank's traceback) if a rank failed.
             if procs.join(timeout=0) and results.empty():
                 raise RuntimeError(f"ranks {sorted(set(range(num_ranks)) - set(reports))} exited without a report")
+            if timeout_s is None:
+                continue
+            num_entered += _drain(entered)
+            if deadline is None and num_entered == num_ranks:
+                deadline = time.monotonic() + timeout_s
+            if deadline is None and time.monotonic() > start_deadline:
+                _dump_and_terminate(procs.processes)
+                raise TimeoutError(f"{num_ranks - num_entered} of {num_ranks} ranks did not start within "
+                                   f"{_START_TIMEOUT_S:.0f} s")
             if deadline is not None and time.monotonic() > deadline:
                 _dump_and_terminate(procs.processes)
                 raise TimeoutError(f"{num_ranks} ranks did not finish within {timeout_s:.0f} s")
@@ -112,10 +128,23 @@ def run_ranks(fn, args: tuple, num_ranks: int, timeout_s: float | None = None) -
     return reports
 
 
-def _traced(rank: int, fn, *args) -> None:
-    """A rank's entry: SIGUSR1 prints the stacks of all its threads, then ``fn`` runs."""
+def _traced(rank: int, entered, fn, *args) -> None:
+    """A rank's entry: SIGUSR1 prints the stacks of all its threads; the rank says it has
+    entered (the parent's timeout starts once all have), then ``fn`` runs."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    entered.put(rank)
     fn(rank, *args)
+
+
+def _drain(q) -> int:
+    """How many items were waiting on ``q``, taking them off."""
+    count = 0
+    while True:
+        try:
+            q.get_nowait()
+        except queue_mod.Empty:
+            return count
+        count += 1
 
 
 def _dump_and_terminate(processes) -> None:

@@ -151,7 +151,7 @@ def prometheus(spin_app, tmp_path):
     """Debian's Prometheus server scraping the SmolLM2 app's /metrics every second; yields its URL."""
     binary = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)
     if binary is None:
-        pytest.skip("no prometheus binary (make test installs Debian's prometheus)")
+        pytest.skip("no prometheus binary (make test installs Debian's prometheus when run as root)")
     target = spin_app[0].removeprefix("http://")
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"

@@ -17,7 +17,8 @@ def test_bench_runs_end_to_end_on_a_stretched_profile(tmp_path):
         "--kv-heads", "4", "--head-dim", "16", "--mean-budget", "64", "--ranks", "2", "4",
         "--reps", "1", "--trials", "1", "--copies", "2", "--budgets", str(profile), "--out", str(out),
     ])
-    assert json.loads(out.read_text())["ranks"] == result["ranks"]
+    saved = json.loads(out.read_text())
+    assert saved["ranks"] == result["ranks"] and saved["provenance"]["commit"]
     # Layers 0-1 take the profile's row 0, layers 2-3 row 1; heads 0, 1 <- 0 and 2 <- 1, 3 <- 2.
     rows = [[r // 16 for r in row] for row in result["budgets"]["per_head"]]
     assert rows[0] == rows[1] and rows[2] == rows[3]

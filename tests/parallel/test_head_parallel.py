@@ -306,17 +306,55 @@ def _hang_in_a_named_function(rank, results):
     stuck_in_the_collective()
 
 
-def test_run_ranks_prints_where_ranks_hang_and_raises_past_the_timeout(capfd):
+def test_run_ranks_prints_where_ranks_hang_and_raises_past_the_timeout(capfd, monkeypatch):
+    """The 3 s count once both ranks are in their function, however long the start took on a
+    busy machine; then the error comes within seconds."""
+    import time
+
+    from spin_cluster.parallel import launch
+
+    entered_s = []  # when the parent learnt of ranks entering
+    drain = launch._drain
+
+    def recording_drain(q):
+        num = drain(q)
+        if num:
+            entered_s.append(time.monotonic())
+        return num
+
+    monkeypatch.setattr(launch, "_drain", recording_drain)
+    with pytest.raises(TimeoutError, match="2 ranks did not finish within 3 s"):
+        launch.run_ranks(_hang_in_a_named_function, (), 2, timeout_s=3.0)
+    assert entered_s and time.monotonic() - entered_s[-1] < 30
+    err = capfd.readouterr().err
+    assert err.count("stuck_in_the_collective") >= 2  # each rank's stack names where it sits
+
+
+def _report_soon(rank, results):
+    import time
+
+    time.sleep(0.2)
+    results.put((rank, rank))
+
+
+def test_run_ranks_starts_the_timeout_once_every_rank_has_started():
+    """Spawning a rank and importing torch takes longer than this timeout; only the time
+    after every rank has entered its function counts against it."""
     import time
 
     from spin_cluster.parallel import launch
 
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match="2 ranks did not finish within 3 s"):
-        launch.run_ranks(_hang_in_a_named_function, (), 2, timeout_s=3.0)
-    assert time.monotonic() - start < 60
-    err = capfd.readouterr().err
-    assert err.count("stuck_in_the_collective") >= 2  # each rank's stack names where it sits
+    assert launch.run_ranks(_report_soon, (), 2, timeout_s=1.0) == {0: 0, 1: 1}
+    assert time.monotonic() - start > 1.0
+
+
+def test_run_ranks_raises_when_ranks_do_not_start_in_time(monkeypatch):
+    from spin_cluster.parallel import launch
+
+    monkeypatch.setattr(launch, "_START_TIMEOUT_S", 0.1)
+    with pytest.raises(TimeoutError, match="2 of 2 ranks did not start within 0 s"):
+        launch.run_ranks(_report_soon, (), 2, timeout_s=60.0)
 
 
 def _static_path_rank(rank, world, port, cfg, prompts, params, placement, results):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The sparse algorithms' GPU runs (device tool). Results land in $OUT.
-#   bash benchmarks/gpu_issue4.sh speed          GPU tests of the Select/decode kernels and the
+#   bash benchmarks/gpu_sparse_decode.sh speed          GPU tests of the Select/decode kernels and the
 #                                                Spin path, then bench_sparse_decode.py
-#   bash benchmarks/gpu_issue4.sh accuracy LEN   train the seer gate (once per warm machine),
+#   bash benchmarks/gpu_sparse_decode.sh accuracy LEN   train the seer gate (once per warm machine),
 #                                                then spin-cluster eval at LEN tokens, every
 #                                                algorithm at 1/8, 1/16, 1/32, with fidelity
 set -o pipefail
@@ -29,5 +29,5 @@ accuracy)
       --max-batch 42 --fidelity --out "$OUT/accuracy-$LEN.json" 2>&1 | grep -v "it/s\]" | tail -40) \
       | tee "$OUT/accuracy-$LEN.log"
   ;;
-*) echo "usage: gpu_issue4.sh speed | accuracy LEN" >&2; exit 2 ;;
+*) echo "usage: gpu_sparse_decode.sh speed | accuracy LEN" >&2; exit 2 ;;
 esac
