@@ -11,7 +11,6 @@ for several warps per program. Median of ``triton.testing.do_bench`` in microsec
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -34,6 +33,7 @@ def main(argv=None) -> dict:
 
     from spin_cluster.hplb.budget import synthetic_maxmin_budgets
     from spin_cluster.kernels.page_select import select_ragged
+    from spin_cluster.provenance import write_json
 
     S, hkv, B = args.page_size, 8, args.batch
     P = args.context // S
@@ -52,8 +52,7 @@ def main(argv=None) -> dict:
             print(f"| {name} | {int(budgets.max())} | {w} | {us:.1f} |", flush=True)
     out = {"context": args.context, "batch": B, "pages": P, "gpu": torch.cuda.get_device_name(), "rows": results}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_select.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(os.path.join(args.out, "bench_select.json"), out)
     return out
 
 

@@ -7,10 +7,7 @@
 # STEPS (20), EXTRA_ARGS (more profile_step.py flags, e.g. --buffer-share 16).
 set -o pipefail
 source benchmarks/gpu_setup.sh
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch,triton;print('torch',torch.__version__,'triton',triton.__version__)" | tee -a "$OUT/gpu.txt"
-TOK=()
-[ -f .carry/tok/tokenizer.json ] && TOK=(--tokenizer "$REPO/.carry/tok")
+gpu_record
 for mode in ${MODES:-dense spin}; do
   timeout "${MODE_TIMEOUT:-280}" python3 benchmarks/profile_step.py --mode "$mode" --context "${CONTEXT:-131072}" \
     --batch "${BATCH:-4}" --steps "${STEPS:-20}" --gpu-kv-gib "${GPU_KV_GIB:-100}" --host-kv-gib "${HOST_KV_GIB:-72}" \

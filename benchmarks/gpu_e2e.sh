@@ -9,10 +9,7 @@
 # probe), DEADLINE_S, GPU_TESTS=0, MAX_BATCHED (prefill chunk), EXTRA_ARGS (more e2e.py flags).
 set -o pipefail
 source benchmarks/gpu_setup.sh
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch,triton;print('torch',torch.__version__,'triton',triton.__version__)" | tee -a "$OUT/gpu.txt"
-TOK=()
-[ -f .carry/tok/tokenizer.json ] && TOK=(--tokenizer "$REPO/.carry/tok")
+gpu_record
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   (cd /tmp && timeout 120 python3 -m pytest "$REPO/tests/engine/test_cuda_graphs.py" "$REPO/tests/engine/test_engine_gpu.py" \
     "$REPO/tests/engine/test_spin_graphs.py" "$REPO/tests/engine/test_spin_gpu.py" "$REPO/tests/kernels/test_buffer_lookup.py" \

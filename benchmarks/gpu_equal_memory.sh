@@ -10,8 +10,7 @@
 set -o pipefail
 source benchmarks/gpu_setup.sh
 LOG="$OUT/equal_memory.log"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG"
-TOK=(); [ -f .carry/tok/tokenizer.json ] && TOK=(--tokenizer "$REPO/.carry/tok")
+gpu_record "$LOG"
 timeout 60 python3 benchmarks/bench_select.py --out "$OUT" 2>&1 | tee -a "$LOG"
 run() {  # name, deadline s, e2e.py flags
   local name=$1 deadline=$2; shift 2

@@ -25,9 +25,17 @@ fi
 export PYTHONPATH=/tmp/pkg:/tmp/site:/tmp/gguf${PYTHONPATH:+:$PYTHONPATH}
 export SPIN_MODEL_DIR=/tmp/models
 export PYTHONUNBUFFERED=1
-# gpu_info: record the GPU and versions in $OUT/gpu.txt and prepare the default model.
+# The tokenizer of the benchmarks' model folders: .carry/tok when carried (no default model needed).
+TOK=()
+[ -f .carry/tok/tokenizer.json ] && TOK=(--tokenizer "$REPO/.carry/tok")
+# gpu_record: the GPU and versions, in $OUT/gpu.txt (or the file given) and on stdout.
+gpu_record() {
+  local to=${1:-$OUT/gpu.txt}
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$to"
+  python3 -c "import torch,triton;print('torch',torch.__version__,'triton',triton.__version__)" | tee -a "$to"
+}
+# gpu_info: gpu_record, and the default model prepared.
 gpu_info() {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-  python3 -c "import torch,triton;print('torch',torch.__version__,'triton',triton.__version__)" | tee -a "$OUT/gpu.txt"
+  gpu_record
   (cd /tmp && python3 -c "from spin_cluster.model_store import prepare_default_model as p; print(p())") 2>&1 | tail -1
 }
