@@ -66,7 +66,8 @@ class Lookup:
 class InstallPlan:
     """A prefill chunk's pages to keep in the buffer (``GpuBuffer.install_plan``), per layer."""
 
-    row: torch.Tensor  # [1] int64 the request's row
+    row_id: int  # the request's row
+    row: torch.Tensor  # [1] int64 the same, on the device (the lookup's rows)
     want: torch.Tensor  # [L, 1, Hkv, Kc] pages starting in the chunk, -1 where a head has no room
     straddle: int  # the page begun in an earlier chunk (forgotten), -1: none
     page_index: torch.Tensor  # [n] each token's page minus the first page starting in the chunk
@@ -330,7 +331,7 @@ class GpuBuffer:
         keep = pages >= p_hi - widths[..., None]  # [L, Hkv, Kc]: each head's newest pages
         want = torch.where(keep, pages, -1).unsqueeze(1)  # [L, 1, Hkv, Kc]
         pos = torch.arange(first_token, end, device=dev)  # [n]
-        return InstallPlan(row=torch.tensor([row], device=dev), want=want, straddle=straddle,
+        return InstallPlan(row_id=row, row=torch.tensor([row], device=dev), want=want, straddle=straddle,
                            page_index=(pos // S - p_lo), offset=pos % S)
 
     def install(self, plan: "InstallPlan", layer: int, now: int | torch.Tensor) -> torch.Tensor:
@@ -338,7 +339,7 @@ class GpuBuffer:
         least recently used columns first, uncounted) and forget its straddling page.
         Returns [n * Hkv] flat slot indices (slot * S + offset, -1: not kept) for the chunk's
         tokens in (token, head) order, for ``write_tokens``."""
-        row = int(plan.row[0])
+        row = plan.row_id
         if plan.straddle >= 0:
             held = self.res_page[row, layer] == plan.straddle  # [Hkv, C]
             self.res_page[row, layer].masked_fill_(held, -1)
