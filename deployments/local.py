@@ -81,9 +81,11 @@ def run_local(args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000
              runtime_env={"worker_process_setup_hook": f"{__name__}.serve_grpc_on_loopback"} if loopback else None)
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build_app(config), name=app_name, route_prefix="/")  # Ctrl-C here: KeyboardInterrupt
-        # Installed after Ray's start-up, which sets handlers of its own.
+        # Installed after Ray's start-up, which sets handlers of its own, and before the app's
+        # deployment: /health can answer before serve.run returns, and a Ctrl-C then must
+        # still end in the orderly shutdown below (it stops the loop once the app is up).
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        serve.run(build_app(config), name=app_name, route_prefix="/")
         print(f"serving {config.model_name} on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
         while not stop.wait(0.5):
             pass

@@ -22,7 +22,7 @@ import torch
 
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2
 
-__all__ = ["bounds_append", "bounds_append_ref", "SLACK_16BIT"]
+__all__ = ["bounds_append", "bounds_append_ref", "fold_bounds_ref", "fold_plan", "SLACK_16BIT"]
 
 SLACK_16BIT = 2.0 ** -7
 
@@ -42,8 +42,20 @@ def _check(kmin, kmax, k, blocks, positions):
 
 def bounds_append_ref(kmin, kmax, k, blocks, positions, block_tokens: int) -> None:
     _check(kmin, kmax, k, blocks, positions)
+    fold_bounds_ref(kmin, kmax, k, *fold_plan(blocks, positions, block_tokens, kmin.shape[0], k.shape[1:]))
+
+
+def fold_plan(blocks, positions, block_tokens: int, num_rows: int, head_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``fold_bounds_ref`` needs, once per step for every layer: ([T] the block row to
+    reset at each token, or the last row (a dump row) where the token does not start its
+    block; [T, Hkv, D] each token's block row, expanded like its key)."""
     first = positions % block_tokens == 0  # a block's first token: forget a previous owner
-    fresh = torch.where(first, blocks, kmin.shape[0] - 1)  # the last row absorbs the rest
+    fresh = torch.where(first, blocks, num_rows - 1)
+    return fresh, blocks[:, None, None].expand(-1, *head_shape)
+
+
+def fold_bounds_ref(kmin, kmax, k, fresh, expanded) -> None:
+    """The torch steps of ``bounds_append_ref`` with its step plan (``fold_plan``) given."""
     kmin.index_fill_(0, fresh, float("inf"))
     kmax.index_fill_(0, fresh, float("-inf"))
     k = k.float()
@@ -51,7 +63,6 @@ def bounds_append_ref(kmin, kmax, k, blocks, positions, block_tokens: int) -> No
     if kmin.dtype != torch.float32:
         slack = k.abs() * _slack(kmin.dtype)
         lo, hi = (k - slack).to(kmin.dtype), (k + slack).to(kmax.dtype)
-    expanded = blocks[:, None, None].expand_as(k)
     kmin.scatter_reduce_(0, expanded, lo, "amin")
     kmax.scatter_reduce_(0, expanded, hi, "amax")
 

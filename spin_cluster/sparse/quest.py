@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from spin_cluster.kernels.index_append import bounds_append, bounds_append_ref
+from spin_cluster.kernels.index_append import bounds_append, fold_bounds_ref, fold_plan
 from spin_cluster.kernels.page_select import page_scores, page_scores_ref
 from spin_cluster.partition.contract import SparseAlgorithm, register
 
@@ -56,14 +56,19 @@ class Quest(SparseAlgorithm):
         self.append(layer, self.plan_append(rows, positions), k)
 
     def plan_append(self, rows, positions):
-        """([T] flat block row of each token, [T] positions: a token at a block's start resets it)."""
-        return rows * (self.max_pages_per_seq * self.blocks_per_page) + positions // self.block_tokens, positions
+        """Once per step: [T] flat block row of each token and [T] positions (a token at a
+        block's start resets it) for the Triton append; on the CPU the torch steps' plan."""
+        blocks = rows * (self.max_pages_per_seq * self.blocks_per_page) + positions // self.block_tokens
+        if blocks.is_cuda:
+            return blocks, positions
+        return fold_plan(blocks, positions, self.block_tokens, self.kmin.shape[1], self.kmin.shape[2:])
 
     def append(self, layer, plan, k):
         # One Triton launch on CUDA (bounds rounded outward in a 16-bit index), else torch ops.
-        blocks, positions = plan
-        fn = bounds_append if k.is_cuda else bounds_append_ref
-        fn(self.kmin[layer], self.kmax[layer], k, blocks, positions, self.block_tokens)
+        if k.is_cuda:
+            bounds_append(self.kmin[layer], self.kmax[layer], k, *plan, self.block_tokens)
+        else:
+            fold_bounds_ref(self.kmin[layer], self.kmax[layer], k, *plan)
 
     def score(self, layer, q, rows, num_pages):
         # q: [B, H, D] -> [B, Hkv, num_pages]; Triton on CUDA, the torch reference elsewhere

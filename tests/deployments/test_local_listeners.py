@@ -100,10 +100,12 @@ def _wait_gone(processes, timeout_s: float) -> list[str]:
     while alive and time.monotonic() < deadline:
         alive = [p for p in alive if _alive(p)]
         time.sleep(0.5)
+    left = []
     for p in alive:  # don't leave them behind for the next test
         with contextlib.suppress(psutil.NoSuchProcess):
+            left.append(f"{p.pid} {p.name()}")  # (one that exits just now is gone, not left)
             p.kill()
-    return [f"{p.pid} {p.name()}" for p in alive]
+    return left
 
 
 def _alive(p: psutil.Process) -> bool:
