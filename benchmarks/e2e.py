@@ -284,14 +284,20 @@ def hbm_bandwidth_bytes_s() -> float | None:
     return 2 * 2**31 / best
 
 
+def decode_weight_bytes(model) -> int:
+    """Weight bytes a decode step reads: every parameter once, but the embedding table (a
+    step reads only its tokens' rows) unless it is tied to the LM head."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    if not model.config.tie_word_embeddings:
+        weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return weight_bytes
+
+
 def roofline(engine, context: int, step_s: float | None, bandwidth: float | None) -> dict:
     """Batch-1 decode reads every weight but the embedding table once and the KV of
     ``context`` tokens: that many bytes over the HBM bandwidth is the step's lower bound."""
     model, mc = engine.model, engine.model.config
-    params = {id(p): p for p in model.parameters()}
-    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    if not mc.tie_word_embeddings:
-        weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    weight_bytes = decode_weight_bytes(model)
     kv_bytes = 2 * context * mc.num_layers * mc.num_kv_heads * mc.head_dim * model.embed_tokens.weight.element_size()
     bound_s = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None
     return {"context": context, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "hbm_bytes_s": bandwidth,
@@ -317,9 +323,7 @@ def step_roofline(engine, r: dict, context: int, bandwidth: float | None) -> dic
     if not bandwidth or not r.get("decode_tok_s") or not r.get("peak_decode_batch"):
         return None
     model, mc = engine.model, engine.model.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    if not mc.tie_word_embeddings:
-        weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    weight_bytes = decode_weight_bytes(model)
     B = r["peak_decode_batch"]
     elem = model.embed_tokens.weight.element_size()
     per_token_kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
