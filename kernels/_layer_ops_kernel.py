@@ -41,14 +41,18 @@ def _round_to(x, DT: tl.constexpr):
 
 
 @triton.jit
-def _rope_qk(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out,
-             stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
-             stride_qot, stride_qoh, stride_kot, stride_koh,
-             H, D: tl.constexpr, D_PAD: tl.constexpr, DT: tl.constexpr):
+def _rope_qk(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out, k_out, v_out,
+             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
+             stride_qot, stride_qoh, stride_kot, stride_koh, stride_vot, stride_voh,
+             H, HKV, D: tl.constexpr, D_PAD: tl.constexpr, DT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    hh = tl.program_id(1)  # query heads first, then KV heads
+    hh = tl.program_id(1)  # query heads, then KV heads, then (if given) v's heads: copied as is
     d = tl.arange(0, D_PAD)
     m = d < D
+    if hh >= H + HKV:
+        x = tl.load(v_ptr + t * stride_vt + (hh - H - HKV) * stride_vh + d, mask=m, other=0.0)
+        tl.store(v_out + t * stride_vot + (hh - H - HKV) * stride_voh + d, x, mask=m)
+        return
     rolled = (d + D // 2) % D  # x.roll(D/2)[d] = x[(d - D/2) mod D] = x[(d + D/2) mod D]
     if hh < H:
         src = q_ptr + t * stride_qt + hh * stride_qh
@@ -66,10 +70,13 @@ def _rope_qk(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out,
 
 
 @triton.jit
-def _silu_mul(g_ptr, u_ptr, out_ptr, N, BLOCK: tl.constexpr, DT: tl.constexpr):
+def _silu_mul(g_ptr, u_ptr, out_ptr, N, F, stride_in, BLOCK: tl.constexpr, DT: tl.constexpr):
+    """out[t, f] = silu(gate[t, f]) * up[t, f] for N = T * F outputs; gate and up rows are
+    ``stride_in`` apart (F when separate, 2F when both are halves of one fused GEMM's row)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
-    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    src = (offs // F) * stride_in + offs % F
+    g = tl.load(g_ptr + src, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + src, mask=m, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(DT, fp_downcast_rounding="rtne").to(tl.float32)  # silu(gate) in DT
     tl.store(out_ptr + offs, (act * u).to(DT, fp_downcast_rounding="rtne"), mask=m)

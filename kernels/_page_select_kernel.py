@@ -129,3 +129,68 @@ def _label_scores(qr_ptr, labels_ptr, rows_ptr, lengths_ptr, out_ptr,
     s = tl.sum(lab * q[None, None, :], axis=2)  # [BLOCK_P, S]
     s = tl.where(ok, s, float("-inf"))
     tl.store(out_ptr + pid.to(tl.int64) * P + pages, tl.max(s, axis=1), mask=pages < P)
+
+
+@triton.jit
+def _edges(n, SINK, LOCAL):
+    """(end of the sink pages, start of the local pages) of a row of n pages: the middle pages
+    are [s_end, l_start); when the two windows overlap, every page is an edge page."""
+    s_end = tl.minimum(n, SINK)
+    l_start = tl.maximum(n - LOCAL, s_end)
+    return s_end, l_start
+
+
+@triton.jit
+def _select_local(s_ptr, n_ptr, bud_ptr, cs_ptr, ci_ptr, P, SINK, LOCAL, KC,
+                  HKV: tl.constexpr, CHUNK: tl.constexpr, KC_PAD: tl.constexpr):
+    """Split-row Select, first pass: one program per (row, chunk of CHUNK pages) keeps its
+    chunk's top ``budget`` middle pages (radix select, lowest index on ties) as candidates,
+    compacted in page order into cs/ci [row, chunk, KC] (scores, page ids; -inf / -1 after).
+    The row's top-budget pages are among the union of its chunks' candidates: a page beaten
+    by fewer than budget pages of the row is beaten by fewer than budget of its chunk."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    n = tl.load(n_ptr + row // HKV)
+    s_end, l_start = _edges(n, SINK, LOCAL)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(s_ptr + row * P + offs, mask=offs < P, other=float("-inf"))
+    valid = (offs >= s_end) & (offs < l_start) & (x > float("-inf"))
+    budget = tl.minimum(tl.minimum(tl.load(bud_ptr + row).to(tl.int32), KC), tl.sum(valid.to(tl.int32), 0))
+    keep = _take_top(x, valid, budget, CHUNK)
+    pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+    base = (row * tl.num_programs(1) + chunk) * KC
+    tl.store(cs_ptr + base + pos, x, mask=keep)
+    tl.store(ci_ptr + base + pos, offs, mask=keep)
+    offs_k = tl.arange(0, KC_PAD)
+    rest = (offs_k >= budget) & (offs_k < KC)
+    tl.store(cs_ptr + base + offs_k, tl.full((KC_PAD,), float("-inf"), tl.float32), mask=rest)
+    tl.store(ci_ptr + base + offs_k, tl.full((KC_PAD,), -1, tl.int32), mask=rest)
+
+
+@triton.jit
+def _select_merge(cs_ptr, ci_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, C, W, SINK, LOCAL,
+                  HKV: tl.constexpr, C_PAD: tl.constexpr, W_PAD: tl.constexpr):
+    """Split-row Select, second pass: per row, the top ``budget`` of its C candidates (in
+    page order), then the row's pages in ascending order: sink pages, the selected middle
+    pages, local pages; -1 up to the width W. Same output as ``_select_ragged``."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.load(n_ptr + row // HKV)
+    s_end, l_start = _edges(n, SINK, LOCAL)
+    offs = tl.arange(0, C_PAD)
+    x = tl.load(cs_ptr + row * C + offs, mask=offs < C, other=float("-inf"))
+    ids = tl.load(ci_ptr + row * C + offs, mask=offs < C, other=-1)
+    valid = (ids >= 0) & (x > float("-inf"))
+    budget = tl.minimum(tl.load(bud_ptr + row).to(tl.int32), tl.sum(valid.to(tl.int32), 0))
+    keep = _take_top(x, valid, budget, C_PAD)
+    pos = s_end + tl.cumsum(keep.to(tl.int32), 0) - 1
+    tl.store(want_ptr + row * W + pos, ids.to(tl.int64), mask=keep & (pos < W))
+    mid = tl.sum(keep.to(tl.int32), 0)
+    offs_w = tl.arange(0, W_PAD)
+    # sink pages at [0, s_end), local pages right after the middle ones, then -1
+    local_at = s_end + mid
+    count = local_at + n - l_start
+    page = tl.where(offs_w < s_end, offs_w, l_start + offs_w - local_at)
+    edge = (offs_w < s_end) | ((offs_w >= local_at) & (offs_w < count))
+    out = tl.where(edge, page, -1).to(tl.int64)
+    tl.store(want_ptr + row * W + offs_w, out, mask=(offs_w < W) & (edge | (offs_w >= count)))
+    tl.store(count_ptr + row, count.to(tl.int64))

@@ -1,7 +1,7 @@
 """Fused element-wise ops of a decoder layer, one launch each where torch takes several:
 
     add_rms_norm(x, residual, weight, eps) -> (normed, x + residual)   # 1 launch, was 5
-    rope_qk(q, k, cos, sin) -> (q', k')                                 # 1 launch, was 8
+    rope_qk(q, k, cos, sin[, v]) -> (q', k'[, contiguous v])            # 1 launch, was 8
     silu_mul(gate, up) -> silu(gate) * up                               # 1 launch, was 2
 
 Shapes: x, residual [T, E]; weight [E]; q [T, H, D], k [T, Hkv, D], cos/sin [T, 1, D]
@@ -84,31 +84,44 @@ def add_rms_norm(x, residual, weight, eps: float):
     return out, res_out
 
 
-def rope_qk(q, k, cos, sin):
+def rope_qk(q, k, cos, sin, v=None):
+    """RoPE on q [T, H, D] and k [T, Hkv, D] in one launch. With ``v`` [T, Hkv, D] the same
+    launch also copies v into a contiguous tensor, returned third: q/k/v from one fused GEMM
+    are strided views of its output, and the KV writes take contiguous rows."""
     T, H, D = q.shape
     if k.dim() != 3 or k.shape[0] != T or k.shape[2] != D or cos.shape[-1] != D or sin.shape != cos.shape:
         raise ValueError(f"q [T, H, D], k [T, Hkv, D], cos/sin [T, 1, D] expected; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(cos.shape)}")
-    if D % 2 or q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-        raise ValueError("D must be even and q, k, cos, sin contiguous in their last dimension")
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if v is not None and v.shape != k.shape:
+        raise ValueError(f"v must be shaped like k {tuple(k.shape)}; got {tuple(v.shape)}")
+    if D % 2 or any(x.stride(-1) != 1 for x in (q, k, cos, sin) + (() if v is None else (v,))):
+        raise ValueError("D must be even and q, k, v, cos, sin contiguous in their last dimension")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    v_out = None if v is None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     Hkv = k.shape[1]
+    vv, vo = (k, k_out) if v is None else (v, v_out)  # unread without v
     if T and H + Hkv:
-        _kernels()._rope_qk[(T, H + Hkv)](
-            q, k, cos, sin, q_out, k_out,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-            H, D=D, D_PAD=max(16, next_pow2(D)), DT=_tl_dtype(q.dtype), num_warps=1,
+        _kernels()._rope_qk[(T, H + Hkv + (0 if v is None else Hkv))](
+            q, k, vv, cos, sin, q_out, k_out, vo,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1), cos.stride(0), sin.stride(0),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), vo.stride(0), vo.stride(1),
+            H, Hkv, D=D, D_PAD=max(16, next_pow2(D)), DT=_tl_dtype(q.dtype), num_warps=1,
         )
-    return q_out, k_out
+    return (q_out, k_out) if v is None else (q_out, k_out, v_out)
 
 
 def silu_mul(gate, up):
-    if gate.shape != up.shape or not (gate.is_contiguous() and up.is_contiguous()):
-        raise ValueError("gate and up must be contiguous and of one shape")
-    out = torch.empty_like(gate)
-    n = gate.numel()
+    """silu(gate) * up: [T, F] each, rows contiguous; gate and up may be the two halves of one
+    [T, 2F] tensor (a fused gate/up GEMM's output) as long as they share its row stride."""
+    if gate.shape != up.shape or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1 \
+            or gate.stride(0) != up.stride(0):
+        raise ValueError("gate and up must be [T, F] of one shape and one row stride, rows contiguous")
+    T, F_ = gate.shape
+    out = torch.empty(T, F_, dtype=gate.dtype, device=gate.device)
+    n = out.numel()
     if n:
         block = 1024
-        _kernels()._silu_mul[(-(-n // block),)](gate, up, out, n, BLOCK=block, DT=_tl_dtype(gate.dtype), num_warps=4)
+        _kernels()._silu_mul[(-(-n // block),)](gate, up, out, n, F_, gate.stride(0), BLOCK=block,
+                                                 DT=_tl_dtype(gate.dtype), num_warps=4)
     return out

@@ -176,10 +176,17 @@ def select_ragged_ref(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages:
 
 
 def select_ragged(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, local_pages: int,
-                  budgets: torch.Tensor, width: int, num_warps: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton: one program per (request, KV head) row: the edge masks, the radix-select
-    threshold of ``topk_ragged`` over the middle pages, and the compaction, in one launch.
-    ``num_warps``: per program (0: about 32 pages per thread, ``_row_launch``)."""
+                  budgets: torch.Tensor, width: int, num_warps: int = 0,
+                  chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton: the edge masks, the radix-select top-k over the middle pages, and the
+    compaction of ``select_ragged_ref``.
+
+    One program per (request, KV head) row when rows are short or budgets wide. Otherwise the
+    row is split (``chunk`` pages per program, ``split_chunk``): each chunk keeps its own top
+    budget as candidates, and one program per row selects among those. At a decode step's
+    few rows a whole row per program is latency-bound: at 128K tokens a row is 4096+ pages
+    padded to a power of two, on 32 of the GPU's 132 SMs. ``num_warps``: of a whole-row
+    program (0: ``_row_launch``). ``chunk=0`` forces the whole-row kernel."""
     _check_select(scores, num_pages, sink_pages, local_pages, budgets, width)
     if scores.device.type != "cuda" and not interpreter_requested():
         raise ValueError("the Triton Select kernel needs CUDA tensors (or TRITON_INTERPRET=1); use select_ragged_ref")
@@ -187,17 +194,54 @@ def select_ragged(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int
     if P > MAX_ROW_PAGES:
         raise ValueError(f"select_ragged handles up to {MAX_ROW_PAGES} pages per row, got {P}")
     want = torch.empty(B, hkv, width, dtype=torch.int64, device=scores.device)
-    count = torch.zeros(B, hkv, dtype=torch.int64, device=scores.device)
+    count = torch.empty(B, hkv, dtype=torch.int64, device=scores.device)  # every program writes its row's
     if B == 0 or P == 0:
-        return want.fill_(-1), count
+        return want.fill_(-1), count.zero_()
+    scores, num_pages, budgets = scores.float().contiguous(), num_pages.contiguous(), budgets.contiguous()
+    w_pad = 1 << max(0, (width - 1).bit_length())
+    if chunk is None:
+        chunk = split_chunk(P, width)
+    if chunk:
+        if chunk & (chunk - 1) or chunk < 16:
+            raise ValueError(f"chunk={chunk}: must be a power of two >= 16")
+        chunks = -(-P // chunk)
+        kc = min(chunk, width)  # a chunk's candidates: at most the widest budget
+        cand_s = torch.empty(B * hkv, chunks, kc, dtype=torch.float32, device=scores.device)
+        cand_i = torch.empty(B * hkv, chunks, kc, dtype=torch.int32, device=scores.device)
+        k = _kernels()
+        k._select_local[(B * hkv, chunks)](
+            scores, num_pages, budgets, cand_s, cand_i, P, sink_pages, local_pages, kc,
+            HKV=hkv, CHUNK=chunk, KC_PAD=1 << max(0, (kc - 1).bit_length()), num_warps=min(8, max(1, chunk // 128)),
+        )
+        c = chunks * kc
+        c_pad, warps = _row_launch(c)
+        k._select_merge[(B * hkv,)](
+            cand_s, cand_i, num_pages, budgets, want, count, c, width, sink_pages, local_pages,
+            HKV=hkv, C_PAD=c_pad, W_PAD=w_pad, num_warps=warps,
+        )
+        return want, count
     p_pad, warps = _row_launch(P)
     num_warps = num_warps or warps
     _kernels()._select_ragged[(B * hkv,)](
-        scores.float().contiguous(), num_pages.contiguous(), budgets.contiguous(), want, count,
+        scores, num_pages, budgets, want, count,
         P, width, sink_pages, local_pages,
-        HKV=hkv, P_PAD=p_pad, W_PAD=1 << max(0, (width - 1).bit_length()), num_warps=num_warps,
+        HKV=hkv, P_PAD=p_pad, W_PAD=w_pad, num_warps=num_warps,
     )
     return want, count
+
+
+SPLIT_CHUNK = 1024
+
+
+def split_chunk(P: int, width: int) -> int:
+    """Pages per program of the split-row Select, or 0 for one program per row: the split
+    pays when the row spans several chunks and the candidates (a chunk keeps at most
+    ``width``) are at most a quarter of the padded row."""
+    chunks = -(-P // SPLIT_CHUNK)
+    p_pad = 1 << max(4, (P - 1).bit_length())
+    if chunks < 2 or 4 * chunks * min(SPLIT_CHUNK, width) > p_pad:
+        return 0
+    return SPLIT_CHUNK
 
 
 # ---- label-cache scores ------------------------------------------------------------------------

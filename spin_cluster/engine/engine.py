@@ -53,7 +53,7 @@ class Engine:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         path = config.model.resolved_path()
-        self.model = self._load_model(path, progress)
+        self.model = self._load_model(path, progress).fuse_projections()
         self.tokenizer = Tokenizer(path)
         mc = self.model.config
         config.check_model(mc)

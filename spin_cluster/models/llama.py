@@ -36,6 +36,14 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def fuse_projections(self) -> "CausalLM":
+        """Every layer's q/k/v and gate/up projections as one GEMM each (``FusedLinears``).
+        Call once the weights are final (after loading and any sharding)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype

@@ -46,6 +46,19 @@ class Quest(SparseAlgorithm):
         shape = (self.num_layers, n, self.num_kv_heads, self.head_dim)
         self.kmin = torch.full(shape, float("inf"), dtype=self.index_dtype, device=self.device)
         self.kmax = torch.full(shape, float("-inf"), dtype=self.index_dtype, device=self.device)
+        self._blocks: tuple | None = None  # (rows, n, [B, n] block rows) of the current step
+
+    def _score_blocks(self, rows, n):
+        """[B, n] index rows of each request's first n scoring blocks. Every layer of a step
+        scores the same rows (one ``rows`` tensor per step), so they are built once per step:
+        three launches, not three per layer."""
+        cached = self._blocks
+        if cached is not None and cached[0] is rows and cached[1] == n:
+            return cached[2]
+        stride = self.max_pages_per_seq * self.blocks_per_page
+        blocks = rows[:, None] * stride + torch.arange(n, device=rows.device)
+        self._blocks = (rows, n, blocks)
+        return blocks
 
     def index_bytes_per_token(self) -> float:
         # kmin and kmax: two D-wide bounds per scoring block
@@ -73,8 +86,7 @@ class Quest(SparseAlgorithm):
     def score(self, layer, q, rows, num_pages):
         # q: [B, H, D] -> [B, Hkv, num_pages]; Triton on CUDA, the torch reference elsewhere
         nb = self.blocks_per_page
-        stride = self.max_pages_per_seq * nb
-        blocks = rows[:, None] * stride + torch.arange(num_pages * nb, device=q.device)  # [B, P' * nb]
+        blocks = self._score_blocks(rows, num_pages * nb)  # [B, P' * nb]
         fn = page_scores if q.device.type == "cuda" else page_scores_ref
         scores = fn(q, self.kmin[layer], self.kmax[layer], blocks)  # [B, Hkv, P' * nb]
         if nb == 1:

@@ -58,6 +58,11 @@ def test_rope_qk_equals_the_models_rope(dtype):
     gq, gk = rope_qk(qv, kv, cos, sin)
     _assert_rounds_as_torch(gq, apply_rope(qv, cos, sin))
     _assert_rounds_as_torch(gk, apply_rope(kv, cos, sin))
+    # With v (a fused GEMM's third view): the same q, k, and v copied out contiguous.
+    vv = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+    gq2, gk2, gv = rope_qk(qv, kv, cos, sin, vv)
+    assert torch.equal(gq2, gq) and torch.equal(gk2, gk)
+    assert gv.is_contiguous() and torch.equal(gv, vv)
 
 
 def _assert_rounds_as_torch(got, want):
@@ -81,6 +86,14 @@ def test_silu_mul_equals_reference(dtype):
     else:  # silu's exp may differ by an ulp in float32 before the 16-bit rounding
         assert (got != want).float().mean() < 0.02
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+def test_silu_mul_reads_the_halves_of_a_fused_gate_up_row():
+    gu = _rand(5, 2 * 1300, dtype=torch.float32, seed=11)  # [T, 2F]: gate, then up
+    gate, up = gu[:, :1300], gu[:, 1300:]
+    torch.testing.assert_close(silu_mul(gate, up), silu_mul_ref(gate, up), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="row stride"):
+        silu_mul(gate, up.contiguous())
 
 
 def test_kernels_serve_cuda_tensors_of_one_dtype_only():

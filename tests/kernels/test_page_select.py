@@ -121,3 +121,25 @@ def test_select_ragged_kernel_equals_reference(sink, local):
     assert (want[2, :, :sink] == torch.arange(sink)).all()
     assert ((want[2] >= 37 - local) & (want[2] < 37)).sum(-1).eq(local).all()
     assert (count <= sink + local + budgets).all()
+
+
+@pytest.mark.parametrize("sink, local", [(1, 4), (0, 1), (2, 0), (40, 40)])
+@pytest.mark.parametrize("seed", [5, 6])
+def test_split_row_select_equals_the_reference(sink, local, seed):
+    # Chunks of 16 pages over rows of 70: ties across chunks, -inf runs, short rows whose sink
+    # and local windows overlap, budgets over a chunk's middle pages.
+    scores, num_pages, budgets = _select_case(seed)
+    width = min(70, sink + 12 + local)
+    want, count = select_ragged(scores, num_pages, sink, local, budgets, width, chunk=16)
+    ref_want, ref_count = select_ragged_ref(scores, num_pages, sink, local, budgets, width)
+    assert torch.equal(count, ref_count)
+    assert torch.equal(want, ref_want)
+
+
+def test_split_chunk_splits_long_rows_with_narrow_budgets_only():
+    from spin_cluster.kernels.page_select import SPLIT_CHUNK, split_chunk
+
+    assert split_chunk(5120, 72) == SPLIT_CHUNK  # 128K tokens, 2K budget: 5 x 72 candidates
+    assert split_chunk(4096, 72) == SPLIT_CHUNK
+    assert split_chunk(900, 72) == 0  # one chunk
+    assert split_chunk(4096, 600) == 0  # wide budgets: candidates ~ the row

@@ -159,3 +159,23 @@ def test_transformers4_config_layout(checkpoints, contiguous_attention, tmp_path
     a = _ours_step(load_model(src, progress=False), contiguous_attention(), ids, 0)
     b = _ours_step(load_model(dst, dtype="auto", progress=False), contiguous_attention(), ids, 0)
     assert torch.equal(a, b)
+
+
+def test_fused_projections_match_the_separate_ones_and_step_aside_when_stale(any_checkpoint, contiguous_attention):
+    kind, path = any_checkpoint
+    plain = load_model(path, progress=False)
+    fused = load_model(path, progress=False).fuse_projections()
+    layer = fused.layers[0]
+    assert layer.self_attn.qkv.current() and layer.mlp.gate_up.current()
+    # The members' weights are views of the fused one: no second copy of the weights.
+    assert layer.self_attn.q_proj.weight.data_ptr() == layer.self_attn.qkv.weight.data_ptr()
+    assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in plain.parameters())
+    ids = _prompt(plain.config.vocab_size)
+    want = _ours_step(plain, contiguous_attention(), ids, 0)
+    got = _ours_step(fused, contiguous_attention(), ids, 0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # A member replaced after fusing (as sharding does) turns the fusion off for its layer.
+    attn = layer.self_attn
+    attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.detach().clone(), requires_grad=False)
+    assert not attn.qkv.current() and attn.qkv(torch.zeros(1, plain.config.hidden_size)) is None
+    torch.testing.assert_close(_ours_step(fused, contiguous_attention(), ids, 0), want, atol=1e-5, rtol=1e-5)
