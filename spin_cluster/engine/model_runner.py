@@ -49,7 +49,7 @@ class ModelRunner:
         sample_idx, sampled = [], []
         for chunk in chunks:
             row = self.attention.row(chunk.request.request_id)
-            tokens = chunk.request.all_token_ids[chunk.start : chunk.start + chunk.num_tokens]
+            tokens = chunk.request.token_ids(chunk.start, chunk.start + chunk.num_tokens)
             input_ids.extend(tokens)
             positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
             token_rows.extend([row] * chunk.num_tokens)

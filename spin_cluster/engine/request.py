@@ -87,9 +87,15 @@ class Request:
     finished_s: float | None = None
     num_preemptions: int = 0
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output without joining the two: a decode step reads
+        one token, and joining a 128K-token prompt with its output cost ~0.6 ms a request."""
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
 
     @property
     def num_tokens(self) -> int:

@@ -89,3 +89,14 @@ def test_max_num_seqs_caps_admission():
         s.add(_req(rid, 2))
     assert {c.request.request_id for c in _run(s).chunks} == {"a", "b"}
     assert s.num_waiting() == 1
+
+
+def test_token_ids_reads_any_span_of_prompt_and_output_without_joining_them():
+    req = Request(request_id="r", prompt_token_ids=list(range(10)), params=SamplingParams())
+    req.output_token_ids.extend([100, 101, 102])
+    joined = req.prompt_token_ids + req.output_token_ids
+    for start in range(len(joined) + 1):
+        for stop in range(start, len(joined) + 1):
+            assert req.token_ids(start, stop) == joined[start:stop]
+    # a decode step's one token comes from the output list itself, not a copy of the prompt
+    assert req.token_ids(12, 13) == [102]
