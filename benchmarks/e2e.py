@@ -105,6 +105,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                          "request gather its earlier context from the host tier in every layer)")
     ap.add_argument("--tokenizer", default=None, metavar="DIR",
                     help="folder with tokenizer.json (default: the prepared default model's)")
+    ap.add_argument("--async-decode", choices=["auto", "on", "off"], default="auto",
+                    help="scheduler.async_decode: pipelined decode steps (auto: on with CUDA)")
 
 
 def _import_package() -> None:
@@ -120,7 +122,8 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
     cfg = {
         "model": {"path": folder, "load_format": "dummy", "max_model_len": max_len, **device},
         "cache": {"page_size": args.page_size, "kv_cache_gib": args.gpu_kv_gib},
-        "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens},
+        "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens,
+                      "async_decode": {"auto": None, "on": True, "off": False}[getattr(args, "async_decode", "auto")]},
         "sparse": {},
     }
     if mode == "dense":
@@ -174,7 +177,8 @@ def run_workload(engine, prompts: list[list[int]], arrivals_s: list[float], max_
         captures = getattr(engine.runner.graphs, "captures", 0)
         t0 = time.perf_counter()
         outputs = engine.step()
-        _sync(engine)
+        if not engine.async_decode:  # a pipelined step returns once its tokens are read; the next runs on
+            _sync(engine)
         tokens = engine.last_stats.num_batched_tokens
         seconds = time.perf_counter() - t0
         if getattr(engine.runner.graphs, "captures", 0) != captures:

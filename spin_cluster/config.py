@@ -242,8 +242,14 @@ class SchedulerConfig:
     # Split long prompts into chunks of at most the step's leftover token budget. When off,
     # a prompt is prefilled in one step, so max_num_batched_tokens must cover max_model_len.
     enable_chunked_prefill: bool = True
+    # Pipelined decode: while the GPU runs decode step n+1, the host reads step n's tokens and
+    # does its bookkeeping (greedy decode-only batches; the next step's input tokens go from
+    # the GPU's argmax to the next step without the host). null: on with CUDA, off on CPU.
+    async_decode: bool | None = None
 
     def validate(self) -> None:
+        if self.async_decode not in (None, True, False):
+            raise ValueError(f"scheduler.async_decode={self.async_decode!r}: use true, false or null (auto)")
         if not 1 <= self.max_num_seqs <= 4096:
             raise ValueError(f"scheduler.max_num_seqs={self.max_num_seqs}: use 1..4096")
         if self.max_num_batched_tokens < 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +25,7 @@ from spin_cluster.engine.request import (
     SamplingParams,
 )
 from spin_cluster.engine.sampler import Sampler
-from spin_cluster.engine.scheduler import Scheduler
+from spin_cluster.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from spin_cluster.engine.stats import StepStats
 from spin_cluster.engine.cache_builder import build_cache
 from spin_cluster.engine.detokenizer import Detokenizer
@@ -47,7 +48,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+@dataclass
+class _InFlight:
+    """A pipelined decode step launched on the GPU whose tokens the host has not read yet."""
+
+    chunks: list[ScheduledChunk]  # decode chunks, in the batch's order
+    tokens: torch.Tensor  # [B] int64 argmax on the device (the next step's input ids)
+    host: torch.Tensor  # [B + 4] int64 (pinned on CUDA): the tokens, then the buffer counters
+    done: torch.cuda.Event | None  # recorded after the copies to ``host`` (None on the CPU)
+    t0: float  # when the step was scheduled
+    num_preempted: int = 0
+
+
 class Engine:
+    # Head-parallel engines step their ranks in lockstep and turn pipelining off.
+    supports_async_decode = True
+
     def __init__(self, config: SpinConfig | None = None, *, decode_attention: str = "auto", progress: bool = True) -> None:
         self.config = config = config or SpinConfig()
         self.device = resolve_device(config.model.device)
@@ -71,6 +87,11 @@ class Engine:
         self._ids = itertools.count()
         self.last_stats = StepStats()
         self.num_preemptions_total = 0
+        auto = sc.async_decode is None
+        self.async_decode = self.supports_async_decode and (self.device.type == "cuda" if auto else sc.async_decode)
+        self._inflight: _InFlight | None = None
+        self._host_bufs = [self._host_buffer(sc.max_num_seqs + 4) for _ in range(2)] if self.async_decode else []
+        self.num_pipelined_steps = 0  # decode steps launched before the previous one's tokens were read
 
     # ---- construction hooks (a head-parallel rank shards the model and sizes its own cache) ----
 
@@ -123,9 +144,22 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report every request that advanced."""
+        """Schedule, run the model once, sample, and report every request that advanced.
+
+        With ``async_decode``, a greedy decode-only step is pipelined: this call launches the
+        next decode step (its input tokens are this step's argmax, on the device) before it
+        reads this step's tokens, so the host's bookkeeping runs while the GPU decodes. A
+        request that stops on a token computes one step more, which is dropped."""
+        if self._inflight is not None:
+            if any(c.request.status is RequestStatus.RUNNING for c in self._inflight.chunks):
+                return self._step_pipelined()
+            self._drop_inflight()  # every request of it finished or was aborted
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        if self.async_decode and self._can_pipeline(sched):
+            self.num_preemptions_total += len(sched.preempted)
+            self._inflight = self._launch(sched.chunks, None, t0, len(sched.preempted))
+            return self._step_pipelined()
         outputs: list[RequestOutput] = []
         if sched.chunks:
             logits, sampled = self.runner.execute(sched.chunks)
@@ -138,23 +172,114 @@ class Engine:
                 for req, tok in zip(reqs, token_ids):
                     outputs.append(self._append_token(req, tok))
         self.num_preemptions_total += len(sched.preempted)
-        self.last_stats = StepStats(
+        self.last_stats = self._stats(t0, sched.num_tokens, len(sched.preempted))
+        return outputs
+
+    # ---- pipelined decode -----------------------------------------------------------------------
+
+    def _host_buffer(self, n: int) -> torch.Tensor:
+        pin = self.device.type == "cuda"
+        return torch.empty(n, dtype=torch.long, pin_memory=pin)
+
+    def _can_pipeline(self, sched: SchedulerOutput) -> bool:
+        """A greedy decode-only step without min_tokens pending (those change the logits on
+        the host before the argmax)."""
+        return bool(sched.chunks) and all(
+            c.is_decode and c.request.params.greedy and len(c.request.output_token_ids) >= c.request.params.min_tokens
+            for c in sched.chunks)
+
+    def _launch(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None, t0: float,
+                num_preempted: int = 0) -> _InFlight:
+        """Run a decode step and start its tokens (and the buffer's counters) on their way to
+        the host, without waiting for them."""
+        logits, _ = self.runner.execute(chunks, input_ids)
+        for chunk in chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        tokens = logits.argmax(dim=-1)  # [B], as the sampler's greedy rows
+        host = self._host_bufs[self.num_pipelined_steps % 2]  # the other one may still be read
+        B = len(chunks)
+        host[:B].copy_(tokens, non_blocking=True)
+        if self.kv.buffer is not None:
+            host[B : B + 4].copy_(self.kv.buffer.counters, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self.num_pipelined_steps += 1
+        return _InFlight(chunks, tokens, host, done, t0, num_preempted)
+
+    def _next_chunks(self, cur: _InFlight) -> list[ScheduledChunk] | None:
+        """The decode step after ``cur`` for the same batch, pages allocated, or None when the
+        batch may change: requests waiting to be admitted, a request gone, one that ends by
+        length on its pending token, or pages that would need a preemption."""
+        if self.scheduler.waiting or len(self.scheduler.running) != len(cur.chunks):
+            return None
+        reqs = [c.request for c in cur.chunks]
+        for req in reqs:
+            if req.status is not RequestStatus.RUNNING or not self._can_pipeline_request(req):
+                return None
+            if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_computed_tokens + 1 >= self.max_model_len:
+                return None  # the pending token is its last
+            if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + 1):
+                return None
+        chunks = []
+        for req in reqs:
+            self.kv.allocate(req.request_id, req.num_computed_tokens + 1)
+            chunks.append(ScheduledChunk(request=req, start=req.num_computed_tokens, num_tokens=1, is_decode=True))
+        return chunks
+
+    @staticmethod
+    def _can_pipeline_request(req: Request) -> bool:
+        return req.params.greedy and len(req.output_token_ids) + 1 >= req.params.min_tokens
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Launch the step after the one in flight (if the batch stays), then read the one in
+        flight's tokens while the GPU runs the next."""
+        cur = self._inflight
+        nxt = self._next_chunks(cur)
+        t0 = time.perf_counter()
+        self._inflight = self._launch(nxt, cur.tokens, t0) if nxt is not None else None
+        outputs = self._retire(cur)
+        return outputs
+
+    def _retire(self, cur: _InFlight) -> list[RequestOutput]:
+        if cur.done is not None:
+            cur.done.synchronize()  # this step's copies only: the next step keeps running
+        B = len(cur.chunks)
+        values = cur.host[: B + 4].tolist()
+        outputs = []
+        for chunk, tok in zip(cur.chunks, values[:B]):
+            req = chunk.request
+            if req.status is RequestStatus.RUNNING:  # else it ended on an earlier token, or was aborted
+                outputs.append(self._append_token(req, tok))
+        self.last_stats = self._stats(cur.t0, B, cur.num_preempted, values[B:] if self.kv.buffer is not None else None)
+        return outputs
+
+    def _drop_inflight(self) -> None:
+        if self._inflight.done is not None:
+            self._inflight.done.synchronize()
+        self._inflight = None
+
+    # ---- stats --------------------------------------------------------------------------------
+
+    def _stats(self, t0: float, num_tokens: int, num_preempted: int, counters: list[int] | None = None) -> StepStats:
+        return StepStats(
             num_running=self.scheduler.num_running(),
             num_waiting=self.scheduler.num_waiting(),
-            num_batched_tokens=sched.num_tokens,
-            num_preempted=len(sched.preempted),
+            num_batched_tokens=num_tokens,
+            num_preempted=num_preempted,
             num_free_pages=self.kv.num_free_pages,
             num_total_pages=self.kv.num_total_pages,
             step_s=time.perf_counter() - t0,
-            **self._cache_stats(),
+            **self._cache_stats(counters),
         )
-        return outputs
 
-    def _cache_stats(self) -> dict[str, int]:
+    def _cache_stats(self, counters: list[int] | None = None) -> dict[str, int]:
         buffer = self.kv.buffer
         if buffer is None:
             return {}
-        lookups, hits, misses, evicted = buffer.counters.tolist()  # one read per step
+        # one read per step, or the counters copied with a pipelined step's tokens
+        lookups, hits, misses, evicted = counters if counters is not None else buffer.counters.tolist()
         meta = self.kv.metadata_bytes()
         return {
             "buffer_lookups_total": lookups,

@@ -43,23 +43,34 @@ class ModelRunner:
             attention.decode_graphs(model, cuda_graph_max_batch, progress) if cuda_graph_max_batch else None)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Run one step. Returns ([N, V] float32 logits, the N chunks they belong to)."""
+    def execute(self, chunks: list[ScheduledChunk],
+                input_ids_dev: torch.Tensor | None = None) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """Run one step. Returns ([N, V] float32 logits, the N chunks they belong to).
+
+        input_ids_dev: [B] token ids already on the device for a decode-only batch (the last
+        step's argmax, in ``chunks``' order), which the host does not know yet."""
+        if input_ids_dev is not None and not all(c.is_decode for c in chunks):
+            raise ValueError("device input ids are for decode-only batches")
         input_ids, positions, token_rows = [], [], []
         sample_idx, sampled = [], []
         for chunk in chunks:
             row = self.attention.row(chunk.request.request_id)
-            tokens = chunk.request.token_ids(chunk.start, chunk.start + chunk.num_tokens)
+            if input_ids_dev is None:
+                tokens = chunk.request.token_ids(chunk.start, chunk.start + chunk.num_tokens)
+            else:
+                tokens = [0]  # replaced by input_ids_dev
             input_ids.extend(tokens)
             positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
             token_rows.extend([row] * chunk.num_tokens)
-            if chunk.completes_sequence:
+            if chunk.completes_sequence or input_ids_dev is not None:  # (a pipelined step's pending token)
                 sample_idx.append(len(input_ids) - 1)
                 sampled.append(chunk)
         dev = self.device
         # [3, T] in one host->device copy: token ids, positions, table rows
         inputs = torch.tensor([input_ids, positions, token_rows], dtype=torch.long).to(dev, non_blocking=True)
         input_ids_t, positions_t, token_rows_t = inputs.unbind(0)  # [T] each
+        if input_ids_dev is not None:
+            input_ids_t = input_ids_dev
         if self.graphs is not None and self.graphs.can_run(chunks):
             hidden = self.graphs.run(input_ids_t, positions_t, token_rows_t, chunks)  # [Bd, hidden]
             return self.model.compute_logits(hidden), sampled  # every decode request samples

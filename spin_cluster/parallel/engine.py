@@ -67,6 +67,10 @@ class HeadParallelEngine(Engine):
     """This process's rank of a head-parallel engine; ``placement`` None places the heads
     with ``default_placement`` (the same on every rank: it depends only on the config)."""
 
+    # Every rank steps the same schedule in lockstep (collectives inside each step): no
+    # step is launched ahead of the host.
+    supports_async_decode = False
+
     def __init__(
         self,
         config: SpinConfig | None = None,
