@@ -6,15 +6,17 @@ random float32 weights (``model.load_format: dummy``).
     python benchmarks/check_spin_tokens.py --device cpu        # the same on the CPU
 
 Greedy tokens of a few prompts (several 64-token prefill chunks each, so that prefill
-installs pages and the chunk boundaries straddle pages) under three engines:
+installs pages and the chunk boundaries straddle pages; output lengths that end at different
+steps) under four engines:
 
-    dense       GPU-only pages
+    plain       GPU-only pages, decode steps one after the other (the reference)
+    dense       GPU-only pages, pipelined decode (``scheduler.async_decode``), as the rest
     offloaded   dense attention over the offloaded cache: every page Retrieved or installed
                 into the elastic GPU buffer, in a buffer too small for all of them
     quest       Spin with Quest's Select and a budget of the whole context (every page
                 selected: the bounds append, Select, lookup and install on the real path)
 
-Exit status 1 when any engine's tokens differ from dense's.
+Exit status 1 when any engine's tokens differ from the reference's.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ def engines(device: str, folder: str, max_len: int) -> dict[str, dict]:
     base = {"model": {"path": folder, "load_format": "dummy", "max_model_len": max_len, "device": device,
                       "dtype": "float32"},
             "cache": {"page_size": 16, "kv_cache_gib": 0.002},
-            "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}}
+            "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "async_decode": True}}
     off = {**base["cache"], "offload": True, "host_kv_gib": 0.01}
     return {
+        "plain": {**base, "scheduler": {**base["scheduler"], "async_decode": False}},
         "dense": base,
         "offloaded": {**base, "cache": {**off, "kv_cache_gib": 0.0008}},
         "quest": {**base, "cache": off, "sparse": {"algorithm": "quest", "budget": max_len, "sink_tokens": 16,
@@ -57,17 +60,18 @@ def main(argv=None) -> int:
     max_len = 512
     folder = shape_folder({**LLAMA_31_8B, **SHAPE}, max_len, args.tokenizer, prefix="check-model-")
     prompts = [[1000 + (31 * i + 7 * j) % 20000 for j in range(n)] for i, n in enumerate((150, 97, 211))]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=args.max_tokens - d, ignore_eos=True) for d in (0, 5, 11)]
     tokens, failed = {}, False
     for name, cfg in engines(args.device, folder, max_len).items():
         engine = Engine(SpinConfig.from_dict(cfg), progress=False)
         tokens[name] = [o.token_ids for o in engine.generate(prompts, params)]
         engine.check_integrity()
         stats = engine.last_stats
-        same = tokens[name] == tokens["dense"]
+        same = tokens[name] == tokens["plain"]
         failed |= not same
-        print(f"{name}: {'same tokens as dense' if same else 'TOKENS DIFFER'}; buffer hits "
-              f"{stats.buffer_hits_total} of {stats.buffer_lookups_total} lookups", flush=True)
+        print(f"{name}: {'same tokens as the plain loop' if same else 'TOKENS DIFFER'}; pipelined steps "
+              f"{engine.num_pipelined_steps}; buffer hits {stats.buffer_hits_total} of {stats.buffer_lookups_total} "
+              f"lookups", flush=True)
     return 1 if failed else 0
 
 
