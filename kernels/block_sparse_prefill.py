@@ -35,6 +35,7 @@ This module imports only torch (and Triton, lazily).
 
 from __future__ import annotations
 
+import os
 
 import torch
 import torch.nn.functional as F
@@ -177,7 +178,8 @@ def block_sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
                          num_stages: int | None = None) -> torch.Tensor:
     """Triton block-sparse prefill; see the module docstring for the layout. ``block_size``
     is 16..128 here (the query tile is one block). Keyword-only tuning knobs: ``block_n``
-    (keys per inner tile, a power of two dividing block_size), ``num_warps``, ``num_stages``.
+    (keys per inner tile, a power of two dividing block_size), ``num_warps``, ``num_stages``;
+    with none given, a CUDA launch uses the autotuned tile (``autotune_enabled``).
 
     Not checked (it would need a host sync): listed ids lie in 0 .. the query block's
     diagonal block, ascending, and ``0 <= num_blocks <= K``."""
@@ -196,25 +198,45 @@ def block_sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
         raise ValueError(f"the Triton kernel needs CUDA tensors (got {q.device}); on the CPU set "
                          "TRITON_INTERPRET=1 before Triton is imported, or use block_sparse_prefill_ref")
     D_PAD = max(16, 1 << (D - 1).bit_length())
-    default_n, default_warps, default_stages = _launch_config(block_size, D_PAD)
-    block_n = default_n if block_n is None else block_n
-    if block_n < 16 or block_n & (block_n - 1) or block_size % block_n:
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1) or block_size % block_n):
         raise ValueError(f"block_n={block_n}: use a power of two >= 16 that divides block_size={block_size}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if n == 0:
         return out
-    kmod._block_sparse_prefill_fwd[(H, M)](
-        q, k, v, block_ids, num_blocks, out,
-        _resolve_scale(scale, D) * _LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        block_ids.stride(0), block_ids.stride(1), num_blocks.stride(0), num_blocks.stride(1),
-        out.stride(0), out.stride(1),
-        n, context_start, M,
-        G=G, D=D, D_PAD=D_PAD, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRETED=interpreted,
-        num_warps=default_warps if num_warps is None else num_warps,
-        num_stages=default_stages if num_stages is None else num_stages,
-    )
+    args = (q, k, v, block_ids, num_blocks, out,
+            _resolve_scale(scale, D) * _LOG2E,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            block_ids.stride(0), block_ids.stride(1), num_blocks.stride(0), num_blocks.stride(1),
+            out.stride(0), out.stride(1),
+            n, context_start, M)
+    meta = dict(G=G, D=D, D_PAD=D_PAD, BLOCK_SIZE=block_size,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRETED=interpreted)
+    fixed = interpreted or block_n is not None or num_warps is not None or num_stages is not None
+    if fixed or block_size < kmod.AUTOTUNE_MIN_BLOCK or not autotune_enabled():
+        default_n, default_warps, default_stages = _launch_config(block_size, D_PAD)
+        kmod._block_sparse_prefill_fwd[(H, M)](
+            *args, **meta, BLOCK_N=default_n if block_n is None else block_n,
+            num_warps=default_warps if num_warps is None else num_warps,
+            num_stages=default_stages if num_stages is None else num_stages,
+        )
+    else:
+        kmod._block_sparse_prefill_fwd_tuned[(H, M)](*args, **meta)
     return out
+
+
+def autotune_enabled() -> bool:
+    """Whether CUDA launches without explicit knobs pick their tile by timing candidates on
+    the first launch (``SPIN_PREFILL_AUTOTUNE=0`` keeps the fixed ``_launch_config``)."""
+    return os.environ.get("SPIN_PREFILL_AUTOTUNE", "1") != "0"
+
+
+def tuned_config(block_size: int, head_dim: int, group: int) -> dict | None:
+    """The tile the autotuner chose for this shape in this process (None: not tuned yet)."""
+    kmod = _load_kernels()
+    tuner = getattr(kmod, "_block_sparse_prefill_fwd_tuned", None)
+    D_PAD = max(16, 1 << (head_dim - 1).bit_length())
+    for key, cfg in (getattr(tuner, "cache", None) or {}).items():
+        if tuple(key[:3]) == (block_size, D_PAD, group):
+            return {"BLOCK_N": cfg.kwargs["BLOCK_N"], "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return None

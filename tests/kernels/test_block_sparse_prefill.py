@@ -120,3 +120,35 @@ def test_kernel_at_llama_shapes_on_gpu(cs):
     ids, counts = causal_block_lists(Hkv, cs, n, bs, device="cuda")
     dense = _dense_causal(q, k, v, cs)
     assert (block_sparse_prefill(q, k, v, ids, counts, cs, bs).float() - dense).abs().max() < 2e-2
+
+
+def test_128_key_tiles_in_a_128_block_with_an_unaligned_chunk():
+    n, cs, H, Hkv, D, bs = 150, 100, 2, 1, 16, 128
+    q, k, v = _qkv(n, cs, H, Hkv, D, torch.float32, seed=9)
+    ids, counts = causal_block_lists(Hkv, cs, n, bs)
+    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=128, num_warps=8, num_stages=3)
+    assert torch.allclose(got, _dense_causal(q, k, v, cs), atol=2e-5)
+
+
+def test_autotune_candidates_divide_the_block():
+    from spin_cluster.kernels._block_sparse_prefill_kernel import AUTOTUNE_CONFIGS, _prune_configs
+
+    kept = _prune_configs(AUTOTUNE_CONFIGS, {}, BLOCK_SIZE=64)
+    assert kept and all(c.kwargs["BLOCK_N"] == 64 for c in kept)
+    assert len(_prune_configs(AUTOTUNE_CONFIGS, {}, BLOCK_SIZE=128)) == len(AUTOTUNE_CONFIGS)
+    assert not _prune_configs(AUTOTUNE_CONFIGS, {}, BLOCK_SIZE=32)  # smaller blocks launch untuned
+
+
+@pytest.mark.gpu
+def test_every_autotune_candidate_is_correct_on_gpu():
+    """Each tile the autotuner may pick, launched explicitly, against the torch reference."""
+    from spin_cluster.kernels._block_sparse_prefill_kernel import AUTOTUNE_CONFIGS
+
+    n, cs, H, Hkv, D, bs = 1024, 320, 32, 8, 128, 128
+    q, k, v = _qkv(n, cs, H, Hkv, D, torch.bfloat16, seed=10, device="cuda")
+    ids, counts = _random_lists(Hkv, cs, n, bs, seed=11, device="cuda")
+    ref = block_sparse_prefill_ref(q, k, v, ids, counts, cs, bs)
+    for c in AUTOTUNE_CONFIGS:
+        got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=c.kwargs["BLOCK_N"],
+                                   num_warps=c.num_warps, num_stages=c.num_stages)
+        assert (got.float() - ref.float()).abs().max() < 2e-2, c
