@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from spin_cluster import env
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("cudnn", "flash", "default")
@@ -99,11 +101,22 @@ def backend_rule(device_type: str, capability: tuple[int, int] | None, dtype: to
 
 def choose_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, *,
                    capability: tuple[int, int] | None = None, cudnn_available: bool | None = None,
-                   probe: Callable[..., DenseBackend | None] | None = None) -> DenseBackend:
+                   probe: Callable[..., DenseBackend | None] | None = None,
+                   override: str | None = None) -> DenseBackend:
     """The dense prefill backend of this shape: ``backend_rule``, then, for 'cudnn', the probe
     (``probe_cudnn``: None when cuDNN fails it, so flash is used). ``capability``,
-    ``cudnn_available`` and ``probe`` default to the device's own (tests pass their own)."""
+    ``cudnn_available`` and ``probe`` default to the device's own (tests pass their own).
+    ``override`` ('cudnn', 'flash', 'default': ``SPIN_DENSE_PREFILL``) skips the rule; a
+    cuDNN override that fails the probe is an error."""
     device = torch.device(device)
+    if override in ("flash", "default"):
+        return DenseBackend.of(override)
+    if override == "cudnn":
+        found = (probe or probe_cudnn)(device, dtype, num_heads, num_kv_heads, head_dim)
+        if found is None:
+            raise ValueError(f"SPIN_DENSE_PREFILL=cudnn, but cuDNN attention does not run {dtype} with H={num_heads}, "
+                             f"Hkv={num_kv_heads}, D={head_dim} on {device}: unset it or choose flash")
+        return found
     if device.type == "cuda":
         if capability is None:
             capability = torch.cuda.get_device_capability(device)
@@ -120,11 +133,16 @@ def choose_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
     return found
 
 
-@functools.lru_cache(maxsize=None)
 def device_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                    head_dim: int) -> DenseBackend:
-    """``choose_backend`` once per (device, dtype, H, Hkv, D) in this process."""
-    return choose_backend(device, dtype, num_heads, num_kv_heads, head_dim)
+    """``choose_backend`` once per (device, dtype, H, Hkv, D, ``SPIN_DENSE_PREFILL``) in
+    this process."""
+    return _cached_backend(torch.device(device), dtype, num_heads, num_kv_heads, head_dim, env.dense_prefill_override())
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_backend(device, dtype, num_heads, num_kv_heads, head_dim, override) -> DenseBackend:
+    return choose_backend(device, dtype, num_heads, num_kv_heads, head_dim, override=override)
 
 
 def probe_cudnn(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,

@@ -147,3 +147,19 @@ def test_engine_prefill_runs_on_the_chosen_backend_and_matches_flash(cs):
         assert not on_flash and any("cudnn" in x.lower() or "sdpa" in x.lower() for x in names), names[:20]
     else:
         assert on_flash, names[:20]
+
+
+def test_the_environment_overrides_the_rule(monkeypatch):
+    dev = torch.device("cuda", 0)
+    failing = lambda *a: None  # noqa: E731
+    got = choose_backend(dev, BF16, 32, 8, 128, capability=HOPPER, cudnn_available=True, probe=failing,
+                         override="flash")
+    assert got == DenseBackend.of("flash")
+    with pytest.raises(ValueError, match="SPIN_DENSE_PREFILL=cudnn"):
+        choose_backend(dev, BF16, 32, 8, 128, capability=AMPERE, cudnn_available=True, probe=failing,
+                       override="cudnn")
+    monkeypatch.setenv("SPIN_DENSE_PREFILL", "math")
+    with pytest.raises(ValueError, match="choose one of"):
+        dense_prefill.device_backend(torch.device("cpu"), F32, 4, 2, 16)
+    monkeypatch.setenv("SPIN_DENSE_PREFILL", "default")
+    assert dense_prefill.device_backend(torch.device("cpu"), F32, 4, 2, 16) == DenseBackend.of("default")
