@@ -1,9 +1,13 @@
 """Block-sparse prefill on a GPU (not a test): kernel timings, head-parallel makespan, TTFT,
 and the SmolLM2 accuracy of sparse prefill.
 
+    python benchmarks/bench_sparse_prefill.py dense    [--lengths 32768 131072] [--chunk 2048]
     python benchmarks/bench_sparse_prefill.py kernel   [--lengths 32768 65536 131072] [--budget 0.125]
     python benchmarks/bench_sparse_prefill.py ttft     [--lengths 32768 131072] [--budget 0.125]
     python benchmarks/bench_sparse_prefill.py accuracy [--lengths 4096 8192] [--budget 0.2]
+
+dense: the engine's dense prefill attention on each SDPA backend, a whole prompt and the same
+prompt in scheduler-sized chunks (lower-right causal), with TFLOP/s.
 
 kernel: Llama-3.1-8B attention shapes (H=32, Hkv=8, D=128, bf16), one whole prompt of T
 tokens. Dense is the engine's dense prefill (``engine.dense_prefill``) on each SDPA backend
@@ -351,6 +355,68 @@ def _print_kernel_table(results: dict) -> None:
             print(f"| {R} | {row['greedy']:.2f} | {row['contiguous']:.2f} | {row['contiguous'] / row['greedy']:.2f}x |")
 
 
+# ---- dense ------------------------------------------------------------------------------------
+
+
+def run_dense(args) -> dict:
+    """The engine's dense prefill attention (``dense_prefill.dense_causal_attention``, what
+    ``prefill_attention`` runs) at Llama-3.1-8B attention shapes, one whole prompt and the
+    same prompt in chunks of ``--chunk`` tokens (chunked prefill's lower-right mask), on flash
+    and on the engine's choice: ms, TFLOP/s of the causal work, and the chunks' largest
+    difference from the whole prompt's output."""
+    import torch
+
+    from spin_cluster.engine.dense_prefill import DenseBackend, dense_causal_attention, device_backend
+
+    on_gpu = torch.cuda.is_available()
+    dev = torch.device("cuda" if on_gpu else "cpu")
+    chosen = device_backend(dev, torch.bfloat16, H, HKV, D)
+    backends = {"flash": DenseBackend.of("flash"), chosen.name: chosen} if on_gpu else {"default": chosen}
+    results = {"engine_backend": chosen.name, "chunk": args.chunk, "lengths": {}}
+    print(f"dense prefill backend of the engine: {chosen}", flush=True)
+    for T in args.lengths:
+        q, k, v = _synthetic_qkv(T, dev)
+        row = {}
+        for name, backend in backends.items():
+            def whole(backend=backend):
+                return dense_causal_attention(q, k, v, 0, backend)
+
+            def chunked(backend=backend):
+                return [dense_causal_attention(q[c:c + args.chunk], k[:, :c + args.chunk], v[:, :c + args.chunk], c,
+                                               backend) for c in range(0, T, args.chunk)]
+
+            whole_ms = _timed_ms(whole, args.repeats)
+            chunked_ms = _timed_ms(chunked, args.repeats)
+            diff = (torch.cat(chunked()).float() - whole().float()).abs().max().item()
+            row[name] = {"whole_ms": whole_ms, "chunked_ms": chunked_ms,
+                         "whole_tflops": _causal_tflop(T) / (whole_ms / 1e3),
+                         "chunked_tflops": _causal_tflop(T) / (chunked_ms / 1e3), "chunked_vs_whole_max_abs": diff}
+            print(f"dense {name:>6} T={T:>6}: whole {whole_ms:8.2f} ms ({row[name]['whole_tflops']:.0f} TFLOP/s), "
+                  f"{args.chunk}-token chunks {chunked_ms:8.2f} ms ({row[name]['chunked_tflops']:.0f} TFLOP/s), "
+                  f"chunks vs whole max abs {diff:.2e}", flush=True)
+        results["lengths"][str(T)] = row
+        del q, k, v
+    print(f"\n| tokens | backend | whole prompt ms (TFLOP/s) | {args.chunk}-token chunks ms (TFLOP/s) |\n|---:|---|---:|---:|")
+    for T, row in results["lengths"].items():
+        for name, r in row.items():
+            print(f"| {_tokens(T)} | {name} | {r['whole_ms']:.1f} ({r['whole_tflops']:.0f}) | "
+                  f"{r['chunked_ms']:.1f} ({r['chunked_tflops']:.0f}) |")
+    return results
+
+
+def _timed_ms(fn, repeats: int) -> float:
+    """Median wall time of ``repeats`` calls after one warm-up, synchronised (ms)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
 # ---- ttft ------------------------------------------------------------------------------------------
 
 
@@ -473,7 +539,7 @@ def run_accuracy(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["kernel", "ttft", "accuracy"])
+    ap.add_argument("what", choices=["dense", "kernel", "ttft", "accuracy"])
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     ap.add_argument("--budget", type=float, default=None,
                     help="uniform middle-block fraction (kernel, ttft: 0.125; accuracy: 0.2, about a quarter of all causal blocks at 4K-8K)")
@@ -484,6 +550,8 @@ def main() -> None:
     ap.add_argument("--coverage", type=float, default=0.9, help="mass the S-HPLB needs are measured at (kernel)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--layers", type=int, default=32, help="ttft: decoder layers (fewer for a smoke run)")
+    ap.add_argument("--chunk", type=int, default=2048, help="dense: chunk tokens (the scheduler's default)")
+    ap.add_argument("--repeats", type=int, default=3, help="dense: timed repeats (median)")
     ap.add_argument("--runs", type=int, default=3, help="ttft: timed prompts per length and variant (median)")
     ap.add_argument("--flash-runs", type=int, default=1, help="ttft: timed prompts of the dense flash reference")
     ap.add_argument("--samples", type=int, default=5)
@@ -493,13 +561,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default=None, metavar="JSON")
     args = ap.parse_args()
-    defaults = {"kernel": ([32768, 65536, 131072], 0.125, 128), "ttft": ([32768, 131072], 0.125, 128),
+    defaults = {"dense": ([32768, 131072], 0.125, 128), "kernel": ([32768, 65536, 131072], 0.125, 128), "ttft": ([32768, 131072], 0.125, 128),
                 "accuracy": ([4096, 8192], 0.2, 64)}[args.what]
     args.lengths = args.lengths or defaults[0]
     args.budget = args.budget or defaults[1]
     args.block_size = args.block_size or defaults[2]
     _import_package()
-    result = {"kernel": run_kernel, "ttft": run_ttft, "accuracy": run_accuracy}[args.what](args)
+    result = {"dense": run_dense, "kernel": run_kernel, "ttft": run_ttft, "accuracy": run_accuracy}[args.what](args)
     if args.out:
         from spin_cluster.provenance import write_json
 
