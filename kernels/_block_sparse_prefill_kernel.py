@@ -115,6 +115,7 @@ def _block_sparse_prefill_fwd(
     num_tokens,  # n: query rows of the chunk
     context_start,  # position of the chunk's first row
     num_q_blocks,  # M
+    size_class,  # autotune key only (``size_class`` in the launcher): not read here
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -162,9 +163,11 @@ def _block_sparse_prefill_fwd(
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-# The same kernel, its tile chosen once per (block size, head dim, group) by timing the
-# candidates on the first launch (CUDA only; the interpreter runs the fixed launch).
+# The same kernel, its tile chosen once per (block size, head dim, group, size class) by timing
+# the candidates on the first launch (CUDA only; the interpreter runs the fixed launch). The
+# size class keeps a short warm-up prompt's choice (a grid of a few hundred programs) from
+# being reused at 128K.
 _block_sparse_prefill_fwd_tuned = triton.autotune(
-    configs=AUTOTUNE_CONFIGS, key=["BLOCK_SIZE", "D_PAD", "G"],
+    configs=AUTOTUNE_CONFIGS, key=["BLOCK_SIZE", "D_PAD", "G", "size_class"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_block_sparse_prefill_fwd)

@@ -209,7 +209,7 @@ def block_sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             block_ids.stride(0), block_ids.stride(1), num_blocks.stride(0), num_blocks.stride(1),
             out.stride(0), out.stride(1),
-            n, context_start, M)
+            n, context_start, M, size_class(M))
     meta = dict(G=G, D=D, D_PAD=D_PAD, BLOCK_SIZE=block_size,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRETED=interpreted)
     fixed = interpreted or block_n is not None or num_warps is not None or num_stages is not None
@@ -225,18 +225,25 @@ def block_sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
     return out
 
 
+def size_class(num_q_blocks: int) -> int:
+    """Autotune bucket of a launch by its query blocks M: < 64, < 512, more (a 2K warm-up
+    prompt, 32K, 128K at 128-position blocks each get their own tile)."""
+    return 0 if num_q_blocks < 64 else 1 if num_q_blocks < 512 else 2
+
+
 def autotune_enabled() -> bool:
     """Whether CUDA launches without explicit knobs pick their tile by timing candidates on
     the first launch (``SPIN_PREFILL_AUTOTUNE=0`` keeps the fixed ``_launch_config``)."""
     return os.environ.get("SPIN_PREFILL_AUTOTUNE", "1") != "0"
 
 
-def tuned_config(block_size: int, head_dim: int, group: int) -> dict | None:
-    """The tile the autotuner chose for this shape in this process (None: not tuned yet)."""
+def tuned_config(block_size: int, head_dim: int, group: int) -> dict[int, dict]:
+    """The tiles the autotuner chose for this shape in this process, by size class."""
     kmod = _load_kernels()
     tuner = getattr(kmod, "_block_sparse_prefill_fwd_tuned", None)
     D_PAD = max(16, 1 << (head_dim - 1).bit_length())
+    out = {}
     for key, cfg in (getattr(tuner, "cache", None) or {}).items():
         if tuple(key[:3]) == (block_size, D_PAD, group):
-            return {"BLOCK_N": cfg.kwargs["BLOCK_N"], "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    return None
+            out[key[3]] = {"BLOCK_N": cfg.kwargs["BLOCK_N"], "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return out

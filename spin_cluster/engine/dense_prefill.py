@@ -52,7 +52,7 @@ _CUDNN_MAX_HEAD_DIM = 128
 _HALF = (torch.bfloat16, torch.float16)
 # The probe: a shape big enough to take cuDNN's tiled path, small enough to run in ~1 ms.
 _PROBE_TOKENS, _PROBE_CONTEXT = 192, 320
-_PROBE_TOL = 3e-2  # bf16 against an fp32 reference
+_PROBE_TOL = 6e-2  # bf16 against an fp32 reference (|v| up to ~4); a wrong kernel is off by O(1)
 
 
 @dataclass(frozen=True)
