@@ -50,6 +50,7 @@ _SDP = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION
 _CUDNN_MIN_CAPABILITY = (9, 0)  # Hopper: cuDNN's fused attention uses wgmma there
 _CUDNN_MAX_HEAD_DIM = 128
 _HALF = (torch.bfloat16, torch.float16)
+_CUDNN_MIN_CHUNK = 64  # tokens of a later chunk below which flash runs it (``DenseBackend.for_chunk``)
 # The probe: a shape big enough to take cuDNN's tiled path, small enough to run in ~1 ms.
 _PROBE_TOKENS, _PROBE_CONTEXT = 192, 320
 _PROBE_TOL = 6e-2  # bf16 against an fp32 reference (|v| up to ~4); a wrong kernel is off by O(1)
@@ -83,8 +84,15 @@ class DenseBackend:
         w, c = self.whole.name, self.chunked.name
         return w if w == c else f"{w}/{c}"
 
-    def for_chunk(self, context_start: int) -> Kernel:
-        return self.chunked if context_start else self.whole
+    def for_chunk(self, context_start: int, num_tokens: int = _CUDNN_MIN_CHUNK) -> Kernel:
+        """The kernel of a chunk of ``num_tokens`` at ``context_start``. A later chunk of fewer
+        than _CUDNN_MIN_CHUNK tokens (a dense layer's decode row) stays on flash: cuDNN's
+        two attentions and their merge cost more launches than such a chunk's work."""
+        if not context_start:
+            return self.whole
+        if self.chunked.name == "cudnn" and num_tokens < _CUDNN_MIN_CHUNK:
+            return Kernel("flash")
+        return self.chunked
 
 
 def backend_rule(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int,
@@ -194,13 +202,13 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
     n, H, D = q.shape
     if backend is None:
         backend = device_backend(q.device, q.dtype, H, k.shape[0], D)
-    kernel = backend.for_chunk(context_start)
+    kernel = backend.for_chunk(context_start, n)
     try:
         return run_kernel(kernel, q, k, v, context_start)
     except RuntimeError as err:
         if kernel.name != "cudnn":
             raise
-        _warn_fallback(tuple(q.shape), context_start, str(err))  # a shape the probe did not cover
+        _warn_fallback(H, D, bool(context_start), str(err))  # a shape the probe did not cover
         return run_kernel(Kernel("flash"), q, k, v, context_start)
 
 
@@ -217,10 +225,16 @@ def run_kernel(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return o[0].transpose(0, 1)  # [n, H, D]
 
 
-@functools.lru_cache(maxsize=16)
-def _warn_fallback(shape: tuple[int, ...], context_start: int, err: str) -> None:
-    log.warning("cuDNN attention failed at q %s, context_start %d (%s): such chunks run on flash",
-                shape, context_start, err.splitlines()[0] if err else "")
+_warned: set[tuple[int, int, bool]] = set()
+
+
+def _warn_fallback(num_heads: int, head_dim: int, later_chunk: bool, err: str) -> None:
+    """Log a cuDNN failure once per (H, D, first or later chunk); the chunk runs on flash."""
+    if (num_heads, head_dim, later_chunk) in _warned:
+        return
+    _warned.add((num_heads, head_dim, later_chunk))
+    log.warning("cuDNN attention failed on a %s chunk (H=%d, D=%d): %s; such chunks run on flash",
+                "later" if later_chunk else "first", num_heads, head_dim, err.splitlines()[0] if err else "")
 
 
 def _sdpa(q, k, v, context_start: int, name: str) -> torch.Tensor:

@@ -46,6 +46,8 @@ def test_choose_backend_asks_the_probe_only_for_cudnn_and_falls_back_to_flash():
     passing = lambda *a: DenseBackend(Kernel("cudnn", True), Kernel("flash"))  # noqa: E731
     got = choose_backend(dev, BF16, 32, 8, 128, capability=HOPPER, cudnn_available=True, probe=passing)
     assert got.name == "cudnn/flash" and got.for_chunk(0).expand_kv and got.for_chunk(7).name == "flash"
+    both = DenseBackend.of("cudnn")
+    assert both.for_chunk(7, 2048).name == "cudnn" and both.for_chunk(7, 1).name == "flash"  # a decode row
     got = choose_backend(dev, BF16, 32, 8, 128, capability=AMPERE, cudnn_available=True, probe=failing)
     assert got == DenseBackend.of("flash") and len(calls) == 1
     assert choose_backend(torch.device("cpu"), F32, 4, 2, 16) == DenseBackend.of("default")
@@ -82,7 +84,7 @@ def test_cudnn_chunk_merges_context_and_causal_square_by_log_sum_exp(monkeypatch
         return _explicit(q, k, v, causal)
 
     monkeypatch.setattr(dense_prefill, "_cudnn_lse", fake_lse)
-    q, k, v = _qkv(11, 29)
+    q, k, v = _qkv(70, 29)
     want = reference_attention(q, k, v, 29)
     expanded = Kernel("cudnn", True)
     got = dense_causal_attention(q, k, v, 29, DenseBackend(expanded, expanded))
