@@ -141,7 +141,8 @@ def test_engine_prefill_runs_on_the_chosen_backend_and_matches_flash(cs):
         assert chosen.for_chunk(cs).name == "cudnn", chosen
     got = prefill_attention(q, k, v, cs)  # the engine's dense prefill
     flash = dense_causal_attention(q, k, v, cs, DenseBackend.of("flash"))
-    err = (got.float() - flash.float()).abs().max().item()
+    # Both round the same fp32 result to bf16: allow an ulp or two at the output's magnitude.
+    err = ((got.float() - flash.float()).abs() - 2e-2 * flash.float().abs()).max().item()
     assert err < 2e-2, err
     names = _kernel_names(lambda: prefill_attention(q, k, v, cs))
     on_flash = any("flash_fwd" in x for x in names)
