@@ -141,14 +141,42 @@ def test_autotune_candidates_divide_the_block():
 
 @pytest.mark.gpu
 def test_every_autotune_candidate_is_correct_on_gpu():
-    """Each tile the autotuner may pick, launched explicitly, against the torch reference."""
+    """Each tile the autotuner may pick, launched explicitly (pointer loads, and on Hopper
+    tensor-descriptor loads), against the torch reference."""
     from spin_cluster.kernels._block_sparse_prefill_kernel import AUTOTUNE_CONFIGS
 
     n, cs, H, Hkv, D, bs = 1024, 320, 32, 8, 128, 128
     q, k, v = _qkv(n, cs, H, Hkv, D, torch.bfloat16, seed=10, device="cuda")
     ids, counts = _random_lists(Hkv, cs, n, bs, seed=11, device="cuda")
     ref = block_sparse_prefill_ref(q, k, v, ids, counts, cs, bs)
+    descriptors = [False, True] if torch.cuda.get_device_capability() >= (9, 0) else [False]
     for c in AUTOTUNE_CONFIGS:
-        got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=c.kwargs["BLOCK_N"],
-                                   num_warps=c.num_warps, num_stages=c.num_stages)
-        assert (got.float() - ref.float()).abs().max() < 2e-2, c
+        for tma in descriptors:
+            got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=c.kwargs["BLOCK_N"],
+                                       num_warps=c.num_warps, num_stages=c.num_stages, tma=tma)
+            assert (got.float() - ref.float()).abs().max() < 2e-2, (c, tma)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_descriptor_loads_equal_the_reference(dtype):
+    """K/V through tensor descriptors (bulk tensor copies on Hopper), a strided KV layout as
+    the engine passes it ([n, Hkv, D] transposed), an unaligned chunk, ragged lists."""
+    n, cs, H, Hkv, D, bs = 45, 8, 4, 2, 16, 16
+    q, k, v = _qkv(n, cs, H, Hkv, D, dtype, seed=12)
+    k, v = k.transpose(0, 1).contiguous().transpose(0, 1), v.transpose(0, 1).contiguous().transpose(0, 1)
+    ids, counts = _random_lists(Hkv, cs, n, bs, seed=13)
+    ref = block_sparse_prefill_ref(q, k, v, ids, counts, cs, bs)
+    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, tma=True)
+    assert torch.allclose(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    with pytest.raises(ValueError, match="tma=True"):
+        block_sparse_prefill(q.float(), k.float(), v.float(), ids, counts, cs, bs, tma=True)
+
+
+def test_descriptor_self_check_and_switch(monkeypatch):
+    from spin_cluster.kernels.block_sparse_prefill import descriptors_usable
+
+    q, k, v = _qkv(8, 0, 2, 1, 16, torch.bfloat16)
+    assert descriptors_usable(q, k, v)  # the self-check ran the descriptor kernel and matched
+    assert not descriptors_usable(q.float(), k.float(), v.float())
+    monkeypatch.setenv("SPIN_PREFILL_TMA", "0")
+    assert not descriptors_usable(q, k, v)
