@@ -31,8 +31,7 @@ if [ "${DRY:-0}" = 1 ]; then
 else
   source benchmarks/gpu_setup.sh
   gpu_record
-  TESTS=("$REPO/tests/engine/test_dense_prefill.py" "$REPO/tests/kernels/test_block_sparse_prefill.py"
-         "$REPO/tests/sparse/test_sparse_prefill.py")
+  TESTS=("$REPO/tests/engine/test_dense_prefill.py" "$REPO/tests/kernels/test_block_sparse_prefill.py")
   MARK=(-m gpu); DENSE=(); KERNEL=(--lengths 32768 131072); TTFT=(); ACC=(--budget 0.25 --samples 3 --max-batch 32); T_SCALE=1
   (cd /tmp && $PY -c "from spin_cluster.model_store import prepare_default_model as p; print(p())") 2>&1 | tail -1
 fi
