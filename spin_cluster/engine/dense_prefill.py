@@ -13,8 +13,9 @@ Which SDPA kernel runs it is a per-device decision (``choose_backend``), made on
 (device, dtype, H, Hkv, D) and shared by the engine and the benchmarks:
 
 * ``cudnn``: on compute capability >= 9.0 (Hopper and later), in bf16/fp16 with D <= 128,
-  when a start-up probe on a small shape shows cuDNN running both forms to the math
-  kernel's result. On an H200 it is ~1.7x the flash backend at 32K-128K.
+  when a probe on a small shape at first use shows cuDNN running both forms to the math
+  kernel's result. One H200 measurement at Llama-3.1-8B shapes had it at 1.7-1.8x the flash
+  backend from 32K to 128K.
 * ``flash``: any other CUDA device (and the fallback of the above).
 * ``default``: SDPA's own dispatch, unchanged; the CPU path (math kernel, boolean mask).
 
