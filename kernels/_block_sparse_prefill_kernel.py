@@ -122,7 +122,7 @@ AUTOTUNE_CONFIGS = [
 ]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["size_class"])  # a key of the autotuner, not a compile variant
 def _block_sparse_prefill_fwd(
     q_ptr, k_ptr, v_ptr, ids_ptr, cnt_ptr, out_ptr,
     k_desc, v_desc,  # USE_DESC: [Hkv, num_keys, D] tensor descriptors of k and v (else unused)
