@@ -441,7 +441,7 @@ def run_ttft(args) -> dict:
 
     longest = max(args.lengths)
     # Room for a prompt of `longest` plus its token; random weights (model.load_format: dummy).
-    folder = shape_folder({**LLAMA_31_8B, "num_hidden_layers": args.layers}, longest + 256,
+    folder = shape_folder({**LLAMA_31_8B, "num_hidden_layers": args.layers}, longest + 256, args.tokenizer,
                           prefix="llama31-8b-shapes-")
     rng = random.Random(0)
     per_head = [[round(min(0.99, max(0.01, rng.lognormvariate(0, 0.6) * args.budget)), 3) for _ in range(HKV)]
@@ -557,6 +557,8 @@ def main() -> None:
     ap.add_argument("--coverage", type=float, default=0.9, help="mass the S-HPLB needs are measured at (kernel)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--layers", type=int, default=32, help="ttft: decoder layers (fewer for a smoke run)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="ttft: folder of tokenizer files for the random-weight model (default: the default model's)")
     ap.add_argument("--chunk", type=int, default=2048, help="dense: chunk tokens (the scheduler's default)")
     ap.add_argument("--repeats", type=int, default=3, help="dense: timed repeats (median)")
     ap.add_argument("--runs", type=int, default=3, help="ttft: timed prompts per length and variant (median)")

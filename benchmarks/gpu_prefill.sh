@@ -15,7 +15,9 @@
 #                            median of 3 with min and max
 #   prefill_accuracy.{json,log} SmolLM2 at 4K/8K with the strided estimate (the accuracy table's
 #                            setting: 64-position blocks, a quarter of the middle blocks)
-# Usage (device machine, repo root):   SPIN_COMMIT=<commit> bash benchmarks/gpu_prefill.sh
+# Usage (device machine, repo root; carry .carry/tok, or the default model's GGUF parts for
+# the accuracy step and as the TTFT model's tokenizer; ACCURACY=0 skips the accuracy step):
+#   SPIN_COMMIT=<commit> bash benchmarks/gpu_prefill.sh
 # Dry run on a CPU (tiny shapes, Triton's interpreter, PYTHONPATH as for the tests):
 #   DRY=1 OUT=/tmp/prefill-dry bash benchmarks/gpu_prefill.sh
 set -o pipefail
@@ -27,7 +29,7 @@ if [ "${DRY:-0}" = 1 ]; then
   export TRITON_INTERPRET=1
   TESTS=("$REPO/tests/engine/test_dense_prefill.py" "$REPO/tests/kernels/test_block_sparse_prefill.py")
   MARK=(); DENSE=(--lengths 1024 --chunk 256 --repeats 1); KERNEL=(--lengths 1024 --block-size 64 --ranks 2)
-  TTFT=(--lengths 256 --layers 1 --runs 1 --block-size 64); ACC=(); T_SCALE=4
+  TTFT=(--lengths 256 --layers 1 --runs 1 --block-size 64); ACC=(); T_SCALE=4; TOK=()
 else
   source benchmarks/gpu_setup.sh
   gpu_record
@@ -52,7 +54,7 @@ timeout $((150 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py kernel "${KERN
   | tee "$OUT/prefill_kernel.log"
 
 step "TTFT: dense (both backends) vs block-sparse"
-timeout $((180 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py ttft "${TTFT[@]}" --out "$OUT/prefill_ttft.json" 2>&1 \
+timeout $((180 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py ttft "${TTFT[@]}" "${TOK[@]}" --out "$OUT/prefill_ttft.json" 2>&1 \
   | tee "$OUT/prefill_ttft.log"
 
 if [ "${DRY:-0}" = 1 ] || [ "${ACCURACY:-1}" = 0 ]; then
