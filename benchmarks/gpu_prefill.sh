@@ -40,21 +40,21 @@ fi
 step() { echo "== $(date -u +%H:%M:%S) $*"; }
 
 step "GPU tests (correctness before timings)"
-(cd /tmp && timeout $((120 * T_SCALE)) $PY -m pytest "${TESTS[@]}" "${MARK[@]}" -q -p no:cacheprovider -rs 2>&1 \
+(cd /tmp && timeout $((150 * T_SCALE)) $PY -m pytest "${TESTS[@]}" "${MARK[@]}" -q -p no:cacheprovider -rs 2>&1 \
   | tail -15) | tee "$OUT/prefill_tests.log"
 grep -qE "[0-9]+ passed" "$OUT/prefill_tests.log" && ! grep -qE "failed|error" "$OUT/prefill_tests.log" \
   || echo "GPU TESTS FAILED: read prefill_tests.log before the timings below" | tee -a "$OUT/prefill_tests.log"
 
 step "dense prefill attention: flash vs cuDNN, whole and chunked"
-timeout $((60 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py dense "${DENSE[@]}" --out "$OUT/prefill_dense.json" 2>&1 \
+timeout $((50 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py dense "${DENSE[@]}" --out "$OUT/prefill_dense.json" 2>&1 \
   | tee "$OUT/prefill_dense.log"
 
 step "block-sparse prefill kernel against the fastest dense backend"
-timeout $((150 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py kernel "${KERNEL[@]}" --out "$OUT/prefill_kernel.json" 2>&1 \
+timeout $((140 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py kernel "${KERNEL[@]}" --out "$OUT/prefill_kernel.json" 2>&1 \
   | tee "$OUT/prefill_kernel.log"
 
 step "TTFT: dense (both backends) vs block-sparse"
-timeout $((180 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py ttft "${TTFT[@]}" "${TOK[@]}" --out "$OUT/prefill_ttft.json" 2>&1 \
+timeout $((170 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py ttft "${TTFT[@]}" "${TOK[@]}" --out "$OUT/prefill_ttft.json" 2>&1 \
   | tee "$OUT/prefill_ttft.log"
 
 if [ "${DRY:-0}" = 1 ] || [ "${ACCURACY:-1}" = 0 ]; then
