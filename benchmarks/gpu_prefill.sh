@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Time to first token at 32K and 128K on one GPU (device tool, one call, about 7 minutes on an
-# H200; the steps' time limits add up to 590 s). Results land in $OUT:
+# H200; the steps' time limits add up to 590 s, the expected total is ~6-7 minutes). Results
+# land in $OUT:
+#   prefill_choices.log      the dense prefill backend chosen (cuDNN probe) and whether the
+#                            block-sparse kernel may read K/V through tensor descriptors
 #   prefill_tests.log        the -m gpu tests first: the dense prefill backend (cuDNN on Hopper,
 #                            chunked included) against flash, every autotune tile of the
 #                            block-sparse kernel and the kernel at Llama shapes against the
@@ -39,8 +42,20 @@ else
 fi
 step() { echo "== $(date -u +%H:%M:%S) $*"; }
 
+step "kernel choices at Llama-3.1-8B attention shapes"
+timeout $((40 * T_SCALE)) $PY - <<'PY' 2>&1 | tee "$OUT/prefill_choices.log"
+import torch
+from spin_cluster.engine.dense_prefill import device_backend
+from spin_cluster.kernels.block_sparse_prefill import descriptors_usable
+dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+print("dense prefill backend:", device_backend(dev, torch.bfloat16, 32, 8, 128))
+q = torch.zeros(256, 32, 128, device=dev, dtype=torch.bfloat16)
+k = torch.zeros(8, 256, 128, device=dev, dtype=torch.bfloat16)
+print("block-sparse K/V through tensor descriptors:", descriptors_usable(q, k, k))
+PY
+
 step "GPU tests (correctness before timings)"
-(cd /tmp && timeout $((150 * T_SCALE)) $PY -m pytest "${TESTS[@]}" "${MARK[@]}" -q -p no:cacheprovider -rs 2>&1 \
+(cd /tmp && timeout $((120 * T_SCALE)) $PY -m pytest "${TESTS[@]}" "${MARK[@]}" -q -p no:cacheprovider -rs 2>&1 \
   | tail -15) | tee "$OUT/prefill_tests.log"
 grep -qE "[0-9]+ passed" "$OUT/prefill_tests.log" && ! grep -qE "failed|error" "$OUT/prefill_tests.log" \
   || echo "GPU TESTS FAILED: read prefill_tests.log before the timings below" | tee -a "$OUT/prefill_tests.log"
@@ -50,7 +65,7 @@ timeout $((50 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py dense "${DENSE[
   | tee "$OUT/prefill_dense.log"
 
 step "block-sparse prefill kernel against the fastest dense backend"
-timeout $((140 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py kernel "${KERNEL[@]}" --out "$OUT/prefill_kernel.json" 2>&1 \
+timeout $((130 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py kernel "${KERNEL[@]}" --out "$OUT/prefill_kernel.json" 2>&1 \
   | tee "$OUT/prefill_kernel.log"
 
 step "TTFT: dense (both backends) vs block-sparse"
