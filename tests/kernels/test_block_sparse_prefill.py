@@ -175,8 +175,10 @@ def test_tensor_descriptor_loads_equal_the_reference(dtype):
 def test_descriptor_self_check_and_switch(monkeypatch):
     from spin_cluster.kernels.block_sparse_prefill import descriptors_usable
 
-    q, k, v = _qkv(8, 0, 2, 1, 16, torch.bfloat16)
-    assert descriptors_usable(q, k, v)  # the self-check ran the descriptor kernel and matched
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = _qkv(8, 0, 2, 1, 16, torch.bfloat16, device=device)
+    hopper = device == "cpu" or torch.cuda.get_device_capability() >= (9, 0)  # the CPU: the interpreter
+    assert descriptors_usable(q, k, v) == hopper  # the self-check ran the descriptor kernel and matched
     assert not descriptors_usable(q.float(), k.float(), v.float())
     monkeypatch.setenv("SPIN_PREFILL_TMA", "0")
     assert not descriptors_usable(q, k, v)
