@@ -1,25 +1,35 @@
 """Block-sparse prefill on a GPU (not a test): kernel timings, head-parallel makespan, TTFT,
 and the SmolLM2 accuracy of sparse prefill.
 
+    python benchmarks/bench_sparse_prefill.py dense    [--lengths 32768 131072] [--chunk 2048]
     python benchmarks/bench_sparse_prefill.py kernel   [--lengths 32768 65536 131072] [--budget 0.125]
     python benchmarks/bench_sparse_prefill.py ttft     [--lengths 32768 131072] [--budget 0.125]
     python benchmarks/bench_sparse_prefill.py accuracy [--lengths 4096 8192] [--budget 0.2]
 
+dense: the engine's dense prefill attention on each SDPA backend, a whole prompt and the same
+prompt in scheduler-sized chunks (lower-right causal), with TFLOP/s.
+
 kernel: Llama-3.1-8B attention shapes (H=32, Hkv=8, D=128, bf16), one whole prompt of T
-tokens. Dense is torch SDPA (flash backend). Block-sparse runs the same data with uniform,
+tokens. Dense is the engine's dense prefill (``engine.dense_prefill``) on each SDPA backend
+the GPU runs (flash, and cuDNN where the engine chooses it), reported apart; every speed-up is
+against the fastest of them (the "baseline" column). Block-sparse runs the same data with uniform,
 threshold and S-HPLB budgets at equal total block count: the threshold is bisected and the
 S-HPLB per-head budgets are max-min shifted (``spin_cluster.hplb.budget``) from the heads'
 needs measured on this data, both to compute as many blocks as uniform ``--budget``.
-Times are medians of ``triton.testing.do_bench``: attention alone, and with selection
-(estimate, budgets, select). Then, for 2/4/8 head-parallel ranks emulated on the one GPU
+Times are medians of ``triton.testing.do_bench``: selection alone (estimate, budgets,
+select; ``--estimator``, default strided), attention alone, and both; the kernel's TFLOP/s on
+the blocks it visits; each mode's output error against dense. Then the threshold method at
+S-HPLB's accuracy: its mass bisected until its output is as close to dense as S-HPLB's, its
+blocks and time against S-HPLB's. Then, for 2/4/8 head-parallel ranks emulated on the one GPU
 (each rank's KV heads timed alone), the makespan of greedy vs contiguous placement.
 The synthetic q/k give heads different sparsity: keys carry a per-block bias along one
 direction that queries share, of a per-head strength, so some heads concentrate their mass
 on few blocks and others spread it.
 
 ttft: time to first token of one prompt through the engine, random weights at
-Llama-3.1-8B shapes, dense prefill vs block-sparse prefill with seeded heterogeneous
-per-head budgets (mean ``--budget``; random weights have no profile).
+Llama-3.1-8B shapes: dense prefill on the engine's backend (cuDNN on Hopper), dense on flash
+for reference, and block-sparse prefill with seeded heterogeneous per-head budgets (mean
+``--budget``; random weights have no profile). Median, min and max of ``--runs`` prompts.
 
 accuracy: ``spin_cluster.profiling.evaluate`` on the default model (SmolLM2-135M-Instruct):
 dense, and dense decode after sparse prefill with uniform, threshold and S-HPLB budgets at
@@ -39,6 +49,8 @@ import random
 import shutil
 import sys
 import time
+
+from tqdm.auto import tqdm
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H, HKV, D = 32, 8, 128
@@ -89,8 +101,9 @@ def _synthetic_qkv(T: int, device, seed: int = 0):
     return q.bfloat16(), k.bfloat16(), v.bfloat16()
 
 
-def _selectors(q, k, block_size, stride, budget, coverage):
-    """name -> (select() -> (ids, counts)): the three budget modes at uniform's block count."""
+def _selectors(q, k, block_size, estimator, stride, budget, coverage):
+    """name -> (select() -> (ids, counts)): the three budget modes at uniform's block count,
+    and threshold_at(tau) -> select() for any other mass."""
     import torch
 
     from spin_cluster.sparse.prefill import (
@@ -101,7 +114,7 @@ def _selectors(q, k, block_size, stride, budget, coverage):
     sink, local = 1, 1
     middle = middle_blocks(0, T, block_size, sink, local, q.device)
     J = middle.numel()
-    masses = block_masses(q, k, 0, block_size, "antidiagonal", stride)
+    masses = block_masses(q, k, 0, block_size, estimator, stride)
     uniform_b = budget_blocks(torch.full((HKV,), budget, device=q.device), middle)
     target = torch.minimum(uniform_b, middle).sum().item()
     lo, hi = 0.0, 1.0
@@ -113,21 +126,68 @@ def _selectors(q, k, block_size, stride, budget, coverage):
     fractions = torch.tensor(shifted_budgets(head_needs([masses], 0, T, block_size, sink, local, coverage), budget)[0],
                              device=q.device)
 
-    def uniform():
-        m = block_masses(q, k, 0, block_size, "antidiagonal", stride)
-        return select_blocks(m, budget_blocks(torch.full((HKV,), budget, device=q.device), middle), 0, block_size,
-                             sink, local, math.ceil(budget * J))
+    def estimate():
+        return block_masses(q, k, 0, block_size, estimator, stride)
 
-    def threshold():
-        m = block_masses(q, k, 0, block_size, "antidiagonal", stride)
-        return select_blocks(m, threshold_blocks(m, 0, block_size, sink, local, tau), 0, block_size, sink, local, J)
+    def uniform():
+        return select_blocks(estimate(), budget_blocks(torch.full((HKV,), budget, device=q.device), middle), 0,
+                             block_size, sink, local, math.ceil(budget * J))
+
+    def threshold_at(t):
+        def threshold():
+            m = estimate()
+            return select_blocks(m, threshold_blocks(m, 0, block_size, sink, local, t), 0, block_size, sink, local, J)
+        return threshold
 
     def hplb():
-        m = block_masses(q, k, 0, block_size, "antidiagonal", stride)
-        return select_blocks(m, budget_blocks(fractions, middle), 0, block_size, sink, local,
+        return select_blocks(estimate(), budget_blocks(fractions, middle), 0, block_size, sink, local,
                              int(float(fractions.max()) * J) + 1)
 
-    return {"uniform": uniform, "threshold": threshold, "s-hplb": hplb}, tau, fractions.tolist()
+    modes = {"uniform": uniform, "threshold": threshold_at(tau), "s-hplb": hplb}
+    return modes, threshold_at, tau, fractions.tolist()
+
+
+def _dense_baselines(q, k, v, bench):
+    """({backend: ms}, fastest backend, its Kernel): the engine's dense prefill (``dense_prefill.run_kernel``, the
+    layout and kernels of ``prefill_attention``) on flash and, where the device runs it, cuDNN;
+    on the CPU the default (math) path."""
+    from spin_cluster.engine.dense_prefill import Kernel, device_backend, run_kernel
+
+    if q.device.type != "cuda":
+        kernels = {"default": Kernel("default")}
+    else:
+        chosen = device_backend(q.device, q.dtype, H, HKV, D)
+        kernels = {"flash": Kernel("flash")}
+        if chosen.whole.name == "cudnn":
+            kernels["cudnn"] = chosen.whole
+    times = {}
+    for name, kernel in kernels.items():
+        try:
+            times[name] = bench(lambda kernel=kernel: run_kernel(kernel, q, k, v, 0))
+        except RuntimeError as e:
+            print(f"dense {name}: {type(e).__name__}: {e}", flush=True)
+    fastest = min(times, key=times.get)
+    return times, fastest, kernels[fastest]
+
+
+def _causal_tflop(T: int) -> float:
+    """TFLOP of dense causal attention at T tokens (QK^T and PV over the causal half)."""
+    return 2 * H * D * T * (T + 1) / 1e12
+
+
+def _visited_tflop(counts, block_size: int) -> float:
+    """TFLOP of the listed blocks (each query head of a KV head; diagonal blocks count half)."""
+    full = counts.sum().item() - 0.5 * counts.numel()
+    return 4 * block_size * block_size * D * (H // HKV) * full / 1e12
+
+
+def _tokens(T) -> str:
+    T = int(T)
+    return f"{T // 1024}K" if T % 1024 == 0 else str(T)
+
+
+def _relative_error(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 def _makespans(q, k, v, ids, counts, block_size, ranks_list, bench, attend):
@@ -161,7 +221,9 @@ def _makespans(q, k, v, ids, counts, block_size, ranks_list, bench, attend):
 def run_kernel(args) -> dict:
     import torch
 
-    from spin_cluster.kernels.block_sparse_prefill import block_sparse_prefill, block_sparse_prefill_ref
+    from spin_cluster.engine.dense_prefill import run_kernel as dense_kernel
+    from spin_cluster.kernels.block_sparse_prefill import block_sparse_prefill, block_sparse_prefill_ref, tuned_config
+    from spin_cluster.sparse.prefill import block_masses
 
     on_gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if on_gpu else "cpu")
@@ -169,28 +231,39 @@ def run_kernel(args) -> dict:
         import triton.testing
 
         bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731  ms, median
-        attend_fn, flash = block_sparse_prefill, [torch.nn.attention.SDPBackend.FLASH_ATTENTION]
+        attend_fn = block_sparse_prefill
     else:  # CPU smoke run at tiny sizes: the torch reference, 3 timed calls
         bench = _cpu_bench
-        attend_fn, flash = block_sparse_prefill_ref, [torch.nn.attention.SDPBackend.MATH]
-    results = {"lengths": {}, "budget": args.budget, "block_size": args.block_size, "stride": args.stride}
-    for T in args.lengths:
+        attend_fn = block_sparse_prefill_ref
+    results = {"lengths": {}, "budget": args.budget, "block_size": args.block_size, "stride": args.stride,
+               "estimator": args.estimator}
+    for T in tqdm(args.lengths, desc="prefill kernels", disable=not sys.stderr.isatty()):
         q, k, v = _synthetic_qkv(T, dev)
-        qd, kd, vd = (q.transpose(0, 1)[None], k.repeat_interleave(H // HKV, 0)[None],
-                      v.repeat_interleave(H // HKV, 0)[None])
-        with torch.nn.attention.sdpa_kernel(flash):
-            dense_ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True))
-        selectors, tau, fractions = _selectors(q, k, args.block_size, args.stride, args.budget, args.coverage)
-        row = {"dense_ms": dense_ms, "threshold": tau, "s_hplb_fractions": fractions, "modes": {}}
+        dense_ms, fastest, fastest_kernel = _dense_baselines(q, k, v, bench)
+        base_ms = dense_ms[fastest]
+        dense_out = dense_kernel(fastest_kernel, q, k, v, 0)
+        selectors, threshold_at, tau, fractions = _selectors(q, k, args.block_size, args.estimator, args.stride,
+                                                             args.budget, args.coverage)
+        row = {"dense_ms": dense_ms, "dense_backend": fastest,
+               "dense_tflops": {b: _causal_tflop(T) / (ms / 1e3) for b, ms in dense_ms.items()},
+               "threshold": tau, "s_hplb_fractions": fractions, "modes": {},
+               "antidiagonal_estimate_ms": bench(lambda: block_masses(q, k, 0, args.block_size, "antidiagonal", 16)),
+               "estimate_ms": bench(lambda: block_masses(q, k, 0, args.block_size, args.estimator, args.stride))}
         causal = sum(range(1, -(-T // args.block_size) + 1)) * HKV
         for name, select in selectors.items():
             ids, counts = select()
+            select_ms = bench(select)
             attn_ms = bench(lambda: attend_fn(q, k, v, ids, counts, 0, args.block_size))
             total_ms = bench(lambda: attend_fn(q, k, v, *select(), 0, args.block_size))
             density = counts.sum().item() / causal
-            row["modes"][name] = {"density": density, "attention_ms": attn_ms, "with_selection_ms": total_ms,
-                                  "speedup": dense_ms / attn_ms, "speedup_with_selection": dense_ms / total_ms,
-                                  "bound": 1 / density}
+            error = _relative_error(attend_fn(q, k, v, ids, counts, 0, args.block_size), dense_out)
+            row["modes"][name] = {
+                "density": density, "selection_ms": select_ms, "attention_ms": attn_ms, "with_selection_ms": total_ms,
+                "selection_share": select_ms / total_ms, "relative_error": error,
+                "visited_tflops": _visited_tflop(counts, args.block_size) / (attn_ms / 1e3),
+                "speedup": base_ms / attn_ms, "speedup_with_selection": base_ms / total_ms,
+                "speedup_with_selection_by_backend": {b: ms / total_ms for b, ms in dense_ms.items()},
+                "bound": 1 / density}
             if name == "s-hplb":
                 if T == args.lengths[0] and on_gpu:  # spot check against the reference: last 512 rows
                     cs = T - 512
@@ -201,13 +274,44 @@ def run_kernel(args) -> dict:
                 if T == max(args.lengths):
                     results["makespan_ms"] = _makespans(q, k, v, ids, counts, args.block_size, args.ranks, bench,
                                                         attend_fn)
-            print(f"T={T:>6} {name:>9}: density {density:.3f} attention {attn_ms:8.2f} ms "
-                  f"(+selection {total_ms:8.2f} ms)  dense {dense_ms:8.2f} ms  "
-                  f"speed-up {dense_ms / attn_ms:5.2f}x / {dense_ms / total_ms:5.2f}x (bound {1 / density:5.2f}x)",
-                  flush=True)
+            m = row["modes"][name]
+            print(f"T={T:>6} {name:>9}: density {density:.3f} selection {select_ms:7.2f} ms attention {attn_ms:8.2f} ms "
+                  f"(+selection {total_ms:8.2f} ms, {100 * m['selection_share']:.0f}% selection)  dense "
+                  f"{fastest} {base_ms:8.2f} ms  speed-up {base_ms / attn_ms:5.2f}x / {base_ms / total_ms:5.2f}x "
+                  f"(bound {1 / density:5.2f}x)  {m['visited_tflops']:.0f} TFLOP/s on visited blocks, "
+                  f"error {error:.4f}", flush=True)
+        row["equal_accuracy"] = _threshold_at_hplb_accuracy(q, k, v, dense_out, threshold_at, row["modes"]["s-hplb"],
+                                                            causal, attend_fn, bench, args.block_size)
         results["lengths"][str(T)] = row
+        del q, k, v, dense_out
+    if on_gpu:
+        results["kernel_tile"] = tuned_config(args.block_size, D, H // HKV)
     _print_kernel_table(results)
     return results
+
+
+def _threshold_at_hplb_accuracy(q, k, v, dense_out, threshold_at, hplb, causal, attend_fn, bench, block_size,
+                                steps: int = 8) -> dict:
+    """The threshold method at S-HPLB's accuracy: the smallest mass tau (bisected) whose output
+    is as close to dense as S-HPLB's (relative error), its blocks and time against S-HPLB's."""
+    target = hplb["relative_error"]
+    lo, hi = 0.0, 1.0
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        ids, counts = threshold_at(mid)()
+        ok = _relative_error(attend_fn(q, k, v, ids, counts, 0, block_size), dense_out) <= target
+        lo, hi = (lo, mid) if ok else (mid, hi)
+    select = threshold_at(hi)
+    ids, counts = select()
+    total_ms = bench(lambda: attend_fn(q, k, v, *select(), 0, block_size))
+    out = {"threshold": hi, "density": counts.sum().item() / causal,
+           "relative_error": _relative_error(attend_fn(q, k, v, ids, counts, 0, block_size), dense_out),
+           "with_selection_ms": total_ms, "s_hplb_with_selection_ms": hplb["with_selection_ms"],
+           "s_hplb_density": hplb["density"], "s_hplb_speedup": total_ms / hplb["with_selection_ms"]}
+    print(f"  equal accuracy (error <= {target:.4f}): threshold tau {hi:.3f} computes {100 * out['density']:.1f}% "
+          f"of causal blocks in {total_ms:.2f} ms; S-HPLB {100 * hplb['density']:.1f}% in "
+          f"{hplb['with_selection_ms']:.2f} ms: S-HPLB {out['s_hplb_speedup']:.2f}x", flush=True)
+    return out
 
 
 def _cpu_bench(fn) -> float:
@@ -220,13 +324,30 @@ def _cpu_bench(fn) -> float:
 
 
 def _print_kernel_table(results: dict) -> None:
-    print("\n| tokens | dense SDPA ms | method | blocks computed | attention ms (x dense) | with selection ms (x dense) | bound |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
+    print(f"\nestimator: {results['estimator']} (stride {results['stride']}); block {results['block_size']}; "
+          f"kernel tile: {results.get('kernel_tile')}")
+    print("\n| tokens | dense flash ms (TFLOP/s) | dense cuDNN ms (TFLOP/s) | baseline | method | blocks computed | "
+          "selection ms | attention ms (TFLOP/s visited) | with selection ms | selection share | x baseline | "
+          "x baseline with selection | bound | rel. error |")
+    print("|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for T, row in results["lengths"].items():
+        dense = {b: f"{row['dense_ms'][b]:.1f} ({row['dense_tflops'][b]:.0f})" if b in row["dense_ms"] else "-"
+                 for b in ("flash", "cudnn")}
         for name, m in row["modes"].items():
-            print(f"| {int(T) // 1024}K | {row['dense_ms']:.1f} | {name} | {100 * m['density']:.1f}% | "
-                  f"{m['attention_ms']:.1f} ({m['speedup']:.2f}x) | {m['with_selection_ms']:.1f} "
-                  f"({m['speedup_with_selection']:.2f}x) | {m['bound']:.1f}x |")
+            print(f"| {_tokens(T)} | {dense['flash']} | {dense['cudnn']} | {row['dense_backend']} | {name} | "
+                  f"{100 * m['density']:.1f}% | {m['selection_ms']:.1f} | {m['attention_ms']:.1f} "
+                  f"({m['visited_tflops']:.0f}) | {m['with_selection_ms']:.1f} | {100 * m['selection_share']:.0f}% | "
+                  f"{m['speedup']:.2f}x | {m['speedup_with_selection']:.2f}x | {m['bound']:.1f}x | "
+                  f"{m['relative_error']:.4f} |")
+    print("\n| tokens | estimate ms | antidiagonal (stride 16) estimate ms | S-HPLB error | threshold tau at that error | "
+          "threshold blocks | S-HPLB blocks | threshold ms | S-HPLB ms | S-HPLB / threshold speed |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for T, row in results["lengths"].items():
+        e = row["equal_accuracy"]
+        print(f"| {_tokens(T)} | {row['estimate_ms']:.2f} | {row['antidiagonal_estimate_ms']:.2f} | "
+              f"{row['modes']['s-hplb']['relative_error']:.4f} | {e['threshold']:.3f} | {100 * e['density']:.1f}% | "
+              f"{100 * e['s_hplb_density']:.1f}% | {e['with_selection_ms']:.1f} | {e['s_hplb_with_selection_ms']:.1f} | "
+              f"{e['s_hplb_speedup']:.2f}x |")
     if results.get("makespan_ms"):
         print("\n| ranks | greedy makespan ms | contiguous makespan ms | contiguous / greedy |")
         print("|---:|---:|---:|---:|")
@@ -234,31 +355,117 @@ def _print_kernel_table(results: dict) -> None:
             print(f"| {R} | {row['greedy']:.2f} | {row['contiguous']:.2f} | {row['contiguous'] / row['greedy']:.2f}x |")
 
 
+# ---- dense ------------------------------------------------------------------------------------
+
+
+def run_dense(args) -> dict:
+    """The engine's dense prefill attention (``dense_prefill.dense_causal_attention``, what
+    ``prefill_attention`` runs) at Llama-3.1-8B attention shapes, one whole prompt and the
+    same prompt in chunks of ``--chunk`` tokens (chunked prefill's lower-right mask), on flash
+    and on the engine's choice: ms, TFLOP/s of the causal work, and the chunks' largest
+    difference from the whole prompt's output."""
+    import torch
+
+    from spin_cluster.engine.dense_prefill import DenseBackend, dense_causal_attention, device_backend
+
+    on_gpu = torch.cuda.is_available()
+    dev = torch.device("cuda" if on_gpu else "cpu")
+    chosen = device_backend(dev, torch.bfloat16, H, HKV, D)
+    backends = {"flash": DenseBackend.of("flash"), chosen.name: chosen} if on_gpu else {"default": chosen}
+    results = {"engine_backend": chosen.name, "chunk": args.chunk, "lengths": {}}
+    print(f"dense prefill backend of the engine: {chosen}", flush=True)
+    for T in args.lengths:
+        q, k, v = _synthetic_qkv(T, dev)
+        row = {}
+        for name, backend in backends.items():
+            def whole(backend=backend):
+                return dense_causal_attention(q, k, v, 0, backend)
+
+            def chunked(backend=backend):
+                return [dense_causal_attention(q[c:c + args.chunk], k[:, :c + args.chunk], v[:, :c + args.chunk], c,
+                                               backend) for c in range(0, T, args.chunk)]
+
+            # The first call of each shape includes kernel set-up (cuDNN builds a graph per shape).
+            whole_first_ms, whole_ms = _timed_ms(whole, args.repeats)
+            chunked_first_ms, chunked_ms = _timed_ms(chunked, args.repeats)
+            diff = (torch.cat(chunked()).float() - whole().float()).abs().max().item()
+            row[name] = {"whole_ms": whole_ms, "chunked_ms": chunked_ms, "whole_first_call_ms": whole_first_ms,
+                         "chunked_first_call_ms": chunked_first_ms,
+                         "whole_tflops": _causal_tflop(T) / (whole_ms / 1e3),
+                         "chunked_tflops": _causal_tflop(T) / (chunked_ms / 1e3), "chunked_vs_whole_max_abs": diff}
+            print(f"dense {name:>6} T={T:>6}: whole {whole_ms:8.2f} ms ({row[name]['whole_tflops']:.0f} TFLOP/s), "
+                  f"{args.chunk}-token chunks {chunked_ms:8.2f} ms ({row[name]['chunked_tflops']:.0f} TFLOP/s), "
+                  f"chunks vs whole max abs {diff:.2e}; first calls {whole_first_ms:.1f} / {chunked_first_ms:.1f} ms",
+                  flush=True)
+        results["lengths"][str(T)] = row
+        del q, k, v
+    print(f"\n| tokens | backend | whole prompt ms (TFLOP/s) | {args.chunk}-token chunks ms (TFLOP/s) |\n|---:|---|---:|---:|")
+    for T, row in results["lengths"].items():
+        for name, r in row.items():
+            print(f"| {_tokens(T)} | {name} | {r['whole_ms']:.1f} ({r['whole_tflops']:.0f}) | "
+                  f"{r['chunked_ms']:.1f} ({r['chunked_tflops']:.0f}) |")
+    return results
+
+
+def _timed_ms(fn, repeats: int) -> tuple[float, float]:
+    """(first call, median of ``repeats`` later calls): wall times, synchronised (ms)."""
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    first = 1e3 * (time.perf_counter() - t0)
+    times = []
+    for _ in range(repeats):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return first, statistics.median(times)
+
+
 # ---- ttft ------------------------------------------------------------------------------------------
 
 
 def run_ttft(args) -> dict:
+    """TTFT of one prompt per length through the engine: dense prefill on flash (forced by
+    SPIN_DENSE_PREFILL), dense on the engine's own choice (cuDNN on Hopper), block-sparse.
+    Each timed ``--runs`` times on fresh prompts (flash ``--flash-runs``): median, min, max."""
     import torch
 
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import SamplingParams
     from spin_cluster.engine import Engine
+    from spin_cluster.engine.dense_prefill import device_backend
     from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
 
     longest = max(args.lengths)
     # Room for a prompt of `longest` plus its token; random weights (model.load_format: dummy).
-    folder = shape_folder({**LLAMA_31_8B, "num_hidden_layers": args.layers}, longest + 256,
+    folder = shape_folder({**LLAMA_31_8B, "num_hidden_layers": args.layers}, longest + 256, args.tokenizer,
                           prefix="llama31-8b-shapes-")
     rng = random.Random(0)
     per_head = [[round(min(0.99, max(0.01, rng.lognormvariate(0, 0.6) * args.budget)), 3) for _ in range(HKV)]
                 for _ in range(args.layers)]
     mean = sum(map(sum, per_head)) / (args.layers * HKV)
     per_head = [[round(min(0.99, b * args.budget / mean), 3) for b in row] for row in per_head]
-    results = {"budget": args.budget, "per_head_budgets": per_head, "ttft_s": {}}
-    for label, prefill in (("dense", {}), ("block-sparse", {"algorithm": "block", "block_size": 128, "stride": 16,
-                                                            "budgets": "per_head", "per_head_budgets": per_head})):
+    sparse = {"algorithm": "block", "block_size": args.block_size, "estimator": args.estimator, "stride": args.stride,
+              "budgets": "per_head", "per_head_budgets": per_head}
+    on_gpu = torch.cuda.is_available()
+    dev = torch.device("cuda" if on_gpu else "cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    chosen = device_backend(dev, dtype, H, HKV, D).name
+    variants = [("dense", {}, None, args.runs), ("block-sparse", sparse, None, args.runs)]
+    if chosen != "flash" and on_gpu:
+        variants.insert(0, ("dense-flash", {}, "flash", args.flash_runs))
+    results = {"budget": args.budget, "per_head_budgets": per_head, "dense_backend": chosen,
+               "estimator": args.estimator, "stride": args.stride, "ttft_s": {}}
+    print(f"dense prefill backend of the engine: {chosen}", flush=True)
+    for label, prefill, force, runs in variants:
+        if force:
+            os.environ["SPIN_DENSE_PREFILL"] = force
         cfg = SpinConfig.from_dict({
-            "model": {"path": folder, "load_format": "dummy", "dtype": "bfloat16", "max_model_len": longest + 16},
+            "model": {"path": folder, "load_format": "dummy", "dtype": "bfloat16" if on_gpu else "float32",
+                      "max_model_len": longest + 16},
             "cache": {"kv_cache_gib": 2 * args.layers * HKV * D * 2 * (longest + 256) / 2**30 + 1},
             "scheduler": {"max_num_seqs": 1, "max_num_batched_tokens": longest + 16},
             "sparse": {"prefill": prefill},
@@ -266,26 +473,46 @@ def run_ttft(args) -> dict:
         engine = Engine(cfg, progress=False)
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         warm = min(2048, min(args.lengths))
-        engine.generate([[rng.randrange(1000, 40000) for _ in range(warm)]], params)  # warm-up (Triton compile)
-        for T in args.lengths:
-            prompt = [rng.randrange(1000, 40000) for _ in range(T)]
-            _sync()
-            t0 = time.perf_counter()
-            engine.generate([prompt], params)
-            _sync()
-            results["ttft_s"].setdefault(str(T), {})[label] = time.perf_counter() - t0
-            print(f"TTFT {label:>12} T={T:>6}: {results['ttft_s'][str(T)][label]:.3f} s", flush=True)
-        if prefill:
-            results["density"] = engine.runner.attention.sparse_prefill.density()
-        del engine
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        try:
+            engine.generate([[rng.randrange(1000, 40000) for _ in range(warm)]], params)  # warm-up (compile, tune)
+            for T in args.lengths:
+                times = []
+                for run in range(runs):
+                    prompt = [random.Random(T * 100 + run).randrange(1000, 40000) for _ in range(T)]
+                    _sync()
+                    t0 = time.perf_counter()
+                    engine.generate([prompt], params)
+                    _sync()
+                    times.append(time.perf_counter() - t0)
+                stats = {"median": statistics.median(times), "min": min(times), "max": max(times), "runs": times}
+                results["ttft_s"].setdefault(str(T), {})[label] = stats
+                print(f"TTFT {label:>12} T={T:>6}: {stats['median']:.3f} s (min {stats['min']:.3f}, "
+                      f"max {stats['max']:.3f}, {runs} runs)", flush=True)
+            if prefill:
+                results["density"] = engine.runner.attention.sparse_prefill.density()
+        finally:
+            os.environ.pop("SPIN_DENSE_PREFILL", None)
+            del engine
+            if on_gpu:
+                torch.cuda.empty_cache()
     shutil.rmtree(folder, ignore_errors=True)
-    print("\n| prompt tokens | dense TTFT s | block-sparse TTFT s | speed-up |\n|---:|---:|---:|---:|")
-    for T, row in results["ttft_s"].items():
-        print(f"| {int(T) // 1024}K | {row['dense']:.2f} | {row['block-sparse']:.2f} | {row['dense'] / row['block-sparse']:.2f}x |")
-    print(f"blocks computed by sparse prefill: {100 * results['density']:.1f}% of causal")
+    _print_ttft_table(results)
     return results
+
+
+def _print_ttft_table(results: dict) -> None:
+    chosen = results["dense_backend"]
+    print(f"\n| prompt tokens | dense flash TTFT s | dense {chosen} TTFT s (min-max) | block-sparse TTFT s (min-max) "
+          f"| sparse vs dense {chosen} | sparse vs dense flash |\n|---:|---:|---:|---:|---:|---:|")
+    for T, row in results["ttft_s"].items():
+        flash = row.get("dense-flash", row["dense"] if chosen == "flash" else None)
+        d, b = row["dense"], row["block-sparse"]
+        flash_s = f"{flash['median']:.2f}" if flash else "-"
+        vs_flash = f"{flash['median'] / b['median']:.2f}x" if flash else "-"
+        print(f"| {_tokens(T)} | {flash_s} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | "
+              f"{b['median']:.2f} ({b['min']:.2f}-{b['max']:.2f}) | {d['median'] / b['median']:.2f}x | {vs_flash} |")
+    print(f"blocks computed by sparse prefill: {100 * results['density']:.1f}% of causal; estimator "
+          f"{results['estimator']} (stride {results['stride']})")
 
 
 def _sync() -> None:
@@ -305,7 +532,8 @@ def run_accuracy(args) -> dict:
     tasks = {"tasks": tuple(args.tasks)} if args.tasks else {}
     cfg = EvalConfig(**tasks, lengths=tuple(args.lengths), samples_per_task=args.samples, algorithms=("dense",), budgets=(),
                      prefill_modes=("uniform", "threshold", "hplb"), prefill_budget=args.budget,
-                     prefill_block_size=args.block_size, max_batch=args.max_batch, device=args.device,
+                     prefill_block_size=args.block_size, prefill_estimator=args.estimator,
+                     prefill_stride=min(args.stride, args.block_size), max_batch=args.max_batch, device=args.device,
                      dtype=args.dtype)
     results = evaluate(cfg, progress=False)
     print(report.markdown(results), end="")
@@ -318,15 +546,23 @@ def run_accuracy(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["kernel", "ttft", "accuracy"])
+    ap.add_argument("what", choices=["dense", "kernel", "ttft", "accuracy"])
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     ap.add_argument("--budget", type=float, default=None,
                     help="uniform middle-block fraction (kernel, ttft: 0.125; accuracy: 0.2, about a quarter of all causal blocks at 4K-8K)")
     ap.add_argument("--block-size", type=int, default=None, help="kernel: 128; accuracy: 64")
-    ap.add_argument("--stride", type=int, default=16, help="antidiagonal stride (kernel)")
+    ap.add_argument("--stride", type=int, default=16, help="estimate stride: antidiagonal spacing or query group (kernel, ttft)")
+    ap.add_argument("--estimator", default="strided", choices=["strided", "antidiagonal", "pooled"],
+                    help="key-block estimate of sparse prefill (kernel, ttft)")
     ap.add_argument("--coverage", type=float, default=0.9, help="mass the S-HPLB needs are measured at (kernel)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--layers", type=int, default=32, help="ttft: decoder layers (fewer for a smoke run)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="ttft: folder of tokenizer files for the random-weight model (default: the default model's)")
+    ap.add_argument("--chunk", type=int, default=2048, help="dense: chunk tokens (the scheduler's default)")
+    ap.add_argument("--repeats", type=int, default=3, help="dense: timed repeats (median)")
+    ap.add_argument("--runs", type=int, default=3, help="ttft: timed prompts per length and variant (median)")
+    ap.add_argument("--flash-runs", type=int, default=1, help="ttft: timed prompts of the dense flash reference")
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--tasks", nargs="+", default=None, help="accuracy: RULER-style tasks (default: all)")
@@ -334,13 +570,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default=None, metavar="JSON")
     args = ap.parse_args()
-    defaults = {"kernel": ([32768, 65536, 131072], 0.125, 128), "ttft": ([32768, 131072], 0.125, 128),
+    defaults = {"dense": ([32768, 131072], 0.125, 128), "kernel": ([32768, 65536, 131072], 0.125, 128), "ttft": ([32768, 131072], 0.125, 128),
                 "accuracy": ([4096, 8192], 0.2, 64)}[args.what]
     args.lengths = args.lengths or defaults[0]
     args.budget = args.budget or defaults[1]
     args.block_size = args.block_size or defaults[2]
     _import_package()
-    result = {"kernel": run_kernel, "ttft": run_ttft, "accuracy": run_accuracy}[args.what](args)
+    result = {"dense": run_dense, "kernel": run_kernel, "ttft": run_ttft, "accuracy": run_accuracy}[args.what](args)
     if args.out:
         from spin_cluster.provenance import write_json
 

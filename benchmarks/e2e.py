@@ -359,7 +359,8 @@ def markdown(results: dict) -> str:
         return "-" if x is None else fmt.format(x * scale)
 
     lines = [f"GPU KV cap: {results['gpu_kv_gib']} GiB; host tier {results['host_kv_gib']} GiB; "
-             f"sparse budget {results['budget']} tokens/head; {results['device']}", "",
+             f"sparse budget {results['budget']} tokens/head; {results['device']}; dense prefill on "
+             f"{results.get('dense_prefill_backend', 'the default SDPA dispatch')}", "",
              "| workload | mode | finished | throughput tok/s | decode tok/s | peak batch | TTFT p50 s | TTFT p99 s "
              "| TPOT p50 ms | TPOT p99 ms | hit ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, by_mode in results["workloads"].items():
@@ -459,6 +460,13 @@ def main(argv=None) -> dict:
                "budget": args.budget, "shape": shape, "args": vars(args),
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu",
                "workloads": {name: {} for name, *_ in runs}}
+    if torch.cuda.is_available() and not args.tiny:  # the SDPA kernel of every mode's dense prefill
+        from spin_cluster.engine.dense_prefill import device_backend
+
+        results["dense_prefill_backend"] = device_backend(
+            torch.device("cuda"), torch.bfloat16, shape["num_attention_heads"], shape["num_key_value_heads"],
+            shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]).name
+        print(f"dense prefill backend: {results['dense_prefill_backend']}", flush=True)
     # Each (mode, workload) slice gets a share of the time left, weighted by its prefill work
     # (an offline 128K batch needs four times a 32K one; an online rate, 1.5 times a 32K one).
     weights = [len(prompts[0]) / args.online_length if name.startswith("offline") else 1.5

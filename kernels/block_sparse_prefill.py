@@ -35,6 +35,9 @@ This module imports only torch (and Triton, lazily).
 
 from __future__ import annotations
 
+import functools
+import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -174,10 +177,13 @@ def block_sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
                          num_blocks: torch.Tensor, context_start: int, block_size: int,
                          scale: float | None = None, out: torch.Tensor | None = None, *,
                          block_n: int | None = None, num_warps: int | None = None,
-                         num_stages: int | None = None) -> torch.Tensor:
+                         num_stages: int | None = None, tma: bool | None = None) -> torch.Tensor:
     """Triton block-sparse prefill; see the module docstring for the layout. ``block_size``
     is 16..128 here (the query tile is one block). Keyword-only tuning knobs: ``block_n``
-    (keys per inner tile, a power of two dividing block_size), ``num_warps``, ``num_stages``.
+    (keys per inner tile, a power of two dividing block_size), ``num_warps``, ``num_stages``,
+    ``tma`` (K/V through tensor descriptors: True, False, None = where ``descriptors_usable``);
+    with none given, a CUDA launch uses the autotuned tile (``autotune_enabled``), timing the
+    descriptor loads against pointer loads where descriptors are usable.
 
     Not checked (it would need a host sync): listed ids lie in 0 .. the query block's
     diagonal block, ascending, and ``0 <= num_blocks <= K``."""
@@ -196,25 +202,119 @@ def block_sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
         raise ValueError(f"the Triton kernel needs CUDA tensors (got {q.device}); on the CPU set "
                          "TRITON_INTERPRET=1 before Triton is imported, or use block_sparse_prefill_ref")
     D_PAD = max(16, 1 << (D - 1).bit_length())
-    default_n, default_warps, default_stages = _launch_config(block_size, D_PAD)
-    block_n = default_n if block_n is None else block_n
-    if block_n < 16 or block_n & (block_n - 1) or block_size % block_n:
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1) or block_size % block_n):
         raise ValueError(f"block_n={block_n}: use a power of two >= 16 that divides block_size={block_size}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if n == 0:
         return out
-    kmod._block_sparse_prefill_fwd[(H, M)](
-        q, k, v, block_ids, num_blocks, out,
-        _resolve_scale(scale, D) * _LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        block_ids.stride(0), block_ids.stride(1), num_blocks.stride(0), num_blocks.stride(1),
-        out.stride(0), out.stride(1),
-        n, context_start, M,
-        G=G, D=D, D_PAD=D_PAD, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRETED=interpreted,
-        num_warps=default_warps if num_warps is None else num_warps,
-        num_stages=default_stages if num_stages is None else num_stages,
-    )
+    fixed = interpreted or block_n is not None or num_warps is not None or num_stages is not None or tma is not None
+    tuned = not fixed and block_size >= kmod.AUTOTUNE_MIN_BLOCK and autotune_enabled()
+    if tma and not _descriptors_possible(q, k, v):
+        raise ValueError("tma=True: K/V tensor descriptors need bf16/fp16, a power-of-two head dim >= 16, 16-byte "
+                         "aligned base and strides, and compute capability >= 9.0 (or the interpreter)")
+    # Descriptors when asked for, or (tuned launches) where usable: then the tuner times both.
+    use_desc = bool(tma) or (tuned and tma is None and descriptors_usable(q, k, v))
+    default_n, default_warps, default_stages = _launch_config(block_size, D_PAD)
+    descs = _descriptors(k, v, n + context_start, block_n or default_n) if use_desc else None
+    args = (q, k, v, block_ids, num_blocks, out, *(descs or (k, v)),
+            _resolve_scale(scale, D) * _LOG2E,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            block_ids.stride(0), block_ids.stride(1), num_blocks.stride(0), num_blocks.stride(1),
+            out.stride(0), out.stride(1),
+            n, context_start, M, size_class(M))
+    meta = dict(G=G, D=D, D_PAD=D_PAD, BLOCK_SIZE=block_size,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRETED=interpreted)
+    if not tuned:
+        kmod._block_sparse_prefill_fwd[(H, M)](
+            *args, **meta, BLOCK_N=default_n if block_n is None else block_n, USE_DESC=use_desc,
+            num_warps=default_warps if num_warps is None else num_warps,
+            num_stages=default_stages if num_stages is None else num_stages,
+        )
+    elif use_desc:
+        kmod._block_sparse_prefill_fwd_tuned_desc[(H, M)](*args, **meta)
+    else:
+        kmod._block_sparse_prefill_fwd_tuned[(H, M)](*args, **meta, USE_DESC=False)
+    return out
+
+
+def _descriptors(k: torch.Tensor, v: torch.Tensor, num_keys: int, block_n: int):
+    """[Hkv, num_keys, D] tensor descriptors of k and v with [1, block_n, D] blocks (keys past
+    num_keys read as zeros)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    Hkv, _, D = k.shape
+    return tuple(TensorDescriptor(t, [Hkv, num_keys, D], list(t.stride()), [1, block_n, D]) for t in (k, v))
+
+
+def _descriptors_possible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """bf16/fp16, head dim a power of two >= 16, 16-byte aligned base and strides, and compute
+    capability >= 9.0 (bulk tensor copies) or the interpreter."""
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    D = k.shape[-1]
+    if D < 16 or D & (D - 1):
+        return False
+    for t in (k, v):
+        if t.data_ptr() % 16 or t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False
+    return interpreter_requested() or (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (9, 0))
+
+
+def descriptors_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether tuned launches may read K/V through tensor descriptors: possible here
+    (``_descriptors_possible``), ``SPIN_PREFILL_TMA`` not 0, and the device's one-time
+    self-check (``_descriptor_self_check``) passed."""
+    if os.environ.get("SPIN_PREFILL_TMA", "1") == "0" or not _descriptors_possible(q, k, v):
+        return False
+    return _descriptor_self_check(q.device, q.dtype, k.shape[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _descriptor_self_check(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Run the descriptor kernel once on a small ragged problem against the pointer kernel;
+    on any error or difference, warn and keep the pointer kernel for this process."""
+    g = torch.Generator(device=device).manual_seed(0)
+    n, cs, H, Hkv, bs = 200, 72, 4, 2, 64
+    q = torch.randn(n, H, head_dim, device=device, dtype=dtype, generator=g)
+    k = torch.randn(Hkv, cs + n, head_dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn(Hkv, cs + n, head_dim, device=device, dtype=dtype, generator=g)
+    ids, counts = causal_block_lists(Hkv, cs, n, bs, device)
+    try:
+        want = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=32, num_warps=4, num_stages=2, tma=False)
+        got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=32, num_warps=4, num_stages=2, tma=True)
+        ok = bool((got.float() - want.float()).abs().max() <= 2e-2)
+    except Exception as err:  # a compiler or driver error: any of them means "not on this device"
+        warnings.warn(f"block-sparse prefill: K/V tensor descriptors fail on {device} ({type(err).__name__}: {err}); "
+                      "using pointer loads", RuntimeWarning, stacklevel=2)
+        return False
+    if not ok:
+        warnings.warn(f"block-sparse prefill: K/V tensor descriptors give wrong results on {device}; using pointer "
+                      "loads", RuntimeWarning, stacklevel=2)
+    return ok
+
+
+def size_class(num_q_blocks: int) -> int:
+    """Autotune bucket of a launch by its query blocks M: < 64, < 512, more (a 2K warm-up
+    prompt, 32K, 128K at 128-position blocks each get their own tile)."""
+    return 0 if num_q_blocks < 64 else 1 if num_q_blocks < 512 else 2
+
+
+def autotune_enabled() -> bool:
+    """Whether CUDA launches without explicit knobs pick their tile by timing candidates on
+    the first launch (``SPIN_PREFILL_AUTOTUNE=0`` keeps the fixed ``_launch_config``)."""
+    return os.environ.get("SPIN_PREFILL_AUTOTUNE", "1") != "0"
+
+
+def tuned_config(block_size: int, head_dim: int, group: int) -> dict[int, dict]:
+    """The tiles the autotuner chose for this shape in this process, by size class
+    (``USE_DESC``: K/V through tensor descriptors)."""
+    kmod = _load_kernels()
+    D_PAD = max(16, 1 << (head_dim - 1).bit_length())
+    out = {}
+    for name in ("_block_sparse_prefill_fwd_tuned", "_block_sparse_prefill_fwd_tuned_desc"):
+        for key, cfg in (getattr(getattr(kmod, name, None), "cache", None) or {}).items():
+            if tuple(key[:3]) == (block_size, D_PAD, group):
+                out[key[3]] = {"BLOCK_N": cfg.kwargs["BLOCK_N"], "USE_DESC": cfg.kwargs.get("USE_DESC", False),
+                               "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return out

@@ -50,6 +50,9 @@ class EvalConfig:
     prefill_modes: tuple[str, ...] = ()
     prefill_budget: float = 0.25
     prefill_block_size: int = 64
+    # Their key-block estimate (``sparse.prefill.estimator``) and its stride.
+    prefill_estimator: str = "antidiagonal"
+    prefill_stride: int = 8
     # How scored algorithms spread each budget over heads (``methods.BUDGET_MODES``): uniform
     # top-k, online top-p at mass top_p (0, 1], or S-HPLB max-min per-head budgets from the head
     # profile at profile_path (``spin-cluster profile``) with floors of floor_fraction (0..1)
@@ -268,7 +271,8 @@ def _calibrate_prefill(config: EvalConfig, model_path: str) -> dict:
 
     device = resolve_device(config.device)
     model = load_model(model_path, dtype=resolve_dtype(config.dtype, device), device=device, progress=False).eval()
-    prefill = SparsePrefillConfig(algorithm="block", block_size=config.prefill_block_size, budget=config.prefill_budget)
+    prefill = SparsePrefillConfig(algorithm="block", block_size=config.prefill_block_size, budget=config.prefill_budget,
+                                  estimator=config.prefill_estimator, stride=config.prefill_stride)
     tokenizer = Tokenizer(model_path)
     out = {}
     for n in config.lengths:
@@ -279,7 +283,8 @@ def _calibrate_prefill(config: EvalConfig, model_path: str) -> dict:
 
 def _prefill_options(config: EvalConfig, method: Method, calibration) -> dict:
     """The ``sparse.prefill`` section of a sparse-prefill method (``calibrate``'s budgets)."""
-    section = {"algorithm": "block", "block_size": config.prefill_block_size, "budget": method.prefill_budget}
+    section = {"algorithm": "block", "block_size": config.prefill_block_size, "budget": method.prefill_budget,
+               "estimator": config.prefill_estimator, "stride": config.prefill_stride}
     if method.prefill == "threshold":
         return {**section, "budgets": "threshold", "threshold": calibration.threshold}
     if method.prefill == "hplb":

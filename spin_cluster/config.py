@@ -105,7 +105,7 @@ class CacheConfig:
 
 
 _PREFILL_ALGORITHMS = ("dense", "block")
-_PREFILL_ESTIMATORS = ("antidiagonal", "pooled")
+_PREFILL_ESTIMATORS = ("antidiagonal", "pooled", "strided")
 _PREFILL_BUDGETS = ("uniform", "threshold", "per_head")
 
 
@@ -132,9 +132,11 @@ class SparsePrefillConfig:
     # Positions per query block and key block, a power of two in 16..128.
     block_size: int = 64
     # Key-block importance estimate: "antidiagonal" (XAttention: q.k summed along every
-    # stride-th antidiagonal) or "pooled" (block-mean q . block-mean k).
+    # stride-th antidiagonal), "pooled" (block-mean q . block-mean k) or "strided"
+    # (stride-mean q . block-mean k: 1/16 of the antidiagonal estimate's cost or less).
     estimator: str = "antidiagonal"
-    # antidiagonal: positions between sampled antidiagonals, a power of two dividing block_size.
+    # antidiagonal: positions between sampled antidiagonals; strided: queries per pooled
+    # group. A power of two dividing block_size.
     stride: int = 8
     # Always-kept first key blocks (attention sinks) and key blocks just left of the diagonal
     # (local band), >= 0. The diagonal block is always kept.

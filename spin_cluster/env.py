@@ -21,3 +21,15 @@ def default_model_dir() -> Path:
 def commit_override() -> str | None:
     """SPIN_COMMIT: the commit a copy of the tree without its .git was made from."""
     return os.environ.get("SPIN_COMMIT") or None
+
+
+DENSE_PREFILL_CHOICES = ("auto", "cudnn", "flash", "default")
+
+
+def dense_prefill_override() -> str | None:
+    """SPIN_DENSE_PREFILL: dense prefill's SDPA kernel, 'cudnn', 'flash' or 'default' (SDPA's
+    own dispatch); unset or 'auto': the device's choice (``engine.dense_prefill``)."""
+    raw = os.environ.get("SPIN_DENSE_PREFILL", "auto").strip().lower() or "auto"
+    if raw not in DENSE_PREFILL_CHOICES:
+        raise ValueError(f"SPIN_DENSE_PREFILL={raw!r}: choose one of {', '.join(DENSE_PREFILL_CHOICES)}")
+    return None if raw == "auto" else raw

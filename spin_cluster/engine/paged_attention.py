@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from spin_cluster.engine.backend import AttentionBackend, register_backend
+from spin_cluster.engine.dense_prefill import dense_causal_attention
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import paged_decode
 from spin_cluster.kvcache.manager import KVCacheManager
@@ -209,7 +209,9 @@ class PagedAttention(AttentionBackend):
 
 def prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, context_start: int,
                       sparse: BlockSparsePrefill | None = None, layer: int = 0) -> torch.Tensor:
-    """Causal SDPA of a prefill chunk against its request's context.
+    """Causal SDPA of a prefill chunk against its request's context, on the device's fastest
+    SDPA kernel (``spin_cluster.engine.dense_prefill``: cuDNN on Hopper, else flash, the
+    math kernel on the CPU).
 
     q: [n, H, D] at positions context_start .. context_start + n - 1;
     k_ctx, v_ctx: [Hkv, context_start + n, D] (positions 0 ..). Returns [n, H, D].
@@ -217,16 +219,7 @@ def prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
     """
     if sparse is not None:
         return sparse(layer, q, k_ctx, v_ctx, context_start)
-    mask = None if context_start == 0 else chunk_causal_mask(q.shape[0], context_start, q.device)
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
-        k_ctx.unsqueeze(0),
-        v_ctx.unsqueeze(0),
-        attn_mask=mask,
-        is_causal=context_start == 0,
-        enable_gqa=True,
-    )
-    return o[0].transpose(0, 1)  # [n, H, D]
+    return dense_causal_attention(q, k_ctx, v_ctx, context_start)
 
 
 def chunk_causal_mask(n: int, context_start: int, device: torch.device):
@@ -235,7 +228,8 @@ def chunk_causal_mask(n: int, context_start: int, device: torch.device):
     Query i sees keys 0 .. context_start + i: causal, aligned to the lower right of the
     [n, end] scores. On CUDA it is a ``CausalBias``, with which SDPA keeps its flash kernel
     (a materialised mask would send it to a kernel that holds [H, n, end] scores: 32 GiB at
-    a 2K chunk of a 128K context); elsewhere the boolean [n, end] mask itself.
+    a 2K chunk of a 128K context); elsewhere the boolean [n, end] mask itself. Dense prefill
+    builds its own (``dense_prefill``); this is the oracle of tests.
     """
     end = context_start + n
     if device.type == "cuda":

@@ -63,6 +63,9 @@ def block_masses(q: torch.Tensor, k: torch.Tensor, context_start: int, block_siz
     a softmax over b gives each strided query row's mass, and summing the s x s tiles of a
     block pair gives the block's mass: (T/s)^2 dot products of length s*D, 1/s^2 of dense.
     pooled: softmax over key blocks of (block-mean q) . (block-mean k): (T/bs)^2 dots.
+    strided: softmax over key blocks of (stride-mean q) . (block-mean k) for every group of
+    ``stride`` queries, summed over a query block's groups: (T/s)(T/bs) dots, a few
+    milliseconds at 128K (the antidiagonal estimate's dots are s*D long and (T/s)^2 many).
     """
     n, H, D = q.shape
     Hkv = k.shape[0]
@@ -70,6 +73,8 @@ def block_masses(q: torch.Tensor, k: torch.Tensor, context_start: int, block_siz
     first = context_start // block_size
     M = num_query_blocks(context_start, n, block_size)
     J = first + M
+    if estimator == "strided":
+        return _strided_masses(q, k, context_start, block_size, stride)
     # Queries placed at their positions within whole blocks; rows outside the chunk are zero.
     lead = context_start - first * block_size
     q_blocks = q.new_zeros(M * block_size, H, D)
@@ -90,7 +95,7 @@ def block_masses(q: torch.Tensor, k: torch.Tensor, context_start: int, block_siz
         mass = logits.masked_fill(~causal, float("-inf")).softmax(-1)
         return mass.view(Hkv, G, M, J).mean(1)
     if estimator != "antidiagonal":
-        raise ValueError(f"estimator={estimator!r}: choose antidiagonal or pooled")
+        raise ValueError(f"estimator={estimator!r}: choose antidiagonal, pooled or strided")
     return _antidiagonal_masses(q_blocks, k_blocks, row_in_chunk, first, block_size, stride)
 
 
@@ -120,6 +125,55 @@ def _antidiagonal_masses(q_blocks, k_blocks, row_in_chunk, first, block_size, st
             rows = p.shape[1] // per
             p = p.view(G, rows, per, J, per).sum((0, 2, 4))  # [rows(blocks), J]
             out[h, m0:m0 + rows] = p
+    return out / out.sum(-1, keepdim=True).clamp(min=1e-30)
+
+
+def _strided_masses(q: torch.Tensor, k: torch.Tensor, context_start: int, block_size: int,
+                    stride: int) -> torch.Tensor:
+    """q [n, H, D], k [Hkv, >= T, D] -> [Hkv, M, J] (see ``block_masses``: 'strided').
+
+    Positions are grouped as the kernel's blocks are (aligned to 0)::
+
+        query groups  | s | s | s | s | ... (R = M * bs / s, the first and last may be partial)
+        key blocks    |      bs       |      bs       | ...  (J)
+
+    Means are taken over the positions a group or block holds in the chunk (sums in fp32);
+    the dots run in the inputs' dtype, the softmax in fp32. A whole prompt of whole blocks
+    reads q and k once through views; other chunks are padded first."""
+    n, H, D = q.shape
+    Hkv = k.shape[0]
+    G, s, bs = H // Hkv, stride, block_size
+    first = context_start // bs
+    M = num_query_blocks(context_start, n, bs)
+    J, T = first + M, context_start + n
+    lead = context_start - first * bs  # chunk rows start this far into query block 0
+    if lead or n % bs:
+        q_pad = q.new_zeros(M * bs, H, D)
+        q_pad[lead:lead + n] = q
+        k_pad = k.new_zeros(Hkv, J * bs, D)
+        k_pad[:, :T] = k[:, :T]
+    else:
+        q_pad, k_pad = q, k[:, :T]
+    R, per = M * bs // s, bs // s
+    rows = torch.zeros(M * bs, device=q.device)
+    rows[lead:lead + n] = 1
+    q_count = rows.view(R, s).sum(-1)  # [R] chunk rows per group
+    k_count = (torch.arange(J * bs, device=q.device) < T).view(J, bs).sum(-1).clamp(min=1)  # [J]
+    q_mean = q_pad.reshape(R, s, H, D).sum(1, dtype=torch.float32) / q_count.clamp(min=1)[:, None, None]  # [R, H, D]
+    k_mean = k_pad.reshape(Hkv, J, bs, D).sum(2, dtype=torch.float32) / k_count[None, :, None]  # [Hkv, J, D]
+    # [Hkv, G*R, D] query groups per KV head, [Hkv, D, J] block keys, in the inputs' dtype.
+    qg = q_mean.to(q.dtype).view(R, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * R, D)
+    kt = k_mean.to(q.dtype).transpose(1, 2)
+    row_block = first + torch.arange(R, device=q.device) // per  # [R] key block of each group's diagonal
+    future = torch.arange(J, device=q.device)[None, :] > row_block[:, None]  # [R, J]
+    scale = D**-0.5
+    out = torch.empty(Hkv, M, J, dtype=torch.float32, device=q.device)
+    heads_per_chunk = max(1, _ESTIMATE_CHUNK_ELEMENTS // (G * R * J))
+    for h0 in range(0, Hkv, heads_per_chunk):
+        h1 = min(Hkv, h0 + heads_per_chunk)
+        logits = torch.bmm(qg[h0:h1], kt[h0:h1]).float().mul_(scale).view(h1 - h0, G, R, J)
+        p = logits.masked_fill_(future, float("-inf")).softmax(-1).mul_(q_count[:, None])
+        out[h0:h1] = p.view(h1 - h0, G, M, per, J).sum((1, 3))
     return out / out.sum(-1, keepdim=True).clamp(min=1e-30)
 
 

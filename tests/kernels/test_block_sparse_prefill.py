@@ -120,3 +120,65 @@ def test_kernel_at_llama_shapes_on_gpu(cs):
     ids, counts = causal_block_lists(Hkv, cs, n, bs, device="cuda")
     dense = _dense_causal(q, k, v, cs)
     assert (block_sparse_prefill(q, k, v, ids, counts, cs, bs).float() - dense).abs().max() < 2e-2
+
+
+def test_128_key_tiles_in_a_128_block_with_an_unaligned_chunk():
+    n, cs, H, Hkv, D, bs = 150, 100, 2, 1, 16, 128
+    q, k, v = _qkv(n, cs, H, Hkv, D, torch.float32, seed=9)
+    ids, counts = causal_block_lists(Hkv, cs, n, bs)
+    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=128, num_warps=8, num_stages=3)
+    assert torch.allclose(got, _dense_causal(q, k, v, cs), atol=2e-5)
+
+
+def test_autotune_candidates_divide_the_block():
+    from spin_cluster.kernels._block_sparse_prefill_kernel import AUTOTUNE_CONFIGS, _prune_configs
+
+    kept = _prune_configs(AUTOTUNE_CONFIGS, {}, BLOCK_SIZE=64)
+    assert kept and all(c.kwargs["BLOCK_N"] == 64 for c in kept)
+    assert len(_prune_configs(AUTOTUNE_CONFIGS, {}, BLOCK_SIZE=128)) == len(AUTOTUNE_CONFIGS)
+    assert not _prune_configs(AUTOTUNE_CONFIGS, {}, BLOCK_SIZE=32)  # smaller blocks launch untuned
+
+
+@pytest.mark.gpu
+def test_every_autotune_candidate_is_correct_on_gpu():
+    """Each tile the autotuner may pick, launched explicitly (pointer loads, and on Hopper
+    tensor-descriptor loads), against the torch reference."""
+    from spin_cluster.kernels._block_sparse_prefill_kernel import AUTOTUNE_CONFIGS
+
+    n, cs, H, Hkv, D, bs = 1024, 320, 32, 8, 128, 128
+    q, k, v = _qkv(n, cs, H, Hkv, D, torch.bfloat16, seed=10, device="cuda")
+    ids, counts = _random_lists(Hkv, cs, n, bs, seed=11, device="cuda")
+    ref = block_sparse_prefill_ref(q, k, v, ids, counts, cs, bs)
+    descriptors = [False, True] if torch.cuda.get_device_capability() >= (9, 0) else [False]
+    for c in AUTOTUNE_CONFIGS:
+        for tma in descriptors:
+            got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=c.kwargs["BLOCK_N"],
+                                       num_warps=c.num_warps, num_stages=c.num_stages, tma=tma)
+            assert (got.float() - ref.float()).abs().max() < 2e-2, (c, tma)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_descriptor_loads_equal_the_reference(dtype):
+    """K/V through tensor descriptors (bulk tensor copies on Hopper), a strided KV layout as
+    the engine passes it ([n, Hkv, D] transposed), an unaligned chunk, ragged lists."""
+    n, cs, H, Hkv, D, bs = 45, 8, 4, 2, 16, 16
+    q, k, v = _qkv(n, cs, H, Hkv, D, dtype, seed=12)
+    k, v = k.transpose(0, 1).contiguous().transpose(0, 1), v.transpose(0, 1).contiguous().transpose(0, 1)
+    ids, counts = _random_lists(Hkv, cs, n, bs, seed=13)
+    ref = block_sparse_prefill_ref(q, k, v, ids, counts, cs, bs)
+    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, tma=True)
+    assert torch.allclose(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    with pytest.raises(ValueError, match="tma=True"):
+        block_sparse_prefill(q.float(), k.float(), v.float(), ids, counts, cs, bs, tma=True)
+
+
+def test_descriptor_self_check_and_switch(monkeypatch):
+    from spin_cluster.kernels.block_sparse_prefill import descriptors_usable
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = _qkv(8, 0, 2, 1, 16, torch.bfloat16, device=device)
+    hopper = device == "cpu" or torch.cuda.get_device_capability() >= (9, 0)  # the CPU: the interpreter
+    assert descriptors_usable(q, k, v) == hopper  # the self-check ran the descriptor kernel and matched
+    assert not descriptors_usable(q.float(), k.float(), v.float())
+    monkeypatch.setenv("SPIN_PREFILL_TMA", "0")
+    assert not descriptors_usable(q, k, v)

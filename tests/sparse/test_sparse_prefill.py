@@ -42,7 +42,7 @@ def test_antidiagonal_masses_at_stride_one_are_the_exact_block_masses(cs):
     assert torch.allclose(got, _exact_masses(q, k, cs, 16), atol=1e-5)
 
 
-@pytest.mark.parametrize("estimator", ["antidiagonal", "pooled"])
+@pytest.mark.parametrize("estimator", ["antidiagonal", "pooled", "strided"])
 def test_masses_are_causal_distributions(estimator):
     q, k = _qk(50, 21)  # unaligned chunk: blocks 1..4
     m = block_masses(q, k, 21, 16, estimator, stride=4)
@@ -165,3 +165,31 @@ def test_calibration_matches_uniform_block_count(tiny_llama_path):
     assert 0 < cal.threshold < 1 and 0 < cal.density < 1
     assert len(cal.per_head_budgets) == 2 and len(cal.per_head_budgets[0]) == 2
     assert sum(map(sum, cal.per_head_budgets)) == pytest.approx(0.25 * 4, abs=0.01)
+
+
+@pytest.mark.parametrize("cs, n", [(0, 64), (21, 50), (32, 64)])
+def test_strided_masses_at_stride_one_are_a_softmax_over_block_mean_keys(cs, n):
+    """Stride 1: each query row's softmax over the block-mean keys of its causal blocks,
+    summed over a query block's rows and averaged over the G heads."""
+    q, k = _qk(n, cs)
+    bs, T = 16, cs + n
+    J = -(-T // bs)
+    counts = torch.tensor([min(bs, T - j * bs) for j in range(J)], dtype=torch.float32)
+    k_mean = torch.nn.functional.pad(k, (0, 0, 0, J * bs - T)).view(2, J, bs, 16).sum(2) / counts[:, None]
+    logits = torch.einsum("nhd,hjd->hnj", q, k_mean.repeat_interleave(2, 0)) * 16**-0.5  # [H, n, J]
+    q_block = torch.arange(cs, T) // bs  # [n]
+    p = logits.masked_fill(torch.arange(J)[None, :] > q_block[:, None], float("-inf")).softmax(-1)
+    M = int(q_block[-1] - q_block[0] + 1)
+    want = torch.zeros(4, M, J).index_add_(1, q_block - q_block[0], p).view(2, 2, M, J).mean(1)
+    want = want / want.sum(-1, keepdim=True)
+    got = block_masses(q, k, cs, bs, "strided", stride=1)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_strided_masses_find_the_blocks_a_query_group_attends_to():
+    q, k = _qk(256, 0, H=2, Hkv=1, D=16, seed=3)
+    q[200:216] += 2.0  # one direction shared by query group 200..215 (both heads) and key block 5
+    k[0, 5 * 16:6 * 16] += 2.0
+    got = block_masses(q, k, 0, 16, "strided", stride=16)
+    assert got[0, 200 // 16].argmax().item() == 5
+    assert torch.allclose(got.sum(-1), torch.ones(1, 16), atol=1e-5)

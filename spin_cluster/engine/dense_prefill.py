@@ -1,0 +1,277 @@
+"""Dense causal prefill attention on the fastest SDPA kernel the device runs correctly.
+
+One chunk of a prompt attends to its request's context (``prefill_attention``'s layout)::
+
+    q       [n, H, D]     positions cs .. cs + n - 1
+    k, v    [Hkv, T, D]   positions 0 .. T - 1, T = cs + n
+    out     [n, H, D]
+
+    scores [n, T]:  keys 0 ........ cs-1 | cs ........ T-1
+                    every key visible     | causal square (lower right)
+
+Which SDPA kernel runs it is a per-device decision (``choose_backend``), made once per
+(device, dtype, H, Hkv, D) and shared by the engine and the benchmarks:
+
+* ``cudnn``: on compute capability >= 9.0 (Hopper and later), in bf16/fp16 with D <= 128,
+  when a probe on a small shape at first use shows cuDNN running both forms to the math
+  kernel's result. One H200 measurement at Llama-3.1-8B shapes had it at 1.7-1.8x the flash
+  backend from 32K to 128K.
+* ``flash``: any other CUDA device (and the fallback of the above).
+* ``default``: SDPA's own dispatch, unchanged; the CPU path (math kernel, boolean mask).
+
+A whole prompt (cs = 0) is SDPA with ``is_causal``. A later chunk needs a causal mask
+aligned to the lower right of its [n, T] scores, which ``is_causal`` cannot say (it aligns
+upper left). Flash takes torch's ``causal_lower_right`` bias. cuDNN runs the two parts of
+the scores on its own and merges them by their log-sum-exp, so no [n, T] mask is ever
+materialised (it would be read once per head: 16 GiB per layer at a 2K chunk of 128K)::
+
+    o1, lse1 = attend(q, k[:cs])              no mask
+    o2, lse2 = attend(q, k[cs:], causal)      square, upper left == lower right
+    lse = logaddexp(lse1, lse2);  o = o1 exp(lse1 - lse) + o2 exp(lse2 - lse)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from spin_cluster import env
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("cudnn", "flash", "default")
+_SDP = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+_CUDNN_MIN_CAPABILITY = (9, 0)  # Hopper: cuDNN's fused attention uses wgmma there
+_CUDNN_MAX_HEAD_DIM = 128
+_HALF = (torch.bfloat16, torch.float16)
+_CUDNN_MIN_CHUNK = 64  # tokens of a later chunk below which flash runs it (``DenseBackend.for_chunk``)
+# The probe: a shape big enough to take cuDNN's tiled path, small enough to run in ~1 ms.
+_PROBE_TOKENS, _PROBE_CONTEXT = 192, 320
+_PROBE_TOL = 6e-2  # bf16 against an fp32 reference (|v| up to ~4); a wrong kernel is off by O(1)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One SDPA kernel: ``name`` 'cudnn', 'flash' or 'default' (SDPA's own dispatch);
+    ``expand_kv``: the KV heads are repeated G times for it (no native GQA on that path)."""
+
+    name: str
+    expand_kv: bool = False
+
+
+@dataclass(frozen=True)
+class DenseBackend:
+    """The SDPA kernels of dense prefill on one (device, dtype, H, Hkv, D): ``whole`` runs a
+    whole prompt (cs = 0), ``chunked`` a later chunk (cs > 0); they differ only where cuDNN
+    passed the probe for one form and not the other."""
+
+    whole: Kernel
+    chunked: Kernel
+
+    @classmethod
+    def of(cls, name: str) -> DenseBackend:
+        return cls(Kernel(name), Kernel(name))
+
+    @property
+    def name(self) -> str:
+        """The whole-prompt kernel's name, with the chunk's after a slash where it differs."""
+        w, c = self.whole.name, self.chunked.name
+        return w if w == c else f"{w}/{c}"
+
+    def for_chunk(self, context_start: int, num_tokens: int = _CUDNN_MIN_CHUNK) -> Kernel:
+        """The kernel of a chunk of ``num_tokens`` at ``context_start``. A later chunk of fewer
+        than _CUDNN_MIN_CHUNK tokens (a dense layer's decode row) stays on flash: cuDNN's
+        two attentions and their merge cost more launches than such a chunk's work."""
+        if not context_start:
+            return self.whole
+        if self.chunked.name == "cudnn" and num_tokens < _CUDNN_MIN_CHUNK:
+            return Kernel("flash")
+        return self.chunked
+
+
+def backend_rule(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int,
+                 cudnn_available: bool) -> str:
+    """The rule before any probe: 'cudnn' where it is the fastest candidate, else 'flash' on
+    CUDA, else 'default'."""
+    if device_type != "cuda":
+        return "default"
+    if (cudnn_available and capability is not None and capability >= _CUDNN_MIN_CAPABILITY
+            and dtype in _HALF and head_dim <= _CUDNN_MAX_HEAD_DIM):
+        return "cudnn"
+    return "flash" if dtype in _HALF else "default"
+
+
+def choose_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                   capability: tuple[int, int] | None = None, cudnn_available: bool | None = None,
+                   probe: Callable[..., DenseBackend | None] | None = None,
+                   override: str | None = None) -> DenseBackend:
+    """The dense prefill backend of this shape: ``backend_rule``, then, for 'cudnn', the probe
+    (``probe_cudnn``: None when cuDNN fails it, so flash is used). ``capability``,
+    ``cudnn_available`` and ``probe`` default to the device's own (tests pass their own).
+    ``override`` ('cudnn', 'flash', 'default': ``SPIN_DENSE_PREFILL``) skips the rule; a
+    cuDNN override that fails the probe is an error."""
+    device = torch.device(device)
+    if override in ("flash", "default"):
+        return DenseBackend.of(override)
+    if override == "cudnn":
+        found = (probe or probe_cudnn)(device, dtype, num_heads, num_kv_heads, head_dim)
+        if found is None:
+            raise ValueError(f"SPIN_DENSE_PREFILL=cudnn, but cuDNN attention does not run {dtype} with H={num_heads}, "
+                             f"Hkv={num_kv_heads}, D={head_dim} on {device}: unset it or choose flash")
+        return found
+    if device.type == "cuda":
+        if capability is None:
+            capability = torch.cuda.get_device_capability(device)
+        if cudnn_available is None:
+            cudnn_available = torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
+    name = backend_rule(device.type, capability, dtype, head_dim, bool(cudnn_available))
+    if name != "cudnn":
+        return DenseBackend.of(name)
+    found = (probe or probe_cudnn)(device, dtype, num_heads, num_kv_heads, head_dim)
+    if found is None:
+        log.warning("cuDNN attention failed its probe on %s (%s, H=%d, Hkv=%d, D=%d): dense prefill uses flash",
+                    device, dtype, num_heads, num_kv_heads, head_dim)
+        return DenseBackend.of("flash")
+    return found
+
+
+def device_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> DenseBackend:
+    """``choose_backend`` once per (device, dtype, H, Hkv, D, ``SPIN_DENSE_PREFILL``) in
+    this process."""
+    return _cached_backend(torch.device(device), dtype, num_heads, num_kv_heads, head_dim, env.dense_prefill_override())
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_backend(device, dtype, num_heads, num_kv_heads, head_dim, override) -> DenseBackend:
+    return choose_backend(device, dtype, num_heads, num_kv_heads, head_dim, override=override)
+
+
+def probe_cudnn(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                head_dim: int) -> DenseBackend | None:
+    """Run cuDNN on a small whole prompt and a small later chunk, each with native GQA first,
+    then with the KV heads expanded; keep the first form whose result matches an fp32
+    reference. A chunk that fails both stays on flash. None: a whole prompt fails both."""
+    g = torch.Generator(device=device).manual_seed(0)
+    n, T = _PROBE_TOKENS, _PROBE_CONTEXT
+    q = torch.randn(n, num_heads, head_dim, device=device, dtype=dtype, generator=g)
+    k = torch.randn(num_kv_heads, T, head_dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn(num_kv_heads, T, head_dim, device=device, dtype=dtype, generator=g)
+    forms = [Kernel("cudnn", False)] + ([Kernel("cudnn", True)] if num_heads != num_kv_heads else [])
+    whole = next((f for f in forms if _matches(f, q, k[:, :n], v[:, :n], 0)), None)
+    if whole is None:
+        return None
+    chunked = next((f for f in forms if _matches(f, q, k, v, T - n)), Kernel("flash"))
+    return DenseBackend(whole, chunked)
+
+
+def _matches(kernel: Kernel, q, k, v, context_start: int) -> bool:
+    try:
+        got = run_kernel(kernel, q, k, v, context_start)
+    except Exception as err:  # "No available kernel", cuDNN graph errors, an op this torch lacks
+        log.info("cuDNN probe (expand_kv=%s, cs=%d): %s", kernel.expand_kv, context_start, err)
+        return False
+    want = reference_attention(q.float(), k.float(), v.float(), context_start)
+    return bool((got.float() - want).abs().max() <= _PROBE_TOL)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_start: int) -> torch.Tensor:
+    """The math kernel with a boolean lower-right mask: the oracle of every backend."""
+    n = q.shape[0]
+    end = context_start + n
+    mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(context_start, end, device=q.device)[:, None]
+    with sdpa_kernel(SDPBackend.MATH):
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                           enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+# ---- running one chunk ----------------------------------------------------------------------
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_start: int,
+                           backend: DenseBackend | None = None) -> torch.Tensor:
+    """Causal attention of a chunk (see the module docstring) on ``backend`` (None: this
+    device's, ``device_backend``). q [n, H, D]; k, v [Hkv, cs + n, D] -> [n, H, D]."""
+    n, H, D = q.shape
+    if backend is None:
+        backend = device_backend(q.device, q.dtype, H, k.shape[0], D)
+    kernel = backend.for_chunk(context_start, n)
+    try:
+        return run_kernel(kernel, q, k, v, context_start)
+    except RuntimeError as err:
+        if kernel.name != "cudnn":
+            raise
+        _warn_fallback(H, D, bool(context_start), str(err))  # a shape the probe did not cover
+        return run_kernel(Kernel("flash"), q, k, v, context_start)
+
+
+def run_kernel(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_start: int) -> torch.Tensor:
+    """``dense_causal_attention`` on exactly ``kernel``: raises where it cannot run."""
+    H = q.shape[1]
+    qb = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    if kernel.name == "cudnn":
+        if kernel.expand_kv and k.shape[0] != H:
+            k, v = k.repeat_interleave(H // k.shape[0], 0), v.repeat_interleave(H // k.shape[0], 0)
+        o = _cudnn_chunk(qb, k.unsqueeze(0), v.unsqueeze(0), context_start)
+    else:
+        o = _sdpa(qb, k.unsqueeze(0), v.unsqueeze(0), context_start, kernel.name)
+    return o[0].transpose(0, 1)  # [n, H, D]
+
+
+_warned: set[tuple[int, int, bool]] = set()
+
+
+def _warn_fallback(num_heads: int, head_dim: int, later_chunk: bool, err: str) -> None:
+    """Log a cuDNN failure once per (H, D, first or later chunk); the chunk runs on flash."""
+    if (num_heads, head_dim, later_chunk) in _warned:
+        return
+    _warned.add((num_heads, head_dim, later_chunk))
+    log.warning("cuDNN attention failed on a %s chunk (H=%d, D=%d): %s; such chunks run on flash",
+                "later" if later_chunk else "first", num_heads, head_dim, err.splitlines()[0] if err else "")
+
+
+def _sdpa(q, k, v, context_start: int, name: str) -> torch.Tensor:
+    """[1, H, n, D] against [1, Hkv, T, D] through the public SDPA: is_causal for a whole
+    prompt, a lower-right mask for a later chunk (``CausalBias`` on CUDA, which stays on the
+    flash kernel; a boolean mask elsewhere)."""
+    n = q.shape[2]
+    mask = None
+    if context_start:
+        end = context_start + n
+        if q.device.type == "cuda":
+            mask = causal_lower_right(n, end)
+        else:
+            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(context_start, end, device=q.device)[:, None]
+    if name == "default":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not context_start, enable_gqa=True)
+    with sdpa_kernel(_SDP[name]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not context_start, enable_gqa=True)
+
+
+def _cudnn_chunk(q, k, v, context_start: int) -> torch.Tensor:
+    """cuDNN: [1, H, n, D] against [1, H or Hkv, T, D]. A whole prompt through the public
+    SDPA; a later chunk as context + causal square merged by log-sum-exp."""
+    if not context_start:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    o1, lse1 = _cudnn_lse(q, k[:, :, :context_start], v[:, :, :context_start], causal=False)
+    o2, lse2 = _cudnn_lse(q, k[:, :, context_start:], v[:, :, context_start:], causal=True)
+    lse = torch.logaddexp(lse1, lse2)  # [1, H, n] fp32
+    w1 = torch.exp(lse1 - lse).unsqueeze(-1)
+    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2).to(q.dtype)
+
+
+def _cudnn_lse(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's fused attention with its log-sum-exp: ([1, H, n, D], [1, H, n] fp32 natural log)."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
+    o, lse = out[0], out[1]
+    return o, lse.reshape(q.shape[:3]).float()
