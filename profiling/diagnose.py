@@ -253,7 +253,7 @@ def _needle_rank(scores: torch.Tensor, is_mid: torch.Tensor, needle: Sequence[in
 
 def report(diag: Diagnosis, threshold: float, max_rows: int = 40) -> str:
     lines = [
-        f"passkey {diag.answer} at {diag.length} tokens (seed {diag.seed}): needle pages {list(diag.needle_pages)} "
+        f"needle {diag.answer} at {diag.length} tokens (seed {diag.seed}): needle pages {list(diag.needle_pages)} "
         f"of {diag.num_pages}; middle budget {diag.budget_pages} pages per KV head",
         "dense (teacher-forced) predicts each answer token: "
         + " ".join("ok" if ok else "MISS" for ok in diag.predicted_ok),
