@@ -13,6 +13,9 @@ positions (decode-like: the end of the question and the answer prefix), per laye
        own page scores), or by their true mass (``select=None``, the oracle)
     -> recovered mass at each budget fraction of ``FRACTIONS``             [Q, Hkv, F]
 
+With ``answer_steps`` the task prompts' query positions are their answer steps instead
+(teacher-forced: the prompt followed by its answer).
+
 Why the serving Select's ranking: max-min shifting takes pages from the heads whose level is
 already high at a few pages and gives them to the worst-served. Under the oracle ranking a
 copying head (the needle in one page) is at 0.95 with one page, so it drops to its floor;
@@ -77,6 +80,10 @@ class ProfileConfig:
     # The Select whose ranking of the middle pages the levels count (a registered algorithm
     # with scores, e.g. "quest"); None: the oracle (pages by their true mass).
     select: str | None = None
+    # Read the task prompts' queries at their answer steps (teacher forcing: the prompt, then
+    # its answer), where copying heads look for the needle, instead of the prompt's last
+    # ``queries`` positions (the question, where they mostly do not). Prose keeps its last.
+    answer_steps: bool = False
 
     def __post_init__(self) -> None:
         for name in ("lengths", "families"):
@@ -163,8 +170,11 @@ class MassRecorder:
         return (base[..., None] + taken).clamp(max=1.0)
 
 
-def calibration_prompts(config: ProfileConfig, tokenizer) -> Iterator[tuple[str, int, list[int]]]:
-    """(family, length, prompt ids) for every family x task x length x sample."""
+def calibration_prompts(config: ProfileConfig, tokenizer) -> Iterator[tuple[str, int, list[int], int]]:
+    """(family, length, ids, query positions) for every family x task x length x sample: the
+    ids end with the query positions a profile reads (its last ``queries`` prompt positions;
+    with ``answer_steps``, a task's prompt followed by its answer but the last token, so that
+    the last positions are the answer steps)."""
     from spin_cluster.profiling import ruler
 
     per_task = {name: FAMILIES[name] for name in config.families}
@@ -174,9 +184,14 @@ def calibration_prompts(config: ProfileConfig, tokenizer) -> Iterator[tuple[str,
             for i in range(count):
                 seed = config.seed + i
                 if task == "prose":
-                    yield family, n, prose_ids(tokenizer, n, seed)
-                else:
-                    yield family, n, list(ruler.make_sample(task, tokenizer, n, seed).prompt_ids)
+                    yield family, n, prose_ids(tokenizer, n, seed), config.queries
+                    continue
+                sample = ruler.make_sample(task, tokenizer, n, seed)
+                if not config.answer_steps:
+                    yield family, n, list(sample.prompt_ids), config.queries
+                    continue
+                answer = ruler.plain_ids(tokenizer, " " + ", ".join(sample.answers))
+                yield family, n, list(sample.prompt_ids) + answer[:-1], len(answer)
 
 
 def prose_ids(tokenizer, num_tokens: int, seed: int) -> list[int]:
@@ -211,8 +226,8 @@ def profile_model(config: ProfileConfig, *, progress: bool = True) -> HeadProfil
         raise ValueError(f"--lengths {max(config.lengths)} exceeds the model's context ({limit} tokens)")
     prompts = list(calibration_prompts(config, Tokenizer(path)))
     sums: dict[str, list] = {}
-    for family, _, ids in tqdm(prompts, desc="profile", unit="prompt", disable=not progress):
-        recorder = MassRecorder(config.queries, config.page_size, config.sink_tokens, config.local_tokens,
+    for family, _, ids, queries in tqdm(prompts, desc="profile", unit="prompt", disable=not progress):
+        recorder = MassRecorder(queries, config.page_size, config.sink_tokens, config.local_tokens,
                                 _select(config, model, path, len(ids), device))
         with torch.inference_mode():
             model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), recorder)
@@ -225,7 +240,7 @@ def profile_model(config: ProfileConfig, *, progress: bool = True) -> HeadProfil
         local_tokens=config.local_tokens, queries_per_prompt=config.queries, context_tokens=config.lengths,
         fractions=FRACTIONS.copy(),
         families={name: FamilyCurves(count, total / count) for name, (count, total) in sums.items()},
-        select=config.select,
+        select=config.select, answer_steps=config.answer_steps,
     )
 
 

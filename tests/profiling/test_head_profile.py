@@ -76,6 +76,21 @@ def test_levels_follow_the_serving_selects_ranking_not_the_oracles():
     assert ranked[-1].item() == pytest.approx(1.0, abs=1e-6)
 
 
+def test_answer_steps_end_each_task_prompt_with_its_answer(smollm2_path):
+    from spin_cluster.profiling import ruler
+    from spin_cluster.profiling.head_profile import calibration_prompts
+    from spin_cluster.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_path)
+    config = ProfileConfig(lengths=(600,), samples=1, families=("retrieval", "prose"), answer_steps=True)
+    rows = list(calibration_prompts(config, tok))
+    family, n, ids, queries = rows[0]  # niah_single, seed 1000
+    sample = ruler.make_sample("niah_single", tok, 600, 1000)
+    answer = ruler.plain_ids(tok, " " + sample.answers[0])
+    assert family == "retrieval" and ids == list(sample.prompt_ids) + answer[:-1] and queries == len(answer)
+    assert all(q == config.queries for f, _, _, q in rows if f == "prose")  # prose: its last positions
+
+
 def test_a_select_that_scores_no_page_is_refused():
     with pytest.raises(ValueError, match="scores no page"):
         ProfileConfig(select="streaming")
