@@ -3,8 +3,9 @@
 # (layer, KV head) sparsity at 2K, 4K and 8K, then RULER-style accuracy of dense and quest at
 # 1/8, 1/16 and 1/32 of the context in three budget modes at equal totals: uniform top-k,
 # online top-p, and max-min per-head budgets from the profile. The profile ranks pages as the
-# serving Select does (HPLB_SELECT, default quest: `profile --select`); max-min from a profile
-# ranked by the oracle (the objective before) runs beside it. Results in $OUT:
+# serving Select does (HPLB_SELECT, default quest: `profile --select`) at the task prompts'
+# answer steps (`--answer-steps`); max-min from a profile ranked by the oracle at the prompts'
+# last 16 positions (the objective before) runs beside it. Results in $OUT:
 #
 #   profile.json  the head profile            profile.md   per-head needs, stability
 #   profile-oracle.{json,md}  the same profile ranked by the oracle
@@ -48,7 +49,7 @@ cd /tmp  # import the installed package, not the repository's unmapped top-level
 
 start=$(date +%s)
 # shellcheck disable=SC2086  # word splitting of the lists is intended
-"$PY" -m spin_cluster.profiling.cli profile --lengths $LENGTHS --samples "$PROFILE_SAMPLES" --select "$SELECT" \
+"$PY" -m spin_cluster.profiling.cli profile --lengths $LENGTHS --samples "$PROFILE_SAMPLES" --select "$SELECT" --answer-steps \
   --device "$DEVICE" --dtype "$DTYPE" --out "$OUT/profile.json" --plot "$OUT/heatmap.png" \
   > "$OUT/profile.md" 2> "$OUT/profile.log"
 cat "$OUT/profile.md"
