@@ -34,6 +34,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """``args``: {"config": YAML file or bundled name, <section>: overrides} (see settings.py)."""
     config = load_app_config(args)
     config.check_model()  # a deploy fails with the reason, not with replicas that fail to start
+    config = config.with_model_context()  # null max_model_len: the model's own context
     opts = config.serve
     planner = serve.deployment(WatchedPlanner, name="ClusterPlanner").options(
         num_replicas=1,

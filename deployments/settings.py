@@ -2,7 +2,7 @@
 
 One YAML file holds both (``deployments/configs/*.yaml``)::
 
-    model:     {path: null, max_model_len: 2048}      # SpinConfig sections, as in config.py
+    model:     {path: null, max_model_len: null}      # SpinConfig sections, as in config.py
     scheduler: {max_num_seqs: 64}
     serve:     {max_waiting_requests: 256}            # ServeOptions below
 
@@ -130,6 +130,19 @@ class AppConfig:
             raise ValueError(f"model.device={self.spin.model.device!r} but serve.engine_num_gpus=0, so Ray gives "
                              "an engine no GPU: set serve.engine_num_gpus, or model.device: cpu (or auto)")
 
+    def with_model_context(self) -> AppConfig:
+        """This config with ``model.max_model_len`` set to the model's own context
+        (``max_position_embeddings`` of its ``config.json``) where it is null, so that every
+        deployment (the ingress's model card and demand estimate, the planner's budgets, the
+        engines) reads one number."""
+        if self.spin.model.max_model_len is not None:
+            return self
+        from spin_cluster.models.config import ModelConfig
+
+        mc = ModelConfig.from_folder(self.spin.model.resolved_path())
+        model = dataclasses.replace(self.spin.model, max_model_len=mc.max_position_embeddings)
+        return dataclasses.replace(self, spin=dataclasses.replace(self.spin, model=model))
+
     def ranks_per_engine(self, num_kv_heads: int | None = None) -> int:
         """Head-parallel ranks of one engine replica: ``serve.engine_ranks`` when set, else
         one per GPU (``max(1, int(engine_num_gpus))``), at most ``num_kv_heads`` (the model's,
@@ -163,7 +176,7 @@ class AppConfig:
 
 
 def config_path(name: str | Path) -> Path:
-    """A YAML path, or the name of a bundled config (``default``, ``spin-quest``)."""
+    """A YAML path, or the name of a bundled config (``default``, ``spin``, ``spin-quest``)."""
     path = Path(name).expanduser()
     if path.is_file():
         return path

@@ -162,6 +162,11 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default=d.device)
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--seed", type=int, default=d.seed, help="first calibration seed (default: %(default)s)")
+    p.add_argument("--select", default=None, metavar="ALGORITHM",
+                   help="rank the middle pages as this Select does (e.g. quest: the one budgets are for); "
+                        "default: the oracle (true mass)")
+    p.add_argument("--answer-steps", action="store_true",
+                   help="read the task prompts' queries at their answer steps (teacher-forced), not their last positions")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_subparsers(metavar="ACTION")
     p.set_defaults(func=run_profile)
@@ -181,6 +186,7 @@ def run_profile(args: argparse.Namespace) -> int:
             model_path=args.model, lengths=tuple(args.lengths), samples=args.samples, queries=args.queries,
             families=tuple(args.families), page_size=args.page_size, sink_tokens=args.sink_tokens,
             local_tokens=args.local_tokens, device=args.device, dtype=args.dtype, seed=args.seed,
+            select=args.select, answer_steps=args.answer_steps,
         )
         profile = head_profile.profile_model(config, progress=not args.quiet)
         save_profile(profile, args.out)

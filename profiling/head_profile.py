@@ -8,9 +8,20 @@ positions (decode-like: the end of the question and the answer prefix), per laye
     exact attention of every query head over the keys up to its position   [Q, H, T]
     -> mass per page (page_size tokens)                                    [Q, H, P]
     -> mean over the G query heads of each KV head (``GQA_REDUCTION``)     [Q, Hkv, P]
-    -> sink and local pages always kept; middle pages taken best first      (the oracle
-       Select: no index can pick better pages at the same budget)
+    -> sink and local pages always kept; middle pages taken best first      [Q, Hkv, P]
+       by the Select the engine serves with (``ProfileConfig.select``: its
+       own page scores), or by their true mass (``select=None``, the oracle)
     -> recovered mass at each budget fraction of ``FRACTIONS``             [Q, Hkv, F]
+
+With ``answer_steps`` the task prompts' query positions are their answer steps instead
+(teacher-forced: the prompt followed by its answer).
+
+Why the serving Select's ranking: max-min shifting takes pages from the heads whose level is
+already high at a few pages and gives them to the worst-served. Under the oracle ranking a
+copying head (the needle in one page) is at 0.95 with one page, so it drops to its floor;
+but the serving Select's estimate ranks that page lower than the oracle does, and at the
+floor it loses the needle. Ranked by the serving Select, the same head's level stays low
+until its budget reaches the needle's rank under that Select, and it keeps the pages.
 
 averaged over query positions and prompts, per family of prompts:
 
@@ -66,6 +77,13 @@ class ProfileConfig:
     dtype: str = "auto"
     # First calibration seed; accuracy runs score seeds 0, 1, ... so keep this apart.
     seed: int = 1000
+    # The Select whose ranking of the middle pages the levels count (a registered algorithm
+    # with scores, e.g. "quest"); None: the oracle (pages by their true mass).
+    select: str | None = None
+    # Read the task prompts' queries at their answer steps (teacher forcing: the prompt, then
+    # its answer), where copying heads look for the needle, instead of the prompt's last
+    # ``queries`` positions (the question, where they mostly do not). Prose keeps its last.
+    answer_steps: bool = False
 
     def __post_init__(self) -> None:
         for name in ("lengths", "families"):
@@ -79,17 +97,27 @@ class ProfileConfig:
             raise ValueError("samples and queries must be >= 1")
         if self.page_size < 1 or self.sink_tokens < 0 or self.local_tokens < 0:
             raise ValueError("page_size must be >= 1, sink_tokens and local_tokens >= 0")
+        if self.select is not None:
+            from spin_cluster.partition import get_algorithm
+
+            cls = get_algorithm(self.select)  # unknown names: the registry's ValueError
+            if cls.selects_all or self.select == "streaming":
+                raise ValueError(f"select={self.select!r} scores no page; give a Select that ranks pages (e.g. quest)")
 
 
 class MassRecorder:
     """AttentionBackend for one whole prompt in one forward: causal SDPA for the model, and
     per layer the recovered-mass curves [Hkv, F] of the last ``queries`` positions."""
 
-    def __init__(self, queries: int, page_size: int, sink_tokens: int, local_tokens: int) -> None:
+    def __init__(self, queries: int, page_size: int, sink_tokens: int, local_tokens: int,
+                 select=None) -> None:
         self.queries = queries
         self.page_size = page_size
         self.sink_pages = -(-sink_tokens // page_size)
         self.local_pages = max(1, -(-local_tokens // page_size))  # the tail page is always local
+        # A SparseAlgorithm instance (one request row, every layer) ranking the middle pages,
+        # or None: the oracle.
+        self.select = select
         self.curves: dict[int, torch.Tensor] = {}
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -98,10 +126,18 @@ class MassRecorder:
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             is_causal=True, enable_gqa=True,
         )  # [1, H, T, D]
-        self.curves[layer_id] = self.recovered_mass(q, k).mean(0).cpu()  # [Hkv, F]
+        self.curves[layer_id] = self.recovered_mass(q, k, layer_id).mean(0).cpu()  # [Hkv, F]
         return o[0].transpose(0, 1)
 
-    def recovered_mass(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    def _select_scores(self, layer: int, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, P: int) -> torch.Tensor:
+        """[Q, Hkv, P] the Select's page scores for the queries at ``pos``; its index holds the
+        whole prompt's keys (a page past a query's context is never a middle page of it)."""
+        T = k.shape[0]
+        row = torch.zeros(T, dtype=torch.long, device=k.device)
+        self.select.on_append(layer, row, torch.arange(T, device=k.device), k)
+        return self.select.score(layer, q[pos], row[: len(pos)], P).float()
+
+    def recovered_mass(self, q: torch.Tensor, k: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """[Q, Hkv, F] mass each KV head keeps at each budget fraction, per query position."""
         T, H, D = q.shape
         Hkv, S = k.shape[1], self.page_size
@@ -119,7 +155,13 @@ class MassRecorder:
         kept = in_ctx & ((p < self.sink_pages) | (p >= n[:, None] - self.local_pages))
         mid = in_ctx & ~kept
         base = (page * kept[:, None, :]).sum(-1)  # [Q, Hkv]
-        best = page.masked_fill(~mid[:, None, :], 0.0).sort(-1, descending=True).values.cumsum(-1)  # [Q, Hkv, P]
+        middle = page.masked_fill(~mid[:, None, :], 0.0)  # [Q, Hkv, P]
+        if self.select is None:  # the oracle: pages by their own mass
+            best = middle.sort(-1, descending=True).values.cumsum(-1)  # [Q, Hkv, P]
+        else:  # pages in the Select's order, middle pages first
+            scores = self._select_scores(layer, q, k, pos, P).masked_fill(~mid[:, None, :], float("-inf"))
+            order = scores.sort(dim=-1, descending=True, stable=True).indices
+            best = middle.gather(-1, order).cumsum(-1)
         best = F.pad(best, (1, 0))  # best[..., j]: mass of the j best middle pages
         fractions = torch.as_tensor(FRACTIONS, dtype=torch.float64, device=dev)
         tokens = (fractions[None, :] * (pos[:, None] + 1)).floor()  # [Q, F] as the engine rounds
@@ -128,8 +170,11 @@ class MassRecorder:
         return (base[..., None] + taken).clamp(max=1.0)
 
 
-def calibration_prompts(config: ProfileConfig, tokenizer) -> Iterator[tuple[str, int, list[int]]]:
-    """(family, length, prompt ids) for every family x task x length x sample."""
+def calibration_prompts(config: ProfileConfig, tokenizer) -> Iterator[tuple[str, int, list[int], int]]:
+    """(family, length, ids, query positions) for every family x task x length x sample: the
+    ids end with the query positions a profile reads (its last ``queries`` prompt positions;
+    with ``answer_steps``, a task's prompt followed by its answer but the last token, so that
+    the last positions are the answer steps)."""
     from spin_cluster.profiling import ruler
 
     per_task = {name: FAMILIES[name] for name in config.families}
@@ -139,9 +184,14 @@ def calibration_prompts(config: ProfileConfig, tokenizer) -> Iterator[tuple[str,
             for i in range(count):
                 seed = config.seed + i
                 if task == "prose":
-                    yield family, n, prose_ids(tokenizer, n, seed)
-                else:
-                    yield family, n, list(ruler.make_sample(task, tokenizer, n, seed).prompt_ids)
+                    yield family, n, prose_ids(tokenizer, n, seed), config.queries
+                    continue
+                sample = ruler.make_sample(task, tokenizer, n, seed)
+                if not config.answer_steps:
+                    yield family, n, list(sample.prompt_ids), config.queries
+                    continue
+                answer = ruler.plain_ids(tokenizer, " " + ", ".join(sample.answers))
+                yield family, n, list(sample.prompt_ids) + answer[:-1], len(answer)
 
 
 def prose_ids(tokenizer, num_tokens: int, seed: int) -> list[int]:
@@ -176,8 +226,9 @@ def profile_model(config: ProfileConfig, *, progress: bool = True) -> HeadProfil
         raise ValueError(f"--lengths {max(config.lengths)} exceeds the model's context ({limit} tokens)")
     prompts = list(calibration_prompts(config, Tokenizer(path)))
     sums: dict[str, list] = {}
-    for family, _, ids in tqdm(prompts, desc="profile", unit="prompt", disable=not progress):
-        recorder = MassRecorder(config.queries, config.page_size, config.sink_tokens, config.local_tokens)
+    for family, _, ids, queries in tqdm(prompts, desc="profile", unit="prompt", disable=not progress):
+        recorder = MassRecorder(queries, config.page_size, config.sink_tokens, config.local_tokens,
+                                _select(config, model, path, len(ids), device))
         with torch.inference_mode():
             model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), recorder)
         curves = torch.stack([recorder.curves[i] for i in sorted(recorder.curves)]).double().numpy()  # [L, Hkv, F]
@@ -189,7 +240,24 @@ def profile_model(config: ProfileConfig, *, progress: bool = True) -> HeadProfil
         local_tokens=config.local_tokens, queries_per_prompt=config.queries, context_tokens=config.lengths,
         fractions=FRACTIONS.copy(),
         families={name: FamilyCurves(count, total / count) for name, (count, total) in sums.items()},
+        select=config.select, answer_steps=config.answer_steps,
     )
+
+
+def _select(config: ProfileConfig, model, path: str, num_tokens: int, device):
+    """The profile's Select for one prompt of ``num_tokens`` (None: the oracle)."""
+    if config.select is None:
+        return None
+    import inspect
+
+    from spin_cluster.partition import get_algorithm
+
+    cls = get_algorithm(config.select)
+    mc = model.config
+    options = {"model_path": path} if "model_path" in inspect.signature(cls.__init__).parameters else {}
+    return cls(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+               page_size=config.page_size, max_seqs=1, max_pages_per_seq=-(-num_tokens // config.page_size),
+               device=device, **options)
 
 
 # ---- stability --------------------------------------------------------------------------------

@@ -10,6 +10,8 @@
                      the others appear 3 times each; return the 5 common ones
     fwe              frequent words: coded words with Zipf frequencies (alpha 2, the top rank
                      is the noise word '....'); return ranks 2-4
+    passkey          passkey retrieval: one 5-digit pass key stated in RULER's noise, asked
+                     at the end (the simplest retrieval a long-context server must keep)
 
 A sample is drawn from ``random.Random(f"{task}/{num_tokens}/{seed}")``, so it depends on
 nothing else. The context grows in units (haystack sentences, list entries, words) until
@@ -187,6 +189,25 @@ class NiahMultiQuery(_Needles):
     name = "niah_multiquery"
     num_keys = 4
     num_queries = 4
+
+
+@_register
+class Passkey(Task):
+    """One 5-digit pass key, stated twice in one sentence pair at a random depth of ``size``
+    noise sentences; the answer is the key."""
+
+    name = "passkey"
+
+    def render(self, rng, size):
+        key = str(rng.randrange(10_000, 100_000))
+        needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+        context = _insert(haystack.run_of_sentences("noise", 0, size), [(needle, rng.random())])
+        text = (
+            "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+            "I will quiz you about the pass key.\n"
+            f"{context}\nWhat is the pass key?"
+        )
+        return Rendered(text, "The pass key is", (key,))
 
 
 @_register

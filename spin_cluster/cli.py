@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible server on a local Ray (Ctrl-C stops)")
     srv.add_argument("--config", default="default",
-                     help="YAML app config, or a bundled one by name (default, spin-quest)")
+                     help="YAML app config, or a bundled one by name (default, spin, spin-quest)")
     srv.add_argument("--model", default=None,
                      help="model folder (default: the config's, else the prepared default model)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")

@@ -50,6 +50,12 @@ class HeadProfile:
     context_tokens: tuple[int, ...]  # prompt lengths profiled
     fractions: np.ndarray  # [F] middle budget as a fraction of the context, 0 .. 1 ascending
     families: dict[str, FamilyCurves] = field(default_factory=dict)
+    # The Select whose ranking of the middle pages the masses count ("quest", ...); None: the
+    # oracle (pages by their true mass).
+    select: str | None = None
+    # True: the task prompts' queries were their answer steps (teacher-forced), not their
+    # last ``queries_per_prompt`` positions.
+    answer_steps: bool = False
 
     def __post_init__(self) -> None:
         if not self.families:
@@ -124,7 +130,8 @@ class HeadProfile:
         return {
             "format": FORMAT, "version": VERSION, "model": self.model, "page_size": self.page_size,
             "sink_tokens": self.sink_tokens, "local_tokens": self.local_tokens,
-            "queries_per_prompt": self.queries_per_prompt, "gqa_reduction": GQA_REDUCTION,
+            "queries_per_prompt": self.queries_per_prompt, "gqa_reduction": GQA_REDUCTION, "select": self.select,
+            "answer_steps": self.answer_steps,
             "context_tokens": list(self.context_tokens), "fractions": [round(float(x), 8) for x in self.fractions],
             "families": {
                 name: {"num_prompts": f.num_prompts, "mass": np.round(f.mass, 5).tolist()}
@@ -143,6 +150,8 @@ class HeadProfile:
                 name: FamilyCurves(int(f["num_prompts"]), np.asarray(f["mass"], dtype=float))
                 for name, f in data["families"].items()
             },
+            select=data.get("select"),  # profiles written before it was recorded: the oracle
+            answer_steps=bool(data.get("answer_steps", False)),
         )
 
 

@@ -12,7 +12,7 @@ BUNDLED = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
 def test_bundled_configs_exist():
-    assert {"default", "spin-quest"} <= set(BUNDLED)
+    assert {"default", "spin", "spin-quest"} <= set(BUNDLED)
 
 
 @pytest.mark.parametrize("name", BUNDLED)
@@ -27,10 +27,26 @@ def test_spin_quest_config_turns_on_the_offloaded_cache():
     assert cfg.spin.cache.offload and cfg.spin.sparse.algorithm == "quest"
 
 
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_configs_serve_the_models_own_context(name, smollm2_path):
+    cfg = load_app_config({"config": name, "model": {"path": smollm2_path}})
+    assert cfg.spin.model.max_model_len is None
+    assert cfg.with_model_context().spin.model.max_model_len == 8192  # SmolLM2's max_position_embeddings
+    mine = load_app_config({"config": name, "model": {"path": smollm2_path, "max_model_len": 1024}})
+    assert mine.with_model_context() is mine  # a length that is set stays
+
+
+def test_spin_config_selects_by_labels_at_a_16th_of_the_context():
+    cfg = load_app_config({"config": "spin"})
+    sparse = cfg.spin.sparse
+    assert cfg.spin.cache.offload and sparse.algorithm == "labels" and sparse.budget == 1 / 16
+    assert sparse.budget_tokens(8192) == 512 and sparse.resident_margin == 0.5
+
+
 def test_overrides_replace_single_keys_of_a_section():
     cfg = load_app_config({"config": "default", "model": {"path": "/models/x"}, "serve": {"max_waiting_requests": 3}})
     assert cfg.spin.model.path == "/models/x"
-    assert cfg.spin.model.max_model_len == 2048  # kept from the file
+    assert cfg.spin.model.max_model_len is None  # kept from the file: the model's own context
     assert cfg.serve.max_waiting_requests == 3
     assert cfg.model_name == "x"
 
@@ -98,7 +114,7 @@ def test_ranks_per_engine(args, num_kv_heads, ranks):
 @pytest.mark.parametrize("bad, words", [
     ({"model": {"max_model_len": 8448}}, r"max_model_len=8448 exceeds the model's max_position_embeddings=8192"),
     ({"scheduler": {"enable_chunked_prefill": False, "max_num_batched_tokens": 512}},
-     r"max_num_batched_tokens \(512\) must be >= max_model_len \(2048\)"),
+     r"max_num_batched_tokens \(512\) must be >= max_model_len \(8192\)"),
     ({"sparse": {"per_head_budgets": [[64] * 2] * 30}}, r"per_head_budgets must be \[30\]\[3\]"),
     ({"serve": {"engine_ranks": 4}}, "serve.engine_ranks=4 exceeds the model's num_key_value_heads=3"),
     ({"model": {"device": "cuda"}}, "serve.engine_num_gpus=0, so Ray gives an engine no GPU"),

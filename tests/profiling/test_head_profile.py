@@ -48,6 +48,54 @@ def test_recovered_mass_is_sink_and_local_plus_the_best_middle_pages():
     assert bool((curves[1:] >= curves[:-1] - 1e-7).all())
 
 
+class _Reverse:
+    """A Select that ranks pages backwards (page 0 best), to tell its ranking from the oracle's."""
+
+    def on_append(self, layer, rows, positions, k):
+        pass
+
+    def score(self, layer, q, rows, num_pages):
+        return -torch.arange(num_pages, dtype=torch.float32).expand(q.shape[0], 1, num_pages)
+
+
+def test_levels_follow_the_serving_selects_ranking_not_the_oracles():
+    # The setup above: the mass sits in middle pages 3 and 5. A Select that ranks middle pages
+    # 1, 2, 3, ... first reaches page 3 at its third page; the oracle takes it first.
+    T, D, S = 64, 4, 8
+    k, q = torch.zeros(T, 1, D), torch.zeros(T, 2, D)
+    k[8 * 3, 0, 0] = k[8 * 5, 0, 1] = 6.0
+    q[-1, 0, 0] = q[-1, 1, 1] = math.sqrt(D)
+    oracle = MassRecorder(queries=1, page_size=S, sink_tokens=8, local_tokens=8).recovered_mass(q, k)[0, 0]
+    ranked = MassRecorder(queries=1, page_size=S, sink_tokens=8, local_tokens=8,
+                          select=_Reverse()).recovered_mass(q, k)[0, 0]
+    assert ranked[0].item() == pytest.approx(oracle[0].item())  # no middle page: the same sink + local
+    two, three = _mass_at(ranked.numpy(), 16 / 64), _mass_at(ranked.numpy(), 24 / 64)
+    assert two < _mass_at(oracle.numpy(), 16 / 64) - 0.5  # pages 1, 2 against pages 3, 5
+    assert three > two + 0.4  # page 3 (one query head's key) at the third page
+    assert bool((oracle >= ranked - 1e-6).all())  # no Select beats the oracle
+    assert ranked[-1].item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_answer_steps_end_each_task_prompt_with_its_answer(smollm2_path):
+    from spin_cluster.profiling import ruler
+    from spin_cluster.profiling.head_profile import calibration_prompts
+    from spin_cluster.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_path)
+    config = ProfileConfig(lengths=(600,), samples=1, families=("retrieval", "prose"), answer_steps=True)
+    rows = list(calibration_prompts(config, tok))
+    family, n, ids, queries = rows[0]  # niah_single, seed 1000
+    sample = ruler.make_sample("niah_single", tok, 600, 1000)
+    answer = ruler.plain_ids(tok, " " + sample.answers[0])
+    assert family == "retrieval" and ids == list(sample.prompt_ids) + answer[:-1] and queries == len(answer)
+    assert all(q == config.queries for f, _, _, q in rows if f == "prose")  # prose: its last positions
+
+
+def test_a_select_that_scores_no_page_is_refused():
+    with pytest.raises(ValueError, match="scores no page"):
+        ProfileConfig(select="streaming")
+
+
 def test_spearman_ranks_with_ties():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)

@@ -17,8 +17,8 @@ def tok(smollm2_path):
     return Tokenizer(smollm2_path)
 
 
-def test_all_seven_tasks_are_registered():
-    assert TASKS == ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe"]
+def test_all_eight_tasks_are_registered():
+    assert TASKS == ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "passkey", "vt", "cwe", "fwe"]
 
 
 @pytest.mark.parametrize("task", TASKS)
