@@ -167,8 +167,8 @@ class HeadParallelEngine(Engine):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
-    def _cache_stats(self) -> dict:
-        stats = super()._cache_stats()
+    def _cache_stats(self, counters: list[int] | None = None) -> dict:
+        stats = super()._cache_stats(counters)
         rank_layer_s = self.attention.pop_rank_layer_s()  # [R][L] or None (no forward this step)
         rank_s = [sum(t) for t in rank_layer_s] if rank_layer_s else [0.0] * self.num_ranks
         bubble_s = bubble_seconds(rank_layer_s) if rank_layer_s else 0.0
