@@ -182,11 +182,14 @@ class Engine:
         return torch.empty(n, dtype=torch.long, pin_memory=pin)
 
     def _can_pipeline(self, sched: SchedulerOutput) -> bool:
-        """A greedy decode-only step without min_tokens pending (those change the logits on
-        the host before the argmax)."""
-        return bool(sched.chunks) and all(
-            c.is_decode and c.request.params.greedy and len(c.request.output_token_ids) >= c.request.params.min_tokens
-            for c in sched.chunks)
+        """A greedy decode-only step (``_pipelinable``, no token pending yet)."""
+        return bool(sched.chunks) and all(c.is_decode and self._pipelinable(c.request, 0) for c in sched.chunks)
+
+    @staticmethod
+    def _pipelinable(req: Request, pending: int) -> bool:
+        """Greedy, and no min_tokens ban left on its next token (a ban changes the logits on
+        the host before the argmax); ``pending``: its tokens launched but not read yet."""
+        return req.params.greedy and len(req.output_token_ids) + pending >= req.params.min_tokens
 
     def _launch(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None, t0: float,
                 num_preempted: int = 0) -> _InFlight:
@@ -216,7 +219,7 @@ class Engine:
             return None
         reqs = [c.request for c in cur.chunks]
         for req in reqs:
-            if req.status is not RequestStatus.RUNNING or not self._can_pipeline_request(req):
+            if req.status is not RequestStatus.RUNNING or not self._pipelinable(req, 1):
                 return None
             if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_computed_tokens + 1 >= self.max_model_len:
                 return None  # the pending token is its last
@@ -228,10 +231,6 @@ class Engine:
             chunks.append(ScheduledChunk(request=req, start=req.num_computed_tokens, num_tokens=1, is_decode=True))
         return chunks
 
-    @staticmethod
-    def _can_pipeline_request(req: Request) -> bool:
-        return req.params.greedy and len(req.output_token_ids) + 1 >= req.params.min_tokens
-
     def _step_pipelined(self) -> list[RequestOutput]:
         """Launch the step after the one in flight (if the batch stays), then read the one in
         flight's tokens while the GPU runs the next."""
@@ -239,8 +238,7 @@ class Engine:
         nxt = self._next_chunks(cur)
         t0 = time.perf_counter()
         self._inflight = self._launch(nxt, cur.tokens, t0) if nxt is not None else None
-        outputs = self._retire(cur)
-        return outputs
+        return self._retire(cur)
 
     def _retire(self, cur: _InFlight) -> list[RequestOutput]:
         if cur.done is not None:
