@@ -3,7 +3,6 @@ and the SmolLM2 accuracy of sparse prefill.
 
     python benchmarks/bench_sparse_prefill.py dense    [--lengths 32768 131072] [--chunk 2048]
     python benchmarks/bench_sparse_prefill.py kernel   [--lengths 32768 65536 131072] [--budget 0.125]
-    python benchmarks/bench_sparse_prefill.py ttft     [--lengths 32768 131072] [--budget 0.125]
     python benchmarks/bench_sparse_prefill.py accuracy [--lengths 4096 8192] [--budget 0.2]
 
 dense: the engine's dense prefill attention on each SDPA backend, a whole prompt and the same
@@ -26,10 +25,7 @@ The synthetic q/k give heads different sparsity: keys carry a per-block bias alo
 direction that queries share, of a per-head strength, so some heads concentrate their mass
 on few blocks and others spread it.
 
-ttft: time to first token of one prompt through the engine, random weights at
-Llama-3.1-8B shapes: dense prefill on the engine's backend (cuDNN on Hopper), dense on flash
-for reference, and block-sparse prefill with seeded heterogeneous per-head budgets (mean
-``--budget``; random weights have no profile). Median, min and max of ``--runs`` prompts.
+TTFT through the engine is ``benchmarks/prefill_ttft.py``.
 
 accuracy: ``spin_cluster.profiling.evaluate`` on the default model (SmolLM2-135M-Instruct):
 dense, and dense decode after sparse prefill with uniform, threshold and S-HPLB budgets at
@@ -45,8 +41,6 @@ import importlib.util
 import math
 import os
 import statistics
-import random
-import shutil
 import sys
 import time
 
@@ -424,97 +418,6 @@ def _timed_ms(fn, repeats: int) -> tuple[float, float]:
     return first, statistics.median(times)
 
 
-# ---- ttft ------------------------------------------------------------------------------------------
-
-
-def run_ttft(args) -> dict:
-    """TTFT of one prompt per length through the engine: dense prefill on flash (forced by
-    SPIN_DENSE_PREFILL), dense on the engine's own choice (cuDNN on Hopper), block-sparse.
-    Each timed ``--runs`` times on fresh prompts (flash ``--flash-runs``): median, min, max."""
-    import torch
-
-    from spin_cluster.config import SpinConfig
-    from spin_cluster.engine import SamplingParams
-    from spin_cluster.engine import Engine
-    from spin_cluster.engine.dense_prefill import device_backend
-    from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
-
-    longest = max(args.lengths)
-    # Room for a prompt of `longest` plus its token; random weights (model.load_format: dummy).
-    folder = shape_folder({**LLAMA_31_8B, "num_hidden_layers": args.layers}, longest + 256, args.tokenizer,
-                          prefix="llama31-8b-shapes-")
-    rng = random.Random(0)
-    per_head = [[round(min(0.99, max(0.01, rng.lognormvariate(0, 0.6) * args.budget)), 3) for _ in range(HKV)]
-                for _ in range(args.layers)]
-    mean = sum(map(sum, per_head)) / (args.layers * HKV)
-    per_head = [[round(min(0.99, b * args.budget / mean), 3) for b in row] for row in per_head]
-    sparse = {"algorithm": "block", "block_size": args.block_size, "estimator": args.estimator, "stride": args.stride,
-              "budgets": "per_head", "per_head_budgets": per_head}
-    on_gpu = torch.cuda.is_available()
-    dev = torch.device("cuda" if on_gpu else "cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    chosen = device_backend(dev, dtype, H, HKV, D).name
-    variants = [("dense", {}, None, args.runs), ("block-sparse", sparse, None, args.runs)]
-    if chosen != "flash" and on_gpu:
-        variants.insert(0, ("dense-flash", {}, "flash", args.flash_runs))
-    results = {"budget": args.budget, "per_head_budgets": per_head, "dense_backend": chosen,
-               "estimator": args.estimator, "stride": args.stride, "ttft_s": {}}
-    print(f"dense prefill backend of the engine: {chosen}", flush=True)
-    for label, prefill, force, runs in variants:
-        if force:
-            os.environ["SPIN_DENSE_PREFILL"] = force
-        cfg = SpinConfig.from_dict({
-            "model": {"path": folder, "load_format": "dummy", "dtype": "bfloat16" if on_gpu else "float32",
-                      "max_model_len": longest + 16},
-            "cache": {"kv_cache_gib": 2 * args.layers * HKV * D * 2 * (longest + 256) / 2**30 + 1},
-            "scheduler": {"max_num_seqs": 1, "max_num_batched_tokens": longest + 16},
-            "sparse": {"prefill": prefill},
-        })
-        engine = Engine(cfg, progress=False)
-        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        warm = min(2048, min(args.lengths))
-        try:
-            engine.generate([[rng.randrange(1000, 40000) for _ in range(warm)]], params)  # warm-up (compile, tune)
-            for T in args.lengths:
-                times = []
-                for run in range(runs):
-                    prompt = [random.Random(T * 100 + run).randrange(1000, 40000) for _ in range(T)]
-                    _sync()
-                    t0 = time.perf_counter()
-                    engine.generate([prompt], params)
-                    _sync()
-                    times.append(time.perf_counter() - t0)
-                stats = {"median": statistics.median(times), "min": min(times), "max": max(times), "runs": times}
-                results["ttft_s"].setdefault(str(T), {})[label] = stats
-                print(f"TTFT {label:>12} T={T:>6}: {stats['median']:.3f} s (min {stats['min']:.3f}, "
-                      f"max {stats['max']:.3f}, {runs} runs)", flush=True)
-            if prefill:
-                results["density"] = engine.runner.attention.sparse_prefill.density()
-        finally:
-            os.environ.pop("SPIN_DENSE_PREFILL", None)
-            del engine
-            if on_gpu:
-                torch.cuda.empty_cache()
-    shutil.rmtree(folder, ignore_errors=True)
-    _print_ttft_table(results)
-    return results
-
-
-def _print_ttft_table(results: dict) -> None:
-    chosen = results["dense_backend"]
-    print(f"\n| prompt tokens | dense flash TTFT s | dense {chosen} TTFT s (min-max) | block-sparse TTFT s (min-max) "
-          f"| sparse vs dense {chosen} | sparse vs dense flash |\n|---:|---:|---:|---:|---:|---:|")
-    for T, row in results["ttft_s"].items():
-        flash = row.get("dense-flash", row["dense"] if chosen == "flash" else None)
-        d, b = row["dense"], row["block-sparse"]
-        flash_s = f"{flash['median']:.2f}" if flash else "-"
-        vs_flash = f"{flash['median'] / b['median']:.2f}x" if flash else "-"
-        print(f"| {_tokens(T)} | {flash_s} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | "
-              f"{b['median']:.2f} ({b['min']:.2f}-{b['max']:.2f}) | {d['median'] / b['median']:.2f}x | {vs_flash} |")
-    print(f"blocks computed by sparse prefill: {100 * results['density']:.1f}% of causal; estimator "
-          f"{results['estimator']} (stride {results['stride']})")
-
-
 def _sync() -> None:
     import torch
 
@@ -546,23 +449,18 @@ def run_accuracy(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["dense", "kernel", "ttft", "accuracy"])
+    ap.add_argument("what", choices=["dense", "kernel", "accuracy"])
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     ap.add_argument("--budget", type=float, default=None,
-                    help="uniform middle-block fraction (kernel, ttft: 0.125; accuracy: 0.2, about a quarter of all causal blocks at 4K-8K)")
+                    help="uniform middle-block fraction (kernel: 0.125; accuracy: 0.2, about a quarter of all causal blocks at 4K-8K)")
     ap.add_argument("--block-size", type=int, default=None, help="kernel: 128; accuracy: 64")
-    ap.add_argument("--stride", type=int, default=16, help="estimate stride: antidiagonal spacing or query group (kernel, ttft)")
+    ap.add_argument("--stride", type=int, default=16, help="estimate stride: antidiagonal spacing or query group (kernel)")
     ap.add_argument("--estimator", default="strided", choices=["strided", "antidiagonal", "pooled"],
-                    help="key-block estimate of sparse prefill (kernel, ttft)")
+                    help="key-block estimate of sparse prefill (kernel)")
     ap.add_argument("--coverage", type=float, default=0.9, help="mass the S-HPLB needs are measured at (kernel)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--layers", type=int, default=32, help="ttft: decoder layers (fewer for a smoke run)")
-    ap.add_argument("--tokenizer", default=None,
-                    help="ttft: folder of tokenizer files for the random-weight model (default: the default model's)")
     ap.add_argument("--chunk", type=int, default=2048, help="dense: chunk tokens (the scheduler's default)")
     ap.add_argument("--repeats", type=int, default=3, help="dense: timed repeats (median)")
-    ap.add_argument("--runs", type=int, default=3, help="ttft: timed prompts per length and variant (median)")
-    ap.add_argument("--flash-runs", type=int, default=1, help="ttft: timed prompts of the dense flash reference")
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--tasks", nargs="+", default=None, help="accuracy: RULER-style tasks (default: all)")
@@ -570,13 +468,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default=None, metavar="JSON")
     args = ap.parse_args()
-    defaults = {"dense": ([32768, 131072], 0.125, 128), "kernel": ([32768, 65536, 131072], 0.125, 128), "ttft": ([32768, 131072], 0.125, 128),
+    defaults = {"dense": ([32768, 131072], 0.125, 128), "kernel": ([32768, 65536, 131072], 0.125, 128),
                 "accuracy": ([4096, 8192], 0.2, 64)}[args.what]
     args.lengths = args.lengths or defaults[0]
     args.budget = args.budget or defaults[1]
     args.block_size = args.block_size or defaults[2]
     _import_package()
-    result = {"dense": run_dense, "kernel": run_kernel, "ttft": run_ttft, "accuracy": run_accuracy}[args.what](args)
+    result = {"dense": run_dense, "kernel": run_kernel, "accuracy": run_accuracy}[args.what](args)
     if args.out:
         from spin_cluster.provenance import write_json
 

@@ -10,7 +10,7 @@
 # Lengths: $LENGTHS (default "2048 4096 8192"). seer runs only when its gate is carried
 # (.carry/gate/seer_gate.safetensors; training it here would take a minute of the budget).
 # Each run has its own timeout, passkey first, so that a slow machine loses the last tables,
-# not the first. Sparse prefill's accuracy is benchmarks/gpu_sparse_prefill.sh.
+# not the first. Sparse prefill's accuracy is benchmarks/gpu_prefill.sh.
 set -o pipefail
 source benchmarks/gpu_setup.sh
 gpu_info

@@ -14,8 +14,10 @@
 #                            reported): selection vs attention, TFLOP/s on visited blocks,
 #                            uniform / threshold / S-HPLB, threshold at S-HPLB's accuracy
 #   prefill_ttft.{json,log}  TTFT of one 32K and one 128K prompt (Llama-3.1-8B shapes, random
-#                            weights): dense (cuDNN), dense (flash, one run), block-sparse;
-#                            median of 3 with min and max
+#                            weights, benchmarks/prefill_ttft.py): dense (cuDNN) whole, and
+#                            block-sparse, median of 3 with min and max; dense in 2K chunks
+#                            and dense on flash, one run each; then a kernel profile of one
+#                            128K prompt, dense and sparse
 #   prefill_accuracy.{json,log} SmolLM2 at 4K/8K with the strided estimate (the accuracy table's
 #                            setting: 64-position blocks, a quarter of the middle blocks)
 # Usage (device machine, repo root; carry .carry/tok, or the default model's GGUF parts for
@@ -30,20 +32,22 @@ if [ "${DRY:-0}" = 1 ]; then
   mkdir -p "$OUT"
   REPO=$(pwd)
   export TRITON_INTERPRET=1
-  TESTS=("$REPO/tests/engine/test_dense_prefill.py" "$REPO/tests/kernels/test_block_sparse_prefill.py")
+  TESTS=("$REPO/tests/engine/test_dense_prefill.py" "$REPO/tests/kernels/test_block_sparse_prefill.py"
+         "$REPO/tests/kernels/test_prefill_estimate.py")
   MARK=(); DENSE=(--lengths 1024 --chunk 256 --repeats 1); KERNEL=(--lengths 1024 --block-size 64 --ranks 2)
-  TTFT=(--lengths 256 --layers 1 --runs 1 --block-size 64); ACC=(); T_SCALE=4; TOK=()
+  TTFT=(--lengths 256 --layers 1 --runs 1 --ref-runs 1 --block-size 64); ACC=(); T_SCALE=4; TOK=()
 else
   source benchmarks/gpu_setup.sh
   gpu_record
-  TESTS=("$REPO/tests/engine/test_dense_prefill.py" "$REPO/tests/kernels/test_block_sparse_prefill.py")
+  TESTS=("$REPO/tests/engine/test_dense_prefill.py" "$REPO/tests/kernels/test_block_sparse_prefill.py"
+         "$REPO/tests/kernels/test_prefill_estimate.py")
   MARK=(-m gpu); DENSE=(); KERNEL=(--lengths 32768 131072); TTFT=(); ACC=(--budget 0.25 --samples 3 --max-batch 32); T_SCALE=1
   (cd /tmp && $PY -c "from spin_cluster.model_store import prepare_default_model as p; print(p())") 2>&1 | tail -1
 fi
 step() { echo "== $(date -u +%H:%M:%S) $*"; }
 
 step "kernel choices at Llama-3.1-8B attention shapes"
-timeout $((40 * T_SCALE)) $PY - <<'PY' 2>&1 | tee "$OUT/prefill_choices.log"
+(cd /tmp && timeout $((40 * T_SCALE)) $PY -) <<'PY' 2>&1 | tee "$OUT/prefill_choices.log"
 import torch
 from spin_cluster.engine.dense_prefill import device_backend
 from spin_cluster.kernels.block_sparse_prefill import descriptors_usable
@@ -69,7 +73,7 @@ timeout $((130 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py kernel "${KERN
   | tee "$OUT/prefill_kernel.log"
 
 step "TTFT: dense (both backends) vs block-sparse"
-timeout $((170 * T_SCALE)) $PY benchmarks/bench_sparse_prefill.py ttft "${TTFT[@]}" "${TOK[@]}" --out "$OUT/prefill_ttft.json" 2>&1 \
+timeout $((240 * T_SCALE)) $PY benchmarks/prefill_ttft.py --profile "${TTFT[@]}" "${TOK[@]}" --out "$OUT/prefill_ttft.json" 2>&1 \
   | tee "$OUT/prefill_ttft.log"
 
 if [ "${DRY:-0}" = 1 ] || [ "${ACCURACY:-1}" = 0 ]; then

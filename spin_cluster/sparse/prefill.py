@@ -39,6 +39,7 @@ from spin_cluster.kernels.block_sparse_prefill import (
     block_sparse_prefill_ref,
     num_query_blocks,
 )
+from spin_cluster.kernels.prefill_estimate import strided_block_masses, strided_block_masses_ref
 from spin_cluster.partition.select import SelectPlan, select_pages
 
 # Scores held at once by the antidiagonal estimate ([rows, J * bs / stride] fp32 per chunk).
@@ -130,51 +131,13 @@ def _antidiagonal_masses(q_blocks, k_blocks, row_in_chunk, first, block_size, st
 
 def _strided_masses(q: torch.Tensor, k: torch.Tensor, context_start: int, block_size: int,
                     stride: int) -> torch.Tensor:
-    """q [n, H, D], k [Hkv, >= T, D] -> [Hkv, M, J] (see ``block_masses``: 'strided').
-
-    Positions are grouped as the kernel's blocks are (aligned to 0)::
-
-        query groups  | s | s | s | s | ... (R = M * bs / s, the first and last may be partial)
-        key blocks    |      bs       |      bs       | ...  (J)
-
-    Means are taken over the positions a group or block holds in the chunk (sums in fp32);
-    the dots run in the inputs' dtype, the softmax in fp32. A whole prompt of whole blocks
-    reads q and k once through views; other chunks are padded first."""
-    n, H, D = q.shape
-    Hkv = k.shape[0]
-    G, s, bs = H // Hkv, stride, block_size
-    first = context_start // bs
-    M = num_query_blocks(context_start, n, bs)
-    J, T = first + M, context_start + n
-    lead = context_start - first * bs  # chunk rows start this far into query block 0
-    if lead or n % bs:
-        q_pad = q.new_zeros(M * bs, H, D)
-        q_pad[lead:lead + n] = q
-        k_pad = k.new_zeros(Hkv, J * bs, D)
-        k_pad[:, :T] = k[:, :T]
-    else:
-        q_pad, k_pad = q, k[:, :T]
-    R, per = M * bs // s, bs // s
-    rows = torch.zeros(M * bs, device=q.device)
-    rows[lead:lead + n] = 1
-    q_count = rows.view(R, s).sum(-1)  # [R] chunk rows per group
-    k_count = (torch.arange(J * bs, device=q.device) < T).view(J, bs).sum(-1).clamp(min=1)  # [J]
-    q_mean = q_pad.reshape(R, s, H, D).sum(1, dtype=torch.float32) / q_count.clamp(min=1)[:, None, None]  # [R, H, D]
-    k_mean = k_pad.reshape(Hkv, J, bs, D).sum(2, dtype=torch.float32) / k_count[None, :, None]  # [Hkv, J, D]
-    # [Hkv, G*R, D] query groups per KV head, [Hkv, D, J] block keys, in the inputs' dtype.
-    qg = q_mean.to(q.dtype).view(R, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * R, D)
-    kt = k_mean.to(q.dtype).transpose(1, 2)
-    row_block = first + torch.arange(R, device=q.device) // per  # [R] key block of each group's diagonal
-    future = torch.arange(J, device=q.device)[None, :] > row_block[:, None]  # [R, J]
-    scale = D**-0.5
-    out = torch.empty(Hkv, M, J, dtype=torch.float32, device=q.device)
-    heads_per_chunk = max(1, _ESTIMATE_CHUNK_ELEMENTS // (G * R * J))
-    for h0 in range(0, Hkv, heads_per_chunk):
-        h1 = min(Hkv, h0 + heads_per_chunk)
-        logits = torch.bmm(qg[h0:h1], kt[h0:h1]).float().mul_(scale).view(h1 - h0, G, R, J)
-        p = logits.masked_fill_(future, float("-inf")).softmax(-1).mul_(q_count[:, None])
-        out[h0:h1] = p.view(h1 - h0, G, M, per, J).sum((1, 3))
-    return out / out.sum(-1, keepdim=True).clamp(min=1e-30)
+    """q [n, H, D], k [Hkv, >= T, D] -> [Hkv, M, J] (see ``block_masses``: 'strided', and
+    ``spin_cluster.kernels.prefill_estimate`` for the layout): the fused Triton estimate on
+    CUDA, which keeps the [G*R, J] logits on chip (the torch estimate writes and rereads them
+    in fp32: about 5 ms a layer at 128K on an H200), the torch reference elsewhere."""
+    if q.device.type == "cuda":
+        return strided_block_masses(q, k, context_start, block_size, stride)
+    return strided_block_masses_ref(q, k, context_start, block_size, stride)
 
 
 # ---- Select --------------------------------------------------------------------------------
