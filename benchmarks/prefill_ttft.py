@@ -70,7 +70,7 @@ def _kernel_class(name: str) -> str:
         return "dense attention"
     if any(s in n for s in ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul")):
         return "GEMM"
-    if any(s in n for s in ("sort", "topk", "softmax", "cumsum", "scan", "radix")):
+    if any(s in n for s in ("strided_mass", "sort", "topk", "softmax", "cumsum", "scan", "radix")):
         return "selection (estimate, sort, top-k)"
     return "other"
 
