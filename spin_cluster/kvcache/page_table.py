@@ -12,6 +12,8 @@ for freeing and for the integrity check.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from spin_cluster.kvcache.free_list import FreeList
@@ -85,9 +87,12 @@ class PageTable:
                 f"request {request_id!r} would need {start + n} pages per head, "
                 f"more than max_pages_per_seq={self.max_pages_per_seq}"
             )
+        if not n:
+            return
         pages.extend(page_ids[i * per_page : (i + 1) * per_page] for i in range(n))
-        # [n, L, Hkv] -> [L, Hkv, n]
-        block = torch.tensor(page_ids, dtype=torch.int32).view(n, self.num_layers, self.num_kv_heads)
+        # [n, L, Hkv] -> [L, Hkv, n]; through an int32 array, 4x faster than torch.tensor over
+        # the list (2M ids for a 128K prompt of an 8B model)
+        block = torch.frombuffer(array("i", page_ids), dtype=torch.int32).view(n, self.num_layers, self.num_kv_heads)
         self.table[self.row(request_id), :, :, start : start + n] = block.permute(1, 2, 0).to(
             self.table.device
         )
