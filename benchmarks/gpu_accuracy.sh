@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# SmolLM2 accuracy on the GPU (device tool, one call, about 6 minutes on one H200; the default
-# model's GGUF carried in parts, see gpu_setup.sh). The tables of docs/accuracy.md ("Every
-# algorithm at 2K, 4K and 8K"): at each length, every Select at 1/8, 1/16 and 1/32 of the
+# SmolLM2 accuracy on the GPU (device tool; the default model's GGUF carried in parts, see
+# gpu_setup.sh). One call per length (LENGTHS=2048, then 4096, then 8192): a length's three runs
+# may take up to 410 s (their time limits); with 40/20/60 s limits every run of a three-length
+# call was killed before it wrote a result on an H200 (2026-12-01). The tables of
+# docs/accuracy.md ("Every algorithm at 2K, 4K and 8K"): at each length, every Select at 1/8, 1/16 and 1/32 of the
 # context with dense beside it, on
 #   passkey-<len>.{json,log}   the passkey task, $PASSKEY_SAMPLES prompts (default 12)
 #   ruler-<len>.{json,log}     the seven RULER-style tasks, $SAMPLES prompts each (default 2)
 #   spin-<len>.{json,log}      the bundled `spin` config's Select (labels, 1/16, hysteresis
 #                              0.5 nats) on passkey and the needle tasks
-# Lengths: $LENGTHS (default "2048 4096 8192"). seer runs only when its gate is carried
+# Lengths: $LENGTHS (required; one per call). seer runs only when its gate is carried
 # (.carry/gate/seer_gate.safetensors; training it here would take a minute of the budget).
 # Each run has its own timeout, passkey first, so that a slow machine loses the last tables,
 # not the first. Sparse prefill's accuracy is benchmarks/gpu_prefill.sh.
 set -o pipefail
 source benchmarks/gpu_setup.sh
 gpu_info
-LENGTHS=${LENGTHS:-"2048 4096 8192"}
+LENGTHS=${LENGTHS:?set LENGTHS to one of 2048 4096 8192 (one length per device call)}
 SAMPLES=${SAMPLES:-2}
 PASSKEY_SAMPLES=${PASSKEY_SAMPLES:-12}
 GATE=/tmp/seer_gate.safetensors
@@ -30,16 +32,16 @@ run() {  # name, timeout_s, eval arguments...
 }
 for LEN in $LENGTHS; do
   # shellcheck disable=SC2086
-  run "passkey-$LEN" "${PASSKEY_TIMEOUT:-40}" --lengths "$LEN" --tasks passkey --samples "$PASSKEY_SAMPLES" \
+  run "passkey-$LEN" "${PASSKEY_TIMEOUT:-150}" --lengths "$LEN" --tasks passkey --samples "$PASSKEY_SAMPLES" \
       --algorithms $ALGOS --budgets 0.125 0.0625 0.03125 --max-tokens 10
 done
 for LEN in $LENGTHS; do
-  run "spin-$LEN" "${SPIN_TIMEOUT:-20}" --lengths "$LEN" --tasks passkey niah_single niah_multikey \
+  run "spin-$LEN" "${SPIN_TIMEOUT:-60}" --lengths "$LEN" --tasks passkey niah_single niah_multikey \
       --samples "$PASSKEY_SAMPLES" --algorithms labels --budgets 0.0625 --resident-margin 0.5 --max-tokens 16
 done
 for LEN in $LENGTHS; do
   # shellcheck disable=SC2086
-  run "ruler-$LEN" "${RULER_TIMEOUT:-60}" --lengths "$LEN" --samples "$SAMPLES" \
+  run "ruler-$LEN" "${RULER_TIMEOUT:-200}" --lengths "$LEN" --samples "$SAMPLES" \
       --tasks niah_single niah_multikey niah_multivalue niah_multiquery vt cwe fwe \
       --algorithms $ALGOS --budgets 0.125 0.0625 0.03125 --max-tokens 32
 done
