@@ -97,6 +97,8 @@ def one_rank_group():
 
 def _causal_attention(layer_id, q, k, v):
     # q: [T, H, D], k/v: [T, Hkv, D] of one sequence -> [T, H, D]
+    if k.shape[1] == 0:  # a shard without heads in this layer, as the rank backends skip it
+        return torch.empty_like(q)  # (SDPA's GQA check divides by Hkv: SIGFPE on some builds)
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
     )
