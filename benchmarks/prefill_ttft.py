@@ -63,16 +63,13 @@ def _prompt(T: int, seed: int) -> list[int]:
 
 
 def _kernel_class(name: str) -> str:
-    n = name.lower()
-    if "block_sparse_prefill" in n:
-        return "sparse attention"
-    if any(s in n for s in ("cudnn", "flash", "fmha", "attention", "sdpa")):
-        return "dense attention"
-    if any(s in n for s in ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul")):
-        return "GEMM"
-    if any(s in n for s in ("strided_mass", "sort", "topk", "softmax", "cumsum", "scan", "radix")):
-        return "selection (estimate, sort, top-k)"
-    return "other"
+    """``profile_step.kernel_part``, with sparse and dense attention told apart."""
+    from profile_step import kernel_part
+
+    part = kernel_part(name)
+    if part == "attention":
+        return "sparse attention" if "block_sparse_prefill" in name.lower() else "dense attention"
+    return part
 
 
 def _profile(engine, prompt: list[int], params) -> dict:

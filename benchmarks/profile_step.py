@@ -199,13 +199,14 @@ def main(argv=None) -> dict:
     return result
 
 
-# Kernel name fragments -> the part of the step they belong to (first match wins).
+# Kernel name fragments -> the part of the step they belong to (first match wins); the
+# prefill kernels too (benchmarks/prefill_ttft.py's profile).
 _PARTS = (
     ("select", ("_page_scores", "_label_scores", "_select_ragged", "_topk_ragged", "_quest_append", "scatter_reduce",
-                "index_fill")),
+                "index_fill", "_strided_mass")),
     ("retrieve", ("_buffer_lookup", "_lookup_epilogue", "_retrieve_pages")),
     ("offload", ("_write_tokens",)),
-    ("attention", ("_paged_decode", "flash", "fmha", "attention")),
+    ("attention", ("_paged_decode", "_block_sparse_prefill", "flash", "fmha", "attention", "cudnn", "sdpa")),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitK", "cublas")),
     ("layer ops", ("_add_rms_norm", "_rope_qk", "_silu_mul", "rms_norm")),
 )

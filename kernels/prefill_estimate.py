@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ._triton_support import interpreter_requested, load_kernel_module, next_pow2
+from .block_sparse_prefill import num_query_blocks
 
 __all__ = ["block_mean_keys", "strided_block_masses", "strided_block_masses_ref"]
 
@@ -51,7 +52,7 @@ def _shape(q: torch.Tensor, k: torch.Tensor, context_start: int, block_size: int
     if k.shape[1] < T:
         raise ValueError(f"k holds {k.shape[1]} positions; the chunk needs context_start + n = {T}")
     first = context_start // block_size
-    M = -(-T // block_size) - first
+    M = num_query_blocks(context_start, n, block_size)
     return n, H, Hkv, H // Hkv, D, first, M, first + M, T
 
 
