@@ -20,6 +20,7 @@ frees its pages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -97,6 +98,7 @@ class EngineServer:
             self._loop = EngineLoop(self._engine, idle_wait_s=self._serve.stats_interval_s)
             self._report: EngineReport = engine_report(self._engine, self.replica_id)
             self._report_s = 0.0
+            self._report_counts = (0, 0)
             self._loop.on_step(self._refresh_report)
             self._loop.start()
         except BaseException:  # Serve calls __del__ only once __init__ has returned
@@ -183,17 +185,25 @@ class EngineServer:
     # ---- reports ------------------------------------------------------------------------
 
     def _refresh_report(self, engine: Any) -> None:
-        """Busy, at most twice per report period (a step may take milliseconds); idle, every
-        time, so that the state an abort or a last step leaves is in the next report."""
+        """Busy, at most twice per report period (a step may take milliseconds) and whenever a
+        request starts or stops running (a step may also take seconds: a long prefill, a loaded
+        host); idle, every time, so that the state an abort or a last step leaves is in the next
+        report."""
         now = time.monotonic()
-        if not engine.has_unfinished() or now - self._report_s >= self._serve.stats_interval_s / 2:
+        counts = (self._loop.num_running, self._loop.num_waiting)
+        if (not engine.has_unfinished() or counts != self._report_counts
+                or now - self._report_s >= self._serve.stats_interval_s / 2):
             self._report = engine_report(engine, self.replica_id, self._loop.num_admitted_total)
             self._report_s = now
+            self._report_counts = counts
 
     async def _report_forever(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._planner.report.remote(self._report), self._serve.handle_timeout_s)
+                # Stamped when sent: the planner's staleness is about the engine being silent,
+                # not about a step (a long prefill) keeping its state from being re-read.
+                report = dataclasses.replace(self._report, reported_s=time.time())
+                await asyncio.wait_for(self._planner.report.remote(report), self._serve.handle_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception:

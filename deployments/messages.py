@@ -68,8 +68,8 @@ class KvUsage:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineReport(KvUsage):
-    """One engine's capacity and cumulative counters (since it started), as of
-    ``reported_s`` (time.time())."""
+    """One engine's capacity and cumulative counters (since it started); ``reported_s``
+    (time.time()) is when it was sent, its state as of the engine's last step or idle wait."""
 
     replica_id: str
     reported_s: float

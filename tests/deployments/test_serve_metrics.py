@@ -66,7 +66,10 @@ def test_engine_gauges_follow_a_state_change_within_a_second(spin_app):
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            next(line for line in r.iter_lines() if line.startswith("data: {"))
+            # Held until the block ends: a dropped line iterator may close the stream (through
+            # a collected reference cycle, at a random time), and the server sees a client gone.
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
             running_s = _seconds_until(base, lambda running, used: running == 1 and used > 0)
         # the connection closes here: the client is gone
     freed_s = _seconds_until(base, lambda running, used: running == 0 and used == 0)
@@ -77,14 +80,17 @@ def test_engine_gauges_follow_a_state_change_within_a_second(spin_app):
 def _seconds_until(base: str, state, timeout_s: float = 10.0) -> float:
     """Seconds until /metrics shows ``state(running requests, used KV pages)``."""
     started = time.monotonic()
+    seen = []  # (seconds, running, used) each time /metrics changed
     while time.monotonic() - started < timeout_s:
         fams = _families(base)
         running = fams["spin_requests_running"].samples[0].value
         used = sum(s.value for s in fams["spin_kv_pages"].samples if s.labels["state"] == "used")
         if state(running, used):
             return time.monotonic() - started
+        if not seen or seen[-1][1:] != (running, used):
+            seen.append((round(time.monotonic() - started, 2), running, used))
         time.sleep(0.05)
-    raise TimeoutError(f"/metrics did not reach the state within {timeout_s}s")
+    raise TimeoutError(f"/metrics did not reach the state within {timeout_s}s; (s, running, used pages) seen: {seen}")
 
 
 def test_prometheus_scrapes_and_answers_the_dashboard_queries(spin_app, prometheus):
