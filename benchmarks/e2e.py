@@ -98,6 +98,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--buffer-share", type=float, default=0.0,
                     help="spin: cache.buffer_share, a share's cap as a multiple of the pages a step selects "
                          "(0: none, shares grow into every free slot of the GPU memory budget)")
+    ap.add_argument("--sparse-prefill", type=float, default=0.0, metavar="FRACTION",
+                    help="sparse modes: block-sparse prefill (strided estimate, S-HPLB-like per-head fractions "
+                         "of this mean; 0: dense prefill, as dense runs)")
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=65536,
@@ -134,6 +137,13 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
     # A bfloat16 index halves the bytes Select reads (Quest's bounds are rounded outward).
     cfg["sparse"] = {"algorithm": args.algorithm, "budget": args.budget, "local_tokens": 2 * args.page_size,
                      "sink_tokens": args.page_size, "options": {"index_dtype": "bfloat16"}}
+    if args.sparse_prefill:
+        from spin_cluster.hplb.budget import synthetic_prefill_fractions
+
+        cfg["sparse"]["prefill"] = {
+            "algorithm": "block", "block_size": 128, "estimator": "strided", "stride": 16, "budgets": "per_head",
+            "per_head_budgets": synthetic_prefill_fractions(shape["num_hidden_layers"], shape["num_key_value_heads"],
+                                                            args.sparse_prefill)}
     if mode == "spin":
         from spin_cluster.hplb.budget import synthetic_maxmin_budgets
 
@@ -360,7 +370,9 @@ def markdown(results: dict) -> str:
 
     lines = [f"GPU KV cap: {results['gpu_kv_gib']} GiB; host tier {results['host_kv_gib']} GiB; "
              f"sparse budget {results['budget']} tokens/head; {results['device']}; dense prefill on "
-             f"{results.get('dense_prefill_backend', 'the default SDPA dispatch')}", "",
+             f"{results.get('dense_prefill_backend', 'the default SDPA dispatch')}"
+             + (f"; sparse modes prefill block-sparse ({results['args']['sparse_prefill']:.3g} of the blocks)"
+                if results["args"].get("sparse_prefill") else ""), "",
              "| workload | mode | finished | throughput tok/s | decode tok/s | peak batch | TTFT p50 s | TTFT p99 s "
              "| TPOT p50 ms | TPOT p99 ms | hit ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, by_mode in results["workloads"].items():

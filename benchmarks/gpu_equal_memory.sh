@@ -1,29 +1,43 @@
 #!/usr/bin/env bash
-# Spin against dense with one GPU memory budget for both (device tool, one call, ~8 minutes
-# on one H200): dense gets GPU_KV_GIB as KV pages, Spin as its elastic buffer. Runs, each a
-# benchmarks/e2e.py invocation with dense and Spin in the same process one after the other:
-#   32k      16 x 32K prompts, 100 GiB (all KV fits both)
-#   cap24    4 x 128K prompts, 24 GiB (dense holds one request; Spin's shares shrink)
-#   labels   4 x 128K prompts, 100 GiB, Spin with the labels Select (its index is r/D of K)
-# plus the Select kernel alone (bench_select.py). Results in $OUT: e2e-<run>.json,
-# bench_select.json, equal_memory.log. Env: RUNS (subset, default "32k cap24 labels").
+# Spin against dense with one GPU memory budget for both (device tool, one call per group of
+# runs that fits in 10 minutes on one H200): dense gets GPU_KV_GIB as KV pages, Spin as its
+# elastic buffer. Runs, each a benchmarks/e2e.py invocation with its modes in one process, one
+# after the other (minutes on an H200 in brackets):
+#   128k     4 x 128K prompts, 100 GiB (all KV fits both): the headline, with dense's batch-1 roofline [4]
+#   32k      16 x 32K prompts, 100 GiB (all KV fits both) [3]
+#   cap24    4 x 128K prompts, 24 GiB (dense holds one request; Spin's shares shrink) [3.5]
+#   labels   4 x 128K prompts, 100 GiB, Spin with the bundled config's Select: labels with
+#            Select's hysteresis (resident_margin 0.5) [2]
+#   online   4 x 32K prompts arriving at 2, 1 and 0.5 requests/s, 100 GiB, dense and Spin [2.5]
+#   prefill  4 x 128K and the online arrivals, 100 GiB, Spin with block-sparse prefill (1/8 of
+#            the blocks, per-head fractions): the whole request, TTFT included [2.5]
+# plus the Select kernel alone (bench_select.py). Results in $OUT: e2e-<run>.{json,md},
+# bench_select.json, equal_memory.log. Env: RUNS (default "32k cap24 labels"; e.g. RUNS="128k
+# 32k" in one call, RUNS="cap24 labels online" in the next).
 set -o pipefail
 source benchmarks/gpu_setup.sh
 LOG="$OUT/equal_memory.log"
 gpu_record "$LOG"
-timeout 60 python3 benchmarks/bench_select.py --out "$OUT" 2>&1 | tee -a "$LOG"
+[ "${SELECT:-1}" = 1 ] && timeout 60 python3 benchmarks/bench_select.py --out "$OUT" 2>&1 | tee -a "$LOG"
 run() {  # name, deadline s, e2e.py flags
   local name=$1 deadline=$2; shift 2
   mkdir -p "/tmp/e2e-$name"
   timeout $(( deadline + 90 )) python3 benchmarks/e2e.py --host-kv-gib 72 --deadline-s "$deadline" "${TOK[@]}" \
     --out "/tmp/e2e-$name" "$@" 2>&1 | grep -v "^\[" | tee -a "$LOG"
   cp "/tmp/e2e-$name/e2e.json" "$OUT/e2e-$name.json"
+  cp "/tmp/e2e-$name/e2e.md" "$OUT/e2e-$name.md" 2>/dev/null
 }
+ONLINE=(online-2rps online-1rps online-0.5rps)
 for r in ${RUNS:-32k cap24 labels}; do
   case $r in
+    128k) run 128k 230 --modes dense spin --workloads offline-128K --offline-lengths 131072 --offline-batch 4 \
+            --gpu-kv-gib 100 ;;
+    online) run online 130 --modes dense spin --workloads "${ONLINE[@]}" --offline-lengths 32768 --gpu-kv-gib 100 ;;
+    prefill) run prefill 130 --modes spin --sparse-prefill 0.125 --workloads offline-128K "${ONLINE[@]}" \
+               --offline-lengths 131072 --offline-batch 4 --gpu-kv-gib 100 ;;
     32k) run 32k 170 --modes dense spin --workloads offline-32K --offline-lengths 32768 --offline-batch 16 --gpu-kv-gib 100 ;;
     cap24) run cap24 200 --modes dense spin --workloads offline-128K --offline-lengths 131072 --gpu-kv-gib 24 ;;
-    labels) run labels 110 --modes spin --algorithm labels --max-num-seqs 4 --workloads offline-128K \
+    labels) run labels 110 --modes spin --algorithm labels --resident-margin 0.5 --max-num-seqs 4 --workloads offline-128K \
               --offline-lengths 131072 --gpu-kv-gib 100 ;;
   esac
 done

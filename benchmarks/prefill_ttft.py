@@ -32,14 +32,6 @@ import time
 from bench_sparse_prefill import D, H, HKV, _import_package, _sync, _tokens
 
 
-def _budgets(layers: int, budget: float) -> list[list[float]]:
-    """Seeded lognormal per-head fractions, rescaled to mean ``budget``."""
-    rng = random.Random(0)
-    rows = [[min(0.99, max(0.01, rng.lognormvariate(0, 0.6) * budget)) for _ in range(HKV)] for _ in range(layers)]
-    mean = sum(map(sum, rows)) / (layers * HKV)
-    return [[round(min(0.99, b * budget / mean), 3) for b in row] for row in rows]
-
-
 def _engine(folder: str, longest: int, layers: int, prefill: dict, chunk: int | None, on_gpu: bool):
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import Engine
@@ -98,12 +90,13 @@ def run(args) -> dict:
 
     from spin_cluster.engine import SamplingParams
     from spin_cluster.engine.dense_prefill import device_backend
+    from spin_cluster.hplb.budget import synthetic_prefill_fractions
     from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
 
     longest = max(args.lengths)
     folder = shape_folder({**LLAMA_31_8B, "num_hidden_layers": args.layers}, longest + 256, args.tokenizer,
                           prefix="llama31-8b-shapes-")
-    per_head = _budgets(args.layers, args.budget)
+    per_head = synthetic_prefill_fractions(args.layers, HKV, args.budget)
     sparse = {"algorithm": "block", "block_size": args.block_size, "estimator": args.estimator, "stride": args.stride,
               "budgets": "per_head", "per_head_budgets": per_head}
     on_gpu = torch.cuda.is_available()

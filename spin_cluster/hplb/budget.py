@@ -21,6 +21,7 @@ every head is saturated the rest is dealt out evenly. The total is kept exactly.
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -76,6 +77,17 @@ def synthetic_maxmin_budgets(num_layers: int, num_kv_heads: int, mean_tokens: in
     needs = np.maximum(unit_tokens, (rng.lognormal(0.0, sigma, (num_layers, num_kv_heads)) * mean_tokens).astype(int))
     total = num_layers * num_kv_heads * (mean_tokens // unit_tokens) * unit_tokens
     return maxmin_budgets(needs.tolist(), total, unit_tokens=unit_tokens)
+
+
+def synthetic_prefill_fractions(num_layers: int, num_kv_heads: int, mean_fraction: float,
+                                sigma: float = 0.6, seed: int = 0) -> list[list[float]]:
+    """Per-(layer, KV head) block fractions of sparse prefill for a model without a profile:
+    seeded log-normal, each in [0.01, 0.99], rescaled to a mean of ``mean_fraction``."""
+    rng = random.Random(seed)
+    rows = [[min(0.99, max(0.01, rng.lognormvariate(0, sigma) * mean_fraction)) for _ in range(num_kv_heads)]
+            for _ in range(num_layers)]
+    mean = sum(map(sum, rows)) / (num_layers * num_kv_heads)
+    return [[round(min(0.99, b * mean_fraction / mean), 3) for b in row] for row in rows]
 
 
 def uniform_budgets(num_layers: int, num_kv_heads: int, tokens: int) -> Budgets:

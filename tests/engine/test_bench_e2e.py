@@ -58,3 +58,20 @@ def test_tpot_counts_requests_the_deadline_cut_off():
     r = bench["summarize"](times, [], 10.0, True, engine)
     assert r["finished"] == 1 and r["tpot_p50_s"] is not None
     assert sorted([r["tpot_p50_s"], r["tpot_p99_s"]])[1] > 1.9  # the cut-off request is in
+
+
+def test_e2e_sparse_prefill_runs_the_sparse_modes_block_sparse(tmp_path):
+    bench = runpy.run_path(str(BENCH), run_name="e2e")
+    shape = {"num_hidden_layers": 2, "num_key_value_heads": 2}
+    args = bench["parse_args"](["--tiny", "--sparse-prefill", "0.25"])
+    assert "prefill" not in bench["mode_config"]("dense", args, "m", 512, shape)["sparse"]
+    for mode in ("sparse-no-buffer", "spin"):
+        prefill = bench["mode_config"](mode, args, "m", 512, shape)["sparse"]["prefill"]
+        assert prefill["algorithm"] == "block" and prefill["budgets"] == "per_head"
+        fractions = [f for row in prefill["per_head_budgets"] for f in row]
+        assert len(fractions) == 4 and abs(sum(fractions) / 4 - 0.25) < 0.01
+    result = bench["main"](["--tiny", "--modes", "spin", "--workloads", "offline-384", "--sparse-prefill", "0.25",
+                            "--out", str(tmp_path)])
+    r = result["workloads"]["offline-384"]["spin"]
+    assert r["finished"] == r["requests"] == 3 and not r["truncated"]
+    assert "prefill block-sparse (0.25 of the blocks)" in (tmp_path / "e2e.md").read_text()

@@ -99,3 +99,14 @@ def test_profile_budgets_keep_the_total_and_floors(increments, per_head, floor):
     assert sum(flat) == total and all(b >= 16 * floor and b % 16 == 0 for b in flat)
     worst = min(profile.recovered((0, h), b) for h, b in enumerate(flat))
     assert worst >= min(profile.recovered((0, h), 16 * per_head) for h in range(len(flat))) - 1e-9
+
+
+def test_synthetic_prefill_fractions_are_seeded_bounded_and_keep_the_mean():
+    from spin_cluster.hplb.budget import synthetic_prefill_fractions
+
+    rows = synthetic_prefill_fractions(32, 8, 0.125)
+    assert rows == synthetic_prefill_fractions(32, 8, 0.125) != synthetic_prefill_fractions(32, 8, 0.125, seed=1)
+    flat = [f for row in rows for f in row]
+    assert len(rows) == 32 and all(len(row) == 8 for row in rows)
+    assert all(0 < f <= 0.99 for f in flat) and len(set(flat)) > 100  # heads differ
+    assert abs(sum(flat) / len(flat) - 0.125) < 1e-3
