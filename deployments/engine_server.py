@@ -63,6 +63,31 @@ def _sampling_params(fields: dict[str, Any]):
     return SamplingParams(**fields)
 
 
+def _coalesce(item: object, queue: asyncio.Queue) -> tuple[object, object | None]:
+    """``item`` with the Deltas already queued behind it, as one Delta, and the first
+    non-Delta item taken from the queue on the way (None if none). When the consumer is
+    slower than the steps (a loaded host, many streams), one hop to the ingress then carries
+    every token that is ready instead of one each: an adaptive stream interval."""
+    if not isinstance(item, Delta) or item.finished:
+        return item, None
+    parts = [item]
+    while not parts[-1].finished and not queue.empty():
+        nxt = queue.get_nowait()
+        if not isinstance(nxt, Delta):
+            return _merge(parts), nxt
+        parts.append(nxt)
+    return _merge(parts), None
+
+
+def _merge(deltas: list[Delta]) -> Delta:
+    """Consecutive Deltas of one request as one."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return Delta(text="".join(d.text for d in deltas), token_ids=tuple(t for d in deltas for t in d.token_ids),
+                 finished=last.finished, finish_reason=last.finish_reason)
+
+
 def _param_of(message: str) -> str | None:
     """SamplingParams messages start with 'name=value'."""
     head = message.split("=", 1)[0]
@@ -128,9 +153,11 @@ class EngineServer:
         self._loop.submit(request.request_id, _Prompt(prompt, request.messages is not None), params,
                           lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item))
         done = False
+        held: object | None = None  # taken from the queue while coalescing, not yet sent
         try:
             while not done:
-                item = await outputs.get()
+                item, held = (held, None) if held is not None else (await outputs.get(), None)
+                item, held = _coalesce(item, outputs)
                 done = isinstance(item, Failed) or (isinstance(item, Delta) and item.finished)
                 yield item
         finally:
@@ -157,8 +184,11 @@ class EngineServer:
     def replica_info(self) -> dict[str, Any]:
         """This replica's id and Ray actor name (what an operator passes to ``ray.kill``), its
         process id, and the process ids of its head-parallel follower ranks (none with one rank)."""
+        import torch
+
         return {"replica_id": self.replica_id, "actor_name": ray.get_runtime_context().get_actor_name(),
-                "pid": os.getpid(), "follower_pids": list(getattr(self._engine, "follower_pids", []))}
+                "pid": os.getpid(), "follower_pids": list(getattr(self._engine, "follower_pids", [])),
+                "niceness": os.nice(0), "torch_threads": torch.get_num_threads()}
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes it replace the replica."""

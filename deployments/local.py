@@ -60,6 +60,9 @@ def run_local(args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000
     config = load_app_config(args)
     config.check_model()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray starts its workers at nice 15: the engine would yield the CPU to any other process
+    # (the load client included). Read by the raylet from the environment.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     node_ip = _ray_node_ip(host)
     if node_ip is not None and ipaddress.ip_address(node_ip).is_loopback:  # and serve_grpc_on_loopback
         # On Linux Ray replaces a loopback node address with the machine's own and then binds

@@ -113,3 +113,29 @@ def test_report_counts_free_capacity(engine, expected):
     assert rep.free_kv_tokens == free_kv_tokens(engine.kv, engine.kv.num_total_pages) > 0
     assert rep.free_kv_tokens == engine.kv.free_token_capacity()
     assert rep.attention_rank_s == {"0": 0.0}
+
+
+def test_queued_deltas_go_to_the_ingress_as_one():
+    """A slow consumer gets every token already queued in one hop; a finished Delta ends the
+    merge, and an item that is not a Delta is handed back, not lost."""
+    import asyncio
+
+    from spin_cluster.deployments.engine_server import _coalesce
+
+    def d(text, ids, finished=False):
+        return Delta(text=text, token_ids=ids, finished=finished, finish_reason="length" if finished else None)
+
+    q: asyncio.Queue = asyncio.Queue()
+    for item in (d("b", (2,)), d("c", (3, 4)), d("e", (5,), True), d("x", (9,))):
+        q.put_nowait(item)
+    merged, held = _coalesce(d("a", (1,)), q)
+    assert merged == d("abce", (1, 2, 3, 4, 5), True) and held is None and q.qsize() == 1
+    assert _coalesce(d("a", (1,)), asyncio.Queue()) == (d("a", (1,)), None)  # nothing queued: as is
+    q = asyncio.Queue()
+    failed = Failed(500, "boom")
+    for item in (d("b", (2,)), failed, d("c", (3,))):
+        q.put_nowait(item)
+    merged, held = _coalesce(d("a", (1,)), q)
+    assert merged == d("ab", (1, 2)) and held is failed and q.qsize() == 1
+    admitted = Admitted(num_prompt_tokens=3)
+    assert _coalesce(admitted, q) == (admitted, None) and q.qsize() == 1  # only Deltas merge

@@ -53,6 +53,10 @@ def test_serve_on_loopback_opens_no_other_address(tmp_path, tiny_llama_path):
         assert any("gcs_server" in name for name, _, _ in listening) and len(listening) > 5, listening
         exposed = [entry for entry in listening if not _is_loopback(entry[1])]
         assert exposed == [], f"listening beyond loopback: {exposed}"
+        # Ray's workers start at nice 15 unless told otherwise: the engine would yield the CPU
+        # to every other process, a load client included.
+        engines = [p for p in started.values() if "EngineServer" in " ".join(_cmdline(p))]
+        assert engines and all(p.nice() == 0 for p in engines), [(p.pid, p.nice()) for p in engines]
     finally:
         serve.send_signal(signal.SIGINT)
         try:
@@ -75,6 +79,12 @@ def _processes_of(root_pid: int, marker: str) -> dict[int, psutil.Process]:
         if any(marker in part for part in (p.info["cmdline"] or ())):
             found.setdefault(p.pid, p)
     return found
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    with contextlib.suppress(psutil.Error):
+        return p.cmdline()
+    return []
 
 
 def _listening(processes) -> list[tuple[str, str, int]]:

@@ -179,6 +179,15 @@ def test_pods_run_as_non_root(case):
             assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"]["drop"] == ["ALL"]
 
 
+def test_ray_workers_run_at_normal_priority(case):
+    """Non-root pods cannot lower a nice value, so Ray must not raise its workers' (15 by
+    default): the engine would yield the CPU to every other process of the pod."""
+    _, docs = case
+    for template in _templates(_one(docs, "RayService")):
+        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
+        assert env["RAY_worker_niceness"] == "0"
+
+
 def test_http_service_selects_the_serving_ray_pods(case):
     _, docs = case
     service = _one(docs, "Service", "http")

@@ -77,6 +77,10 @@ the image, as local mode does, plus the keys the Kubernetes shape decides.
 {{- define "spin-cluster.env" -}}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
+# Ray starts its workers at nice 15; the engine replicas would then yield the CPU to every
+# other process of the node (the ingress, the proxy, a sidecar).
+- name: RAY_worker_niceness
+  value: "0"
 {{- with .Values.apiKey.existingSecret }}
 - name: SPIN_API_KEY
   valueFrom:
