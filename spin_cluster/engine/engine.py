@@ -70,6 +70,8 @@ class Engine:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         path = config.model.resolved_path()
         self.model = self._load_model(path, progress).fuse_projections()
+        if config.model.cpu_packed_gemms and self.device.type == "cpu":
+            self.model.pack_for_cpu()
         self.tokenizer = Tokenizer(path)
         mc = self.model.config
         config.check_model(mc)

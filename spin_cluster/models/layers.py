@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from spin_cluster.kernels import layer_ops
+from spin_cluster.models import cpu_linear
 from spin_cluster.models.base import AttentionBackend
 from spin_cluster.models.config import ModelConfig
 
@@ -139,15 +140,27 @@ class FusedLinears:
                 lin.bias = nn.Parameter(self.bias[start : start + n], requires_grad=False)
             start += n
         self._members = [(lin, lin.weight, lin.bias, lin.weight.data_ptr()) for lin in linears]
+        self.cpu_pack: cpu_linear.PackedLinear | None = None
 
     def current(self) -> bool:
         """Whether every member still holds its view of the fused weight (not replaced, not moved)."""
         return all(lin.weight is w and lin.bias is b and w.data_ptr() == ptr for lin, w, b, ptr in self._members)
 
+    def pack_for_cpu(self) -> bool:
+        """Prepack the fused weight for oneDNN (``cpu_linear``; float32 CPU weights only)."""
+        if self.weight.dtype != torch.float32 or self.weight.is_cuda or not cpu_linear.available():
+            return False
+        self.cpu_pack = cpu_linear.PackedLinear(self.weight, self.bias)
+        return True
+
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """x: [T, in] -> one [T, out_i] view per member, or None if the fusion is stale."""
         if not self.current():
             return None
+        pack = self.cpu_pack
+        if pack is not None and x.dim() == 2 and x.dtype == torch.float32 and not x.is_cuda \
+                and pack.current(self.weight, self.bias):
+            return list(pack(x).split(self.sizes, dim=-1))
         return list(nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
 
 
@@ -169,9 +182,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, E] -> [T, E]
         fused = self.gate_up(x) if self.gate_up is not None else None
-        gate, up = fused if fused is not None else (self.gate_proj(x), self.up_proj(x))  # [T, F] each
+        gate, up = fused if fused is not None else (cpu_linear.linear(self.gate_proj, x), cpu_linear.linear(self.up_proj, x))  # [T, F] each
         h = layer_ops.silu_mul(gate, up) if layer_ops.fits(gate) else nn.functional.silu(gate) * up
-        return self.down_proj(h)  # [T, E]
+        return cpu_linear.linear(self.down_proj, h)  # [T, E]
 
 
 class Attention(nn.Module):
@@ -207,7 +220,7 @@ class Attention(nn.Module):
         # x: [T, E], cos/sin: [T, 1, D] -> [T, E]
         t = x.shape[0]
         fused = self.qkv(x) if self.qkv is not None else None
-        q, k, v = fused if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = fused if fused is not None else tuple(cpu_linear.linear(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -222,7 +235,7 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [T, H, D], [T, Hkv, D]
         o = attn.forward(self.layer_id, q, k, v)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))  # [T, E]
+        return cpu_linear.linear(self.o_proj, o.reshape(t, self.num_heads * self.head_dim))  # [T, E]
 
 
 class DecoderLayer(nn.Module):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spin_cluster.models import cpu_linear
 from spin_cluster.models.base import AttentionBackend
 from spin_cluster.models.config import ModelConfig
 from spin_cluster.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
@@ -44,6 +45,21 @@ class CausalLM(nn.Module):
             layer.mlp.fuse()
         return self
 
+    def pack_for_cpu(self) -> int:
+        """Float32 weights on the CPU: prepack every GEMM's weight for oneDNN (``cpu_linear``;
+        ``model.cpu_packed_gemms``), the fused q/k/v and gate/up included; call
+        after ``fuse_projections``. Doubles those weights' memory. Returns the GEMMs packed
+        (0 on a GPU, in other dtypes, or where torch has no oneDNN)."""
+        n = int(cpu_linear.pack(self.lm_head))
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            n += attn.qkv.pack_for_cpu() if attn.qkv is not None else sum(
+                cpu_linear.pack(lin) for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
+            n += mlp.gate_up.pack_for_cpu() if mlp.gate_up is not None else sum(
+                cpu_linear.pack(lin) for lin in (mlp.gate_proj, mlp.up_proj))
+            n += cpu_linear.pack(attn.o_proj) + cpu_linear.pack(mlp.down_proj)
+        return n
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
@@ -73,4 +89,4 @@ class CausalLM(nn.Module):
         """hidden: [N, E] (rows of forward's output) -> logits [N, V] in float32.
 
         The matmul runs in the model's dtype and is cast afterwards, as transformers does."""
-        return self.lm_head(hidden).float()  # [N, V]
+        return cpu_linear.linear(self.lm_head, hidden).float()  # [N, V]
