@@ -156,8 +156,7 @@ class EngineServer:
         held: object | None = None  # taken from the queue while coalescing, not yet sent
         try:
             while not done:
-                item, held = (held, None) if held is not None else (await outputs.get(), None)
-                item, held = _coalesce(item, outputs)
+                item, held = _coalesce(held if held is not None else await outputs.get(), outputs)
                 done = isinstance(item, Failed) or (isinstance(item, Delta) and item.finished)
                 yield item
         finally:

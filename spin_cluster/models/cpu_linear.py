@@ -61,18 +61,26 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
+    """A pack of a float32 CPU weight (and its bias); None where it cannot have one."""
+    if weight.dtype != torch.float32 or weight.is_cuda or not available():
+        return None
+    return PackedLinear(weight, bias)
+
+
+def serves(pack: PackedLinear | None, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``pack`` may compute ``F.linear(x, weight, bias)``: it is current and ``x`` suits it."""
+    return (pack is not None and x.dim() == 2 and x.dtype == torch.float32 and not x.is_cuda
+            and pack.current(weight, bias))
+
+
 def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``, through its pack when it has a current one and ``x`` suits it."""
     pack: PackedLinear | None = getattr(module, "cpu_pack", None)
-    if pack is not None and x.dim() == 2 and x.dtype == torch.float32 and not x.is_cuda \
-            and pack.current(module.weight, module.bias):
-        return pack(x)
-    return module(x)
+    return pack(x) if serves(pack, x, module.weight, module.bias) else module(x)
 
 
 def pack(module: nn.Linear) -> bool:
     """Give a float32 CPU ``nn.Linear`` a pack (its ``cpu_pack``); False where it cannot have one."""
-    if module.weight.dtype != torch.float32 or module.weight.is_cuda or not available():
-        return False
-    module.cpu_pack = PackedLinear(module.weight, module.bias)
-    return True
+    module.cpu_pack = pack_weight(module.weight, module.bias)
+    return module.cpu_pack is not None

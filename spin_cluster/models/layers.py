@@ -148,20 +148,18 @@ class FusedLinears:
 
     def pack_for_cpu(self) -> bool:
         """Prepack the fused weight for oneDNN (``cpu_linear``; float32 CPU weights only)."""
-        if self.weight.dtype != torch.float32 or self.weight.is_cuda or not cpu_linear.available():
-            return False
-        self.cpu_pack = cpu_linear.PackedLinear(self.weight, self.bias)
-        return True
+        self.cpu_pack = cpu_linear.pack_weight(self.weight, self.bias)
+        return self.cpu_pack is not None
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """x: [T, in] -> one [T, out_i] view per member, or None if the fusion is stale."""
         if not self.current():
             return None
-        pack = self.cpu_pack
-        if pack is not None and x.dim() == 2 and x.dtype == torch.float32 and not x.is_cuda \
-                and pack.current(self.weight, self.bias):
-            return list(pack(x).split(self.sizes, dim=-1))
-        return list(nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        if cpu_linear.serves(self.cpu_pack, x, self.weight, self.bias):
+            y = self.cpu_pack(x)
+        else:
+            y = nn.functional.linear(x, self.weight, self.bias)
+        return list(y.split(self.sizes, dim=-1))
 
 
 class MLP(nn.Module):
@@ -182,7 +180,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, E] -> [T, E]
         fused = self.gate_up(x) if self.gate_up is not None else None
-        gate, up = fused if fused is not None else (cpu_linear.linear(self.gate_proj, x), cpu_linear.linear(self.up_proj, x))  # [T, F] each
+        if fused is None:
+            fused = (cpu_linear.linear(self.gate_proj, x), cpu_linear.linear(self.up_proj, x))
+        gate, up = fused  # [T, F] each
         h = layer_ops.silu_mul(gate, up) if layer_ops.fits(gate) else nn.functional.silu(gate) * up
         return cpu_linear.linear(self.down_proj, h)  # [T, E]
 
@@ -220,7 +220,9 @@ class Attention(nn.Module):
         # x: [T, E], cos/sin: [T, 1, D] -> [T, E]
         t = x.shape[0]
         fused = self.qkv(x) if self.qkv is not None else None
-        q, k, v = fused if fused is not None else tuple(cpu_linear.linear(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if fused is None:
+            fused = [cpu_linear.linear(proj, x) for proj in (self.q_proj, self.k_proj, self.v_proj)]
+        q, k, v = fused
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
