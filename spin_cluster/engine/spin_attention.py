@@ -109,6 +109,15 @@ class SpinAttention(AttentionBackend):
             return -(-context_tokens // self.kv.page_size)
         return self.sink_pages + self._max_budget_pages(context_tokens) + self.local_pages
 
+    def mean_attended_pages(self, context_tokens: int) -> float:
+        """Pages a head attends per step on average over every layer and KV head: sink + its
+        own budget + local (the bytes attention must read; per-head budgets differ, and the
+        widest sizes ``mandatory_pages``)."""
+        if self.algorithm.selects_all:
+            return float(self.mandatory_pages(context_tokens))
+        middle = mean_middle_pages(self.sparse, self.kv.page_size, context_tokens)
+        return self.sink_pages + middle + self.local_pages
+
     def _max_budget_pages(self, context_tokens: int) -> int:
         return max_middle_pages(self.sparse, self.kv.page_size, self.kv.num_kv_heads, context_tokens)
 
@@ -311,3 +320,13 @@ def max_middle_pages(sparse: SparseConfig, page_size: int, num_kv_heads: int, co
         return max(sum(row) for row in rows) if sparse.top_p is not None else max(max(row) for row in rows)
     pages = -(-sparse.budget_tokens(context_tokens) // S)
     return pages * num_kv_heads if sparse.top_p is not None else pages
+
+
+def mean_middle_pages(sparse: SparseConfig, page_size: int, context_tokens: int) -> float:
+    """Middle pages one KV head selects per step on average: its budget, or the mean of the
+    per-head budgets (under top-p, a layer's heads share their total: the same mean)."""
+    S = page_size
+    if sparse.per_head_budgets is not None:
+        pages = [-(-b // S) for row in sparse.per_head_budgets for b in row]
+        return sum(pages) / len(pages)
+    return float(-(-sparse.budget_tokens(context_tokens) // S))

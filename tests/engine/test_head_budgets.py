@@ -82,3 +82,12 @@ def test_top_p_reserves_the_layer_total_per_head_in_the_buffer(tiny_llama_path):
     top_k = _engine(tiny_llama_path, {"algorithm": "quest", "budget": 8})
     pages = top_p.runner.attention.mandatory_pages(64), top_k.runner.attention.mandatory_pages(64)
     assert pages == (1 + 4 + 2, 1 + 2 + 2)
+
+
+def test_mean_attended_pages_follow_each_heads_own_budget(tiny_llama_path):
+    # pages of 4 per head: 2, 0, 1, 3 middle pages (mean 1.5); the widest head sizes the buffer
+    attn = _engine(tiny_llama_path, {"algorithm": "quest", "per_head_budgets": [[8, 0], [4, 12]]}).runner.attention
+    assert attn.mandatory_pages(64) == 1 + 3 + 2
+    assert attn.mean_attended_pages(64) == 1 + 1.5 + 2
+    uniform = _engine(tiny_llama_path, {"algorithm": "quest", "budget": 8}).runner.attention
+    assert uniform.mean_attended_pages(64) == uniform.mandatory_pages(64) == 1 + 2 + 2
