@@ -10,7 +10,7 @@
 #            Select's hysteresis (resident_margin 0.5) [2]
 #   online   4 x 32K prompts arriving at 2, 1 and 0.5 requests/s, 100 GiB, dense and Spin [2.5]
 #   prefill  4 x 128K and the online arrivals, 100 GiB, Spin with block-sparse prefill (1/8 of
-#            the blocks, per-head fractions): the whole request, TTFT included [2.5]
+#            the blocks, per-head fractions): the whole request, TTFT included [6]
 # plus the Select kernel alone (bench_select.py). Results in $OUT: e2e-<run>.{json,md},
 # bench_select.json, equal_memory.log. Env: RUNS (default "32k cap24 labels"; e.g. RUNS="128k
 # 32k" in one call, RUNS="cap24 labels online" in the next).
@@ -33,7 +33,7 @@ for r in ${RUNS:-32k cap24 labels}; do
     128k) run 128k 230 --modes dense spin --workloads offline-128K --offline-lengths 131072 --offline-batch 4 \
             --gpu-kv-gib 100 ;;
     online) run online 130 --modes dense spin --workloads "${ONLINE[@]}" --offline-lengths 32768 --gpu-kv-gib 100 ;;
-    prefill) run prefill 130 --modes spin --sparse-prefill 0.125 --workloads offline-128K "${ONLINE[@]}" \
+    prefill) run prefill 300 --modes spin --sparse-prefill 0.125 --workloads offline-128K "${ONLINE[@]}" \
                --offline-lengths 131072 --offline-batch 4 --gpu-kv-gib 100 ;;
     32k) run 32k 170 --modes dense spin --workloads offline-32K --offline-lengths 32768 --offline-batch 16 --gpu-kv-gib 100 ;;
     cap24) run cap24 200 --modes dense spin --workloads offline-128K --offline-lengths 131072 --gpu-kv-gib 24 ;;
