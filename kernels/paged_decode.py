@@ -19,7 +19,10 @@ Two entry points with the same signature:
 * :func:`paged_decode_attention` -- Triton kernel (CUDA tensors, or CPU tensors under
   ``TRITON_INTERPRET=1``). Never syncs with the host, so it can be captured in a CUDA graph.
 * :func:`paged_decode_attention_ref` -- pure torch, vectorised over (request, KV head) rows;
-  used on the CPU decode path and as the test oracle.
+  the test oracle.
+* :func:`paged_decode_attention_sdpa` -- the CPU decode path: one gather per group of
+  requests and PyTorch's fused CPU attention over it (a few operators per layer instead of
+  the reference's ~30).
 
 Both accumulate in fp32, take fp32 / bf16 / fp16, any page size and any head dim (the kernel
 pads D to a power of 2 >= 16 with masking, up to 256). A request with ``seq_len == 0`` (e.g.
@@ -40,6 +43,7 @@ from ._triton_support import is_interpreted, load_kernel_module, next_pow2, trit
 __all__ = [
     "paged_decode_attention",
     "paged_decode_attention_ref",
+    "paged_decode_attention_sdpa",
     "choose_num_splits",
     "triton_available",
 ]
@@ -237,6 +241,70 @@ def paged_decode_attention_ref(
         i += c
     result.index_copy_(0, order, o_rows)
     return _ref_finish(result.view(B, H, D), q, out)
+
+
+# Gathered K and V bytes per group of requests in paged_decode_attention_sdpa: small groups
+# stay in cache between the gather and the attention that reads them. On a 2-core host
+# (SmolLM2: Hkv=3, D=64, 576 tokens, fp32) the path takes 0.30 ms a layer at batch 1 against
+# the reference's 0.73, 0.9-1.0 against 2.0 at batch 4, and the same ~5 ms at batch 16.
+_SDPA_GROUP_BYTES = 8 * 1024 * 1024
+
+
+def paged_decode_attention_sdpa(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged decode attention through ``F.scaled_dot_product_attention`` (same contract as
+    :func:`paged_decode_attention`), for the CPU.
+
+    Requests are taken in groups whose gathered K/V stay under ``_SDPA_GROUP_BYTES``. A group
+    gathers each (request, KV head) row's pages, padded to the group's longest row, and runs
+    one SDPA call in which a KV head's ``G`` query heads are the query rows and a boolean mask
+    hides the tokens past each row's length. Rows of length 0 get zeros. Reads ``seq_lens`` on
+    the host (one sync), so it is not for CUDA-graph capture.
+    """
+    B, H, Hkv, G, D, S, P = _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out)
+    scale = _resolve_scale(scale, D)
+    dev = q.device
+    result = out if out is not None else torch.empty(B, H, D, dtype=q.dtype, device=dev)
+    if B == 0:
+        return result
+    lens = seq_lens.to(torch.int64)
+    lens = lens[:, None].expand(B, Hkv) if lens.dim() == 1 else lens  # [B, Hkv]
+    lens_host = lens.cpu()
+    lo, hi = int(lens_host.min()), int(lens_host.max())
+    if lo < 0:
+        raise ValueError(f"seq_lens must be >= 0, got min {lo}")
+    if hi > P * S:
+        raise ValueError(f"seq_len {hi} exceeds block_tables capacity P*S = {P}*{S} = {P * S}")
+    per_request = 2 * Hkv * max(hi, 1) * D * k_pages.element_size()
+    group = max(1, min(B, _SDPA_GROUP_BYTES // per_request))
+    row_max = lens_host.max(dim=1).values.tolist()
+    for b0 in range(0, B, group):
+        b1 = min(B, b0 + group)
+        n_pages = -(-max(row_max[b0:b1]) // S)
+        if n_pages == 0:
+            result[b0:b1].zero_()
+            continue
+        T, c = n_pages * S, b1 - b0
+        row_lens = lens[b0:b1]  # [c, Hkv]
+        pages = block_tables[b0:b1, :, :n_pages].long()
+        page_ok = torch.arange(n_pages, device=dev) < ((row_lens + S - 1) // S)[..., None]
+        ids = torch.where(page_ok, pages, torch.zeros_like(pages)).reshape(-1)  # padding -> page 0
+        k = k_pages.index_select(0, ids).view(c, Hkv, T, D)
+        v = v_pages.index_select(0, ids).view(c, Hkv, T, D)
+        # an empty row attends to its first token (no all-masked softmax) and is zeroed below
+        visible = torch.arange(T, device=dev) < row_lens.clamp(min=1)[..., None]  # [c, Hkv, T]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[b0:b1].view(c, Hkv, G, D), k, v, attn_mask=visible[:, :, None, :], scale=scale)
+        o = o.masked_fill((row_lens == 0)[..., None, None], 0.0)
+        result[b0:b1].copy_(o.reshape(c, H, D))
+    return result
 
 
 def _ref_finish(result: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -63,6 +63,8 @@ class _InFlight:
 class Engine:
     # Head-parallel engines step their ranks in lockstep and turn pipelining off.
     supports_async_decode = True
+    # model.cpu_packed_gemms applies (head-parallel ranks hold split-K weight shards: no)
+    packs_cpu_gemms = True
 
     def __init__(self, config: SpinConfig | None = None, *, decode_attention: str = "auto", progress: bool = True) -> None:
         self.config = config = config or SpinConfig()
@@ -70,7 +72,7 @@ class Engine:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         path = config.model.resolved_path()
         self.model = self._load_model(path, progress).fuse_projections()
-        if config.model.cpu_packed_gemms and self.device.type == "cpu":
+        if config.model.cpu_packed_gemms and self.device.type == "cpu" and self.packs_cpu_gemms:
             self.model.pack_for_cpu()
         self.tokenizer = Tokenizer(path)
         mc = self.model.config

@@ -49,14 +49,17 @@ class StepPlan:
 
 
 def decode_impl(name: str, device: torch.device):
-    """'auto': the Triton kernel on CUDA, the torch reference elsewhere."""
+    """'auto': the Triton kernel on CUDA, PyTorch's fused attention over gathered pages
+    elsewhere; 'torch' is the plain reference (the test oracle)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "sdpa"
     if name == "triton":
         return paged_decode.paged_decode_attention
+    if name == "sdpa":
+        return paged_decode.paged_decode_attention_sdpa
     if name == "torch":
         return paged_decode.paged_decode_attention_ref
-    raise ValueError(f"decode attention {name!r}: choose auto, triton or torch")
+    raise ValueError(f"decode attention {name!r}: choose auto, triton, sdpa or torch")
 
 
 class DecodeBuffers:

@@ -70,6 +70,10 @@ class HeadParallelEngine(Engine):
     # Every rank steps the same schedule in lockstep (collectives inside each step): no
     # step is launched ahead of the host.
     supports_async_decode = False
+    # A rank's shards of o_proj and down_proj sum K-slices of the whole GEMM: through MKL they
+    # round as one rank's GEMM does (the same tokens at any rank count); prepacked for oneDNN,
+    # its blocking rounds them differently.
+    packs_cpu_gemms = False
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ from spin_cluster.kernels.paged_decode import (
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
+    paged_decode_attention_sdpa,
 )
 
 HAS_CUDA = torch.cuda.is_available()
@@ -154,6 +155,55 @@ def test_reference_rejects_overlong_seq_len():
 
 
 # --------------------------------------------------------------------------------------
+# The CPU path (SDPA over gathered pages) vs the float64 oracle and the reference
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_sdpa_path_matches_dense_oracle(dtype, group):
+    case = make_case(RAGGED_16, group=group, dtype=dtype, seed=10 + group, device="cpu")
+    out = paged_decode_attention_sdpa(*case)
+    assert out.dtype == dtype and out.shape == case[0].shape
+    assert_close(out, dense_oracle(*case), REF_TOL[dtype])
+
+
+def test_sdpa_path_groups_requests_and_scales(monkeypatch):
+    # a one-byte budget: every request is its own group, each padded to its own length only
+    monkeypatch.setattr(pd, "_SDPA_GROUP_BYTES", 1)
+    case = make_case([7, 50, 1, 33, 16, 2], page_size=8, group=4, seed=13, device="cpu")
+    out = paged_decode_attention_sdpa(*case, scale=0.3)
+    assert_close(out, dense_oracle(*case, scale=0.3), REF_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("group_bytes", [1, 8 * 1024 * 1024])
+def test_sdpa_path_empty_rows_and_per_head_lengths(monkeypatch, group_bytes):
+    # sparse decode gives each KV head its own length; some rows (and a whole request) are empty
+    monkeypatch.setattr(pd, "_SDPA_GROUP_BYTES", group_bytes)
+    q, k, v, bt, _ = make_case([40, 40, 40], num_kv_heads=3, group=2, page_size=8, seed=14, device="cpu")
+    lens = torch.tensor([[40, 0, 17], [0, 0, 0], [1, 40, 8]], dtype=torch.int32)
+    out = paged_decode_attention_sdpa(q, k, v, bt, lens)
+    assert torch.all(out[1] == 0) and torch.all(out[0, 2:4] == 0)
+    assert_close(out, paged_decode_attention_ref(q, k, v, bt, lens), REF_TOL[torch.float32])
+
+
+def test_sdpa_path_writes_out():
+    case = make_case([3, 20], seed=15, device="cpu")
+    out = torch.full_like(case[0], float("nan"))
+    assert paged_decode_attention_sdpa(*case, out=out) is out
+    assert_close(out, dense_oracle(*case), REF_TOL[torch.float32])
+
+
+def test_cpu_decode_path_is_the_sdpa_one():
+    from spin_cluster.engine.paged_attention import decode_impl
+
+    assert decode_impl("auto", torch.device("cpu")) is paged_decode_attention_sdpa
+    assert decode_impl("torch", torch.device("cpu")) is paged_decode_attention_ref
+    with pytest.raises(ValueError, match="sdpa"):
+        decode_impl("flash", torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------------------
 # Kernel vs reference (interpreted on CPU, compiled on GPU)
 # --------------------------------------------------------------------------------------
 
@@ -277,7 +327,7 @@ def _bad_cases():
 BAD = _bad_cases()
 
 
-@pytest.mark.parametrize("fn", [paged_decode_attention_ref, paged_decode_attention])
+@pytest.mark.parametrize("fn", [paged_decode_attention_ref, paged_decode_attention_sdpa, paged_decode_attention])
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_inputs_raise(fn, case):
     if fn is paged_decode_attention and not pd.triton_available():
@@ -286,7 +336,7 @@ def test_bad_inputs_raise(fn, case):
         fn(**BAD[case])
 
 
-@pytest.mark.parametrize("fn", [paged_decode_attention_ref, paged_decode_attention])
+@pytest.mark.parametrize("fn", [paged_decode_attention_ref, paged_decode_attention_sdpa, paged_decode_attention])
 def test_bad_out_raises(fn):
     if fn is paged_decode_attention and not pd.triton_available():
         pytest.skip("triton not importable")
