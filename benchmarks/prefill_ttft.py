@@ -90,15 +90,13 @@ def run(args) -> dict:
 
     from spin_cluster.engine import SamplingParams
     from spin_cluster.engine.dense_prefill import device_backend
-    from spin_cluster.hplb.budget import synthetic_prefill_fractions
+    from spin_cluster.hplb.budget import synthetic_prefill_config
     from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
 
     longest = max(args.lengths)
     folder = shape_folder({**LLAMA_31_8B, "num_hidden_layers": args.layers}, longest + 256, args.tokenizer,
                           prefix="llama31-8b-shapes-")
-    per_head = synthetic_prefill_fractions(args.layers, HKV, args.budget)
-    sparse = {"algorithm": "block", "block_size": args.block_size, "estimator": args.estimator, "stride": args.stride,
-              "budgets": "per_head", "per_head_budgets": per_head}
+    sparse = synthetic_prefill_config(args.layers, HKV, args.budget, args.block_size, args.estimator, args.stride)
     on_gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if on_gpu else "cpu")
     chosen = device_backend(dev, torch.bfloat16 if on_gpu else torch.float32, H, HKV, D).name
@@ -108,8 +106,8 @@ def run(args) -> dict:
         variants.insert(1, ("dense-chunked", {}, None, args.chunk, args.ref_runs))
         if chosen != "flash" and on_gpu:
             variants.insert(0, ("dense-flash", {}, "flash", None, args.ref_runs))
-    results = {"budget": args.budget, "per_head_budgets": per_head, "dense_backend": chosen, "chunk": args.chunk,
-               "estimator": args.estimator, "stride": args.stride, "ttft_s": {}, "profile": {}}
+    results = {"budget": args.budget, "per_head_budgets": sparse["per_head_budgets"], "dense_backend": chosen,
+               "chunk": args.chunk, "estimator": args.estimator, "stride": args.stride, "ttft_s": {}, "profile": {}}
     print(f"dense prefill backend of the engine: {chosen}", flush=True)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for label, prefill, force, chunk, runs in variants:

@@ -94,13 +94,18 @@ def _param_of(message: str) -> str | None:
     return head if head.isidentifier() else None
 
 
-def _build_engine(spin: Any, plan: EnginePlan, timeout_s: float) -> Any:
-    """The plain ``Engine`` for a one-rank plan; else rank 0 of a head-parallel engine with
-    the plan's placement, its other ranks started as follower processes of this replica."""
+def _build_engine(spin: Any, plan: EnginePlan, timeout_s: float, torch_threads: int | None = None) -> Any:
+    """The plain ``Engine`` for a one-rank plan, on ``torch_threads`` threads (None: as the
+    process has them); else rank 0 of a head-parallel engine with the plan's placement, its
+    other ranks started as follower processes of this replica (each sets its own threads)."""
     ranks = len(plan.head_placement) if plan.head_placement else 1
     if ranks == 1:
+        import torch
+
         from spin_cluster.engine import Engine
 
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
         return Engine(spin, progress=False)
     from spin_cluster.hplb.placement import HeadPlacement
     from spin_cluster.parallel.serving import start_head_parallel
@@ -118,7 +123,8 @@ class EngineServer:
         plan = await planner.register.remote(self.replica_id, ray.get_runtime_context().get_actor_name())
         spin = config.spin.replace(sparse=plan.sparse)
         # A step's collectives may wait as long as a request may wait for its next token.
-        self._engine = await asyncio.to_thread(_build_engine, spin, plan, self._serve.token_timeout_s)
+        self._engine = await asyncio.to_thread(_build_engine, spin, plan, self._serve.token_timeout_s,
+                                               self._serve.torch_threads())
         try:
             self._loop = EngineLoop(self._engine, idle_wait_s=self._serve.stats_interval_s)
             self._report: EngineReport = engine_report(self._engine, self.replica_id)

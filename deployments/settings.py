@@ -13,6 +13,7 @@ deploy config can say ``args: {config: default, model: {path: /models/x}}``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,12 @@ class ServeOptions:
     # Logical Ray resources of one EngineServer replica; GPUs: that node's GPUs, >= 0.
     engine_num_cpus: float = 1.0
     engine_num_gpus: float = 0.0
+    # Torch threads of a plain engine replica (its GEMMs and attention): an integer >= 1,
+    # "all" (a CPU engine, engine_num_gpus 0: every CPU this process may run on; a GPU engine:
+    # Ray's), or null: Ray's setting from engine_num_cpus (OMP_NUM_THREADS, at least 1). The ingress and the proxy use little CPU, so on a small CPU
+    # machine the engine gains from every core: on 2 cores, 2 threads served SmolLM2 at 124 ms
+    # between tokens against 141 ms with Ray's one, and prefilled 512 tokens in 2.9 s, not 4.5.
+    engine_torch_threads: int | str | None = "all"
     # Custom Ray resources one EngineServer replica needs besides those, each amount >= 0:
     # {"engine_node": 1} keeps engines on the nodes that offer "engine_node" (a KubeRay worker
     # group's rayStartParams resources), so that the head keeps the ingress and the planner.
@@ -67,11 +74,23 @@ class ServeOptions:
     # Each head keeps at least this share of the uniform budget under max-min, 0..1.
     hplb_floor_fraction: float = 0.25
 
+    def torch_threads(self) -> int | None:
+        """The engine replica's torch thread count, None to leave Ray's."""
+        if self.engine_torch_threads == "all" and self.engine_num_gpus > 0:
+            return None
+        if self.engine_torch_threads == "all":
+            return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return self.engine_torch_threads
+
     def validate(self) -> None:
         if self.num_engine_replicas < 1:
             raise ValueError(f"serve.num_engine_replicas={self.num_engine_replicas}: must be >= 1")
         if self.engine_num_cpus < 0 or self.engine_num_gpus < 0:
             raise ValueError("serve.engine_num_cpus and serve.engine_num_gpus must be >= 0")
+        threads = self.engine_torch_threads
+        if threads is not None and threads != "all" and (
+                isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"serve.engine_torch_threads={threads!r}: use an integer >= 1, \"all\", or null")
         resources = self.engine_resources
         if resources is not None and not (isinstance(resources, dict) and all(
                 isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in resources.items())):

@@ -152,6 +152,19 @@ def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out):
     return B, H, Hkv, H // Hkv, D, S, P
 
 
+def _host_lens(seq_lens: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``seq_lens`` on the host as int64 (one sync), each checked to be in 0..``capacity``
+    (the block table's P * S tokens)."""
+    lens = seq_lens.detach().to("cpu", torch.int64)
+    if lens.numel():
+        lo, hi = int(lens.min()), int(lens.max())
+        if lo < 0:
+            raise ValueError(f"seq_lens must be >= 0, got min {lo}")
+        if hi > capacity:
+            raise ValueError(f"seq_len {hi} exceeds block_tables capacity P*S = {capacity}")
+    return lens
+
+
 def _resolve_scale(scale, D):
     if scale is None:
         return D**-0.5
@@ -188,15 +201,7 @@ def paged_decode_attention_ref(
     scale = _resolve_scale(scale, D)
     dev = q.device
 
-    lens_host = seq_lens.detach().to("cpu", torch.int64)
-    if B > 0:
-        lo, hi = int(lens_host.min()), int(lens_host.max())
-        if lo < 0:
-            raise ValueError(f"seq_lens must be >= 0, got min {lo}")
-        if hi > P * S:
-            raise ValueError(
-                f"seq_len {hi} exceeds block_tables capacity P*S = {P}*{S} = {P * S}"
-            )
+    lens_host = _host_lens(seq_lens, P * S)
 
     R = B * Hkv  # rows: (request, KV head)
     row_lens = lens_host.reshape(-1) if lens_host.dim() == 2 else lens_host.repeat_interleave(Hkv)  # [R]
@@ -276,13 +281,8 @@ def paged_decode_attention_sdpa(
         return result
     lens = seq_lens.to(torch.int64)
     lens = lens[:, None].expand(B, Hkv) if lens.dim() == 1 else lens  # [B, Hkv]
-    lens_host = lens.cpu()
-    lo, hi = int(lens_host.min()), int(lens_host.max())
-    if lo < 0:
-        raise ValueError(f"seq_lens must be >= 0, got min {lo}")
-    if hi > P * S:
-        raise ValueError(f"seq_len {hi} exceeds block_tables capacity P*S = {P}*{S} = {P * S}")
-    per_request = 2 * Hkv * max(hi, 1) * D * k_pages.element_size()
+    lens_host = _host_lens(lens, P * S)
+    per_request = 2 * Hkv * max(int(lens_host.max()), 1) * D * k_pages.element_size()
     group = max(1, min(B, _SDPA_GROUP_BYTES // per_request))
     row_max = lens_host.max(dim=1).values.tolist()
     for b0 in range(0, B, group):

@@ -90,6 +90,15 @@ def synthetic_prefill_fractions(num_layers: int, num_kv_heads: int, mean_fractio
     return [[round(min(0.99, b * mean_fraction / mean), 3) for b in row] for row in rows]
 
 
+def synthetic_prefill_config(num_layers: int, num_kv_heads: int, mean_fraction: float, block_size: int = 128,
+                             estimator: str = "strided", stride: int = 16) -> dict:
+    """A ``sparse.prefill`` section for a model without a profile: block-sparse prefill with
+    ``synthetic_prefill_fractions`` as its per-head budgets (the benchmarks' setting)."""
+    return {"algorithm": "block", "block_size": block_size, "estimator": estimator, "stride": stride,
+            "budgets": "per_head",
+            "per_head_budgets": synthetic_prefill_fractions(num_layers, num_kv_heads, mean_fraction)}
+
+
 def uniform_budgets(num_layers: int, num_kv_heads: int, tokens: int) -> Budgets:
     """[L][Hkv] every head at ``tokens``: the top-k baseline as a budget table."""
     return ((tokens,) * num_kv_heads,) * num_layers

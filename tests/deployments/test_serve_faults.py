@@ -33,7 +33,8 @@ def small_app(serve_port, tiny_llama_path):
         # Silence alone takes 30 s to count as death: a dead engine must be seen by the
         # planner's probe, well within that.
         "serve": {"model_name": MODEL, "max_waiting_requests": 1, "handle_timeout_s": 30, "token_timeout_s": 30,
-                  "stats_interval_s": 0.25, "engine_stale_s": 30.0},
+                  "stats_interval_s": 0.25, "engine_stale_s": 30.0,
+                  "engine_torch_threads": 2},  # more than the one CPU the replica reserves
     }
     serve.run(build_app(args), name=SMALL_APP, route_prefix=f"/{SMALL_APP}")
     base = f"http://127.0.0.1:{serve_port}/{SMALL_APP}"
@@ -71,6 +72,7 @@ def test_a_full_queue_is_429_with_an_error_body(small_app):
 def test_a_killed_engine_ends_the_stream_with_an_error_and_comes_back(small_app):
     handle = engine_handle(SMALL_APP)
     old = handle.replica_info.remote().result(timeout_s=30)
+    assert old["torch_threads"] == 2  # serve.engine_torch_threads (Ray's own setting gives 1)
     with httpx.Client(base_url=small_app, headers=AUTH, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=LONG) as r:
             assert r.status_code == 200

@@ -96,6 +96,21 @@ def test_bad_engine_ranks_say_what_to_change(bad, words):
         load_app_config(bad)
 
 
+@pytest.mark.parametrize("threads", [0, 1.5, True, "2"])
+def test_bad_engine_torch_threads_are_refused(threads):
+    with pytest.raises(ValueError, match=f"serve.engine_torch_threads={threads!r}: use an integer >= 1, \"all\""):
+        load_app_config({"serve": {"engine_torch_threads": threads}})
+
+
+def test_a_cpu_engine_gets_every_core_by_default():
+    import os
+
+    assert load_app_config({}).serve.torch_threads() == len(os.sched_getaffinity(0))  # default.yaml: "all"
+    assert load_app_config({"serve": {"engine_torch_threads": None}}).serve.torch_threads() is None  # Ray's
+    assert load_app_config({"serve": {"engine_torch_threads": 3}}).serve.torch_threads() == 3
+    assert load_app_config({"serve": {"engine_num_gpus": 1}}).serve.torch_threads() is None  # a GPU engine: Ray's
+
+
 @pytest.mark.parametrize("args, num_kv_heads, ranks", [
     ({}, None, 1),  # the default: no GPU, the plain engine
     ({"serve": {"engine_num_gpus": 4}}, None, 4),  # one rank per GPU
