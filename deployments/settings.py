@@ -37,9 +37,10 @@ class ServeOptions:
     engine_num_gpus: float = 0.0
     # Torch threads of a plain engine replica (its GEMMs and attention): an integer >= 1,
     # "all" (a CPU engine, engine_num_gpus 0: every CPU this process may run on; a GPU engine:
-    # Ray's), or null: Ray's setting from engine_num_cpus (OMP_NUM_THREADS, at least 1). The ingress and the proxy use little CPU, so on a small CPU
-    # machine the engine gains from every core: on 2 cores, 2 threads served SmolLM2 at 124 ms
-    # between tokens against 141 ms with Ray's one, and prefilled 512 tokens in 2.9 s, not 4.5.
+    # Ray's), or null: Ray's setting from engine_num_cpus (OMP_NUM_THREADS, at least 1). The
+    # ingress and the proxy use little CPU, so on a small CPU machine the engine gains from
+    # every core: on 2 cores, 2 threads served SmolLM2 at 124 ms between tokens against 141 ms
+    # with Ray's one, and prefilled 512 tokens in 2.9 s, not 4.5.
     engine_torch_threads: int | str | None = "all"
     # Custom Ray resources one EngineServer replica needs besides those, each amount >= 0:
     # {"engine_node": 1} keeps engines on the nodes that offer "engine_node" (a KubeRay worker
@@ -76,11 +77,11 @@ class ServeOptions:
 
     def torch_threads(self) -> int | None:
         """The engine replica's torch thread count, None to leave Ray's."""
-        if self.engine_torch_threads == "all" and self.engine_num_gpus > 0:
+        if self.engine_torch_threads != "all":
+            return self.engine_torch_threads
+        if self.engine_num_gpus > 0:  # a GPU engine
             return None
-        if self.engine_torch_threads == "all":
-            return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return self.engine_torch_threads
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
     def validate(self) -> None:
         if self.num_engine_replicas < 1:

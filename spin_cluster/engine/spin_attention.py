@@ -314,19 +314,24 @@ class SpinAttention(AttentionBackend):
 def max_middle_pages(sparse: SparseConfig, page_size: int, num_kv_heads: int, context_tokens: int) -> int:
     """Most middle pages one KV head may select per step at ``context_tokens``: its budget, the
     largest per-head budget, or under top-p the largest total of a layer's heads."""
-    S = page_size
-    if sparse.per_head_budgets is not None:
-        rows = [[-(-b // S) for b in row] for row in sparse.per_head_budgets]
+    rows = _per_head_budget_pages(sparse, page_size)
+    if rows is not None:
         return max(sum(row) for row in rows) if sparse.top_p is not None else max(max(row) for row in rows)
-    pages = -(-sparse.budget_tokens(context_tokens) // S)
+    pages = -(-sparse.budget_tokens(context_tokens) // page_size)
     return pages * num_kv_heads if sparse.top_p is not None else pages
 
 
 def mean_middle_pages(sparse: SparseConfig, page_size: int, context_tokens: int) -> float:
     """Middle pages one KV head selects per step on average: its budget, or the mean of the
     per-head budgets (under top-p, a layer's heads share their total: the same mean)."""
-    S = page_size
-    if sparse.per_head_budgets is not None:
-        pages = [-(-b // S) for row in sparse.per_head_budgets for b in row]
-        return sum(pages) / len(pages)
-    return float(-(-sparse.budget_tokens(context_tokens) // S))
+    rows = _per_head_budget_pages(sparse, page_size)
+    if rows is not None:
+        return sum(map(sum, rows)) / sum(map(len, rows))
+    return float(-(-sparse.budget_tokens(context_tokens) // page_size))
+
+
+def _per_head_budget_pages(sparse: SparseConfig, page_size: int) -> list[list[int]] | None:
+    """[L][Hkv] each head's budget in whole pages; None without per-head budgets."""
+    if sparse.per_head_budgets is None:
+        return None
+    return [[-(-b // page_size) for b in row] for row in sparse.per_head_budgets]
