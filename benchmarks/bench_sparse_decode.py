@@ -1,7 +1,7 @@
 """Sparse decode attention vs dense SDPA decode at long context on a GPU (not a test).
 
     python benchmarks/bench_sparse_decode.py [--batches 1 16] [--context 131072] [--budget 2048]
-                                             [--out results.json]
+                                             [--algorithm quest|labels] [--out results.json]
 
 One decode step of one layer at Llama-3.1-8B attention shapes (H=32, Hkv=8, D=128, bf16,
 page size 16), every request holding ``--context`` tokens, pages already resident on the GPU
@@ -11,14 +11,15 @@ page size 16), every request holding ``--context`` tokens, pages already residen
                  KV head as a length-G query, exact for decode): what a dense engine reads.
 * ``paged``      our Triton paged decode kernel over every page (flash-decoding splits): the
                  stronger dense baseline.
-* ``sparse``     the engine's decode path without the buffer: Quest ``score`` (page-bound
-                 scores, Triton), ``select_pages`` (sink + local + ragged per-head top-k,
+* ``sparse``     the engine's decode path without the buffer: the Select's ``score`` (Quest's
+                 page bounds, or ``labels``' best key of each page over its D/4
+                 strongest channels; Triton), ``select_pages`` (sink + local + ragged per-head top-k,
                  Triton), the gather of selected pages' physical ids, and the Triton paged
                  decode kernel over the selected tokens with per-head lengths.
                  ``select`` = score + top-k + gather, ``attention`` = the decode kernel.
 
 Each part is timed in a CUDA graph (no Python launch cost, as the engine's decode graphs
-run it) and with plain launches. The Quest index is timed in float32 (the default) and in
+run it) and with plain launches. The index is timed in float32 (the default) and in
 bfloat16 (``sparse.options: {index_dtype: bfloat16}``). The HBM copy bandwidth of the same
 GPU is measured in the same run, and the attention part's bandwidth is given against it.
 """
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--budget", type=int, default=2048, help="middle tokens per KV head")
+    ap.add_argument("--algorithm", default="quest", choices=["quest", "labels"], help="the Select to time")
     ap.add_argument("--sink-tokens", type=int, default=16)
     ap.add_argument("--local-tokens", type=int, default=64)
     ap.add_argument("--heads", type=int, default=32)
@@ -64,7 +66,7 @@ def main() -> None:
     sink_p, local_p, budget_p = -(-args.sink_tokens // S), -(-args.local_tokens // S), args.budget // S
     props = torch.cuda.get_device_properties(dev)
     head = (f"{props.name} | torch {torch.__version__}, triton {triton.__version__} | H={H} Hkv={Hkv} "
-            f"D={D} S={S} bf16 | context {T} | budget {args.budget} + sink {args.sink_tokens} + "
+            f"D={D} S={S} bf16 | {args.algorithm} | context {T} | budget {args.budget} + sink {args.sink_tokens} + "
             f"local {args.local_tokens} tokens per KV head")
     print(head, flush=True)
 
@@ -81,7 +83,7 @@ def main() -> None:
     del src, dst
     print(f"HBM copy bandwidth: {copy_gbs:.0f} GB/s (read + write)", flush=True)
 
-    results = {"gpu": props.name, "torch": torch.__version__, "triton": triton.__version__,
+    results = {"algorithm": args.algorithm, "gpu": props.name, "torch": torch.__version__, "triton": triton.__version__,
                "context": T, "budget_tokens": args.budget, "sink_tokens": args.sink_tokens,
                "local_tokens": args.local_tokens, "heads": H, "kv_heads": Hkv, "head_dim": D,
                "page_size": S, "copy_gbs": copy_gbs, "rows": []}
@@ -103,13 +105,17 @@ def main() -> None:
         base = torch.arange(B * Hkv, device=dev).view(B, Hkv, 1) * P
         perm = torch.argsort(torch.rand(B, Hkv, P, device=dev), dim=-1)
         phys = base + perm  # [B, Hkv, P] physical page of each logical page
-        quest = get_algorithm("quest")(num_layers=1, num_kv_heads=Hkv, head_dim=D, page_size=S,
-                                       max_seqs=B, max_pages_per_seq=P, device=dev)
+        alg = get_algorithm(args.algorithm)(num_layers=1, num_kv_heads=Hkv, head_dim=D, page_size=S,
+                                            max_seqs=B, max_pages_per_seq=P, device=dev)
         for b in range(B):  # the index the engine's Index step would have built
-            pages_k = k_pages[phys[b]]  # [Hkv, P, S, D]
-            quest.kmin[0, b * P:(b + 1) * P] = pages_k.amin(2).transpose(0, 1).float()
-            quest.kmax[0, b * P:(b + 1) * P] = pages_k.amax(2).transpose(0, 1).float()
-            del pages_k
+            if args.algorithm == "quest":
+                pages_k = k_pages[phys[b]]  # [Hkv, P, S, D]
+                alg.kmin[0, b * P:(b + 1) * P] = pages_k.amin(2).transpose(0, 1).float()
+                alg.kmax[0, b * P:(b + 1) * P] = pages_k.amax(2).transpose(0, 1).float()
+                del pages_k
+            else:
+                alg.on_append(0, torch.full((T,), b, device=dev), torch.arange(T, device=dev),
+                              k_dense[b].transpose(0, 1))
         rows = torch.arange(B, device=dev)
         plan = SelectPlan(
             num_pages=torch.full((B,), P, device=dev, dtype=torch.int64),
@@ -125,7 +131,7 @@ def main() -> None:
         sel: dict = {}
 
         def select():
-            scores = quest.score(0, q, rows, P)
+            scores = alg.score(0, q, rows, P)
             want, num_selected = select_pages(scores, False, plan, Hkv)
             sel["tables"] = phys.gather(-1, want.clamp(min=0)).to(torch.int32)
             sel["lens"] = ((num_selected - 1) * S + plan.tail_len[:, None]).to(torch.int32)
@@ -138,14 +144,17 @@ def main() -> None:
             attend()
 
         for index_dtype in (torch.float32, torch.bfloat16):
-            quest.kmin, quest.kmax = quest.kmin.to(index_dtype), quest.kmax.to(index_dtype)
+            if args.algorithm == "quest":
+                alg.kmin, alg.kmax = alg.kmin.to(index_dtype), alg.kmax.to(index_dtype)
+            else:
+                alg.labels = alg.labels.to(index_dtype)
             select()
             attend()
             torch.cuda.synchronize()
             tokens = sel["lens"].sum().item()  # selected tokens over all (request, KV head)
             t_sel, t_attn, t_total, t_plain = graph_us(select), graph_us(attend), graph_us(step), plain_us(step)
-            scores = quest.score(0, q, rows, P)
-            t_score = graph_us(lambda: quest.score(0, q, rows, P))
+            scores = alg.score(0, q, rows, P)
+            t_score = graph_us(lambda: alg.score(0, q, rows, P))
             t_topk = graph_us(lambda: select_pages(scores, False, plan, Hkv))
             attn_gbs = 2 * tokens * D * k_dense.element_size() / (t_attn * 1e-6) / 1e9
             row = {"batch": B, "index_dtype": str(index_dtype).removeprefix("torch."),
@@ -159,7 +168,7 @@ def main() -> None:
                   f"{t_attn:8.1f} {t_total:9.1f} "
                   f"{t_plain:9.1f} | {row['speedup']:6.1f}x {row['speedup_vs_paged']:6.1f}x {100 * row['select_share']:5.1f}% "
                   f"{attn_gbs:9.0f} {100 * row['attention_of_copy']:5.0f}%", flush=True)
-        del k_dense, v_dense, k_pages, v_pages, quest, sel
+        del k_dense, v_dense, k_pages, v_pages, alg, sel
         torch.cuda.empty_cache()
     if args.out:
         write_json(args.out, results)
