@@ -47,6 +47,8 @@ def engine_report(engine: Any, replica_id: str, num_requests_total: int = 0) -> 
             "buffer_hits": st.buffer_hits_total,
             "retrieved_bytes": st.retrieved_bytes_total,
             "evicted_pages": st.evicted_pages_total,
+            "prefix_cache_queries": st.prefix_cache_queries_total,
+            "prefix_cache_hits": st.prefix_cache_hits_total,
             # Head-parallel engines (rank 0's stats): the bubble summed over steps and layers,
             # and each rank's attention seconds; a plain engine is one rank, never waiting.
             "attention_bubble_s": getattr(st, "attention_bubble_s_total", 0.0),

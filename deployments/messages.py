@@ -60,7 +60,7 @@ class KvUsage:
     # tier -> bytes of page-table metadata.
     metadata_bytes: dict[str, int] = field(default_factory=dict)
     # Cumulative: buffer_lookups, buffer_hits, retrieved_bytes, evicted_pages,
-    # attention_bubble_s.
+    # prefix_cache_queries, prefix_cache_hits (tokens), attention_bubble_s.
     counters: dict[str, float] = field(default_factory=dict)
     # rank -> cumulative attention seconds of that head-parallel rank.
     attention_rank_s: dict[str, float] = field(default_factory=dict)

@@ -32,6 +32,8 @@ _ENGINE_COUNTERS = {
     "buffer_hits": ("spin_buffer_hits", "Selected pages found in the GPU buffer."),
     "retrieved_bytes": ("spin_retrieved_bytes", "Bytes retrieved from the host tier into the buffer."),
     "evicted_pages": ("spin_evicted_pages", "Pages evicted from the GPU buffer."),
+    "prefix_cache_queries": ("spin_prefix_cache_queries", "Admitted requests' tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("spin_prefix_cache_hits", "Admitted requests' tokens found in the prefix cache."),
     "attention_bubble_s": ("spin_attention_bubble_seconds", "Seconds ranks waited for the slowest rank."),
 }
 

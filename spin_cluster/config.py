@@ -64,6 +64,11 @@ class CacheConfig:
     kv_cache_gib: float | None = None
     # Spin: every page's home is host memory (pinned), the GPU keeps a buffer of page slots.
     offload: bool = False
+    # GPU-only cache: requests whose leading tokens equal an earlier request's (a chat
+    # template, a system prompt, a repeated prompt) reuse the K/V of its full pages and
+    # prefill from there. Idle cached pages count as free and are evicted least recently
+    # used first. Ignored with offload (Spin's cache shares no pages).
+    enable_prefix_caching: bool = True
     # Host tier size in GiB (offload); None: 8 GiB.
     host_kv_gib: float | None = None
     # GPU buffer share per (request, layer, KV head), in pages, >= the pages a step selects
@@ -94,6 +99,8 @@ class CacheConfig:
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size > 256 or self.page_size & (self.page_size - 1):
             raise ValueError(f"cache.page_size={self.page_size}: use a power of two in 1..256")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"cache.enable_prefix_caching={self.enable_prefix_caching!r}: use true or false")
         for name in ("kv_cache_gib", "host_kv_gib"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -1,8 +1,9 @@
 """Sizing and building the KV cache and its attention backend from the config.
 
-    cache.offload = false   GPU-only pages (KVCacheManager + PagedAttention), dense only
+    cache.offload = false   GPU-only pages (KVCacheManager + PagedAttention), dense only;
+                            prefix caching with cache.enable_prefix_caching
     cache.offload = true    Spin: host tier + GPU buffer (OffloadedKVManager + SpinAttention),
-                            any registered sparse algorithm
+                            any registered sparse algorithm; no prefix caching
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def build_cache(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, device:
             num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             page_size=config.cache.page_size, num_pages=num_gpu_pages(config, mc, dtype, device, max_model_len),
             max_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
         )
         return kv, backend_class("paged")(kv, decode_attention, _sparse_prefill(config, mc, device))
     return _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, decode_attention)

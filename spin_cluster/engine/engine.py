@@ -167,8 +167,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         if sched.chunks:
             logits, sampled = self.runner.execute(sched.chunks)
-            for chunk in sched.chunks:
-                chunk.request.num_computed_tokens += chunk.num_tokens
+            self.scheduler.advance(sched.chunks)
             if sampled:
                 reqs = [c.request for c in sampled]
                 self._suppress_early_stops(logits, reqs)
@@ -200,8 +199,7 @@ class Engine:
         """Run a decode step and start its tokens (and the buffer's counters) on their way to
         the host, without waiting for them."""
         logits, _ = self.runner.execute(chunks, input_ids)
-        for chunk in chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+        self.scheduler.advance(chunks)  # the K/V writes are queued on the device before any later reader
         tokens = logits.argmax(dim=-1)  # [B], as the sampler's greedy rows
         host = self._host_bufs[self.num_pipelined_steps % 2]  # the other one may still be read
         B = len(chunks)
@@ -273,6 +271,8 @@ class Engine:
             num_free_pages=self.kv.num_free_pages,
             num_total_pages=self.kv.num_total_pages,
             step_s=time.perf_counter() - t0,
+            prefix_cache_queries_total=self.scheduler.num_prefix_query_tokens,
+            prefix_cache_hits_total=self.scheduler.num_prefix_hit_tokens,
             **self._cache_stats(counters),
         )
 

@@ -7,7 +7,14 @@ budget, the request limit and the KV pages allow. When a running request cannot 
 page it needs, the newest running request is preempted: its pages are freed and it goes
 back to the front of the queue, to be prefilled again (prompt and tokens so far) later.
 
-The scheduler sees the KV cache only through ``can_allocate`` / ``allocate`` / ``free``.
+With prefix caching, an admitted request starts after the cached pages of its leading tokens
+(a chat template, a system prompt, its own tokens before a preemption): its first chunk is
+a prefill chunk from there. The last known token is always computed, since its logits give
+the next token. Once the model has run a step, ``advance`` lets the cache publish the pages
+that step filled.
+
+The scheduler sees the KV cache only through ``can_allocate`` / ``allocate`` / ``free`` and
+``match_prefix`` / ``commit``.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from dataclasses import dataclass
 
 from spin_cluster.config import SchedulerConfig
 from spin_cluster.engine.request import Request, RequestStatus
-from spin_cluster.kvcache.manager import KVCacheManager
+from spin_cluster.kvcache.base import NO_PREFIX, KVCache, PrefixHit
 
 
 @dataclass(frozen=True)
@@ -47,11 +54,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCache) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Prefix caching, cumulative over admissions: tokens looked up, and those found cached.
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -90,8 +100,17 @@ class Scheduler:
             (decode if chunk.is_decode else prefill).append(chunk)
             budget -= n
         if not preempted:
-            budget = self._admit(budget, prefill)
+            budget = self._admit(budget, decode, prefill)
         return SchedulerOutput(chunks=decode + prefill, preempted=preempted)
+
+    def advance(self, chunks: list[ScheduledChunk]) -> None:
+        """The model ran ``chunks``: their tokens' K/V are in the cache. Only now may the cache
+        share the pages they filled (a request admitted later reads them). A pipelined step's
+        pending token is computed before the host knows it: pages wait for known tokens."""
+        for chunk in chunks:
+            req = chunk.request
+            req.num_computed_tokens += chunk.num_tokens
+            self.kv.commit(req.request_id, min(req.num_computed_tokens, req.num_tokens), req.token_ids)
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -113,26 +132,40 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _admit(self, budget: int, prefill: list[ScheduledChunk]) -> int:
+    def _admit(self, budget: int, decode: list[ScheduledChunk], prefill: list[ScheduledChunk]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = req.num_uncomputed_tokens
+            # Nothing of a waiting request is computed (new, or preempted and recomputed).
+            prefix = self._cached_prefix(req)
+            n = req.num_tokens - prefix.num_tokens
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
             queued = len(self.waiting) - 1  # behind this one: they will want buffer shares too
-            if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n, queued):
+            if not self.kv.can_allocate(req.request_id, prefix.num_tokens + n, queued, prefix):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            prefill.append(self._take(req, n, queued))
+            if self.kv.prefix_caching:
+                self.num_prefix_query_tokens += req.num_tokens
+                self.num_prefix_hit_tokens += prefix.num_tokens
+            req.num_computed_tokens = prefix.num_tokens
+            # (a preempted request whose every token but its last is cached starts with a decode)
+            chunk = self._take(req, n, queued, prefix)
+            (decode if chunk.is_decode else prefill).append(chunk)
             budget -= n
         return budget
 
-    def _take(self, req: Request, n: int, num_queued: int = 0) -> ScheduledChunk:
+    def _cached_prefix(self, req: Request) -> PrefixHit:
+        """Cached pages of the request's known tokens but the last, which is always computed."""
+        if not self.kv.prefix_caching:
+            return NO_PREFIX
+        return self.kv.match_prefix(req.token_ids(0, req.num_tokens - 1))
+
+    def _take(self, req: Request, n: int, num_queued: int = 0, prefix: PrefixHit = NO_PREFIX) -> ScheduledChunk:
         start = req.num_computed_tokens
-        self.kv.allocate(req.request_id, start + n, num_queued)
+        self.kv.allocate(req.request_id, start + n, num_queued, prefix)
         is_decode = start >= len(req.prompt_token_ids) and n == 1 and req.num_uncomputed_tokens == 1
         return ScheduledChunk(request=req, start=start, num_tokens=n, is_decode=is_decode)

@@ -14,6 +14,10 @@ class StepStats:
     num_free_pages: int = 0
     num_total_pages: int = 0
     step_s: float = 0.0
+    # Prefix caching (cumulative since start): tokens of admitted requests looked up in the
+    # cache, and those whose K/V were found there (hit rate = hits / queries).
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
     # Offloaded cache only (cumulative since start): buffer lookups of selected pages, hits,
     # misses (pages retrieved from the host tier), evictions, bytes retrieved.
     buffer_lookups_total: int = 0

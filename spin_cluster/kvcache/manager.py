@@ -1,17 +1,25 @@
-"""The request-level KV cache API; the only caller of the pool and the table.
+"""The request-level KV cache API; the only caller of the pool, the table and the prefix cache.
 
 The scheduler asks ``can_allocate`` / ``allocate`` in token counts and never sees a page
 id. The model runner asks for ``slot_mapping`` and ``block_tables`` once per step.
+
+With prefix caching a newcomer's row starts with the published pages of its leading tokens
+(``match_prefix``, then ``allocate`` with the hit), and ``commit`` publishes each row's full
+pages as they are written (``prefix_cache.py``). Idle published pages count as free: a new
+page comes from the free list first, else from evicting the least recently released one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
-from spin_cluster.kvcache.base import KVCache
+from spin_cluster.kvcache.base import NO_PREFIX, KVCache, PrefixHit
 from spin_cluster.kvcache.free_list import check_partition
 from spin_cluster.kvcache.page_pool import PagePool
 from spin_cluster.kvcache.page_table import PageTable
+from spin_cluster.kvcache.prefix_cache import ChainKey, PrefixCache
 
 
 class KVCacheManager(KVCache):
@@ -27,15 +35,21 @@ class KVCacheManager(KVCache):
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.page_size = page_size
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.max_model_len = max_model_len
+        self.prefix_caching = enable_prefix_caching
         self.pool = PagePool(num_pages, page_size, head_dim, dtype, device)
         self.table = PageTable(
             num_layers, num_kv_heads, _ceil_div(max_model_len, page_size), max_seqs, device
         )
+        self.prefixes = PrefixCache()
+        # request -> (its leading pages that are published, the key of the last of them):
+        # ``commit`` goes on from there, so each page is hashed once.
+        self._published: dict[str, tuple[int, ChainKey | None]] = {}
 
     # ---- capacity -----------------------------------------------------------------------
 
@@ -48,27 +62,37 @@ class KVCacheManager(KVCache):
         need = _ceil_div(num_tokens, self.page_size)
         return max(0, need - have) * self.table.pages_per_token_page
 
-    def can_allocate(self, request_id: str, num_tokens: int, num_queued: int = 0) -> bool:
+    def can_allocate(self, request_id: str, num_tokens: int, num_queued: int = 0,
+                     prefix: PrefixHit = NO_PREFIX) -> bool:
         """Could the request hold ``num_tokens`` tokens in total after ``allocate``?
 
         ``num_queued`` (requests waiting behind it) matters only to caches with per-request
-        buffer shares; here it is ignored."""
+        buffer shares; here it is ignored. A newcomer's ``prefix`` pages are not new, but
+        the idle ones among them stop being free once it holds them."""
         if request_id not in self.table and not self.table.has_free_row():
             return False
-        return self.pool.can_allocate(self.num_new_pages(request_id, num_tokens))
+        per = self.table.pages_per_token_page
+        new = self.num_new_pages(request_id, num_tokens) - len(prefix.pages) * per
+        return new <= self.num_free_pages - self.prefixes.num_idle_among(prefix.pages) * per
 
-    def allocate(self, request_id: str, num_tokens: int, num_queued: int = 0) -> None:
+    def allocate(self, request_id: str, num_tokens: int, num_queued: int = 0,
+                 prefix: PrefixHit = NO_PREFIX) -> None:
         if num_tokens > self.max_model_len:
             raise ValueError(f"{num_tokens} tokens exceed max_model_len={self.max_model_len}")
         if request_id not in self.table:
             self.table.add(request_id)
+            self._attach(request_id, prefix)
+        elif prefix.pages:
+            raise ValueError(f"request {request_id!r} already has pages: a prefix is attached on admission only")
         new = self.num_new_pages(request_id, num_tokens)
         if new:
+            self._make_room(new)
             self.table.append(request_id, self.pool.allocate(new))
 
     def free(self, request_id: str) -> None:
         if request_id in self.table:
-            self.pool.free(self.table.remove(request_id))
+            self._published.pop(request_id, None)
+            self.pool.free(self.prefixes.release(self.table.remove(request_id)))
 
     def has(self, request_id: str) -> bool:
         return request_id in self.table
@@ -78,7 +102,8 @@ class KVCacheManager(KVCache):
 
     @property
     def num_free_pages(self) -> int:
-        return self.pool.num_free
+        """Free pages and idle published ones (evicted when a request needs them)."""
+        return self.pool.num_free + self.prefixes.num_idle * self.table.pages_per_token_page
 
     @property
     def num_total_pages(self) -> int:
@@ -86,7 +111,42 @@ class KVCacheManager(KVCache):
 
     def free_token_capacity(self) -> int:
         """Tokens that could still be stored (all layers and heads), ignoring fragmentation."""
-        return self.pool.num_free // self.table.pages_per_token_page * self.page_size
+        return self.num_free_pages // self.table.pages_per_token_page * self.page_size
+
+    # ---- prefix caching -------------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
+        if not self.prefix_caching:
+            return NO_PREFIX
+        pages = self.prefixes.match(token_ids, self.page_size)
+        return PrefixHit(len(pages) * self.page_size, tuple(pages)) if pages else NO_PREFIX
+
+    def commit(self, request_id: str, num_tokens: int, token_ids: Callable[[int, int], list[int]]) -> None:
+        if not self.prefix_caching or request_id not in self.table:
+            return
+        S = self.page_size
+        done, key = self._published.get(request_id, (0, None))
+        full = num_tokens // S
+        if full <= done:
+            return
+        tokens = token_ids(done * S, full * S)  # pages done .. full-1, S tokens each
+        for i, page_ids in enumerate(self.table.host_pages(request_id)[done:full]):
+            key = self.prefixes.publish(key, tuple(tokens[i * S : (i + 1) * S]), page_ids)
+        self._published[request_id] = (full, key)
+
+    def _attach(self, request_id: str, prefix: PrefixHit) -> None:
+        """A newcomer's row starts with the hit's pages (before ``_make_room``, which must not evict them)."""
+        if not prefix.pages:
+            return
+        self.prefixes.acquire(prefix.pages)
+        self.table.append(request_id, [pid for page in prefix.pages for pid in page.page_ids])
+        self._published[request_id] = (len(prefix.pages), prefix.pages[-1].key)
+
+    def _make_room(self, num_pages: int) -> None:
+        """Evict idle published pages until the pool has ``num_pages`` free."""
+        short = num_pages - self.pool.num_free
+        if short > 0:
+            self.pool.free(self.prefixes.evict(_ceil_div(short, self.table.pages_per_token_page)))
 
     # ---- per-step views for the model runner ----------------------------------------------
 
@@ -117,8 +177,16 @@ class KVCacheManager(KVCache):
     # ---- integrity --------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Every page is free or owned by exactly one request; table and pool agree."""
-        check_partition(self.table.owned_page_ids(), self.pool.free_list, "pages")
+        """Every page is free, private to one request, shared by as many requests as its
+        refcount, or idle (refcount 0, in the LRU); table, pool and prefix cache agree."""
+        held = [page for rid in self.table.request_ids() for page in self.table.host_pages(rid)]
+        self.prefixes.check_integrity(held)
+        distinct = {page[0]: page for page in held}.values()  # a shared page once
+        owned = [pid for page in distinct for pid in page] + self.prefixes.idle_page_ids()
+        check_partition(owned, self.pool.free_list, "pages")
+        stale = self._published.keys() - set(self.table.request_ids())
+        if stale:
+            raise AssertionError(f"published-page counts of requests without a row: {sorted(stale)}")
         for rid in self.table.request_ids():
             host = self.table.host_pages(rid)
             if not host:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from spin_cluster.kvcache.base import KVCache
+from spin_cluster.kvcache.base import NO_PREFIX, KVCache, PrefixHit
 from spin_cluster.kvcache.buffer import GpuBuffer
 from spin_cluster.kvcache.directory import SegmentDirectory
 from spin_cluster.kvcache.free_list import check_partition
@@ -86,9 +86,11 @@ class OffloadedKVManager(KVCache):
     def num_free_pages(self) -> int:
         return self.host.num_free_segments * self.host.segment_pages
 
-    def can_allocate(self, request_id: str, num_tokens: int, num_queued: int = 0) -> bool:
+    def can_allocate(self, request_id: str, num_tokens: int, num_queued: int = 0,
+                     prefix: PrefixHit = NO_PREFIX) -> bool:
         """As ``KVCacheManager.can_allocate``; a newcomer also needs its buffer share, sized
-        with ``num_queued`` requests waiting behind it (see ``GpuBuffer.share_for``)."""
+        with ``num_queued`` requests waiting behind it (see ``GpuBuffer.share_for``). No
+        prefix is ever cached here (``match_prefix`` never hits): ``prefix`` is empty."""
         if request_id not in self.directory:
             if not self.directory.has_free_row():
                 return False
@@ -96,7 +98,8 @@ class OffloadedKVManager(KVCache):
                 return False
         return self.host.can_allocate(self.directory.num_new_segments(request_id, num_tokens))
 
-    def allocate(self, request_id: str, num_tokens: int, num_queued: int = 0) -> None:
+    def allocate(self, request_id: str, num_tokens: int, num_queued: int = 0,
+                 prefix: PrefixHit = NO_PREFIX) -> None:
         if num_tokens > self.max_model_len:
             raise ValueError(f"{num_tokens} tokens exceed max_model_len={self.max_model_len}")
         if request_id not in self.directory:

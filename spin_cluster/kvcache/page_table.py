@@ -61,12 +61,11 @@ class PageTable:
         self._request_to_pages[request_id] = []
         return row
 
-    def remove(self, request_id: str) -> list[int]:
-        """Drop the request; return every physical page id it held, for the pool to free."""
+    def remove(self, request_id: str) -> list[list[int]]:
+        """Drop the request; return the pages it held, one list of L*Hkv ids per logical page."""
         row = self._request_to_row.pop(request_id)
         self._free_rows.give([row])
-        pages = self._request_to_pages.pop(request_id)
-        return [pid for page in pages for pid in page]
+        return self._request_to_pages.pop(request_id)
 
     def row(self, request_id: str) -> int:
         return self._request_to_row[request_id]
@@ -99,9 +98,6 @@ class PageTable:
 
     def request_ids(self) -> list[str]:
         return list(self._request_to_row)
-
-    def owned_page_ids(self) -> list[int]:
-        return [pid for pages in self._request_to_pages.values() for page in pages for pid in page]
 
     def host_pages(self, request_id: str) -> list[list[int]]:
         return self._request_to_pages[request_id]

@@ -113,6 +113,9 @@ def test_report_counts_free_capacity(engine, expected):
     assert rep.free_kv_tokens == free_kv_tokens(engine.kv, engine.kv.num_total_pages) > 0
     assert rep.free_kv_tokens == engine.kv.free_token_capacity()
     assert rep.attention_rank_s == {"0": 0.0}
+    # prefix caching is on by default: the prompts' tokens were looked up (too short to hit)
+    assert rep.counters["prefix_cache_queries"] == engine.scheduler.num_prefix_query_tokens > 0
+    assert rep.counters["prefix_cache_hits"] == 0
 
 
 def test_queued_deltas_go_to_the_ingress_as_one():

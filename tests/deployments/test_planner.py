@@ -167,7 +167,9 @@ def test_metrics_follow_a_request_and_the_cluster_stats():
     req.tokens(1)
     req.tokens(2)
     req.finished("length")
-    stats = ClusterStats(num_engines=1, num_running=3, counters={"buffer_lookups": 10, "buffer_hits": 8},
+    stats = ClusterStats(num_engines=1, num_running=3,
+                         counters={"buffer_lookups": 10, "buffer_hits": 8, "prefix_cache_queries": 40,
+                                   "prefix_cache_hits": 16},
                          attention_rank_s={"0": 1.5, "1": 2.0}, head_placement_imbalance=0.25)
     value = {(s.name, tuple(sorted(s.labels.items()))): s.value
              for f in text_string_to_metric_families(m.render(stats).decode()) for s in f.samples}
@@ -178,5 +180,7 @@ def test_metrics_follow_a_request_and_the_cluster_stats():
     assert value[("spin_request_success_total", (("finished_reason", "length"), ("model_name", "m")))] == 1
     assert value[("spin_requests_running", (("model_name", "m"),))] == 3
     assert value[("spin_buffer_hits_total", (("model_name", "m"),))] == 8
+    assert value[("spin_prefix_cache_queries_total", (("model_name", "m"),))] == 40
+    assert value[("spin_prefix_cache_hits_total", (("model_name", "m"),))] == 16
     assert value[("spin_attention_rank_seconds_total", (("model_name", "m"), ("rank", "1")))] == 2.0
     assert value[("spin_head_placement_imbalance", (("model_name", "m"),))] == 0.25

@@ -17,7 +17,8 @@ SERIES = {
     "spin_e2e_request_latency_seconds": "histogram",
     "spin_prompt_tokens": "counter", "spin_generation_tokens": "counter", "spin_request_success": "counter",
     "spin_buffer_lookups": "counter", "spin_buffer_hits": "counter", "spin_retrieved_bytes": "counter",
-    "spin_evicted_pages": "counter", "spin_kv_pages": "gauge", "spin_metadata_bytes": "gauge",
+    "spin_evicted_pages": "counter", "spin_prefix_cache_queries": "counter", "spin_prefix_cache_hits": "counter",
+    "spin_kv_pages": "gauge", "spin_metadata_bytes": "gauge",
     "spin_attention_rank_seconds": "counter", "spin_attention_bubble_seconds": "counter",
     "spin_head_placement_imbalance": "gauge", "spin_engine_requests": "counter",
 }

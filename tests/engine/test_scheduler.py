@@ -1,4 +1,5 @@
-"""Scheduling decisions on a tiny cache, without a model: chunks, admission, preemption."""
+"""Scheduling decisions on a tiny cache, without a model: chunks, admission, preemption,
+prefix caching."""
 
 import torch
 
@@ -8,10 +9,10 @@ from spin_cluster.engine.scheduler import Scheduler
 from spin_cluster.kvcache.manager import KVCacheManager
 
 
-def _sched(num_pages=64, budget=8, max_seqs=4, chunked=True):
+def _sched(num_pages=64, budget=8, max_seqs=4, chunked=True, prefix_caching=False):
     kv = KVCacheManager(
         num_layers=1, num_kv_heads=1, head_dim=4, page_size=4, num_pages=num_pages,
-        max_seqs=max_seqs, max_model_len=64, dtype=torch.float32,
+        max_seqs=max_seqs, max_model_len=64, dtype=torch.float32, enable_prefix_caching=prefix_caching,
     )
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
     return Scheduler(cfg, kv), kv
@@ -24,11 +25,15 @@ def _req(rid, n):
 def _run(sched):
     """Pretend the model ran: advance computed tokens, 'sample' token 7 where complete."""
     out = sched.schedule()
+    sched.advance(out.chunks)
     for c in out.chunks:
-        c.request.num_computed_tokens += c.num_tokens
         if c.completes_sequence:
             c.request.output_token_ids.append(7)
     return out
+
+
+def _shapes(out):
+    return [(c.request.request_id, c.start, c.num_tokens, c.is_decode) for c in out.chunks]
 
 
 def test_long_prompt_is_split_into_chunks_of_the_budget():
@@ -100,3 +105,62 @@ def test_token_ids_reads_any_span_of_prompt_and_output_without_joining_them():
             assert req.token_ids(start, stop) == joined[start:stop]
     # a decode step's one token comes from the output list itself, not a copy of the prompt
     assert req.token_ids(12, 13) == [102]
+
+
+# ---- prefix caching -------------------------------------------------------------------------------
+
+
+def test_a_request_sharing_a_cached_prefix_starts_after_it():
+    s, kv = _sched(budget=16, prefix_caching=True)
+    s.add(Request("a", list(range(1, 11)), SamplingParams(temperature=0)))
+    assert _shapes(_run(s)) == [("a", 0, 10, False)]  # pages 1-4 and 5-8 are full: published
+    s.add(Request("b", list(range(1, 9)) + [20, 21, 22], SamplingParams(temperature=0)))
+    assert _shapes(_run(s)) == [("a", 10, 1, True), ("b", 8, 3, False)]
+    assert kv.table.host_pages("b")[:2] == kv.table.host_pages("a")[:2]
+    assert (s.num_prefix_query_tokens, s.num_prefix_hit_tokens) == (10 + 11, 8)
+    kv.check_integrity()
+
+
+def test_a_prompt_cached_whole_still_computes_its_last_token():
+    s, kv = _sched(budget=16, prefix_caching=True)
+    s.add(_req("a", 8))
+    _run(s)
+    s.add(_req("b", 8))  # the same 8 tokens: the hit stops a page short, at 4
+    s.add(Request("c", list(range(1, 10)), SamplingParams(temperature=0)))  # a's 8, then one more
+    assert _shapes(_run(s)) == [("a", 8, 1, True), ("b", 4, 4, False), ("c", 8, 1, False)]
+    assert s.num_prefix_hit_tokens == 4 + 8
+    kv.check_integrity()
+
+
+def test_a_preempted_request_comes_back_after_its_pages_still_cached():
+    s, kv = _sched(num_pages=4, budget=16, prefix_caching=True)  # 4 pages of 4 tokens
+    s.add(_req("a", 8))
+    s.add(Request("b", list(range(11, 19)), SamplingParams(temperature=0)))
+    _run(s)  # both prefilled and published: no page free
+    out = _run(s)  # a needs a 3rd page: b is preempted, its pages turn idle, a evicts b's last
+    assert [r.request_id for r in out.preempted] == ["b"] and _shapes(out) == [("a", 8, 1, True)]
+    kv.check_integrity()
+    s.finish(s.running[0])
+    out = _run(s)  # b's first page is still cached: it recomputes the rest and its sampled token
+    assert _shapes(out) == [("b", 4, 5, False)]
+    kv.check_integrity()
+
+
+def test_a_readmitted_request_left_with_one_token_to_compute_is_a_decode_and_goes_first():
+    s, kv = _sched(budget=16, prefix_caching=True)
+    s.add(Request("w", [1, 2, 3, 7, 9], SamplingParams(temperature=0)))
+    _run(s)  # publishes the page (1, 2, 3, 7)
+    s.add(_req("c", 6))
+    # as a request preempted after decoding its first token: nothing computed, two outputs
+    s.add(Request("a", [1, 2, 3], SamplingParams(temperature=0), output_token_ids=[7, 7]))
+    assert _shapes(_run(s)) == [("w", 5, 1, True), ("a", 4, 1, True), ("c", 0, 6, False)]
+    kv.check_integrity()
+
+
+def test_without_prefix_caching_nothing_is_looked_up():
+    s, kv = _sched(budget=16)
+    s.add(_req("a", 8))
+    _run(s)
+    s.add(_req("b", 8))
+    assert _shapes(_run(s)) == [("a", 8, 1, True), ("b", 0, 8, False)]
+    assert (s.num_prefix_query_tokens, s.num_prefix_hit_tokens) == (0, 0)
