@@ -33,6 +33,8 @@ This module imports only torch (and Triton, lazily): it must not import ``spin_c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import functools
 import math
 
@@ -304,6 +306,101 @@ def paged_decode_attention_sdpa(
             q[b0:b1].view(c, Hkv, G, D), k, v, attn_mask=visible[:, :, None, :], scale=scale)
         o = o.masked_fill((row_lens == 0)[..., None, None], 0.0)
         result[b0:b1].copy_(o.reshape(c, H, D))
+    return result
+
+
+@dataclass(frozen=True)
+class _GatherGroup:
+    start: int  # first request of the group
+    stop: int
+    num_tokens: int  # the group's longest row, T
+    padded: int  # its pages' tokens, n * S >= T
+    ids: tuple[torch.Tensor, ...]  # per layer [c * Hkv * n] int64 page ids (padding: page 0)
+    mask: torch.Tensor | None  # [c * Hkv, 1, T] additive (0 or -inf); None when every row has T tokens
+
+
+@dataclass(frozen=True)
+class GatheredDecodePlan:
+    """What ``paged_decode_attention_planned`` needs for every layer of one step, built once
+    (``plan_gathered_decode``): the page ids to gather per layer and each group's mask.
+
+    On the CPU a decode step's attention is small (at batch 1 about 0.3 ms a layer), and
+    building the ids and the length mask anew in every layer cost more than the attention
+    (0.69 against 0.27 ms a layer on a 2-core host, SmolLM2 at 576 tokens)."""
+
+    groups: tuple[_GatherGroup, ...]
+    num_kv_heads: int
+
+
+def plan_gathered_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+                         bytes_per_token: int) -> GatheredDecodePlan:
+    # Masks and scores are float32 whatever the pages' dtype (as the reference computes).
+    """block_tables: [B, L, Hkv, P] (every layer's tables of the step's decode rows);
+    seq_lens: [B] tokens of each row, >= 1; ``bytes_per_token``: K and V of one token and
+    KV head. Requests are grouped as in ``paged_decode_attention_sdpa`` (gathered K/V under
+    ``_SDPA_GROUP_BYTES``)."""
+    B, L, Hkv, P = block_tables.shape
+    S = page_size
+    lens_host = seq_lens.tolist()
+    if min(lens_host, default=1) < 1 or max(lens_host, default=0) > P * S:
+        raise ValueError(f"seq_lens must be in 1..{P * S}, got {lens_host}")
+    lens = seq_lens.to(torch.int64)
+    per_request = Hkv * max(lens_host, default=1) * bytes_per_token
+    size = max(1, min(B, _SDPA_GROUP_BYTES // per_request))
+    groups = []
+    for b0 in range(0, B, size):
+        b1 = min(B, b0 + size)
+        T = max(lens_host[b0:b1])
+        n = -(-T // S)
+        pages = block_tables[b0:b1, :, :, :n].long()  # [c, L, Hkv, n]
+        page_ok = torch.arange(n) < ((lens[b0:b1] + S - 1) // S)[:, None, None, None]
+        ids = torch.where(page_ok, pages, torch.zeros_like(pages)).transpose(0, 1).reshape(L, -1)
+        mask = None
+        if min(lens_host[b0:b1]) < T:
+            hidden = torch.arange(T) >= lens[b0:b1, None]  # [c, T]
+            mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+            mask = mask[:, None, None, :].expand(-1, Hkv, 1, -1).reshape((b1 - b0) * Hkv, 1, T)
+        groups.append(_GatherGroup(b0, b1, T, n * S, ids.unbind(0), mask))
+    return GatheredDecodePlan(tuple(groups), Hkv)
+
+
+def paged_decode_attention_planned(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    plan: GatheredDecodePlan,
+    layer: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention of ``layer`` over the pages of a ``GatheredDecodePlan`` (the CPU's
+    dense decode path): per group one gather of K and one of V, then two batched matmuls
+    and a softmax over each (request, KV head) row, its G query heads as the rows. At batch
+    4 this is 3.5x PyTorch's fused CPU attention over the same gathered pages (0.59 against
+    2.1 ms a layer, 2 cores, SmolLM2 at 576 tokens), the same at batch 1.
+
+    q: [B, H, D] -> [B, H, D] (into ``out`` when given)."""
+    B, H, D = q.shape
+    Hkv = plan.num_kv_heads
+    G = H // Hkv
+    scale = _resolve_scale(scale, D)
+    result = out if out is not None else torch.empty_like(q)
+    for g in plan.groups:
+        rows = (g.stop - g.start) * Hkv
+        k = k_pages.index_select(0, g.ids[layer]).view(rows, g.padded, D)[:, : g.num_tokens]
+        v = v_pages.index_select(0, g.ids[layer]).view(rows, g.padded, D)[:, : g.num_tokens]
+        qg = q[g.start : g.stop].reshape(rows, G, D)
+        if q.dtype != torch.float32:  # scores and softmax in float32, as the reference
+            qg, k, v = qg.float(), k.float(), v.float()
+        if g.mask is None:
+            scores = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)  # [rows, G, T]
+        else:
+            scores = torch.baddbmm(g.mask, qg, k.transpose(1, 2), alpha=scale)
+        probs = torch.softmax(scores, dim=-1)
+        if result.is_contiguous() and result.dtype == probs.dtype:
+            torch.bmm(probs, v, out=result[g.start : g.stop].view(rows, G, D))
+        else:
+            result[g.start : g.stop] = torch.bmm(probs, v).view(g.stop - g.start, H, D)
     return result
 
 

@@ -6,8 +6,8 @@ the plan and allocates nothing but its output. The T tokens of a step are laid o
     [ decode tokens (one per decoding request) | prefill chunk 0 | prefill chunk 1 | ... ]
       0 .. Bd-1                                  Bd ..
 
-Decode tokens go through one paged-decode call (Triton on CUDA, the torch reference on the
-CPU); each prefill chunk attends with torch SDPA to its request's earlier pages plus itself.
+Decode tokens go through one paged-decode call (Triton on CUDA; on the CPU a gather of each
+row's pages, planned once a step, and two batched matmuls); each prefill chunk attends with torch SDPA to its request's earlier pages plus itself.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ class StepPlan:
     decode_block_tables: tuple[torch.Tensor, ...] | None  # per layer [Bd, Hkv, P] int32 (strided)
     decode_seq_lens: torch.Tensor | None  # [Bd] int32, including the token being decoded
     prefill: tuple[PrefillSegment, ...]
+    # The CPU's decode path: every layer's page ids and the length masks, built once a step
+    gathered: paged_decode.GatheredDecodePlan | None = None
 
 
 def decode_impl(name: str, device: torch.device):
@@ -120,6 +122,8 @@ class PagedAttention(AttentionBackend):
         self.pool = kv.pool
         self.device = kv.pool.k_pages.device
         self._decode = decode_impl(decode, self.device)
+        # 'auto' on the CPU: the step's gather plan once, then two matmuls a layer
+        self._planned = decode == "auto" and self.device.type == "cpu"
         D = kv.pool.head_dim
         self._k_flat = kv.pool.k_pages.view(-1, D)  # [(N+1)*S, D]: token slots
         self._v_flat = kv.pool.v_pages.view(-1, D)
@@ -139,12 +143,17 @@ class PagedAttention(AttentionBackend):
         S = self.kv.page_size
         decode = [c for c in chunks if c.is_decode]
         num_decode = len(decode)
-        block_tables = seq_lens = None
+        block_tables = seq_lens = gathered = None
         if num_decode:
             lens = [c.start + 1 for c in decode]
             rows = token_rows[:num_decode]
-            block_tables = self.kv.block_tables(rows, -(-max(lens) // S)).unbind(1)  # L x [Bd, Hkv, P]
+            tables = self.kv.block_tables(rows, -(-max(lens) // S))  # [Bd, L, Hkv, P]
+            block_tables = tables.unbind(1)  # L x [Bd, Hkv, P]
             seq_lens = (positions[:num_decode] + 1).to(torch.int32)  # [Bd]
+            if self._planned:
+                pool = self.kv.pool
+                gathered = paged_decode.plan_gathered_decode(
+                    tables, seq_lens, S, 2 * pool.head_dim * pool.k_pages.element_size())
         segments = []
         token_start = num_decode
         for chunk in chunks[num_decode:]:
@@ -161,6 +170,7 @@ class PagedAttention(AttentionBackend):
             decode_block_tables=block_tables,
             decode_seq_lens=seq_lens,
             prefill=tuple(segments),
+            gathered=gathered,
         )
 
     def end_step(self) -> None:
@@ -189,6 +199,9 @@ class PagedAttention(AttentionBackend):
     def _decode_rows(self, layer_id: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """q [Bd, H, D] -> [Bd, H, D] (into ``out`` when given)."""
         plan = self.plan
+        if plan.gathered is not None:
+            return paged_decode.paged_decode_attention_planned(
+                q, self.pool.k_pages, self.pool.v_pages, plan.gathered, layer_id, out=out)
         return self._decode(q, self.pool.k_pages, self.pool.v_pages, plan.decode_block_tables[layer_id],
                             plan.decode_seq_lens, out=out)
 

@@ -18,7 +18,9 @@ from spin_cluster.kernels.paged_decode import (
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
+    paged_decode_attention_planned,
     paged_decode_attention_sdpa,
+    plan_gathered_decode,
 )
 
 HAS_CUDA = torch.cuda.is_available()
@@ -194,6 +196,53 @@ def test_sdpa_path_writes_out():
     assert_close(out, dense_oracle(*case), REF_TOL[torch.float32])
 
 
+def planned(q, k_pages, v_pages, block_tables, seq_lens, layers=1, scale=None, out=None):
+    """The planned path over ``layers`` copies of one layer's tables; returns layer L-1's output."""
+    tables = torch.stack([block_tables] * layers, dim=1)  # [B, L, Hkv, P]
+    bytes_per_token = 2 * k_pages.shape[-1] * k_pages.element_size()
+    plan = plan_gathered_decode(tables, seq_lens, k_pages.shape[1], bytes_per_token)
+    return paged_decode_attention_planned(q, k_pages, v_pages, plan, layers - 1, scale=scale, out=out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_planned_path_matches_dense_oracle(dtype, group):
+    case = make_case(RAGGED_16, group=group, dtype=dtype, seed=20 + group, device="cpu")
+    out = planned(*case, layers=2)
+    assert out.dtype == dtype and out.shape == case[0].shape
+    assert_close(out, dense_oracle(*case), REF_TOL[dtype])
+
+
+@pytest.mark.parametrize("group_bytes", [1, 8 * 1024 * 1024])
+def test_planned_path_groups_masks_and_writes_out(monkeypatch, group_bytes):
+    # one-byte groups: every request alone and unmasked; one group: masks for the short rows
+    monkeypatch.setattr(pd, "_SDPA_GROUP_BYTES", group_bytes)
+    case = make_case([7, 50, 1, 33, 16, 2], page_size=8, group=4, seed=23, device="cpu")
+    out = torch.full_like(case[0], float("nan"))
+    assert planned(*case, scale=0.3, out=out) is out
+    assert_close(out, dense_oracle(*case, scale=0.3), REF_TOL[torch.float32])
+
+
+def test_planned_path_reads_each_layers_own_pages():
+    q, k, v, bt, lens = make_case([9, 40], num_kv_heads=2, group=2, page_size=8, seed=24, device="cpu")
+    other = bt.flip(0).clone()  # layer 1: the requests' pages swapped
+    other[0, :, 5:] = 0
+    lens1 = lens.flip(0)
+    tables = torch.stack([bt, other], dim=1)
+    plan = plan_gathered_decode(tables, lens, 8, 2 * 32 * 4)
+    assert_close(paged_decode_attention_planned(q, k, v, plan, 0), dense_oracle(q, k, v, bt, lens), REF_TOL[torch.float32])
+    plan1 = plan_gathered_decode(tables, lens1, 8, 2 * 32 * 4)
+    assert_close(paged_decode_attention_planned(q, k, v, plan1, 1), dense_oracle(q, k, v, other, lens1),
+                 REF_TOL[torch.float32])
+
+
+def test_planned_path_rejects_empty_and_overlong_rows():
+    q, k, v, bt, _ = make_case([9, 40], page_size=8, seed=25, device="cpu")
+    for bad in ([0, 40], [9, 41]):
+        with pytest.raises(ValueError, match="seq_lens"):
+            plan_gathered_decode(bt[:, None], torch.tensor(bad, dtype=torch.int32), 8, 256)
+
+
 def test_cpu_decode_path_is_the_sdpa_one():
     from spin_cluster.engine.paged_attention import decode_impl
 
@@ -201,6 +250,38 @@ def test_cpu_decode_path_is_the_sdpa_one():
     assert decode_impl("torch", torch.device("cpu")) is paged_decode_attention_ref
     with pytest.raises(ValueError, match="sdpa"):
         decode_impl("flash", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_cpu_backend_plans_decode_once_a_step(impl):
+    # 'auto' on the CPU: the paged backend builds the gather plan in begin_step and every
+    # layer's decode reads it; 'torch' (the oracle) keeps the per-layer reference
+    from spin_cluster.engine.paged_attention import PagedAttention
+    from spin_cluster.engine.request import Request, SamplingParams
+    from spin_cluster.engine.scheduler import ScheduledChunk
+    from spin_cluster.kvcache.manager import KVCacheManager
+
+    kv = KVCacheManager(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, num_pages=64,
+                        max_seqs=2, max_model_len=32, dtype=torch.float32)
+    reqs = [Request(f"r{i}", list(range(1, 6 + 4 * i)), SamplingParams()) for i in range(2)]
+    for r in reqs:
+        kv.allocate(r.request_id, r.num_tokens + 1)
+        r.num_computed_tokens = r.num_tokens
+        r.output_token_ids.append(7)
+    chunks = [ScheduledChunk(r, r.num_computed_tokens, 1, True) for r in reqs]
+    positions = torch.tensor([c.start for c in chunks])
+    backend = PagedAttention(kv, decode=impl)
+    backend.begin_step(chunks, positions, kv.rows([r.request_id for r in reqs]))
+    gen = torch.Generator().manual_seed(3)
+    kv.pool.k_pages.normal_(generator=gen)
+    kv.pool.v_pages.normal_(generator=gen)
+    q = torch.randn(2, 4, 8, generator=gen)
+    k, v = torch.randn(2, 2, 8, generator=gen), torch.randn(2, 2, 8, generator=gen)
+    out = backend.forward(1, q, k, v)
+    assert (backend.plan.gathered is not None) == (impl == "auto")
+    tables = kv.block_tables(kv.rows([r.request_id for r in reqs]), 4)[:, 1]
+    expected = dense_oracle(q, kv.pool.k_pages, kv.pool.v_pages, tables, positions.to(torch.int32) + 1)
+    assert_close(out, expected, REF_TOL[torch.float32])
 
 
 # --------------------------------------------------------------------------------------
