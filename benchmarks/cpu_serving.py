@@ -93,15 +93,17 @@ def stop(proc: subprocess.Popen) -> None:
 
 def drive(args, base: str, model: str, prompt_tokens: int, streams: int, out_json: Path) -> dict:
     """One guidellm level: its metrics, as METRICS names them."""
+    seconds = getattr(args, "long_seconds", 0) if prompt_tokens >= 2048 else 0
+    seconds = seconds or args.seconds
     cmd = [str(Path(args.guidellm_venv) / "bin" / "guidellm"), "run",
            "--backend", f"kind=openai_http,target={base},model={model}",
            "--tokenizer", f"kind=huggingface_auto,model={args.model_dir}",
            "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={OUTPUT_TOKENS}",
            "--profile", f"kind=concurrent,streams={streams}",
-           "--constraint", f"kind=max_duration,seconds={args.seconds}",
+           "--constraint", f"kind=max_duration,seconds={seconds}",
            "--output", f"kind=json,path={out_json}", "--disable-console"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run(cmd, env=env, timeout=args.seconds + 300, capture_output=True, text=True)
+    done = subprocess.run(cmd, env=env, timeout=seconds + 300, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"guidellm exited with {done.returncode}: {(done.stderr or done.stdout)[-3000:]}")
     bench = json.loads(out_json.read_text())["benchmarks"][0]["metrics"]
@@ -181,6 +183,9 @@ def main(argv=None) -> dict:
                                                       "(default: the prepared default model)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=60, help="guidellm's duration of each level")
+    ap.add_argument("--long-seconds", type=int, default=0,
+                    help="the duration of the 2048-token levels instead (0: --seconds); at 60 s neither server "
+                         "finished a request of four 2048-token streams on two cores")
     ap.add_argument("--levels", type=int, nargs="+", default=None, metavar="I",
                     help="indices into the levels (default: all): " + ", ".join(level_name(*lv) for lv in LEVELS))
     ap.add_argument("--ready-timeout-s", type=float, default=600.0, help="vLLM compiles its graphs at start-up")
@@ -216,7 +221,7 @@ def main(argv=None) -> dict:
     summary = summarize(results)
     from spin_cluster.provenance import write_json
 
-    report = {"levels": [level_name(*lv) for lv in levels], "output_tokens": OUTPUT_TOKENS, "seconds": args.seconds,
+    report = {"levels": [level_name(*lv) for lv in levels], "output_tokens": OUTPUT_TOKENS, "seconds": args.seconds, "long_seconds": args.long_seconds,
               "runs": args.runs, "vllm_bind": args.vllm_bind, "results": results, "summary": summary}
     write_json(out / "cpu_serving.json", report)
     table = markdown(summary, args.systems, report["levels"])
