@@ -26,6 +26,7 @@ from spin_cluster.engine.backend import AttentionBackend
 from spin_cluster.engine.model_runner import SpinGraphBackend
 from spin_cluster.engine.paged_attention import PagedAttention, StepPlan
 from spin_cluster.engine.scheduler import ScheduledChunk
+from spin_cluster.kernels import paged_decode
 from spin_cluster.parallel.group import all_gather_floats
 from spin_cluster.parallel.timing import LayerTimer
 
@@ -96,7 +97,7 @@ class HeadParallelAttention(_RankBackend):
         self._layer_plans: list[StepPlan] | None = None
 
     def _after_begin(self) -> None:
-        self._layer_plans = [_columns_plan(self.inner.plan, cols) for cols in self._columns]
+        self._layer_plans = [_columns_plan(self.inner, cols) for cols in self._columns]
 
     def _attend(self, layer_id, q, k, v):
         self.inner.plan = self._layer_plans[layer_id]
@@ -106,14 +107,25 @@ class HeadParallelAttention(_RankBackend):
         self._layer_plans = None
 
 
-def _columns_plan(plan: StepPlan, cols: slice) -> StepPlan:
-    """The step plan of one layer: its columns of the one-layer plan, contiguous."""
+def _columns_plan(inner: PagedAttention, cols: slice) -> StepPlan:
+    """The step plan of one layer: its columns of the one-layer plan, contiguous. The CPU's
+    gather plan is built again over those columns (the one over all C columns would gather
+    every layer's heads); a layer without columns is never attended."""
+    plan = inner.plan
     tables = plan.decode_block_tables
+    layer_tables = None if tables is None else tables[0][:, cols].contiguous()  # [Bd, n, P]
+    gathered = None
+    if plan.gathered is not None and layer_tables.shape[1]:
+        pool = inner.kv.pool
+        gathered = paged_decode.plan_gathered_decode(
+            layer_tables[:, None], plan.decode_seq_lens, inner.kv.page_size,
+            2 * pool.head_dim * pool.k_pages.element_size())
     return dataclasses.replace(
         plan,
         slot_mapping=(plan.slot_mapping[0][:, cols].contiguous(),),  # [T, n]
-        decode_block_tables=None if tables is None else (tables[0][:, cols].contiguous(),),  # [Bd, n, P]
+        decode_block_tables=None if tables is None else (layer_tables,),
         prefill=tuple(dataclasses.replace(s, pages=s.pages and (s.pages[0][cols].contiguous(),)) for s in plan.prefill),
+        gathered=gathered,
     )
 
 
