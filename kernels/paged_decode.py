@@ -332,15 +332,16 @@ class GatheredDecodePlan:
     num_kv_heads: int
 
 
-def plan_gathered_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-                         bytes_per_token: int) -> GatheredDecodePlan:
-    # Masks and scores are float32 whatever the pages' dtype (as the reference computes).
+def plan_gathered_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                         k_pages: torch.Tensor) -> GatheredDecodePlan:
     """block_tables: [B, L, Hkv, P] (every layer's tables of the step's decode rows);
-    seq_lens: [B] tokens of each row, >= 1; ``bytes_per_token``: K and V of one token and
-    KV head. Requests are grouped as in ``paged_decode_attention_sdpa`` (gathered K/V under
-    ``_SDPA_GROUP_BYTES``)."""
+    seq_lens: [B] tokens of each row, >= 1; k_pages: [N, S, D], the pages to be read (their
+    page size, and the bytes a token's K and V take). Requests are grouped as in
+    ``paged_decode_attention_sdpa`` (gathered K/V under ``_SDPA_GROUP_BYTES``). Masks are
+    float32 whatever the pages' dtype, as the scores are (as the reference computes)."""
     B, L, Hkv, P = block_tables.shape
-    S = page_size
+    _, S, D = k_pages.shape
+    bytes_per_token = 2 * D * k_pages.element_size()
     lens_host = seq_lens.tolist()
     if min(lens_host, default=1) < 1 or max(lens_host, default=0) > P * S:
         raise ValueError(f"seq_lens must be in 1..{P * S}, got {lens_host}")

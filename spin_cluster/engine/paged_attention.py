@@ -7,7 +7,8 @@ the plan and allocates nothing but its output. The T tokens of a step are laid o
       0 .. Bd-1                                  Bd ..
 
 Decode tokens go through one paged-decode call (Triton on CUDA; on the CPU a gather of each
-row's pages, planned once a step, and two batched matmuls); each prefill chunk attends with torch SDPA to its request's earlier pages plus itself.
+row's pages, planned once a step, and two batched matmuls); each prefill chunk attends with
+torch SDPA to its request's earlier pages plus itself.
 """
 
 from __future__ import annotations
@@ -151,9 +152,7 @@ class PagedAttention(AttentionBackend):
             block_tables = tables.unbind(1)  # L x [Bd, Hkv, P]
             seq_lens = (positions[:num_decode] + 1).to(torch.int32)  # [Bd]
             if self._planned:
-                pool = self.kv.pool
-                gathered = paged_decode.plan_gathered_decode(
-                    tables, seq_lens, S, 2 * pool.head_dim * pool.k_pages.element_size())
+                gathered = paged_decode.plan_gathered_decode(tables, seq_lens, self.pool.k_pages)
         segments = []
         token_start = num_decode
         for chunk in chunks[num_decode:]:

@@ -116,10 +116,7 @@ def _columns_plan(inner: PagedAttention, cols: slice) -> StepPlan:
     layer_tables = None if tables is None else tables[0][:, cols].contiguous()  # [Bd, n, P]
     gathered = None
     if plan.gathered is not None and layer_tables.shape[1]:
-        pool = inner.kv.pool
-        gathered = paged_decode.plan_gathered_decode(
-            layer_tables[:, None], plan.decode_seq_lens, inner.kv.page_size,
-            2 * pool.head_dim * pool.k_pages.element_size())
+        gathered = paged_decode.plan_gathered_decode(layer_tables[:, None], plan.decode_seq_lens, inner.pool.k_pages)
     return dataclasses.replace(
         plan,
         slot_mapping=(plan.slot_mapping[0][:, cols].contiguous(),),  # [T, n]

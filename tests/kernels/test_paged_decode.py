@@ -199,8 +199,7 @@ def test_sdpa_path_writes_out():
 def planned(q, k_pages, v_pages, block_tables, seq_lens, layers=1, scale=None, out=None):
     """The planned path over ``layers`` copies of one layer's tables; returns layer L-1's output."""
     tables = torch.stack([block_tables] * layers, dim=1)  # [B, L, Hkv, P]
-    bytes_per_token = 2 * k_pages.shape[-1] * k_pages.element_size()
-    plan = plan_gathered_decode(tables, seq_lens, k_pages.shape[1], bytes_per_token)
+    plan = plan_gathered_decode(tables, seq_lens, k_pages)
     return paged_decode_attention_planned(q, k_pages, v_pages, plan, layers - 1, scale=scale, out=out)
 
 
@@ -229,9 +228,9 @@ def test_planned_path_reads_each_layers_own_pages():
     other[0, :, 5:] = 0
     lens1 = lens.flip(0)
     tables = torch.stack([bt, other], dim=1)
-    plan = plan_gathered_decode(tables, lens, 8, 2 * 32 * 4)
+    plan = plan_gathered_decode(tables, lens, k)
     assert_close(paged_decode_attention_planned(q, k, v, plan, 0), dense_oracle(q, k, v, bt, lens), REF_TOL[torch.float32])
-    plan1 = plan_gathered_decode(tables, lens1, 8, 2 * 32 * 4)
+    plan1 = plan_gathered_decode(tables, lens1, k)
     assert_close(paged_decode_attention_planned(q, k, v, plan1, 1), dense_oracle(q, k, v, other, lens1),
                  REF_TOL[torch.float32])
 
@@ -240,7 +239,7 @@ def test_planned_path_rejects_empty_and_overlong_rows():
     q, k, v, bt, _ = make_case([9, 40], page_size=8, seed=25, device="cpu")
     for bad in ([0, 40], [9, 41]):
         with pytest.raises(ValueError, match="seq_lens"):
-            plan_gathered_decode(bt[:, None], torch.tensor(bad, dtype=torch.int32), 8, 256)
+            plan_gathered_decode(bt[:, None], torch.tensor(bad, dtype=torch.int32), k)
 
 
 def test_cpu_decode_path_is_the_sdpa_one():
