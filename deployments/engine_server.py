@@ -94,10 +94,12 @@ def _param_of(message: str) -> str | None:
     return head if head.isidentifier() else None
 
 
-def _build_engine(spin: Any, plan: EnginePlan, timeout_s: float, torch_threads: int | None = None) -> Any:
+def _build_engine(spin: Any, plan: EnginePlan, timeout_s: float, torch_threads: int | None = None,
+                  step_threads: Any = None) -> Any:
     """The plain ``Engine`` for a one-rank plan, on ``torch_threads`` threads (None: as the
-    process has them); else rank 0 of a head-parallel engine with the plan's placement, its
-    other ranks started as follower processes of this replica (each sets its own threads)."""
+    process has them), or per step by ``step_threads`` (a ``StepThreads``) once it runs; else
+    rank 0 of a head-parallel engine with the plan's placement, its other ranks started as
+    follower processes of this replica (each sets its own threads)."""
     ranks = len(plan.head_placement) if plan.head_placement else 1
     if ranks == 1:
         import torch
@@ -106,7 +108,10 @@ def _build_engine(spin: Any, plan: EnginePlan, timeout_s: float, torch_threads: 
 
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
-        return Engine(spin, progress=False)
+        engine = Engine(spin, progress=False)
+        if engine.device.type == "cpu":
+            engine.runner.step_threads = step_threads
+        return engine
     from spin_cluster.hplb.placement import HeadPlacement
     from spin_cluster.parallel.serving import start_head_parallel
 
@@ -124,7 +129,7 @@ class EngineServer:
         spin = config.spin.replace(sparse=plan.sparse)
         # A step's collectives may wait as long as a request may wait for its next token.
         self._engine = await asyncio.to_thread(_build_engine, spin, plan, self._serve.token_timeout_s,
-                                               self._serve.torch_threads())
+                                               self._serve.torch_threads(), self._serve.step_threads())
         try:
             self._loop = EngineLoop(self._engine, idle_wait_s=self._serve.stats_interval_s)
             self._report: EngineReport = engine_report(self._engine, self.replica_id)
@@ -188,12 +193,14 @@ class EngineServer:
 
     def replica_info(self) -> dict[str, Any]:
         """This replica's id and Ray actor name (what an operator passes to ``ray.kill``), its
-        process id, and the process ids of its head-parallel follower ranks (none with one rank)."""
+        process id, the process ids of its head-parallel follower ranks (none with one rank),
+        its nice value and torch threads (with "auto", the per-step policy in step_threads)."""
         import torch
 
         return {"replica_id": self.replica_id, "actor_name": ray.get_runtime_context().get_actor_name(),
                 "pid": os.getpid(), "follower_pids": list(getattr(self._engine, "follower_pids", [])),
-                "niceness": os.nice(0), "torch_threads": torch.get_num_threads()}
+                "niceness": os.nice(0), "torch_threads": torch.get_num_threads(),
+                "step_threads": repr(getattr(getattr(self._engine, "runner", None), "step_threads", None))}
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes it replace the replica."""

@@ -21,9 +21,14 @@ from typing import Any
 import yaml
 
 from spin_cluster.config import SpinConfig
+from spin_cluster.engine.step_threads import StepThreads
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "default"
+# engine_torch_threads "auto": steps of this many tokens or more run on every CPU. Decode steps
+# (at most max_num_seqs rows, 64 by default) stay on one thread; a prefill chunk of 512 tokens
+# took 0.43 s on two threads.
+AUTO_THREADS_MIN_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -37,11 +42,13 @@ class ServeOptions:
     engine_num_gpus: float = 0.0
     # Torch threads of a plain engine replica (its GEMMs and attention): an integer >= 1,
     # "all" (a CPU engine, engine_num_gpus 0: every CPU this process may run on; a GPU engine:
-    # Ray's), or null: Ray's setting from engine_num_cpus (OMP_NUM_THREADS, at least 1). The
-    # ingress and the proxy use little CPU, so on a small CPU machine the engine gains from
-    # every core: on 2 cores, 2 threads served SmolLM2 at 124 ms between tokens against 141 ms
-    # with Ray's one, and prefilled 512 tokens in 2.9 s, not 4.5.
-    engine_torch_threads: int | str | None = "all"
+    # Ray's), "auto" (a CPU engine: every CPU for steps of at least AUTO_THREADS_MIN_TOKENS
+    # tokens, prefill chunks, and one thread for smaller decode steps, leaving the other cores
+    # to the ingress, the proxy and Ray; a GPU engine: Ray's), or null: Ray's setting from
+    # engine_num_cpus (OMP_NUM_THREADS, at least 1). Served on 2 vCPUs under guidellm, "auto"
+    # gave 17.4, 42.7 and 68.3 tok/s at 1, 4 and 16 streams (medians of 3 runs), "all" 14.3,
+    # 34.4 and 49.0 (one run); spin_cluster/engine/step_threads.py says why.
+    engine_torch_threads: int | str | None = "auto"
     # Custom Ray resources one EngineServer replica needs besides those, each amount >= 0:
     # {"engine_node": 1} keeps engines on the nodes that offer "engine_node" (a KubeRay worker
     # group's rayStartParams resources), so that the head keeps the ingress and the planner.
@@ -76,12 +83,20 @@ class ServeOptions:
     hplb_floor_fraction: float = 0.25
 
     def torch_threads(self) -> int | None:
-        """The engine replica's torch thread count, None to leave Ray's."""
-        if self.engine_torch_threads != "all":
+        """The engine replica's torch thread count (with "auto", that of its large steps),
+        None to leave Ray's."""
+        if self.engine_torch_threads not in ("all", "auto"):
             return self.engine_torch_threads
         if self.engine_num_gpus > 0:  # a GPU engine
             return None
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+    def step_threads(self) -> StepThreads | None:
+        """With "auto" on a CPU engine: torch threads chosen per step by its token count."""
+        threads = self.torch_threads()
+        if self.engine_torch_threads != "auto" or threads is None:
+            return None
+        return StepThreads(small=1, large=threads, min_tokens=AUTO_THREADS_MIN_TOKENS)
 
     def validate(self) -> None:
         if self.num_engine_replicas < 1:
@@ -89,9 +104,10 @@ class ServeOptions:
         if self.engine_num_cpus < 0 or self.engine_num_gpus < 0:
             raise ValueError("serve.engine_num_cpus and serve.engine_num_gpus must be >= 0")
         threads = self.engine_torch_threads
-        if threads is not None and threads != "all" and (
+        if threads is not None and threads not in ("all", "auto") and (
                 isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"serve.engine_torch_threads={threads!r}: use an integer >= 1, \"all\", or null")
+            raise ValueError(f"serve.engine_torch_threads={threads!r}: use an integer >= 1, \"all\", \"auto\" "
+                             "or null")
         resources = self.engine_resources
         if resources is not None and not (isinstance(resources, dict) and all(
                 isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in resources.items())):

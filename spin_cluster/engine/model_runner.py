@@ -27,6 +27,7 @@ from spin_cluster.engine.backend import AttentionBackend
 from spin_cluster.engine.paged_attention import DecodeBuffers, PagedAttention
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.engine.spin_attention import SpinAttention
+from spin_cluster.engine.step_threads import StepThreads
 
 
 def cuda_graph_batch_sizes(max_batch: int) -> list[int]:
@@ -44,6 +45,9 @@ class ModelRunner:
         self.device = device
         self.graphs: DecodeGraphs | SpinDecodeGraphs | None = (
             attention.decode_graphs(model, cuda_graph_max_batch, progress) if cuda_graph_max_batch else None)
+        # The CPU's torch threads per step, by its token count (a served engine sets it;
+        # None: the process's setting for every step).
+        self.step_threads: StepThreads | None = None
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk],
@@ -54,6 +58,8 @@ class ModelRunner:
         step's argmax, in ``chunks``' order), which the host does not know yet."""
         if input_ids_dev is not None and not all(c.is_decode for c in chunks):
             raise ValueError("device input ids are for decode-only batches")
+        if self.step_threads is not None:
+            self.step_threads.apply(sum(c.num_tokens for c in chunks))
         # Host int64 arrays, not lists: torch.tensor over Python lists costs ~1 us a token,
         # a third of a second before a 128K prompt's first kernel.
         input_ids, positions, token_rows = array("q"), array("q"), array("q")

@@ -73,6 +73,7 @@ def test_a_killed_engine_ends_the_stream_with_an_error_and_comes_back(small_app)
     handle = engine_handle(SMALL_APP)
     old = handle.replica_info.remote().result(timeout_s=30)
     assert old["torch_threads"] == 2  # serve.engine_torch_threads (Ray's own setting gives 1)
+    assert old["step_threads"] == "None"  # a count fixed for every step
     with httpx.Client(base_url=small_app, headers=AUTH, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=LONG) as r:
             assert r.status_code == 200

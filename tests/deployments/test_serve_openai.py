@@ -104,7 +104,9 @@ def test_the_planner_routes_to_the_engine_replica_it_hears_from(spin_app):
     from ray import serve
 
     planner = serve.get_deployment_handle("ClusterPlanner", app_name=APP)
-    engine_id = engine_handle(APP).replica_info.remote().result(timeout_s=30)["replica_id"]
+    info = engine_handle(APP).replica_info.remote().result(timeout_s=30)
+    engine_id = info["replica_id"]
+    assert info["step_threads"].startswith("StepThreads(small=1, ")  # the default "auto", on the CPU
     reports = planner.live_reports.remote().result(timeout_s=30)
     assert [r.replica_id for r in reports] == [engine_id] and reports[0].free_kv_tokens > 0
     assert planner.route.remote(10).result(timeout_s=30) == engine_id

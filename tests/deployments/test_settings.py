@@ -96,19 +96,34 @@ def test_bad_engine_ranks_say_what_to_change(bad, words):
         load_app_config(bad)
 
 
-@pytest.mark.parametrize("threads", [0, 1.5, True, "2"])
+@pytest.mark.parametrize("threads", [0, 1.5, True, "2", "most"])
 def test_bad_engine_torch_threads_are_refused(threads):
     with pytest.raises(ValueError, match=f"serve.engine_torch_threads={threads!r}: use an integer >= 1, \"all\""):
         load_app_config({"serve": {"engine_torch_threads": threads}})
 
 
-def test_a_cpu_engine_gets_every_core_by_default():
+def test_a_cpu_engine_prefills_on_every_core_and_decodes_on_one_by_default():
     import os
 
-    assert load_app_config({}).serve.torch_threads() == len(os.sched_getaffinity(0))  # default.yaml: "all"
-    assert load_app_config({"serve": {"engine_torch_threads": None}}).serve.torch_threads() is None  # Ray's
-    assert load_app_config({"serve": {"engine_torch_threads": 3}}).serve.torch_threads() == 3
-    assert load_app_config({"serve": {"engine_num_gpus": 1}}).serve.torch_threads() is None  # a GPU engine: Ray's
+    from spin_cluster.deployments.settings import AUTO_THREADS_MIN_TOKENS, ServeOptions
+
+    cores = len(os.sched_getaffinity(0))
+    for serve in (load_app_config({}).serve, ServeOptions()):  # default.yaml and the built-in default: "auto"
+        assert serve.engine_torch_threads == "auto"
+        assert serve.torch_threads() == cores  # what the engine is built with
+        policy = serve.step_threads()
+        assert (policy.small, policy.large, policy.min_tokens) == (1, cores, AUTO_THREADS_MIN_TOKENS)
+    gpu = load_app_config({"serve": {"engine_num_gpus": 1}}).serve
+    assert gpu.torch_threads() is None and gpu.step_threads() is None  # a GPU engine: Ray's
+
+
+@pytest.mark.parametrize(("threads", "expected"), [("all", "cores"), (3, 3), (None, None)])
+def test_other_thread_settings_fix_one_count_for_every_step(threads, expected):
+    import os
+
+    serve = load_app_config({"serve": {"engine_torch_threads": threads}}).serve
+    assert serve.torch_threads() == (len(os.sched_getaffinity(0)) if expected == "cores" else expected)
+    assert serve.step_threads() is None
 
 
 @pytest.mark.parametrize("args, num_kv_heads, ranks", [
