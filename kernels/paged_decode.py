@@ -257,6 +257,13 @@ def paged_decode_attention_ref(
 _SDPA_GROUP_BYTES = 8 * 1024 * 1024
 
 
+def _group_size(num_rows: int, num_kv_heads: int, max_len: int, k_pages: torch.Tensor) -> int:
+    """Requests per gather group: as many as keep the group's gathered K and V (``num_kv_heads``
+    rows of ``max_len`` tokens each) under ``_SDPA_GROUP_BYTES``, at least one."""
+    per_request = 2 * num_kv_heads * max(max_len, 1) * k_pages.shape[-1] * k_pages.element_size()
+    return max(1, min(num_rows, _SDPA_GROUP_BYTES // per_request))
+
+
 def paged_decode_attention_sdpa(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -284,8 +291,7 @@ def paged_decode_attention_sdpa(
     lens = seq_lens.to(torch.int64)
     lens = lens[:, None].expand(B, Hkv) if lens.dim() == 1 else lens  # [B, Hkv]
     lens_host = _host_lens(lens, P * S)
-    per_request = 2 * Hkv * max(int(lens_host.max()), 1) * D * k_pages.element_size()
-    group = max(1, min(B, _SDPA_GROUP_BYTES // per_request))
+    group = _group_size(B, Hkv, int(lens_host.max()), k_pages)
     row_max = lens_host.max(dim=1).values.tolist()
     for b0 in range(0, B, group):
         b1 = min(B, b0 + group)
@@ -340,14 +346,12 @@ def plan_gathered_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     ``paged_decode_attention_sdpa`` (gathered K/V under ``_SDPA_GROUP_BYTES``). Masks are
     float32 whatever the pages' dtype, as the scores are (as the reference computes)."""
     B, L, Hkv, P = block_tables.shape
-    _, S, D = k_pages.shape
-    bytes_per_token = 2 * D * k_pages.element_size()
+    S = k_pages.shape[1]
     lens_host = seq_lens.tolist()
     if min(lens_host, default=1) < 1 or max(lens_host, default=0) > P * S:
         raise ValueError(f"seq_lens must be in 1..{P * S}, got {lens_host}")
     lens = seq_lens.to(torch.int64)
-    per_request = Hkv * max(lens_host, default=1) * bytes_per_token
-    size = max(1, min(B, _SDPA_GROUP_BYTES // per_request))
+    size = _group_size(B, Hkv, max(lens_host, default=1), k_pages)
     groups = []
     for b0 in range(0, B, size):
         b1 = min(B, b0 + size)
