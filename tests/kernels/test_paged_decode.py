@@ -251,11 +251,18 @@ def test_cpu_decode_path_is_the_sdpa_one():
         decode_impl("flash", torch.device("cpu"))
 
 
-@pytest.mark.parametrize("impl", ["auto", "torch"])
-def test_cpu_backend_plans_decode_once_a_step(impl):
-    # 'auto' on the CPU: the paged backend builds the gather plan in begin_step and every
+@pytest.mark.parametrize("impl,kernel", [("auto", True), ("auto", False), ("torch", True)])
+def test_cpu_backend_plans_decode_once_a_step(impl, kernel, monkeypatch):
+    # 'auto' on the CPU: the in-place C kernel (kernels/cpu_attention.py) where it builds;
+    # where it does not, the paged backend builds the gather plan in begin_step and every
     # layer's decode reads it; 'torch' (the oracle) keeps the per-layer reference
     from spin_cluster.engine.paged_attention import PagedAttention
+    from spin_cluster.kernels import cpu_attention
+
+    if kernel and impl == "auto" and not cpu_attention.available():
+        pytest.skip("no C compiler: the kernel=False case covers this machine")
+    if not kernel:
+        monkeypatch.setattr(cpu_attention, "available", lambda: False)
     from spin_cluster.engine.request import Request, SamplingParams
     from spin_cluster.engine.scheduler import ScheduledChunk
     from spin_cluster.kvcache.manager import KVCacheManager
@@ -277,7 +284,8 @@ def test_cpu_backend_plans_decode_once_a_step(impl):
     q = torch.randn(2, 4, 8, generator=gen)
     k, v = torch.randn(2, 2, 8, generator=gen), torch.randn(2, 2, 8, generator=gen)
     out = backend.forward(1, q, k, v)
-    assert (backend.plan.gathered is not None) == (impl == "auto")
+    assert (backend.plan.gathered is not None) == (impl == "auto" and not kernel)
+    assert backend._in_place == (impl == "auto" and kernel)
     tables = kv.block_tables(kv.rows([r.request_id for r in reqs]), 4)[:, 1]
     expected = dense_oracle(q, kv.pool.k_pages, kv.pool.v_pages, tables, positions.to(torch.int32) + 1)
     assert_close(out, expected, REF_TOL[torch.float32])

@@ -1,0 +1,161 @@
+/* Paged decode attention on the CPU, reading each page where it lies.
+ *
+ * One decode token per request against per-head KV pages (the layout of paged_decode.py):
+ *   q       [B, H, D]      float32, H = Hkv * G; query head h reads KV head h / G
+ *   k, v    [N, S, D]      float32 pages of any layer / head
+ *   tables  row (b, h) at  tables + b * table_stride_b + h * table_stride_h: int32 page ids
+ *   lens    [B]            int32 tokens of each request (0: its rows get zeros)
+ *   out     [B, H, D]      float32
+ *
+ * Each (request, KV head) row runs an online softmax over blocks of up to BLOCK tokens: the
+ * G query heads' scores of a block (one pass over its K rows, each read once for all G), one
+ * rescale of the accumulators, then one pass over its V rows. The gather path this replaces
+ * copied every row's pages into a contiguous block first and read them again in two batched
+ * matmuls: three passes over the cache where this takes one.
+ *
+ * Built by cpu_attention.py with -O3 -march=native -ffast-math and no OpenMP runtime (torch
+ * brings its own; a second pool would fight it for the cores): rows are split over
+ * `threads` POSIX threads, the caller's thread taking the first share. No infinities arise
+ * (scores are only formed for tokens that exist; the running max starts at -FLT_MAX), so
+ * -ffast-math's finite-math assumption holds, and it lets expf vectorise through libmvec.
+ */
+#include <float.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 128
+#define MAX_G 16
+#define MAX_D 256
+#define AHEAD 16 /* tokens: prefetch the row this far ahead (pages are scattered, so the
+                    hardware prefetcher loses the stream at every page boundary) */
+
+static inline const float *row_at(const float *base, const int32_t *tab, int64_t tok, int64_t S,
+                                  int64_t D) {
+    return base + ((int64_t)tab[tok / S] * S + tok % S) * D;
+}
+
+static inline void prefetch_row(const float *row, int64_t D) {
+    for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(row + i, 0, 3);
+}
+
+typedef struct {
+    const float *q, *k, *v;
+    const int32_t *tables, *lens;
+    float *out;
+    int64_t H, Hkv, D, S, stride_b, stride_h;
+    float scale;
+    int64_t row0, row1;
+} job_t;
+
+static void run_row(const job_t *a, int64_t r) {
+    const int64_t Hkv = a->Hkv, D = a->D, S = a->S, G = a->H / Hkv;
+    const int64_t b = r / Hkv, h = r % Hkv;
+    const int64_t len = a->lens[b];
+    const float *q = a->q + (b * a->H + h * G) * D;  /* [G, D] */
+    float *out = a->out + (b * a->H + h * G) * D;    /* [G, D] */
+    if (len <= 0) {
+        memset(out, 0, sizeof(float) * G * D);
+        return;
+    }
+    const int32_t *tab = a->tables + b * a->stride_b + h * a->stride_h;
+    float m[MAX_G], l[MAX_G];
+    float acc[MAX_G * MAX_D];
+    float s[MAX_G * BLOCK];
+    float qs[MAX_G * MAX_D];
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -FLT_MAX;
+        l[g] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * G * D);
+    for (int64_t i = 0; i < G * D; i++) qs[i] = q[i] * a->scale;
+
+    for (int64_t t0 = 0; t0 < len; t0 += BLOCK) {
+        const int64_t n = len - t0 < BLOCK ? len - t0 : BLOCK;
+        /* scores: s[g, t] = (q_g * scale) . k_t */
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t tok = t0 + t;
+            const float *kt = row_at(a->k, tab, tok, S, D);
+            if (tok + AHEAD < len) prefetch_row(row_at(a->k, tab, tok + AHEAD, S, D), D);
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qs + g * D;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qg[d] * kt[d];
+                s[g * BLOCK + t] = dot;
+            }
+        }
+        /* online softmax: new max, rescale, exponentiate */
+        for (int64_t g = 0; g < G; g++) {
+            float *sg = s + g * BLOCK;
+            float mx = m[g];
+            for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+            const float corr = expf(m[g] - mx);
+            m[g] = mx;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) {
+                const float e = expf(sg[t] - mx);
+                sg[t] = e;
+                sum += e;
+            }
+            l[g] = l[g] * corr + sum;
+            float *ag = acc + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) ag[d] *= corr;
+        }
+        /* acc[g] += p[g, t] * v_t */
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t tok = t0 + t;
+            const float *vt = row_at(a->v, tab, tok, S, D);
+            if (tok + AHEAD < len) prefetch_row(row_at(a->v, tab, tok + AHEAD, S, D), D);
+            for (int64_t g = 0; g < G; g++) {
+                const float p = s[g * BLOCK + t];
+                float *ag = acc + g * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ag[d] += p * vt[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = 1.0f / l[g];
+        for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
+    }
+}
+
+static void *run_rows(void *arg) {
+    const job_t *a = (const job_t *)arg;
+    for (int64_t r = a->row0; r < a->row1; r++) run_row(a, r);
+    return NULL;
+}
+
+/* Returns 0, or -1 for shapes past the kernel's limits (the caller checks them first). */
+int spin_paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *tables,
+                          int64_t stride_b, int64_t stride_h, const int32_t *lens, float *out,
+                          int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S, float scale,
+                          int64_t threads) {
+    if (Hkv <= 0 || H % Hkv || H / Hkv > MAX_G || D > MAX_D || D <= 0 || S <= 0) return -1;
+    const int64_t rows = B * Hkv;
+    if (threads > rows) threads = rows;
+    if (threads > 64) threads = 64;
+    if (threads < 1) threads = 1;
+    job_t jobs[64];
+    pthread_t tids[64];
+    int started[64] = {0};
+    for (int64_t i = 0; i < threads; i++) {
+        job_t j = {q, k, v, tables, lens, out, H, Hkv, D, S, stride_b, stride_h, scale,
+                   rows * i / threads, rows * (i + 1) / threads};
+        jobs[i] = j;
+    }
+    for (int64_t i = 1; i < threads; i++)
+        started[i] = pthread_create(&tids[i], NULL, run_rows, &jobs[i]) == 0;
+    run_rows(&jobs[0]);
+    for (int64_t i = 1; i < threads; i++) {
+        if (started[i])
+            pthread_join(tids[i], NULL);
+        else
+            run_rows(&jobs[i]); /* no thread to be had: run its share here */
+    }
+    return 0;
+}
