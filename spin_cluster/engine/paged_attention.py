@@ -7,7 +7,7 @@ the plan and allocates nothing but its output. The T tokens of a step are laid o
       0 .. Bd-1                                  Bd ..
 
 Decode tokens go through one paged-decode call (Triton on CUDA; on the CPU a C kernel that
-reads the pages in place, ``kernels/cpu_attention.py``, or where it cannot be built a gather
+reads the pages in place, ``kernels/cpu_native.py``, or where it cannot be built a gather
 of each row's pages, planned once a step, and two batched matmuls); each prefill chunk
 attends with torch SDPA to its request's earlier pages plus itself.
 """
@@ -23,7 +23,7 @@ from torch.nn.attention.bias import causal_lower_right
 from spin_cluster.engine.backend import AttentionBackend, register_backend
 from spin_cluster.engine.dense_prefill import dense_causal_attention
 from spin_cluster.engine.scheduler import ScheduledChunk
-from spin_cluster.kernels import cpu_attention, paged_decode
+from spin_cluster.kernels import cpu_native, paged_decode
 from spin_cluster.kvcache.manager import KVCacheManager
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ class PagedAttention(AttentionBackend):
         # 'auto' on the CPU: the in-place C kernel for float32 pages where it builds, else
         # the step's gather plan once, then two matmuls a layer
         cpu_auto = decode == "auto" and self.device.type == "cpu"
-        self._in_place = cpu_auto and kv.pool.k_pages.dtype == torch.float32 and cpu_attention.available()
+        self._in_place = cpu_auto and kv.pool.k_pages.dtype == torch.float32 and cpu_native.available()
         self._planned = cpu_auto and not self._in_place
         D = kv.pool.head_dim
         self._k_flat = kv.pool.k_pages.view(-1, D)  # [(N+1)*S, D]: token slots
@@ -206,8 +206,8 @@ class PagedAttention(AttentionBackend):
             return paged_decode.paged_decode_attention_planned(
                 q, self.pool.k_pages, self.pool.v_pages, plan.gathered, layer_id, out=out)
         tables = plan.decode_block_tables[layer_id]  # [Bd, Hkv, P]
-        if self._in_place and cpu_attention.supports(q, self.pool.k_pages, tables.shape[1]):
-            return cpu_attention.paged_decode_attention_cpu(
+        if self._in_place and cpu_native.supports(q, self.pool.k_pages, tables.shape[1]):
+            return cpu_native.paged_decode_attention_cpu(
                 q, self.pool.k_pages, self.pool.v_pages, tables, plan.decode_seq_lens,
                 q.shape[-1] ** -0.5, out=out)
         return self._decode(q, self.pool.k_pages, self.pool.v_pages, tables, plan.decode_seq_lens, out=out)

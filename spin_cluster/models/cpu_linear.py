@@ -8,6 +8,12 @@ at M = 4 and 3.84 ms at M = 16. oneDNN with the weight reordered once into its b
 inductor emits for frozen CPU linears, and what vLLM's CPU backend does with its own oneDNN)
 takes 1.5 and 2.75 ms there, and the same as MKL at M = 1 and at prefill's M = 512.
 
+One or two rows (a decode step at batch 1 or 2) are the exception: there MKL over the plain
+weight is the faster of the two. SmolLM2's 121 GEMMs of a step, one thread, on a 2-core Xeon
+with AVX-512: 39.5 ms against 44.4 through the packs at M = 1, 41.7 against 44.7 at M = 2,
+but 72.6 against 46.5 at M = 4 and 105 against 68.5 at M = 16. So a pack hands up to
+``_MKL_MAX_ROWS`` rows to ``F.linear``.
+
 The packed copy doubles the memory of the weights it packs; the Linear keeps its own weight
 (checkpoint names, sharding, ``state_dict``). A pack is used only while the Linear still
 holds the weight it was made from (``current``), so a weight replaced or moved afterwards
@@ -24,6 +30,8 @@ from torch import nn
 # The batch the weight's layout is tuned for (decode's range; prefill's large M is
 # compute-bound and runs at the same speed with any of them).
 _PACK_BATCH = 16
+# Rows up to which MKL's GEMM over the plain weight beats the pack (see the top).
+_MKL_MAX_ROWS = 2
 
 
 @functools.cache
@@ -58,6 +66,9 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] float32 on the CPU -> [T, out]
+        if x.shape[0] <= _MKL_MAX_ROWS:  # MKL over the plain weight reads it faster (see the top)
+            weight, bias = self._source[:2]
+            return nn.functional.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from spin_cluster.kernels import layer_ops
+from spin_cluster.kernels import cpu_native, layer_ops
 from spin_cluster.models import cpu_linear
 from spin_cluster.models.base import AttentionBackend
 from spin_cluster.models.config import ModelConfig
@@ -36,9 +36,12 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual: [T, dim] -> (norm(x + residual), x + residual); residual None: (norm(x), x).
-        One Triton launch on CUDA (the add, the norm and the scale), torch elsewhere."""
+        One Triton launch on CUDA (the add, the norm and the scale), one native call on a
+        float32 CPU (``cpu_native``), torch elsewhere."""
         if layer_ops.fits(x, self.weight) and x.dim() == 2:
             return layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if x.dim() == 2 and cpu_native.fits(x, self.weight, *(() if residual is None else (residual,))):
+            return cpu_native.add_rms_norm(x, residual, self.weight, self.eps)
         return layer_ops.add_rms_norm_ref(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
@@ -183,7 +186,12 @@ class MLP(nn.Module):
         if fused is None:
             fused = (cpu_linear.linear(self.gate_proj, x), cpu_linear.linear(self.up_proj, x))
         gate, up = fused  # [T, F] each
-        h = layer_ops.silu_mul(gate, up) if layer_ops.fits(gate) else nn.functional.silu(gate) * up
+        if layer_ops.fits(gate):
+            h = layer_ops.silu_mul(gate, up)
+        elif cpu_native.fits(gate, up):
+            h = cpu_native.silu_mul(gate, up)
+        else:
+            h = nn.functional.silu(gate) * up
         return cpu_linear.linear(self.down_proj, h)  # [T, E]
 
 
@@ -234,6 +242,8 @@ class Attention(nn.Module):
                 q, k = layer_ops.rope_qk(q, k, cos, sin)
             else:
                 q, k, v = layer_ops.rope_qk(q, k, cos, sin, v)
+        elif cpu_native.fits(q, k, v, cos, sin):  # the same, one native call on the CPU
+            q, k, v = cpu_native.rope_qkv(q, k, cos, sin, v)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [T, H, D], [T, Hkv, D]
         o = attn.forward(self.layer_id, q, k, v)  # [T, H, D]

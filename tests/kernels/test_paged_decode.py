@@ -253,16 +253,16 @@ def test_cpu_decode_path_is_the_sdpa_one():
 
 @pytest.mark.parametrize("impl,kernel", [("auto", True), ("auto", False), ("torch", True)])
 def test_cpu_backend_plans_decode_once_a_step(impl, kernel, monkeypatch):
-    # 'auto' on the CPU: the in-place C kernel (kernels/cpu_attention.py) where it builds;
+    # 'auto' on the CPU: the in-place C kernel (kernels/cpu_native.py) where it builds;
     # where it does not, the paged backend builds the gather plan in begin_step and every
     # layer's decode reads it; 'torch' (the oracle) keeps the per-layer reference
     from spin_cluster.engine.paged_attention import PagedAttention
-    from spin_cluster.kernels import cpu_attention
+    from spin_cluster.kernels import cpu_native
 
-    if kernel and impl == "auto" and not cpu_attention.available():
+    if kernel and impl == "auto" and not cpu_native.available():
         pytest.skip("no C compiler: the kernel=False case covers this machine")
     if not kernel:
-        monkeypatch.setattr(cpu_attention, "available", lambda: False)
+        monkeypatch.setattr(cpu_native, "available", lambda: False)
     from spin_cluster.engine.request import Request, SamplingParams
     from spin_cluster.engine.scheduler import ScheduledChunk
     from spin_cluster.kvcache.manager import KVCacheManager

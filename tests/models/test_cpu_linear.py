@@ -22,6 +22,22 @@ def test_a_pack_computes_f_linear(m):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_one_or_two_rows_take_mkl_over_the_plain_weight(monkeypatch):
+    # bitwise F.linear at M <= _MKL_MAX_ROWS; the pack (oneDNN) above it
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a), raising=False)
+    lin = nn.Linear(96, 160)
+    assert cpu_linear.pack(lin)
+    for m in range(1, cpu_linear._MKL_MAX_ROWS + 2):
+        x = torch.randn(m, 96)
+        y = cpu_linear.linear(lin, x)
+        if m <= cpu_linear._MKL_MAX_ROWS:
+            assert torch.equal(y, nn.functional.linear(x, lin.weight, lin.bias))
+    assert calls == [cpu_linear._MKL_MAX_ROWS + 1]
+
+
 def test_a_replaced_or_changed_weight_is_never_served_from_a_stale_pack():
     lin = nn.Linear(32, 48, bias=False)
     x = torch.randn(3, 32)

@@ -1,6 +1,8 @@
-/* Paged decode attention on the CPU, reading each page where it lies.
+/* The CPU's native kernels (built and called by cpu_native.py): paged decode attention that
+ * reads each page where it lies, and a decoder layer's element-wise ops fused, one call each
+ * where torch runs several operators (the CPU twins of layer_ops.py's Triton kernels).
  *
- * One decode token per request against per-head KV pages (the layout of paged_decode.py):
+ * Paged decode attention: one decode token per request against per-head KV pages (the layout of paged_decode.py):
  *   q       [B, H, D]      float32, H = Hkv * G; query head h reads KV head h / G
  *   k, v    [N, S, D]      float32 pages of any layer / head
  *   tables  row (b, h) at  tables + b * table_stride_b + h * table_stride_h: int32 page ids
@@ -158,4 +160,73 @@ int spin_paged_decode_f32(const float *q, const float *k, const float *v, const 
             run_rows(&jobs[i]); /* no thread to be had: run its share here */
     }
     return 0;
+}
+
+/* ---- fused layer ops (float32; rows may be strided, the last dimension contiguous) ---------- */
+
+/* out = w * rms_norm(x + res), res_out = x + res (res NULL: normalise x, res_out unwritten). */
+void spin_add_rms_norm_f32(const float *x, int64_t sx, const float *res, int64_t sr, const float *w,
+                           float *out, float *res_out, int64_t T, int64_t E, float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * sx;
+        float *ot = out + t * E;
+        const float *st = xt;
+        if (res) {
+            const float *rt = res + t * sr;
+            float *so = res_out + t * E;
+#pragma omp simd
+            for (int64_t e = 0; e < E; e++) so[e] = xt[e] + rt[e];
+            st = so;
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t e = 0; e < E; e++) ss += st[e] * st[e];
+        const float inv = 1.0f / sqrtf(ss / (float)E + eps);
+#pragma omp simd
+        for (int64_t e = 0; e < E; e++) ot[e] = w[e] * (st[e] * inv);
+    }
+}
+
+/* RoPE of one [T, n, D] tensor (rows strided by st, heads by sh) into a contiguous one:
+ * y = x * cos + roll(x, D/2) * sin, cos/sin [T, D] contiguous rows (sin's sign folded in).
+ * cos NULL: a plain copy (v out of a fused q/k/v GEMM). */
+static void rope_one(const float *x, int64_t st, int64_t sh, const float *cos_, const float *sin_,
+                     float *y, int64_t T, int64_t n, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_ ? cos_ + t * D : NULL, *s = sin_ ? sin_ + t * D : NULL;
+        for (int64_t h = 0; h < n; h++) {
+            const float *xh = x + t * st + h * sh;
+            float *yh = y + (t * n + h) * D;
+            if (!c) {
+                memcpy(yh, xh, sizeof(float) * D);
+                continue;
+            }
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++) yh[d] = xh[d] * c[d] + xh[d + half] * s[d];
+#pragma omp simd
+            for (int64_t d = half; d < D; d++) yh[d] = xh[d] * c[d] + xh[d - half] * s[d];
+        }
+    }
+}
+
+void spin_rope_qkv_f32(const float *q, int64_t sqt, int64_t sqh, const float *k, int64_t skt, int64_t skh,
+                       const float *v, int64_t svt, int64_t svh, const float *cos_, const float *sin_,
+                       float *q_out, float *k_out, float *v_out, int64_t T, int64_t H, int64_t Hkv,
+                       int64_t D) {
+    rope_one(q, sqt, sqh, cos_, sin_, q_out, T, H, D);
+    rope_one(k, skt, skh, cos_, sin_, k_out, T, Hkv, D);
+    if (v) rope_one(v, svt, svh, NULL, NULL, v_out, T, Hkv, D);
+}
+
+/* out = silu(gate) * up: [T, F] rows strided by sg / su, out contiguous. */
+void spin_silu_mul_f32(const float *gate, int64_t sg, const float *up, int64_t su, float *out, int64_t T,
+                       int64_t F) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate + t * sg, *u = up + t * su;
+        float *o = out + t * F;
+#pragma omp simd
+        for (int64_t f = 0; f < F; f++) /* clamped: no infinity under -ffast-math */
+            o[f] = g[f] / (1.0f + expf(fminf(-g[f], 80.0f))) * u[f];
+    }
 }

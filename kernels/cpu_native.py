@@ -1,15 +1,22 @@
-"""Paged decode attention on the CPU that reads every page where it lies (``cpu_paged_decode.c``).
+"""The CPU's native kernels (``cpu_native.c``): paged decode attention that reads every page
+where it lies, and a decoder layer's element-wise ops fused.
 
-The gather path (``paged_decode.paged_decode_attention_planned``) copies each (request, KV
-head) row's pages into a contiguous block, then reads it again in two batched matmuls. At 16
-rows of 512 tokens that is three passes over ~13 MB a layer, and on a 2-core host it took
-half of a decode step, more than the GEMMs. This kernel makes one pass.
+* :func:`paged_decode_attention_cpu`. The gather path
+  (``paged_decode.paged_decode_attention_planned``) copies each (request, KV head) row's pages
+  into a contiguous block, then reads it again in two batched matmuls. At 16 rows of 512
+  tokens that is three passes over ~13 MB a layer, and on a 2-core host it took half of a
+  decode step, more than the GEMMs. This kernel makes one pass.
+* :func:`add_rms_norm`, :func:`rope_qkv`, :func:`silu_mul`: one call each where torch runs
+  five, eight and two operators (the CPU twins of ``layer_ops``' Triton kernels, against whose
+  ``*_ref`` functions they are tested). At decode's batch 1 a layer's small operators cost
+  more than their arithmetic: torch's ``rms_norm`` path took ~60 us for a 576-wide row.
 
 It is plain C (no torch headers: it builds in about a second), compiled on first use with
 the machine's C compiler for the machine's own CPU, cached under
 ``~/.cache/spin-cluster/cpu_kernels/`` by a hash of the source, the flags, the compiler and
 the CPU, and called through ``ctypes`` (which releases the GIL for the call). Without a
-compiler, or if the build fails, :func:`available` is False and callers keep the gather path.
+compiler, or if the build fails, :func:`available` is False and callers keep the torch paths.
+``SPIN_CLUSTER_CPU_KERNELS=0`` turns the kernels off.
 
 This module imports only torch: it must not import ``spin_cluster``.
 """
@@ -28,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "paged_decode_attention_cpu", "supports"]
+__all__ = ["available", "fits", "paged_decode_attention_cpu", "supports", "add_rms_norm", "rope_qkv", "silu_mul"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
+_SOURCE = Path(__file__).with_name("cpu_native.c")
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared", "-pthread"]
 _MAX_G, _MAX_D = 16, 256  # the kernel's MAX_G, MAX_D
 # Rows of tokens per extra thread below which a second thread costs more than it saves
@@ -69,12 +76,12 @@ def _library() -> ctypes.CDLL | None:
         return None
     cc = _compiler()
     if cc is None:
-        log.warning("no C compiler (cc); CPU decode attention keeps the gather path")
+        log.warning("no C compiler (cc): the CPU keeps its torch paths")
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_key()]).encode())
-        target = _cache_dir() / f"cpu_paged_decode-{key.hexdigest()[:16]}.so"
+        target = _cache_dir() / f"cpu_native-{key.hexdigest()[:16]}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -89,12 +96,19 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
-        log.warning("CPU decode attention kernel did not build (%s); keeping the gather path", detail)
+        log.warning("the CPU kernels did not build (%s): keeping the torch paths", detail)
         return None
     fn = lib.spin_paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
     fn.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    lib.spin_add_rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32]
+    lib.spin_rope_qkv_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr,
+                                      i64, i64, i64, i64]
+    lib.spin_silu_mul_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64]
+    for name in ("spin_add_rms_norm_f32", "spin_rope_qkv_f32", "spin_silu_mul_f32"):
+        getattr(lib, name).restype = None
     return lib
 
 
@@ -128,7 +142,7 @@ def paged_decode_attention_cpu(
     short."""
     lib = _library()
     if lib is None:
-        raise RuntimeError("the CPU decode attention kernel is not available on this machine")
+        raise RuntimeError("the CPU kernels are not available on this machine")
     B, H, D = q.shape
     Hkv = tables.shape[1]
     if not supports(q, k_pages, Hkv):
@@ -151,3 +165,68 @@ def paged_decode_attention_cpu(
         out.copy_(result)
         return out
     return result
+
+
+# ---- fused layer ops ------------------------------------------------------------------------
+
+
+def fits(*tensors: torch.Tensor) -> bool:
+    """Whether the fused ops take these tensors: float32 on the CPU, the last dimension
+    contiguous, and the kernels built."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
+            and available())
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available on this machine")
+    return lib
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """``layer_ops.add_rms_norm_ref`` in one call: x, residual [T, E] (rows may be strided),
+    weight [E] -> (weight * rms_norm(x + residual), x + residual); residual None: (.., x)."""
+    T, E = x.shape
+    if weight.shape != (E,) or (residual is not None and residual.shape != x.shape) \
+            or not fits(x, weight, *(() if residual is None else (residual,))):
+        raise ValueError("add_rms_norm takes float32 CPU [T, E] rows and an [E] weight")
+    weight = weight.contiguous()
+    out = torch.empty(T, E)
+    res_out = x if residual is None else torch.empty(T, E)
+    _lib().spin_add_rms_norm_f32(
+        x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
+        None if residual is None else res_out.data_ptr(), T, E, float(eps))
+    return out, res_out
+
+
+def rope_qkv(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             v: torch.Tensor | None = None):
+    """``layer_ops.rope_qk`` in one call: q [T, H, D], k [T, Hkv, D] (strided views of a fused
+    GEMM's output are fine), cos/sin [T, 1, D] -> contiguous (q', k'[, v copied])."""
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    if k.shape != (T, Hkv, D) or cos.shape != (T, 1, D) or sin.shape != cos.shape or D % 2 \
+            or (v is not None and v.shape != k.shape) or not fits(q, k, cos, sin, *(() if v is None else (v,))):
+        raise ValueError("rope_qkv takes float32 CPU q [T, H, D], k/v [T, Hkv, D], cos/sin [T, 1, D], D even")
+    cos, sin = cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
+    q_out, k_out = torch.empty(T, H, D), torch.empty(T, Hkv, D)
+    v_out = None if v is None else torch.empty(T, Hkv, D)
+    vv = k if v is None else v
+    _lib().spin_rope_qkv_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+        None if v is None else v.data_ptr(), vv.stride(0), vv.stride(1), cos.data_ptr(), sin.data_ptr(),
+        q_out.data_ptr(), k_out.data_ptr(), None if v is None else v_out.data_ptr(), T, H, Hkv, D)
+    return (q_out, k_out) if v is None else (q_out, k_out, v_out)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in one call: [T, F] each, rows may be strided (the halves of a fused
+    gate/up GEMM's output) -> contiguous [T, F]."""
+    if gate.shape != up.shape or gate.dim() != 2 or not fits(gate, up):
+        raise ValueError("silu_mul takes float32 CPU [T, F] gate and up of one shape")
+    T, F = gate.shape
+    out = torch.empty(T, F)
+    _lib().spin_silu_mul_f32(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), T, F)
+    return out

@@ -1,0 +1,154 @@
+"""The CPU decode attention kernel that reads pages in place, against the torch reference.
+
+It builds with the machine's C compiler on first use; without one the engine keeps the
+gather path, and these tests check that fallback instead of skipping.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from spin_cluster.kernels import cpu_native
+from spin_cluster.kernels.paged_decode import paged_decode_attention_ref
+
+HAS_CC = shutil.which("cc") is not None
+
+
+def _case(B, Hkv, G, D, S, lens, layers=3, seed=0):
+    """Random pages in a shuffled pool, [B, layers, Hkv, P] int32 tables (the engine's layout:
+    a layer's tables are a strided slice), and the lengths."""
+    g = torch.Generator().manual_seed(seed)
+    P = max(1, -(-max(lens) // S))
+    N = B * layers * Hkv * P + 1
+    k = torch.randn(N, S, D, generator=g)
+    v = torch.randn(N, S, D, generator=g)
+    ids = (torch.randperm(N - 1, generator=g) + 1)[: B * layers * Hkv * P]
+    tables = ids.view(B, layers, Hkv, P).to(torch.int32)
+    q = torch.randn(B, Hkv * G, D, generator=g)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler: see test_without_a_compiler_it_is_unavailable")
+@pytest.mark.parametrize(
+    "B,Hkv,G,D,S,lens",
+    [
+        (1, 3, 3, 64, 16, [577]),  # SmolLM2's heads, several 128-token blocks and a partial page
+        (4, 2, 4, 40, 4, [1, 130, 128, 257]),  # D not a multiple of the vector width
+        (3, 1, 1, 16, 1, [5, 0, 9]),  # one-token pages; an empty row gets zeros
+        (2, 4, 16, 128, 8, [300, 17]),  # the kernel's largest group
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_matches_reference(B, Hkv, G, D, S, lens, threads):
+    q, k, v, tables, seq_lens = _case(B, Hkv, G, D, S, lens)
+    for layer in range(tables.shape[1]):
+        ref = paged_decode_attention_ref(q, k, v, tables[:, layer], seq_lens)
+        out = cpu_native.paged_decode_attention_cpu(
+            q, k, v, tables[:, layer], seq_lens, D**-0.5, threads=threads)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    empty = [i for i, n in enumerate(lens) if n == 0]
+    if empty:
+        assert out[empty].abs().max().item() == 0.0
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_writes_into_out_and_refuses_bad_inputs():
+    q, k, v, tables, seq_lens = _case(2, 2, 2, 32, 8, [20, 9])
+    out = torch.full_like(q, float("nan"))
+    got = cpu_native.paged_decode_attention_cpu(q, k, v, tables[:, 0], seq_lens, 32**-0.5, out=out)
+    assert got is out
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k, v, tables[:, 0], seq_lens), atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="int32"):
+        cpu_native.paged_decode_attention_cpu(q, k, v, tables[:, 0].long(), seq_lens, 1.0)
+    with pytest.raises(ValueError, match="unsupported"):
+        cpu_native.paged_decode_attention_cpu(q.double(), k, v, tables[:, 0], seq_lens, 1.0)
+    assert not cpu_native.supports(q, k.half(), 2)
+    assert not cpu_native.supports(torch.zeros(1, 34, 8), k, 2)  # 17 query heads a KV head
+
+
+def test_without_a_compiler_it_is_unavailable(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("SPIN_CLUSTER_KERNEL_CACHE", str(tmp_path / "cache"))
+    cpu_native._library.cache_clear()
+    try:
+        assert not cpu_native.available()
+        q, k, v, tables, seq_lens = _case(1, 1, 1, 16, 4, [3])
+        with pytest.raises(RuntimeError, match="not available"):
+            cpu_native.paged_decode_attention_cpu(q, k, v, tables[:, 0], seq_lens, 0.25)
+    finally:
+        cpu_native._library.cache_clear()
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_builds_into_its_cache_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPIN_CLUSTER_KERNEL_CACHE", str(tmp_path))
+    cpu_native._library.cache_clear()
+    try:
+        assert cpu_native.available()
+        built = list(tmp_path.glob("cpu_native-*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        cpu_native._library.cache_clear()
+        assert cpu_native.available()
+        assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
+        assert [p.name for p in tmp_path.iterdir()] == [built[0].name]  # no temporary left
+    finally:
+        cpu_native._library.cache_clear()
+
+
+# ---- fused layer ops against layer_ops' references ----------------------------------------
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+@pytest.mark.parametrize("T,E", [(1, 576), (5, 40), (3, 17)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_matches_reference(T, E, with_residual):
+    from spin_cluster.kernels.layer_ops import add_rms_norm_ref
+
+    g = torch.Generator().manual_seed(T * E)
+    wide = torch.randn(T, 2 * E, generator=g)
+    x = wide[:, :E]  # strided rows, as a fused GEMM's output
+    residual = torch.randn(T, E, generator=g) if with_residual else None
+    weight = torch.randn(E, generator=g)
+    out, res = cpu_native.add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_res = add_rms_norm_ref(x, residual, weight, 1e-5)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res, ref_res, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_native.add_rms_norm(x.double(), None, weight.double(), 1e-5)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+@pytest.mark.parametrize("T,H,Hkv,D", [(1, 9, 3, 64), (4, 4, 2, 8)])
+def test_rope_qkv_matches_reference(T, H, Hkv, D):
+    from spin_cluster.kernels.layer_ops import rope_qk_ref
+
+    g = torch.Generator().manual_seed(H * D)
+    fused = torch.randn(T, (H + 2 * Hkv) * D, generator=g)  # one q/k/v GEMM's output
+    q, k, v = (t.view(T, -1, D) for t in fused.split([H * D, Hkv * D, Hkv * D], dim=-1))
+    angles = torch.rand(T, 1, D // 2, generator=g) * 6.0
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    sin[..., : D // 2].neg_()
+    q2, k2, v2 = cpu_native.rope_qkv(q, k, cos, sin, v)
+    rq, rk = rope_qk_ref(q, k, cos, sin)
+    torch.testing.assert_close(q2, rq, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k2, rk, atol=1e-6, rtol=1e-6)
+    assert torch.equal(v2, v) and v2.is_contiguous() and q2.is_contiguous()
+    with pytest.raises(ValueError, match="D even"):
+        cpu_native.rope_qkv(q[..., :-1], k[..., :-1], cos[..., :-1], sin[..., :-1])
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_silu_mul_matches_reference():
+    from spin_cluster.kernels.layer_ops import silu_mul_ref
+
+    g = torch.Generator().manual_seed(1)
+    both = torch.randn(3, 2 * 1536, generator=g) * 30  # far into both tails of silu
+    gate, up = both.split(1536, dim=-1)
+    torch.testing.assert_close(cpu_native.silu_mul(gate, up), silu_mul_ref(gate, up), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one shape"):
+        cpu_native.silu_mul(gate, up[:, :-1])
