@@ -94,6 +94,18 @@ def _param_of(message: str) -> str | None:
     return head if head.isidentifier() else None
 
 
+def _huge_pages_mb() -> float | None:
+    """This process's anonymous memory on transparent huge pages, in MB (None off Linux)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return 0.0
+
+
 def _build_engine(spin: Any, plan: EnginePlan, timeout_s: float, torch_threads: int | None = None,
                   step_threads: Any = None) -> Any:
     """The plain ``Engine`` for a one-rank plan, on ``torch_threads`` threads (None: as the
@@ -194,13 +206,15 @@ class EngineServer:
     def replica_info(self) -> dict[str, Any]:
         """This replica's id and Ray actor name (what an operator passes to ``ray.kill``), its
         process id, the process ids of its head-parallel follower ranks (none with one rank),
-        its nice value and torch threads (with "auto", the per-step policy in step_threads)."""
+        its nice value and torch threads (with "auto", the per-step policy in step_threads), and
+        the MB of its memory on transparent huge pages (``THP_MEM_ALLOC_ENABLE``)."""
         import torch
 
         return {"replica_id": self.replica_id, "actor_name": ray.get_runtime_context().get_actor_name(),
                 "pid": os.getpid(), "follower_pids": list(getattr(self._engine, "follower_pids", [])),
                 "niceness": os.nice(0), "torch_threads": torch.get_num_threads(),
-                "step_threads": repr(getattr(getattr(self._engine, "runner", None), "step_threads", None))}
+                "step_threads": repr(getattr(getattr(self._engine, "runner", None), "step_threads", None)),
+                "huge_pages_mb": _huge_pages_mb()}
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes it replace the replica."""

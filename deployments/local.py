@@ -63,6 +63,11 @@ def run_local(args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000
     # Ray starts its workers at nice 15: the engine would yield the CPU to any other process
     # (the load client included). Read by the raylet from the environment.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # torch's CPU allocator backs allocations of 2 MB and more with transparent huge pages
+    # (where the kernel's THP mode is `madvise`, the default of many distributions): a CPU
+    # engine's decode step reads every weight and every KV page once, and with 4 KB pages a
+    # KV page (16 tokens of one head) is one TLB miss of its own. Inherited by the workers.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     node_ip = _ray_node_ip(host)
     if node_ip is not None and ipaddress.ip_address(node_ip).is_loopback:  # and serve_grpc_on_loopback
         # On Linux Ray replaces a loopback node address with the machine's own and then binds

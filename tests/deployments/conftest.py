@@ -45,6 +45,7 @@ def spin_app_config(model_path: str) -> dict:
 def serve_port():
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ.setdefault("RAY_worker_niceness", "0")  # as `spin-cluster serve` and the chart run them
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     old_key = os.environ.get("SPIN_API_KEY")
     os.environ["SPIN_API_KEY"] = API_KEY  # replicas inherit the environment of ray.init
     import ray

@@ -107,6 +107,10 @@ def test_the_planner_routes_to_the_engine_replica_it_hears_from(spin_app):
     info = engine_handle(APP).replica_info.remote().result(timeout_s=30)
     engine_id = info["replica_id"]
     assert info["step_threads"].startswith("StepThreads(small=1, ")  # the default "auto", on the CPU
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp_on = "[never]" not in f.read()
+    # THP_MEM_ALLOC_ENABLE: the weights and the KV pool sit on huge pages where the kernel allows
+    assert (info["huge_pages_mb"] > 100) == thp_on, info["huge_pages_mb"]
     reports = planner.live_reports.remote().result(timeout_s=30)
     assert [r.replica_id for r in reports] == [engine_id] and reports[0].free_kv_tokens > 0
     assert planner.route.remote(10).result(timeout_s=30) == engine_id

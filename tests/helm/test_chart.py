@@ -186,6 +186,7 @@ def test_ray_workers_run_at_normal_priority(case):
     for template in _templates(_one(docs, "RayService")):
         env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
         assert env["RAY_worker_niceness"] == "0"
+        assert env["THP_MEM_ALLOC_ENABLE"] == "1"  # huge pages under the weights and KV pool
 
 
 def test_http_service_selects_the_serving_ray_pods(case):

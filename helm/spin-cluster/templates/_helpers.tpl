@@ -81,6 +81,9 @@ the image, as local mode does, plus the keys the Kubernetes shape decides.
 # other process of the node (the ingress, the proxy, a sidecar).
 - name: RAY_worker_niceness
   value: "0"
+# torch backs its large CPU allocations (weights, the KV pool) with transparent huge pages.
+- name: THP_MEM_ALLOC_ENABLE
+  value: "1"
 {{- with .Values.apiKey.existingSecret }}
 - name: SPIN_API_KEY
   valueFrom:
