@@ -151,6 +151,9 @@ def paged_decode_attention_cpu(
         raise ValueError("tables and seq_lens must be int32, the tables' last dimension contiguous")
     q = q.contiguous()
     k_pages, v_pages, seq_lens = k_pages.contiguous(), v_pages.contiguous(), seq_lens.contiguous()
+    if B and int(seq_lens.max()) > tables.shape[2] * k_pages.shape[1]:  # the C side does not check
+        raise ValueError(f"seq_lens up to {int(seq_lens.max())} exceed the tables' "
+                         f"{tables.shape[2]} pages of {k_pages.shape[1]} tokens")
     result = out if out is not None and out.is_contiguous() else torch.empty_like(q)
     if threads is None:  # torch's count, fewer when the rows are short
         work = int(seq_lens.sum()) * Hkv  # tokens read, over all rows

@@ -20,9 +20,10 @@ Two entry points with the same signature:
   ``TRITON_INTERPRET=1``). Never syncs with the host, so it can be captured in a CUDA graph.
 * :func:`paged_decode_attention_ref` -- pure torch, vectorised over (request, KV head) rows;
   the test oracle.
-* :func:`paged_decode_attention_sdpa` -- the CPU decode path: one gather per group of
-  requests and PyTorch's fused CPU attention over it (a few operators per layer instead of
-  the reference's ~30).
+* :func:`paged_decode_attention_sdpa` -- one gather per group of requests and PyTorch's
+  fused CPU attention over it (a few operators per layer instead of the reference's ~30).
+  The engine's CPU decode reads the pages in place instead (``cpu_native``, a C kernel),
+  and keeps the gather (``paged_decode_attention_planned``) where that cannot be built.
 
 Both accumulate in fp32, take fp32 / bf16 / fp16, any page size and any head dim (the kernel
 pads D to a power of 2 >= 16 with masking, up to 256). A request with ``seq_len == 0`` (e.g.

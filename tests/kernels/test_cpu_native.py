@@ -63,6 +63,8 @@ def test_writes_into_out_and_refuses_bad_inputs():
     torch.testing.assert_close(out, paged_decode_attention_ref(q, k, v, tables[:, 0], seq_lens), atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="int32"):
         cpu_native.paged_decode_attention_cpu(q, k, v, tables[:, 0].long(), seq_lens, 1.0)
+    with pytest.raises(ValueError, match="exceed"):  # past the tables: refused, never read
+        cpu_native.paged_decode_attention_cpu(q, k, v, tables[:, 0, :, :1], seq_lens, 1.0)
     with pytest.raises(ValueError, match="unsupported"):
         cpu_native.paged_decode_attention_cpu(q.double(), k, v, tables[:, 0], seq_lens, 1.0)
     assert not cpu_native.supports(q, k.half(), 2)
