@@ -40,7 +40,12 @@ __all__ = ["available", "fits", "paged_decode_attention_cpu", "supports", "add_r
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_native.c")
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared", "-pthread"]
+# Compile flags. -ffast-math lets expf vectorise through libmvec; it is given to the compile
+# step only: a link with it adds crtfastmath.o, whose constructor sets flush-to-zero and
+# denormals-are-zero for the whole process when the library loads (every float op of the
+# engine, torch's included, would then lose subnormals).
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-pthread"]
+_LINK_FLAGS = ["-shared", "-pthread"]
 _MAX_G, _MAX_D = 16, 256  # the kernel's MAX_G, MAX_D
 # Rows of tokens per extra thread below which a second thread costs more than it saves
 # (creating and joining one is ~20-50 us; a 512-token row is ~20 us of work).
@@ -80,19 +85,24 @@ def _library() -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_key()]).encode())
+        key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS + _LINK_FLAGS), version,
+                                        _cpu_key()]).encode())
         target = _cache_dir() / f"cpu_native-{key.hexdigest()[:16]}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
             os.close(fd)
+            obj = tmp[: -len(".so")] + ".o"
             try:
-                subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True,
+                subprocess.run([cc, *_FLAGS, "-c", str(_SOURCE), "-o", obj], check=True,
+                               capture_output=True, text=True, timeout=120)
+                subprocess.run([cc, *_LINK_FLAGS, obj, "-o", tmp, "-lm"], check=True,
                                capture_output=True, text=True, timeout=120)
                 os.replace(tmp, target)  # atomic: a concurrent build of the same key is identical
             finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+                for path in (tmp, obj):
+                    if os.path.exists(path):
+                        os.unlink(path)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e

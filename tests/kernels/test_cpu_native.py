@@ -85,6 +85,20 @@ def test_without_a_compiler_it_is_unavailable(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_loading_it_keeps_subnormal_floats(monkeypatch, tmp_path):
+    # a library linked with -ffast-math would set flush-to-zero for the whole process
+    monkeypatch.setenv("SPIN_CLUSTER_KERNEL_CACHE", str(tmp_path))
+    cpu_native._library.cache_clear()
+    try:
+        assert cpu_native.available()
+        tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in float32
+        assert (tiny * 1.0).item() > 0.0 and (tiny + 0.0).item() > 0.0
+        assert 5e-324 * 1.0 > 0.0  # and in Python's doubles
+    finally:
+        cpu_native._library.cache_clear()
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
 def test_builds_into_its_cache_once(monkeypatch, tmp_path):
     monkeypatch.setenv("SPIN_CLUSTER_KERNEL_CACHE", str(tmp_path))
     cpu_native._library.cache_clear()
