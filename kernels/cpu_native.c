@@ -15,8 +15,9 @@
  * copied every row's pages into a contiguous block first and read them again in two batched
  * matmuls: three passes over the cache where this takes one.
  *
- * Built by cpu_attention.py with -O3 -march=native -ffast-math and no OpenMP runtime (torch
- * brings its own; a second pool would fight it for the cores): rows are split over
+ * Built by cpu_native.py with -O3 -march=native -ffast-math (the compile only, not the
+ * link: see there) and no OpenMP runtime (torch brings its own; a second pool would fight
+ * it for the cores): rows are split over
  * `threads` POSIX threads, the caller's thread taking the first share. No infinities arise
  * (scores are only formed for tokens that exist; the running max starts at -FLT_MAX), so
  * -ffast-math's finite-math assumption holds, and it lets expf vectorise through libmvec.
