@@ -133,12 +133,22 @@ static void *run_rows(void *arg) {
     return NULL;
 }
 
-/* Returns 0, or -1 for shapes past the kernel's limits (the caller checks them first). */
+/* P: pages in each table row; no length may exceed P * S. threads: at most this many;
+ * tokens_per_thread > 0: fewer, one per that many tokens read (all rows together).
+ * Returns 0, -1 for shapes past the kernel's limits (the caller checks them first), -2 for a
+ * length past the tables (nothing is read then). */
 int spin_paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *tables,
-                          int64_t stride_b, int64_t stride_h, const int32_t *lens, float *out,
-                          int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S, float scale,
-                          int64_t threads) {
+                          int64_t stride_b, int64_t stride_h, int64_t P, const int32_t *lens,
+                          float *out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S,
+                          float scale, int64_t threads, int64_t tokens_per_thread) {
     if (Hkv <= 0 || H % Hkv || H / Hkv > MAX_G || D > MAX_D || D <= 0 || S <= 0) return -1;
+    int64_t tokens = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (lens[b] > P * S) return -2;
+        tokens += lens[b] > 0 ? lens[b] : 0;
+    }
+    if (tokens_per_thread > 0 && threads > tokens * Hkv / tokens_per_thread)
+        threads = tokens * Hkv / tokens_per_thread;
     const int64_t rows = B * Hkv;
     if (threads > rows) threads = rows;
     if (threads > 64) threads = 64;

@@ -110,7 +110,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     fn = lib.spin_paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, i64]
     fn.restype = ctypes.c_int
     f32 = ctypes.c_float
     lib.spin_add_rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32]
@@ -161,17 +161,18 @@ def paged_decode_attention_cpu(
         raise ValueError("tables and seq_lens must be int32, the tables' last dimension contiguous")
     q = q.contiguous()
     k_pages, v_pages, seq_lens = k_pages.contiguous(), v_pages.contiguous(), seq_lens.contiguous()
-    if B and int(seq_lens.max()) > tables.shape[2] * k_pages.shape[1]:  # the C side does not check
-        raise ValueError(f"seq_lens up to {int(seq_lens.max())} exceed the tables' "
-                         f"{tables.shape[2]} pages of {k_pages.shape[1]} tokens")
     result = out if out is not None and out.is_contiguous() else torch.empty_like(q)
-    if threads is None:  # torch's count, fewer when the rows are short
-        work = int(seq_lens.sum()) * Hkv  # tokens read, over all rows
-        threads = max(1, min(torch.get_num_threads(), work // _TOKENS_PER_THREAD))
+    # The C side checks the lengths against the tables and, with threads unset, sizes the
+    # threads by the tokens read: one pass over B lengths, not two torch reductions a layer.
+    per_thread = _TOKENS_PER_THREAD if threads is None else 0
     rc = lib.spin_paged_decode_f32(
         q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), tables.data_ptr(),
-        tables.stride(0), tables.stride(1), seq_lens.data_ptr(), result.data_ptr(),
-        B, H, Hkv, D, k_pages.shape[1], float(scale), int(threads))
+        tables.stride(0), tables.stride(1), tables.shape[2], seq_lens.data_ptr(), result.data_ptr(),
+        B, H, Hkv, D, k_pages.shape[1], float(scale),
+        torch.get_num_threads() if threads is None else int(threads), per_thread)
+    if rc == -2:
+        raise ValueError(f"seq_lens up to {int(seq_lens.max())} exceed the tables' "
+                         f"{tables.shape[2]} pages of {k_pages.shape[1]} tokens")
     if rc != 0:
         raise ValueError("the CPU decode attention kernel refused these shapes")
     if out is not None and result is not out:
