@@ -71,48 +71,43 @@ def test_writes_into_out_and_refuses_bad_inputs():
     assert not cpu_native.supports(torch.zeros(1, 34, 8), k, 2)  # 17 query heads a KV head
 
 
-def test_without_a_compiler_it_is_unavailable(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("SPIN_CLUSTER_KERNEL_CACHE", str(tmp_path / "cache"))
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """The kernels built (or not) anew into an empty cache folder, which it yields; the
+    process's own build is loaded again afterwards."""
+    monkeypatch.setenv("SPIN_CLUSTER_KERNEL_CACHE", str(tmp_path))
     cpu_native._library.cache_clear()
-    try:
-        assert not cpu_native.available()
-        q, k, v, tables, seq_lens = _case(1, 1, 1, 16, 4, [3])
-        with pytest.raises(RuntimeError, match="not available"):
-            cpu_native.paged_decode_attention_cpu(q, k, v, tables[:, 0], seq_lens, 0.25)
-    finally:
-        cpu_native._library.cache_clear()
+    yield tmp_path
+    cpu_native._library.cache_clear()
+
+
+def test_without_a_compiler_it_is_unavailable(monkeypatch, fresh_build):
+    monkeypatch.setenv("CC", str(fresh_build / "no-such-compiler"))
+    assert not cpu_native.available()
+    q, k, v, tables, seq_lens = _case(1, 1, 1, 16, 4, [3])
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_native.paged_decode_attention_cpu(q, k, v, tables[:, 0], seq_lens, 0.25)
 
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler")
-def test_loading_it_keeps_subnormal_floats(monkeypatch, tmp_path):
+def test_loading_it_keeps_subnormal_floats(fresh_build):
     # a library linked with -ffast-math would set flush-to-zero for the whole process
-    monkeypatch.setenv("SPIN_CLUSTER_KERNEL_CACHE", str(tmp_path))
-    cpu_native._library.cache_clear()
-    try:
-        assert cpu_native.available()
-        tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in float32
-        assert (tiny * 1.0).item() > 0.0 and (tiny + 0.0).item() > 0.0
-        assert 5e-324 * 1.0 > 0.0  # and in Python's doubles
-    finally:
-        cpu_native._library.cache_clear()
+    assert cpu_native.available()
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in float32
+    assert (tiny * 1.0).item() > 0.0 and (tiny + 0.0).item() > 0.0
+    assert 5e-324 * 1.0 > 0.0  # and in Python's doubles
 
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler")
-def test_builds_into_its_cache_once(monkeypatch, tmp_path):
-    monkeypatch.setenv("SPIN_CLUSTER_KERNEL_CACHE", str(tmp_path))
+def test_builds_into_its_cache_once(fresh_build):
+    assert cpu_native.available()
+    built = list(fresh_build.glob("cpu_native-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
     cpu_native._library.cache_clear()
-    try:
-        assert cpu_native.available()
-        built = list(tmp_path.glob("cpu_native-*.so"))
-        assert len(built) == 1
-        stamp = built[0].stat().st_mtime_ns
-        cpu_native._library.cache_clear()
-        assert cpu_native.available()
-        assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
-        assert [p.name for p in tmp_path.iterdir()] == [built[0].name]  # no temporary left
-    finally:
-        cpu_native._library.cache_clear()
+    assert cpu_native.available()
+    assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
+    assert [p.name for p in fresh_build.iterdir()] == [built[0].name]  # no temporary left
 
 
 # ---- fused layer ops against layer_ops' references ----------------------------------------
