@@ -123,7 +123,7 @@ class Diagnosis:
 
 
 class _AnswerCapture:
-    """AttentionBackend for one whole sequence: causal SDPA, and each layer's keys and the
+    """LayerAttention for one whole sequence: causal SDPA, and each layer's keys and the
     queries at ``positions``."""
 
     def __init__(self, positions: torch.Tensor) -> None:

@@ -42,7 +42,7 @@ class LayerCapture:
 
 
 class CapturingAttention:
-    """AttentionBackend for one whole prompt in one forward: causal SDPA, and a copy of each
+    """LayerAttention for one whole prompt in one forward: causal SDPA, and a copy of each
     layer's last query and all keys and values."""
 
     def __init__(self) -> None:

@@ -106,7 +106,7 @@ class ProfileConfig:
 
 
 class MassRecorder:
-    """AttentionBackend for one whole prompt in one forward: causal SDPA for the model, and
+    """LayerAttention for one whole prompt in one forward: causal SDPA for the model, and
     per layer the recovered-mass curves [Hkv, F] of the last ``queries`` positions."""
 
     def __init__(self, queries: int, page_size: int, sink_tokens: int, local_tokens: int,

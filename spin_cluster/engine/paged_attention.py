@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from spin_cluster.engine.backend import AttentionBackend, register_backend
+from spin_cluster.engine.backend import register_backend
+from spin_cluster.engine.cuda_graphs import PaddedCapture
 from spin_cluster.engine.dense_prefill import dense_causal_attention
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import cpu_native, paged_decode
@@ -115,7 +116,7 @@ class DecodeBuffers:
 
 
 @register_backend
-class PagedAttention(AttentionBackend):
+class PagedAttention(PaddedCapture):
     name = "paged"
 
     def __init__(self, kv: KVCacheManager, decode: str = "auto", prefill: BlockSparsePrefill | None = None) -> None:
@@ -137,12 +138,8 @@ class PagedAttention(AttentionBackend):
     def row(self, request_id: str) -> int:
         return self.kv.table.row(request_id)
 
-    def decode_graphs(self, model: torch.nn.Module, max_batch: int, progress: bool = False):
-        if self.device.type != "cuda":
-            return None
-        from spin_cluster.engine.model_runner import DecodeGraphs
-
-        return DecodeGraphs(model, self, max_batch, progress)
+    def graph_inputs(self, max_batch: int) -> DecodeBuffers:
+        return DecodeBuffers(self.kv, max_batch)
 
     def begin_step(self, chunks: list[ScheduledChunk], positions: torch.Tensor, token_rows: torch.Tensor) -> None:
         S = self.kv.page_size

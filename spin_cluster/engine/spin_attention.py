@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from spin_cluster.config import SparseConfig
-from spin_cluster.engine.backend import AttentionBackend, register_backend
+from spin_cluster.engine.backend import register_backend
+from spin_cluster.engine.cuda_graphs import PlannedCapture
 from spin_cluster.engine.paged_attention import decode_impl, prefill_attention
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import lookup_epilogue
@@ -69,7 +70,7 @@ class SpinStepPlan:
 
 
 @register_backend
-class SpinAttention(AttentionBackend):
+class SpinAttention(PlannedCapture):
     name = "spin"
 
     def __init__(self, kv: OffloadedKVManager, algorithm: SparseAlgorithm, sparse: SparseConfig,
@@ -219,13 +220,6 @@ class SpinAttention(AttentionBackend):
         algorithm whose Index and Select are graph-safe, and no dense layers (those gather
         each request's whole context, a shape that grows every step)."""
         return self.device.type == "cuda" and self.algorithm.graph_safe and not self.dense_layers
-
-    def decode_graphs(self, model: torch.nn.Module, max_batch: int, progress: bool = False):
-        if not self.graph_safe:
-            return None
-        from spin_cluster.engine.model_runner import SpinDecodeGraphs
-
-        return SpinDecodeGraphs(model, self, max_batch)
 
     def replayed(self) -> None:
         """A CUDA graph replayed a decode step (``SpinDecodeGraphs``): host bookkeeping that

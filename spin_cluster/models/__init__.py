@@ -1,6 +1,6 @@
 """Model definitions and checkpoint loading (Llama, Qwen2, Qwen3 from HF safetensors)."""
 
-from spin_cluster.models.base import AttentionBackend
+from spin_cluster.models.base import LayerAttention
 from spin_cluster.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from spin_cluster.models.llama import CausalLM
 from spin_cluster.models.loader import SUPPORTED_DTYPES, load_model, random_model, resolve_dtype
@@ -8,7 +8,7 @@ from spin_cluster.models.loader import SUPPORTED_DTYPES, load_model, random_mode
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_DTYPES",
-    "AttentionBackend",
+    "LayerAttention",
     "CausalLM",
     "ModelConfig",
     "load_model",

@@ -1,9 +1,10 @@
 """The contract between a model's forward and whoever owns the KV cache.
 
 A model never sees pages, tables or tiers. Each attention layer hands its projected, rotated
-q/k/v for the tokens of this step to an ``AttentionBackend``; the backend stores k/v wherever
-the cache lives and returns the attention output. The engine's paged backend, the sparse
-backends of later layers and the contiguous test backend all implement this one method.
+q/k/v for the tokens of this step to a ``LayerAttention``; whoever implements it stores k/v
+wherever the cache lives and returns the attention output. The engine's attention backends
+(``spin_cluster.engine.backend.AttentionBackend``, which adds the step's plan), the offline
+profilers' recorders and the contiguous test backend all implement this one method.
 
 Shapes (one letter set, see STYLE.md): T tokens in this step (all requests flattened),
 H query heads, Hkv KV heads, D head dim.
@@ -16,7 +17,7 @@ from typing import Protocol
 import torch
 
 
-class AttentionBackend(Protocol):
+class LayerAttention(Protocol):
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Building blocks of a Llama-family decoder, written to match transformers' numerics.
 
 Every op is per token: inputs are ``[T, ...]`` with all requests' tokens flattened into T and
-no batch dimension. The only cross-token op, attention, is delegated to an ``AttentionBackend``.
+no batch dimension. The only cross-token op, attention, is delegated to an ``LayerAttention``.
 
 Shapes (one letter set): T tokens, E hidden size, F MLP intermediate size, H query heads,
 Hkv KV heads, D head dim.
@@ -16,7 +16,7 @@ from torch import nn
 
 from spin_cluster.kernels import cpu_native, layer_ops
 from spin_cluster.models import cpu_linear
-from spin_cluster.models.base import AttentionBackend
+from spin_cluster.models.base import LayerAttention
 from spin_cluster.models.config import ModelConfig
 
 
@@ -223,7 +223,7 @@ class Attention(nn.Module):
         self.qkv = FusedLinears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: LayerAttention
     ) -> torch.Tensor:
         # x: [T, E], cos/sin: [T, 1, D] -> [T, E]
         t = x.shape[0]
@@ -263,7 +263,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-        attn: AttentionBackend,
+        attn: LayerAttention,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, E] the previous block's output (the embeddings for the first layer),
         residual: [T, E] the stream before it (None for the first layer) -> (this layer's MLP

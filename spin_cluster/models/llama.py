@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from spin_cluster.models import cpu_linear
-from spin_cluster.models.base import AttentionBackend
+from spin_cluster.models.base import LayerAttention
 from spin_cluster.models.config import ModelConfig
 from spin_cluster.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 
@@ -69,7 +69,7 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight.device
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: LayerAttention
     ) -> torch.Tensor:
         """input_ids: [T] int64, positions: [T] int64 (each token's position in its own request)
         -> hidden states [T, E] after the final norm, in the model's dtype."""

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from spin_cluster.engine.backend import AttentionBackend
-from spin_cluster.engine.model_runner import SpinGraphBackend
+from spin_cluster.engine.cuda_graphs import PlannedCapture
 from spin_cluster.engine.paged_attention import PagedAttention, StepPlan
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import paged_decode
@@ -126,7 +126,7 @@ def _columns_plan(inner: PagedAttention, cols: slice) -> StepPlan:
     )
 
 
-class HeadParallelSpinAttention(_RankBackend, SpinGraphBackend):
+class HeadParallelSpinAttention(_RankBackend, PlannedCapture):
     """One rank's Spin backend (the offloaded cache): ``W`` KV-head columns in every layer,
     ``W`` the most heads any rank owns in any layer.
 

@@ -165,7 +165,7 @@ class HeadParallelEngine(Engine):
         issue 115388; on four H200s, two ranks whose graphs were still alive reported their
         results and then never exited)."""
         graphs = self.runner.graphs
-        if graphs is not None and hasattr(graphs, "release"):
+        if graphs is not None:
             graphs.release()
             gc.collect()  # the CUDAGraph objects go now, not at some later collection
             if self.device.type == "cuda":

@@ -248,7 +248,7 @@ class PrefillCalibration:
 
 
 class _MassRecorder:
-    """AttentionBackend for one whole prompt in one forward: dense causal SDPA, and each
+    """LayerAttention for one whole prompt in one forward: dense causal SDPA, and each
     layer's estimated block masses."""
 
     def __init__(self, config: SparsePrefillConfig) -> None:

@@ -172,7 +172,7 @@ class _Targets:
 
 
 class _Recorder:
-    """AttentionBackend for one whole sequence: causal attention, and at the sampled query
+    """LayerAttention for one whole sequence: causal attention, and at the sampled query
     positions the attention mass each page receives."""
 
     def __init__(self, query_positions: torch.Tensor, page_size: int) -> None:

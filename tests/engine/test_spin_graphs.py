@@ -7,7 +7,7 @@ import torch
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
-from spin_cluster.engine.model_runner import SpinDecodeGraphs
+from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
 from spin_cluster.engine.spin_attention import SpinAttention
 
 PROMPTS = [

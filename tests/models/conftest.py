@@ -23,7 +23,7 @@ KV_HEADS = 2
 
 
 class ContiguousAttention:
-    """AttentionBackend for ONE sequence: keeps each layer's K/V concatenated and attends
+    """LayerAttention for ONE sequence: keeps each layer's K/V concatenated and attends
     causally over everything stored; this step's T queries are the last T positions."""
 
     def __init__(self) -> None:

@@ -156,7 +156,7 @@ def test_a_ranks_static_decode_path_gives_the_plain_tokens_and_times_its_layers(
     """The path SpinDecodeGraphs captures on the GPU, run eagerly through a rank's Spin
     backend (plan, step plan and step index passed to the wrapped backend): the tokens of the
     plain engine, and every decode step's layers timed and gathered."""
-    from spin_cluster.engine.model_runner import SpinDecodeGraphs
+    from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
 
     cfg = _spin_config(four_kv_head_llama, [[4, 0, 12, 8], [8, 8, 4, 16], [0, 20, 4, 8]])
     prompts = [[100 + 7 * i + j for j in range(56 + 4 * i)] for i in range(3)]
@@ -361,7 +361,7 @@ def test_run_ranks_raises_when_ranks_do_not_start_in_time(monkeypatch):
 
 def _static_path_rank(rank, world, port, cfg, prompts, params, placement, results):
     """A gloo rank whose decode steps take the path SpinDecodeGraphs captures on the GPU."""
-    from spin_cluster.engine.model_runner import SpinDecodeGraphs
+    from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
     from spin_cluster.parallel.launch import join_group, leave_group
 
     cfg = join_group(rank, world, port, "cpu", cfg)
