@@ -12,7 +12,7 @@ case "$1" in
 speed)
   (cd /tmp && timeout 240 python3 -m pytest "$REPO/tests/kernels" "$REPO/tests/engine/test_spin_gpu.py" \
       -m gpu -q -p no:cacheprovider 2>&1 | tail -15) | tee "$OUT/gpu_tests.log"
-  timeout 240 python3 benchmarks/bench_sparse_decode.py --out "$OUT/sparse_decode.json" 2>&1 | tee "$OUT/sparse_decode.log"
+  timeout 240 python3 -m spin_cluster.bench sparse-decode --out "$OUT/sparse_decode.json" 2>&1 | tee "$OUT/sparse_decode.log"
   ;;
 accuracy)
   LEN=${2:-4096}

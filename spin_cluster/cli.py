@@ -56,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("message", nargs="*", metavar="MESSAGE")
     chat.set_defaults(func=_cmd_chat)
 
+    from spin_cluster.bench.harness import add_bench_parser
     from spin_cluster.deployments.dashboards import add_dashboards_parser
     from spin_cluster.profiling.cli import add_eval_parser, add_profile_parser
     from spin_cluster.sparse.seer_gate import add_train_gate_parser
@@ -64,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     add_profile_parser(sub)  # spin-cluster profile
     add_train_gate_parser(sub)  # spin-cluster profile train-gate
     add_dashboards_parser(sub)  # spin-cluster dashboards export|push
+    add_bench_parser(sub)  # spin-cluster bench NAME
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible server on a local Ray (Ctrl-C stops)")
     srv.add_argument("--config", default="default",

@@ -8,16 +8,18 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hplb_makespa
 
 
 def test_bench_runs_end_to_end_on_a_stretched_profile(tmp_path):
-    bench = runpy.run_path(str(BENCH), run_name="bench_hplb_makespan")
+    from spin_cluster.cli import main as cli_main
+
     profile = tmp_path / "budgets.json"
     profile.write_text(json.dumps({"per_head_budgets": [[64, 16, 256], [32, 32, 128]]}))
     out = tmp_path / "r.json"
-    result = bench["main"]([
+    assert cli_main(["bench", "hplb-makespan",
         "--device", "cpu", "--context", "512", "--batch", "2", "--layers", "4", "--heads", "8",
         "--kv-heads", "4", "--head-dim", "16", "--mean-budget", "64", "--ranks", "2", "4",
         "--reps", "1", "--trials", "1", "--copies", "2", "--budgets", str(profile), "--out", str(out),
-    ])
+    ]) == 0
     saved = json.loads(out.read_text())
+    result = saved
     assert saved["ranks"] == result["ranks"] and saved["provenance"]["commit"]
     # Layers 0-1 take the profile's row 0, layers 2-3 row 1; heads 0, 1 <- 0 and 2 <- 1, 3 <- 2.
     rows = [[r // 16 for r in row] for row in result["budgets"]["per_head"]]

@@ -1,0 +1,5 @@
+import sys
+
+from spin_cluster.bench.harness import main
+
+sys.exit(main())

@@ -1,0 +1,71 @@
+"""Find a benchmark's script and run it with its own arguments (see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+from spin_cluster.bench import BENCHMARKS
+
+# A source checkout (benchmarks/ beside the package); else the working directory, as on the GPU
+# machine where the package is a copy under /tmp/pkg and the command runs from the repo root.
+_CANDIDATES = (Path(__file__).resolve().parents[2], Path.cwd())
+
+
+def benchmarks_dir() -> Path:
+    for root in _CANDIDATES:
+        if (root / "benchmarks" / "e2e.py").is_file():
+            return root / "benchmarks"
+    raise FileNotFoundError("benchmarks/ not found: run from the repository root")
+
+
+def script_path(name: str) -> Path:
+    return benchmarks_dir() / BENCHMARKS[name].script
+
+
+def run(name: str, argv: list[str]) -> int:
+    """Run benchmark ``name`` as ``python benchmarks/<script> argv...`` would, in this process."""
+    path = script_path(name)
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path), *argv]
+    sys.path.insert(0, str(path.parent))
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0
+
+
+def help_text() -> str:
+    width = max(len(n) for n in BENCHMARKS)
+    rows = [f"  {n:<{width}}  {b.help}" for n, b in BENCHMARKS.items()]
+    return "benchmarks (spin-cluster bench NAME --help for each one's arguments):\n" + "\n".join(
+        rows + [f"  {'index':<{width}}  regenerate benchmarks/results/README.md (--check: fail if stale)"])
+
+
+def add_bench_parser(sub) -> None:
+    """``spin-cluster bench NAME [ARGS...]``: ARGS go to the benchmark unchanged."""
+    p = sub.add_parser("bench", help="run a benchmark (spin-cluster bench --help lists them)",
+                       description=help_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", metavar="NAME", choices=[*BENCHMARKS, "index"], help="the benchmark")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(a) -> int:
+    if a.name == "index":
+        from spin_cluster.bench.index import main as index_main
+        return index_main(a.args)
+    return run(a.name, a.args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python3 -m spin_cluster.bench NAME ...`` where the console script is not installed."""
+    p = argparse.ArgumentParser(prog="spin-cluster")
+    add_bench_parser(p.add_subparsers(metavar="COMMAND"))
+    a = p.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return a.func(a)

@@ -1,0 +1,34 @@
+"""spin-cluster bench: every registered benchmark is in the help and has its script; the results
+index is current and lists every result file."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from spin_cluster.bench import BENCHMARKS
+from spin_cluster.bench.harness import benchmarks_dir, help_text
+from spin_cluster.bench.index import render, result_files
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_help_lists_every_benchmark():
+    out = subprocess.run([sys.executable, "-m", "spin_cluster.cli", "bench", "--help"], capture_output=True,
+                         text=True, cwd=ROOT, check=True).stdout
+    for name, bench in BENCHMARKS.items():
+        assert f"  {name} " in out and bench.help in out
+    assert help_text().splitlines()[1] in out
+
+
+def test_every_benchmark_script_exists_and_every_script_is_registered():
+    scripts = {b.script for b in BENCHMARKS.values()}
+    assert all((benchmarks_dir() / s).is_file() for s in scripts)
+    mains = {p.name for p in benchmarks_dir().glob("*.py") if "__main__" in p.read_text()}
+    assert mains <= scripts, f"benchmarks with no bench subcommand: {sorted(mains - scripts)}"
+
+
+def test_results_index_is_current_and_lists_every_file():
+    readme = (ROOT / "benchmarks" / "results" / "README.md").read_text()
+    assert readme == render(ROOT), "stale: run spin-cluster bench index"
+    for rel in result_files(ROOT / "benchmarks" / "results"):
+        assert f"[{rel}]({rel})" in readme
