@@ -50,7 +50,8 @@ class DecodeGraphRunner(ABC):
         """input_ids, positions, rows: [B] of a decode-only batch -> [B, E] final hidden states."""
 
     def release(self) -> None:
-        """Free the captured graphs (a head-parallel rank does before leaving its group)."""
+        """Free the captured graphs (a head-parallel rank does before leaving its group) where
+        later steps can capture them again; a runner that captures only at start-up keeps them."""
 
 
 # ---- the padded capture (GPU-only cache) -------------------------------------------------------
@@ -111,10 +112,6 @@ class DecodeGraphs(DecodeGraphRunner):
         self.buffers.fill(input_ids, positions, rows, padded)
         self._graphs[padded].replay()
         return self._hidden[padded][:B]
-
-    def release(self) -> None:
-        self._graphs.clear()
-        self._hidden.clear()
 
     @torch.inference_mode()
     def _capture(self, progress: bool) -> None:
