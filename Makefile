@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install model prometheus serve test test-fast clean
+.PHONY: install model prometheus lint serve test test-fast clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,10 +41,14 @@ prometheus:
 		echo "prometheus: apt-get install failed; the tests that scrape /metrics will skip"; \
 	fi
 
-test: model prometheus
+# The import layering (pyproject's [tool.importlinter] contracts), before any test runs.
+lint: $(STAMP)
+	$(BIN)/python tools/lint_imports.py
+
+test: model prometheus lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: model
+test-fast: model lint
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 clean:

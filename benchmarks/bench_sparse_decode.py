@@ -52,7 +52,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_sparse_decode needs a CUDA GPU")
     from spin_cluster.kernels.paged_decode import paged_decode_attention
-    from spin_cluster.partition import SelectPlan, get_algorithm, select_pages
+    from spin_cluster.sparse import SelectPlan, get_algorithm, select_pages
     from spin_cluster.provenance import write_json
 
     torch.manual_seed(0)

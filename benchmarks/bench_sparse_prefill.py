@@ -9,7 +9,7 @@ dense: the engine's dense prefill attention on each SDPA backend, a whole prompt
 prompt in scheduler-sized chunks (lower-right causal), with TFLOP/s.
 
 kernel: Llama-3.1-8B attention shapes (H=32, Hkv=8, D=128, bf16), one whole prompt of T
-tokens. Dense is the engine's dense prefill (``engine.dense_prefill``) on each SDPA backend
+tokens. Dense is the engine's dense prefill (``dense_attention``) on each SDPA backend
 the GPU runs (flash, and cuDNN where the engine chooses it), reported apart; every speed-up is
 against the fastest of them (the "baseline" column). Block-sparse runs the same data with uniform,
 threshold and S-HPLB budgets at equal total block count: the threshold is bisected and the
@@ -145,7 +145,7 @@ def _dense_baselines(q, k, v, bench):
     """({backend: ms}, fastest backend, its Kernel): the engine's dense prefill (``dense_prefill.run_kernel``, the
     layout and kernels of ``prefill_attention``) on flash and, where the device runs it, cuDNN;
     on the CPU the default (math) path."""
-    from spin_cluster.engine.dense_prefill import Kernel, device_backend, run_kernel
+    from spin_cluster.dense_attention import Kernel, device_backend, run_kernel
 
     if q.device.type != "cuda":
         kernels = {"default": Kernel("default")}
@@ -215,7 +215,7 @@ def _makespans(q, k, v, ids, counts, block_size, ranks_list, bench, attend):
 def run_kernel(args) -> dict:
     import torch
 
-    from spin_cluster.engine.dense_prefill import run_kernel as dense_kernel
+    from spin_cluster.dense_attention import run_kernel as dense_kernel
     from spin_cluster.kernels.block_sparse_prefill import block_sparse_prefill, block_sparse_prefill_ref, tuned_config
     from spin_cluster.sparse.prefill import block_masses
 
@@ -360,7 +360,7 @@ def run_dense(args) -> dict:
     difference from the whole prompt's output."""
     import torch
 
-    from spin_cluster.engine.dense_prefill import DenseBackend, dense_causal_attention, device_backend
+    from spin_cluster.dense_attention import DenseBackend, dense_causal_attention, device_backend
 
     on_gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if on_gpu else "cpu")

@@ -393,7 +393,7 @@ def main(argv=None) -> dict:
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu",
                "workloads": {name: {} for name, *_ in runs}}
     if torch.cuda.is_available() and not args.tiny:  # the SDPA kernel of every mode's dense prefill
-        from spin_cluster.engine.dense_prefill import device_backend
+        from spin_cluster.dense_attention import device_backend
 
         results["dense_prefill_backend"] = device_backend(
             torch.device("cuda"), torch.bfloat16, shape["num_attention_heads"], shape["num_key_value_heads"],

@@ -33,14 +33,14 @@ if [ "${DRY:-0}" = 1 ]; then
   mkdir -p "$OUT"
   REPO=$(pwd)
   export TRITON_INTERPRET=1
-  TESTS=("$REPO/tests/engine/test_dense_prefill.py" "$REPO/tests/kernels/test_block_sparse_prefill.py"
+  TESTS=("$REPO/tests/test_dense_attention.py" "$REPO/tests/kernels/test_block_sparse_prefill.py"
          "$REPO/tests/kernels/test_prefill_estimate.py")
   MARK=(); DENSE=(--lengths 1024 --chunk 256 --repeats 1); KERNEL=(--lengths 1024 --block-size 64 --ranks 2)
   TTFT=(--lengths 256 --layers 1 --runs 1 --ref-runs 1 --block-size 64); ACC=(); T_SCALE=4; TOK=()
 else
   source benchmarks/gpu_setup.sh
   gpu_record
-  TESTS=("$REPO/tests/engine/test_dense_prefill.py" "$REPO/tests/kernels/test_block_sparse_prefill.py"
+  TESTS=("$REPO/tests/test_dense_attention.py" "$REPO/tests/kernels/test_block_sparse_prefill.py"
          "$REPO/tests/kernels/test_prefill_estimate.py")
   MARK=(-m gpu); DENSE=(); KERNEL=(--lengths 32768 131072); TTFT=(); ACC=(--budget 0.25 --samples 3 --max-batch 32); T_SCALE=1
   (cd /tmp && $PY -c "from spin_cluster.model_store import prepare_default_model as p; print(p())") 2>&1 | tail -1
@@ -50,7 +50,7 @@ step() { echo "== $(date -u +%H:%M:%S) $*"; }
 step "kernel choices at Llama-3.1-8B attention shapes"
 (cd /tmp && timeout $((40 * T_SCALE)) $PY -) <<'PY' 2>&1 | tee "$OUT/prefill_choices.log"
 import torch
-from spin_cluster.engine.dense_prefill import device_backend
+from spin_cluster.dense_attention import device_backend
 from spin_cluster.kernels.block_sparse_prefill import descriptors_usable
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 print("dense prefill backend:", device_backend(dev, torch.bfloat16, 32, 8, 128))

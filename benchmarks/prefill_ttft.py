@@ -89,7 +89,7 @@ def run(args) -> dict:
     import torch
 
     from spin_cluster.engine import SamplingParams
-    from spin_cluster.engine.dense_prefill import device_backend
+    from spin_cluster.dense_attention import device_backend
     from spin_cluster.hplb.budget import synthetic_prefill_config
     from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
 

@@ -23,7 +23,7 @@ from spin_cluster.hplb.budget import maxmin_budgets
 from spin_cluster.hplb.profile import load_profile
 from spin_cluster.models.config import ModelConfig
 from spin_cluster.parallel.engine import default_placement
-from spin_cluster.partition import get_algorithm
+from spin_cluster.sparse import get_algorithm
 
 
 class ClusterPlanner:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from spin_cluster.config import SparseConfig
-from spin_cluster.partition import SelectPlan, get_algorithm, select_pages
+from spin_cluster.sparse import SelectPlan, get_algorithm, select_pages
 
 EDGE = -1  # rank of a needle page that is a sink or local page: always kept
 

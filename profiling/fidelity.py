@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from spin_cluster.config import SparseConfig
-from spin_cluster.partition import SelectPlan, get_algorithm, select_pages
+from spin_cluster.sparse import SelectPlan, get_algorithm, select_pages
 from spin_cluster.profiling.methods import Method
 
 

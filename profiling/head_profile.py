@@ -98,7 +98,7 @@ class ProfileConfig:
         if self.page_size < 1 or self.sink_tokens < 0 or self.local_tokens < 0:
             raise ValueError("page_size must be >= 1, sink_tokens and local_tokens >= 0")
         if self.select is not None:
-            from spin_cluster.partition import get_algorithm
+            from spin_cluster.sparse import get_algorithm
 
             cls = get_algorithm(self.select)  # unknown names: the registry's ValueError
             if cls.selects_all or self.select == "streaming":
@@ -250,7 +250,7 @@ def _select(config: ProfileConfig, model, path: str, num_tokens: int, device):
         return None
     import inspect
 
-    from spin_cluster.partition import get_algorithm
+    from spin_cluster.sparse import get_algorithm
 
     cls = get_algorithm(config.select)
     mc = model.config

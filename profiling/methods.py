@@ -161,6 +161,6 @@ def budget_mode_options(method: Method, context_tokens: int, *, page_size: int, 
 def _algorithm(name: str):
     """The registry's class; unknown names raise its ValueError. Imported here so that the
     command line parser builds without importing torch."""
-    from spin_cluster.partition import get_algorithm
+    from spin_cluster.sparse import get_algorithm
 
     return get_algorithm(name)

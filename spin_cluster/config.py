@@ -197,7 +197,7 @@ class SparsePrefillConfig:
 
 @dataclass(frozen=True)
 class SparseConfig:
-    # Registered algorithm: dense, streaming, ... (`spin_cluster.partition.registered_algorithms()`).
+    # Registered algorithm: dense, streaming, ... (`spin_cluster.sparse.registered_algorithms()`).
     algorithm: str = "dense"
     # Middle pages' budget per head: tokens if >= 1, else a fraction (0, 1) of the context.
     budget: float = 2048

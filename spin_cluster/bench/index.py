@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from spin_cluster.bench.harness import benchmarks_dir
+from spin_cluster.bench.paths import benchmarks_dir
 
 _REF = re.compile(r"results/([\w.{},*/-]+)")
 _BARE = re.compile(r"(?<![\w/-])(\d{4}-\d\d-\d\d-[\w.{},*-]+)")  # a name without its folder

@@ -22,7 +22,7 @@ from spin_cluster.kvcache.manager import KVCacheManager
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.kvcache.page_pool import PagePool
 from spin_cluster.models.config import ModelConfig
-from spin_cluster.partition import get_algorithm
+from spin_cluster.sparse import get_algorithm
 from spin_cluster.sparse.prefill import BlockSparsePrefill
 
 _CPU_DEFAULT_KV_GIB = 2.0

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch.nn.attention.bias import causal_lower_right
 
+from spin_cluster.dense_attention import decode_impl, prefill_attention
 from spin_cluster.engine.backend import register_backend
 from spin_cluster.engine.cuda_graphs import PaddedCapture
-from spin_cluster.engine.dense_prefill import dense_causal_attention
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import cpu_native, paged_decode
 from spin_cluster.kvcache.manager import KVCacheManager
@@ -51,20 +50,6 @@ class StepPlan:
     prefill: tuple[PrefillSegment, ...]
     # The CPU's decode path: every layer's page ids and the length masks, built once a step
     gathered: paged_decode.GatheredDecodePlan | None = None
-
-
-def decode_impl(name: str, device: torch.device):
-    """'auto': the Triton kernel on CUDA, PyTorch's fused attention over gathered pages
-    elsewhere; 'torch' is the plain reference (the test oracle)."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "sdpa"
-    if name == "triton":
-        return paged_decode.paged_decode_attention
-    if name == "sdpa":
-        return paged_decode.paged_decode_attention_sdpa
-    if name == "torch":
-        return paged_decode.paged_decode_attention_ref
-    raise ValueError(f"decode attention {name!r}: choose auto, triton, sdpa or torch")
 
 
 class DecodeBuffers:
@@ -225,34 +210,3 @@ class PagedAttention(PaddedCapture):
         """pages [N, S, D], page_ids [Hkv, P'] int64 -> [Hkv, num_tokens, D] contiguous in position."""
         hkv, p = page_ids.shape
         return pages[page_ids].reshape(hkv, p * pages.shape[1], pages.shape[2])[:, :num_tokens]
-
-
-def prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, context_start: int,
-                      sparse: BlockSparsePrefill | None = None, layer: int = 0) -> torch.Tensor:
-    """Causal SDPA of a prefill chunk against its request's context, on the device's fastest
-    SDPA kernel (``spin_cluster.engine.dense_prefill``: cuDNN on Hopper, else flash, the
-    math kernel on the CPU).
-
-    q: [n, H, D] at positions context_start .. context_start + n - 1;
-    k_ctx, v_ctx: [Hkv, context_start + n, D] (positions 0 ..). Returns [n, H, D].
-    ``sparse``: block-sparse prefill instead (``sparse.prefill``), with ``layer``'s budgets.
-    """
-    if sparse is not None:
-        return sparse(layer, q, k_ctx, v_ctx, context_start)
-    return dense_causal_attention(q, k_ctx, v_ctx, context_start)
-
-
-def chunk_causal_mask(n: int, context_start: int, device: torch.device):
-    """The mask of a chunk's n queries at positions context_start .. against keys 0 .. end-1.
-
-    Query i sees keys 0 .. context_start + i: causal, aligned to the lower right of the
-    [n, end] scores. On CUDA it is a ``CausalBias``, with which SDPA keeps its flash kernel
-    (a materialised mask would send it to a kernel that holds [H, n, end] scores: 32 GiB at
-    a 2K chunk of a 128K context); elsewhere the boolean [n, end] mask itself. Dense prefill
-    builds its own (``dense_prefill``); this is the oracle of tests.
-    """
-    end = context_start + n
-    if device.type == "cuda":
-        return causal_lower_right(n, end)
-    q_pos = torch.arange(context_start, end, device=device)
-    return torch.arange(end, device=device)[None, :] <= q_pos[:, None]  # [n, end]

@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from spin_cluster.config import SparseConfig
+from spin_cluster.dense_attention import decode_impl, prefill_attention
 from spin_cluster.engine.backend import register_backend
 from spin_cluster.engine.cuda_graphs import PlannedCapture
-from spin_cluster.engine.paged_attention import decode_impl, prefill_attention
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import lookup_epilogue
 from spin_cluster.kvcache.buffer import InstallPlan
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.kvcache.transfer import Transfer
-from spin_cluster.partition import SelectPlan, SparseAlgorithm, select_pages
+from spin_cluster.sparse import SelectPlan, SparseAlgorithm, select_pages
 
 if TYPE_CHECKING:
     from spin_cluster.sparse.prefill import BlockSparsePrefill

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from spin_cluster.models.identity import model_identity as shape_and_hash
+
 FORMAT = "spin-cluster/head-profile"
 VERSION = 1
 # How a KV head's mass is pooled over its G query heads. The pages chosen for a KV head serve
@@ -158,8 +160,6 @@ class HeadProfile:
 def model_identity(model_path: str | Path) -> dict[str, Any]:
     """What a profile is tied to: the model's shape and a hash of its config.json, plus its
     folder name (shown in messages, not compared: the same model lives in other folders)."""
-    from spin_cluster.sparse.seer_gate import model_identity as shape_and_hash
-
     return {"name": Path(model_path).resolve().name, **shape_and_hash(model_path)}
 
 

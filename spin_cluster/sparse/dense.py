@@ -1,6 +1,6 @@
 """dense: every page, every step. The oracle the others are measured against."""
 
-from spin_cluster.partition.contract import SparseAlgorithm, register
+from spin_cluster.sparse.contract import SparseAlgorithm, register
 
 
 @register

@@ -29,7 +29,7 @@ import os
 import torch
 
 from spin_cluster.kernels.page_select import label_scores, label_scores_ref
-from spin_cluster.partition.contract import SparseAlgorithm, register
+from spin_cluster.sparse.contract import SparseAlgorithm, register
 from spin_cluster.sparse.sparq import weight_channels
 
 

@@ -1,6 +1,6 @@
 """Block-sparse prefill: which key blocks each (KV head, query block) of a prompt chunk attends to.
 
-The partition contract's operations, at block granularity over the chunk's queries:
+The sparse contract's operations, at block granularity over the chunk's queries:
 
     Index      pool the keys per block (pooled) or sample them on antidiagonals (antidiagonal)
     Select     estimate each key block's share of each query block's attention mass, then
@@ -34,13 +34,14 @@ from dataclasses import dataclass
 import torch
 
 from spin_cluster.config import SparsePrefillConfig
+from spin_cluster.dense_attention import dense_causal_attention
 from spin_cluster.kernels.block_sparse_prefill import (
     block_sparse_prefill,
     block_sparse_prefill_ref,
     num_query_blocks,
 )
 from spin_cluster.kernels.prefill_estimate import strided_block_masses, strided_block_masses_ref
-from spin_cluster.partition.select import SelectPlan, select_pages
+from spin_cluster.sparse.select import SelectPlan, select_pages
 
 # Scores held at once by the antidiagonal estimate ([rows, J * bs / stride] fp32 per chunk).
 _ESTIMATE_CHUNK_ELEMENTS = 1 << 26
@@ -259,9 +260,7 @@ class _MassRecorder:
         c = self.config
         k_ctx, v_ctx = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, T, D]
         self.masses.append(block_masses(q, k_ctx, 0, c.block_size, c.estimator, c.stride))
-        from spin_cluster.engine.paged_attention import prefill_attention  # engine imports this module
-
-        return prefill_attention(q, k_ctx, v_ctx, 0)
+        return dense_causal_attention(q, k_ctx, v_ctx, 0)
 
 
 @torch.inference_mode()

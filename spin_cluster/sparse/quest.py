@@ -26,7 +26,7 @@ import torch
 
 from spin_cluster.kernels.index_append import bounds_append, fold_bounds_ref, fold_plan
 from spin_cluster.kernels.page_select import page_scores, page_scores_ref
-from spin_cluster.partition.contract import SparseAlgorithm, register
+from spin_cluster.sparse.contract import SparseAlgorithm, register
 
 
 @register

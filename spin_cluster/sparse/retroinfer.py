@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from spin_cluster.partition.contract import SparseAlgorithm, register
+from spin_cluster.sparse.contract import SparseAlgorithm, register
 
 
 @register

@@ -37,7 +37,7 @@ import os
 
 import torch
 
-from spin_cluster.partition.contract import SparseAlgorithm, register
+from spin_cluster.sparse.contract import SparseAlgorithm, register
 from spin_cluster.sparse.seer_gate import gate_keys, gate_logits, gate_queries, load_gate
 
 GATE_ENV = "SPIN_SEER_GATE"

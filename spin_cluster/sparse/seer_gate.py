@@ -24,7 +24,6 @@ model, or another page size, raises ``ValueError`` saying how to get a matching 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import pydoc
@@ -34,6 +33,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from spin_cluster.models.identity import model_identity
 
 FORMAT = "spin-cluster.seer-gate"
 VERSION = 1
@@ -86,19 +87,6 @@ class Gate:
     @property
     def page_size(self) -> int:
         return int(self.meta["page_size"])
-
-
-def model_identity(model_path: str | Path) -> dict[str, Any]:
-    """What a gate is tied to: the model's shape and a hash of its config.json."""
-    from spin_cluster.models.config import ModelConfig
-
-    path = Path(model_path)
-    mc = ModelConfig.from_folder(path)
-    raw = json.loads((path / "config.json").read_text())
-    digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
-    return {"architecture": mc.architecture, "num_layers": mc.num_layers, "num_heads": mc.num_heads,
-            "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "hidden_size": mc.hidden_size,
-            "vocab_size": mc.vocab_size, "config_sha256": digest}
 
 
 def save_gate(path: str | Path, w_q: torch.Tensor, w_k: torch.Tensor, meta: dict[str, Any]) -> None:

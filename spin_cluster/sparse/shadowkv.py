@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from spin_cluster.partition.contract import SparseAlgorithm, register
+from spin_cluster.sparse.contract import SparseAlgorithm, register
 
 
 @register

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from spin_cluster.partition.contract import register
+from spin_cluster.sparse.contract import register
 from spin_cluster.sparse.oracle import Oracle
 
 

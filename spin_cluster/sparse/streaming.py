@@ -3,7 +3,7 @@
 Sink and window sizes are the system's ``sparse.sink_tokens`` / ``sparse.local_tokens``.
 """
 
-from spin_cluster.partition.contract import SparseAlgorithm, register
+from spin_cluster.sparse.contract import SparseAlgorithm, register
 
 
 @register

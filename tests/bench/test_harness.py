@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 from spin_cluster.bench import BENCHMARKS
-from spin_cluster.bench.harness import benchmarks_dir, help_text
+from spin_cluster.bench.harness import help_text
+from spin_cluster.bench.paths import benchmarks_dir
 from spin_cluster.bench.index import render, result_files
 
 ROOT = Path(__file__).resolve().parents[2]

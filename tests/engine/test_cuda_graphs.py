@@ -9,7 +9,7 @@ from torch.nn.attention.bias import causal_lower_right
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
 from spin_cluster.engine.cuda_graphs import cuda_graph_batch_sizes
-from spin_cluster.engine.paged_attention import chunk_causal_mask
+from spin_cluster.dense_attention import chunk_causal_mask
 
 
 def test_capture_sizes_cover_every_batch_up_to_the_limit():

@@ -6,7 +6,7 @@ import torch
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
 from spin_cluster.engine import spin_attention
-from spin_cluster.partition.contract import SparseAlgorithm, register
+from spin_cluster.sparse.contract import SparseAlgorithm, register
 
 PROMPT = list(range(1000, 1060))  # 60 tokens: 15 pages of 4
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -243,7 +243,7 @@ def test_planned_path_rejects_empty_and_overlong_rows():
 
 
 def test_cpu_decode_path_is_the_sdpa_one():
-    from spin_cluster.engine.paged_attention import decode_impl
+    from spin_cluster.dense_attention import decode_impl
 
     assert decode_impl("auto", torch.device("cpu")) is paged_decode_attention_sdpa
     assert decode_impl("torch", torch.device("cpu")) is paged_decode_attention_ref

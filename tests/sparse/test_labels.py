@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from spin_cluster.kernels.page_select import label_scores, label_scores_ref
-from spin_cluster.partition import get_algorithm
+from spin_cluster.sparse import get_algorithm
 
 
 def _labels(channels=8, P=4, S=4, Hkv=2, D=8, R=2, model_path=None):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from spin_cluster.partition import get_algorithm
+from spin_cluster.sparse import get_algorithm
 
 
 def _quest(P=4, S=4, Hkv=2, D=8, R=2, **options):

@@ -9,7 +9,7 @@ import torch
 
 from spin_cluster.kernels.index_append import bounds_append
 from spin_cluster.kernels.page_select import page_scores
-from spin_cluster.partition import get_algorithm
+from spin_cluster.sparse import get_algorithm
 
 S = 16  # tokens per page
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from spin_cluster.partition import get_algorithm, register
+from spin_cluster.sparse import get_algorithm, register
 from spin_cluster.sparse.retroinfer import RetroInfer, kmeans
 
 

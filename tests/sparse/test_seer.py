@@ -3,7 +3,7 @@ import argparse
 import pytest
 import torch
 
-from spin_cluster.partition import get_algorithm
+from spin_cluster.sparse import get_algorithm
 from spin_cluster.sparse.seer_gate import (
     add_train_gate_parser, calibration_texts, gate_keys, initial_weights, load_gate, save_gate, train_gate,
 )

@@ -1,6 +1,6 @@
 import torch
 
-from spin_cluster.partition import get_algorithm
+from spin_cluster.sparse import get_algorithm
 
 
 

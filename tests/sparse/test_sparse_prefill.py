@@ -5,7 +5,7 @@ import torch
 
 from spin_cluster.config import SparsePrefillConfig, SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
-from spin_cluster.engine.paged_attention import prefill_attention
+from spin_cluster.dense_attention import prefill_attention
 from spin_cluster.sparse.prefill import (
     BlockSparsePrefill,
     block_masses,

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from spin_cluster.kernels.page_select import select_ragged_ref
-from spin_cluster.partition import SelectPlan, get_algorithm, registered_algorithms, select_pages
+from spin_cluster.sparse import SelectPlan, get_algorithm, registered_algorithms, select_pages
 
 
 def _plan(num_pages, sink=1, local=2, budget=2, tail=3, hkv=2):

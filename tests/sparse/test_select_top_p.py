@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from spin_cluster.partition import SelectPlan, select_pages
+from spin_cluster.sparse import SelectPlan, select_pages
 
 
 def _plan(top_p, budget=2, num_pages=10, hkv=2):

@@ -1,4 +1,6 @@
-"""Dense causal prefill attention on the fastest SDPA kernel the device runs correctly.
+"""Dense attention, a leaf the engine and the sparse package both build on: causal prefill on
+the fastest SDPA kernel the device runs correctly (``prefill_attention``), the paged-decode
+implementation by name (``decode_impl``), and the chunk mask tests use as oracle.
 
 One chunk of a prompt attends to its request's context (``prefill_attention``'s layout)::
 
@@ -43,6 +45,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from spin_cluster import env
+from spin_cluster.kernels import paged_decode
+
+# Block-sparse prefill (``spin_cluster.sparse.prefill.BlockSparsePrefill``) as this module sees it:
+# (layer, q, k_ctx, v_ctx, context_start) -> out. Named by shape, not imported: sparse builds
+# on this module.
+SparsePrefill = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 log = logging.getLogger(__name__)
 
@@ -275,3 +283,48 @@ def _cudnn_lse(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
     o, lse = out[0], out[1]
     return o, lse.reshape(q.shape[:3]).float()
+
+
+def decode_impl(name: str, device: torch.device):
+    """'auto': the Triton kernel on CUDA, PyTorch's fused attention over gathered pages
+    elsewhere; 'torch' is the plain reference (the test oracle)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "sdpa"
+    if name == "triton":
+        return paged_decode.paged_decode_attention
+    if name == "sdpa":
+        return paged_decode.paged_decode_attention_sdpa
+    if name == "torch":
+        return paged_decode.paged_decode_attention_ref
+    raise ValueError(f"decode attention {name!r}: choose auto, triton, sdpa or torch")
+
+
+def prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, context_start: int,
+                      sparse: SparsePrefill | None = None, layer: int = 0) -> torch.Tensor:
+    """Causal SDPA of a prefill chunk against its request's context, on the device's fastest
+    SDPA kernel (``choose_backend`` above: cuDNN on Hopper, else flash, the
+    math kernel on the CPU).
+
+    q: [n, H, D] at positions context_start .. context_start + n - 1;
+    k_ctx, v_ctx: [Hkv, context_start + n, D] (positions 0 ..). Returns [n, H, D].
+    ``sparse``: block-sparse prefill instead (``sparse.prefill``), with ``layer``'s budgets.
+    """
+    if sparse is not None:
+        return sparse(layer, q, k_ctx, v_ctx, context_start)
+    return dense_causal_attention(q, k_ctx, v_ctx, context_start)
+
+
+def chunk_causal_mask(n: int, context_start: int, device: torch.device):
+    """The mask of a chunk's n queries at positions context_start .. against keys 0 .. end-1.
+
+    Query i sees keys 0 .. context_start + i: causal, aligned to the lower right of the
+    [n, end] scores. On CUDA it is a ``CausalBias``, with which SDPA keeps its flash kernel
+    (a materialised mask would send it to a kernel that holds [H, n, end] scores: 32 GiB at
+    a 2K chunk of a 128K context); elsewhere the boolean [n, end] mask itself. Dense prefill
+    builds its own (``dense_causal_attention``); this is the oracle of tests.
+    """
+    end = context_start + n
+    if device.type == "cuda":
+        return causal_lower_right(n, end)
+    q_pos = torch.arange(context_start, end, device=device)
+    return torch.arange(end, device=device)[None, :] <= q_pos[:, None]  # [n, end]

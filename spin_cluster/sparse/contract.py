@@ -89,28 +89,11 @@ def _index_dtype(value: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
-_REGISTRY: dict[str, type[SparseAlgorithm]] = {}
+# Filled by ``@register`` as each algorithm's module is imported (``spin_cluster.sparse`` imports
+# the built-in ones); looked up by name through ``spin_cluster.sparse.get_algorithm``.
+REGISTRY: dict[str, type[SparseAlgorithm]] = {}
 
 
 def register(cls: type[SparseAlgorithm]) -> type[SparseAlgorithm]:
-    _REGISTRY[cls.name] = cls
+    REGISTRY[cls.name] = cls
     return cls
-
-
-def registered_algorithms() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
-
-
-def get_algorithm(name: str) -> type[SparseAlgorithm]:
-    _load_builtins()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown sparse algorithm {name!r}; choose one of {', '.join(sorted(_REGISTRY))}"
-        ) from None
-
-
-def _load_builtins() -> None:
-    import spin_cluster.sparse  # noqa: F401  (registers the built-in algorithms)

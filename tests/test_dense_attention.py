@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from spin_cluster.engine import dense_prefill
-from spin_cluster.engine.dense_prefill import (
+from spin_cluster import dense_attention
+from spin_cluster.dense_attention import (
     DenseBackend,
     Kernel,
     backend_rule,
@@ -13,7 +13,7 @@ from spin_cluster.engine.dense_prefill import (
     dense_causal_attention,
     reference_attention,
 )
-from spin_cluster.engine.paged_attention import prefill_attention
+from spin_cluster.dense_attention import prefill_attention
 
 BF16, F32 = torch.bfloat16, torch.float32
 HOPPER, AMPERE = (9, 0), (8, 0)
@@ -83,14 +83,14 @@ def test_cudnn_chunk_merges_context_and_causal_square_by_log_sum_exp(monkeypatch
             raise RuntimeError("No available kernel")
         return _explicit(q, k, v, causal)
 
-    monkeypatch.setattr(dense_prefill, "_cudnn_lse", fake_lse)
+    monkeypatch.setattr(dense_attention, "_cudnn_lse", fake_lse)
     q, k, v = _qkv(70, 29)
     want = reference_attention(q, k, v, 29)
     expanded = Kernel("cudnn", True)
     got = dense_causal_attention(q, k, v, 29, DenseBackend(expanded, expanded))
     assert torch.allclose(got, want, atol=1e-5)
     # Native GQA refused at run time: the chunk runs on the fallback (here SDPA's own CPU kernel).
-    monkeypatch.setitem(dense_prefill._SDP, "flash", torch.nn.attention.SDPBackend.MATH)
+    monkeypatch.setitem(dense_attention._SDP, "flash", torch.nn.attention.SDPBackend.MATH)
     got = dense_causal_attention(q, k, v, 29, DenseBackend.of("cudnn"))
     assert torch.allclose(got, want, atol=1e-5)
 
@@ -105,11 +105,11 @@ def test_probe_keeps_the_first_form_that_matches(monkeypatch):
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return o if context_start == 0 else o + 1  # a broken chunk form
 
-    monkeypatch.setattr(dense_prefill, "_cudnn_chunk", fake_chunk)
-    got = dense_prefill.probe_cudnn(torch.device("cpu"), F32, 4, 2, 16)
+    monkeypatch.setattr(dense_attention, "_cudnn_chunk", fake_chunk)
+    got = dense_attention.probe_cudnn(torch.device("cpu"), F32, 4, 2, 16)
     assert got == DenseBackend(Kernel("cudnn", True), Kernel("flash"))
-    monkeypatch.setattr(dense_prefill, "_cudnn_chunk", lambda *a: (_ for _ in ()).throw(RuntimeError("no")))
-    assert dense_prefill.probe_cudnn(torch.device("cpu"), F32, 4, 2, 16) is None
+    monkeypatch.setattr(dense_attention, "_cudnn_chunk", lambda *a: (_ for _ in ()).throw(RuntimeError("no")))
+    assert dense_attention.probe_cudnn(torch.device("cpu"), F32, 4, 2, 16) is None
 
 
 # ---- GPU: the engine's prefill attention on the chosen kernel ----------------------------------
@@ -135,7 +135,7 @@ def test_engine_prefill_runs_on_the_chosen_backend_and_matches_flash(cs):
     q = torch.randn(n, 32, 128, device=dev, dtype=BF16, generator=g)
     k = torch.randn(8, cs + n, 128, device=dev, dtype=BF16, generator=g)
     v = torch.randn(8, cs + n, 128, device=dev, dtype=BF16, generator=g)
-    chosen = dense_prefill.device_backend(dev, BF16, 32, 8, 128)
+    chosen = dense_attention.device_backend(dev, BF16, 32, 8, 128)
     print(f"dense prefill backend on {torch.cuda.get_device_name()}: {chosen}")
     if torch.cuda.get_device_capability() >= HOPPER:
         assert chosen.for_chunk(cs).name == "cudnn", chosen
@@ -163,6 +163,6 @@ def test_the_environment_overrides_the_rule(monkeypatch):
                        override="cudnn")
     monkeypatch.setenv("SPIN_DENSE_PREFILL", "math")
     with pytest.raises(ValueError, match="choose one of"):
-        dense_prefill.device_backend(torch.device("cpu"), F32, 4, 2, 16)
+        dense_attention.device_backend(torch.device("cpu"), F32, 4, 2, 16)
     monkeypatch.setenv("SPIN_DENSE_PREFILL", "default")
-    assert dense_prefill.device_backend(torch.device("cpu"), F32, 4, 2, 16) == DenseBackend.of("default")
+    assert dense_attention.device_backend(torch.device("cpu"), F32, 4, 2, 16) == DenseBackend.of("default")
