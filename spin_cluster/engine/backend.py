@@ -9,21 +9,52 @@ graphs of decode-only steps when the backend's step can be captured::
     spin    the offloaded cache: Offload, Index, Select, Retrieve, Attention
             (``spin_attention.SpinAttention``)
 
-Head-parallel ranks wrap one of these (``spin_cluster.parallel.attention``).
+A KV cache names its backend (``KVCache.attention_backend``); ``backend_class`` resolves the
+name, importing the backend's module only when it is first chosen (no registration by import
+side effect), and ``build`` makes one over a built cache from the ``BackendParts`` the cache
+builder gathered. Head-parallel ranks wrap one of these (``spin_cluster.parallel.attention``).
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-_BACKENDS: dict[str, type["AttentionBackend"]] = {}
+if TYPE_CHECKING:
+    from spin_cluster.config import SparseConfig
+    from spin_cluster.dense_attention import SparsePrefill
+    from spin_cluster.sparse import SparseAlgorithm
+
+# name -> the class, or "module:Class" until first chosen.
+_BACKENDS: dict[str, Any] = {
+    "paged": "spin_cluster.engine.paged_attention:PagedAttention",
+    "spin": "spin_cluster.engine.spin_attention:SpinAttention",
+}
+
+
+@dataclass(frozen=True)
+class BackendParts:
+    """What a backend is built from besides its cache; each backend takes what it needs."""
+
+    sparse: SparseConfig
+    max_model_len: int
+    decode_attention: str = "auto"  # ``dense_attention.decode_impl``'s names
+    algorithm: SparseAlgorithm | None = None  # the sparse algorithm (the offloaded cache's)
+    prefill: SparsePrefill | None = None  # block-sparse prefill; None: dense
 
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
+
+    @classmethod
+    def build(cls, kv, parts: BackendParts) -> AttentionBackend:
+        """This backend over the cache ``kv``; a backend that only wraps another (a
+        head-parallel rank's) is built by its owner instead."""
+        raise TypeError(f"attention backend {cls.__name__} is not built from a cache")
 
     @abstractmethod
     def row(self, request_id: str) -> int:
@@ -46,6 +77,7 @@ class AttentionBackend(ABC):
 
 
 def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Add a backend beside the built-in ones (a cache names it by ``cls.name``)."""
     _BACKENDS[cls.name] = cls
     return cls
 
@@ -53,4 +85,8 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 def backend_class(name: str) -> type[AttentionBackend]:
     if name not in _BACKENDS:
         raise ValueError(f"no attention backend {name!r}; registered: {', '.join(sorted(_BACKENDS))}")
-    return _BACKENDS[name]
+    target = _BACKENDS[name]
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        target = _BACKENDS[name] = getattr(importlib.import_module(module), attr)
+    return target

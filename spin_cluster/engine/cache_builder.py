@@ -1,22 +1,26 @@
 """Sizing and building the KV cache and its attention backend from the config.
 
-    cache.offload = false   GPU-only pages (KVCacheManager + PagedAttention), dense only;
-                            prefix caching with cache.enable_prefix_caching
-    cache.offload = true    Spin: host tier + GPU buffer (OffloadedKVManager + SpinAttention),
-                            any registered sparse algorithm; no prefix caching
+The config names the cache (``cache_kind``); the cache kind's factory sizes and builds it;
+the cache names its backend (``KVCache.attention_backend``), which ``backend_class`` finds::
+
+    kind       cache.offload  cache (its backend)                 notes
+    paged      false          KVCacheManager (PagedAttention)     dense only; prefix caching
+                                                                  with cache.enable_prefix_caching
+    offloaded  true           OffloadedKVManager (SpinAttention)  Spin: host tier + GPU buffer,
+                                                                  any registered sparse algorithm
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 
 import torch
 
 from spin_cluster.config import SpinConfig
-from spin_cluster.engine.backend import backend_class
-from spin_cluster.engine.paged_attention import PagedAttention  # noqa: F401  (registers "paged")
-from spin_cluster.engine.spin_attention import max_middle_pages  # (and registers "spin")
+from spin_cluster.engine.backend import BackendParts, backend_class
+from spin_cluster.engine.spin_attention import max_middle_pages
 from spin_cluster.kvcache.host_tier import HostTier
 from spin_cluster.kvcache.manager import KVCacheManager
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
@@ -34,6 +38,11 @@ _GPU_KV_FRACTION = 0.85
 _MAX_SHARE = 2**15 - 1
 
 
+def cache_kind(config: SpinConfig) -> str:
+    """The name of the KV cache the config asks for (a key of ``CACHE_KINDS``)."""
+    return "offloaded" if config.cache.offload else "paged"
+
+
 def build_cache(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
                 max_model_len: int, decode_attention: str = "auto"):
     """Returns (kv manager, attention backend)."""
@@ -44,22 +53,27 @@ def build_cache(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, device:
             f"sparse.budget={config.sparse.budget} tokens is larger than the context "
             f"(max_model_len={max_model_len}); lower it or give a fraction in (0, 1)"
         )
-    if not config.cache.offload:
-        if algorithm_cls.name != "dense":
-            raise ValueError(
-                f"sparse.algorithm={algorithm_cls.name!r} runs on the offloaded cache: set cache.offload=true"
-            )
-        kv = KVCacheManager(
-            num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            page_size=config.cache.page_size, num_pages=num_gpu_pages(config, mc, dtype, device, max_model_len),
-            max_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
+    parts = BackendParts(config.sparse, max_model_len, decode_attention, prefill=_sparse_prefill(config, mc, device))
+    kv, parts = CACHE_KINDS[cache_kind(config)](config, mc, dtype, device, parts, algorithm_cls)
+    return kv, backend_class(kv.attention_backend).build(kv, parts)
+
+
+def _build_paged(config, mc, dtype, device, parts: BackendParts, algorithm_cls):
+    if algorithm_cls.name != "dense":
+        raise ValueError(
+            f"sparse.algorithm={algorithm_cls.name!r} runs on the offloaded cache: set cache.offload=true"
         )
-        return kv, backend_class("paged")(kv, decode_attention, _sparse_prefill(config, mc, device))
-    return _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, decode_attention)
+    kv = KVCacheManager(
+        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        page_size=config.cache.page_size, num_pages=num_gpu_pages(config, mc, dtype, device, parts.max_model_len),
+        max_seqs=config.scheduler.max_num_seqs, max_model_len=parts.max_model_len, dtype=dtype, device=device,
+        enable_prefix_caching=config.cache.enable_prefix_caching,
+    )
+    return kv, parts
 
 
-def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, decode_attention):
+def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_cls):
+    max_model_len = parts.max_model_len
     cc, sc, S = config.cache, config.scheduler, config.cache.page_size
     max_pages = -(-max_model_len // S)
     algorithm = _make_algorithm(
@@ -108,8 +122,12 @@ def _build_offloaded(config, mc, dtype, device, max_model_len, algorithm_cls, de
         num_buckets=cc.lru_buckets, elastic_shares=cc.elastic_shares, reuse=cc.buffer_reuse,
         head_widths=widths, head_mandatory=head_mandatory,
     )
-    return kv, backend_class("spin")(kv, algorithm, config.sparse, max_model_len, decode_attention,
-                                     _sparse_prefill(config, mc, device))
+    return kv, dataclasses.replace(parts, algorithm=algorithm)
+
+
+# A cache kind's factory: (config, model shape, dtype, device, parts, algorithm class) ->
+# (the cache, the parts its backend is built from).
+CACHE_KINDS = {"paged": _build_paged, "offloaded": _build_offloaded}
 
 
 def _sparse_prefill(config: SpinConfig, mc: ModelConfig, device: torch.device) -> BlockSparsePrefill | None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from spin_cluster.dense_attention import decode_impl, prefill_attention
-from spin_cluster.engine.backend import register_backend
+from spin_cluster.engine.backend import BackendParts
 from spin_cluster.engine.cuda_graphs import PaddedCapture
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import cpu_native, paged_decode
@@ -100,9 +100,12 @@ class DecodeBuffers:
         self.slot_mapping[:, B:padded].fill_(self.scratch_slot)
 
 
-@register_backend
 class PagedAttention(PaddedCapture):
     name = "paged"
+
+    @classmethod
+    def build(cls, kv: KVCacheManager, parts: BackendParts) -> PagedAttention:
+        return cls(kv, parts.decode_attention, parts.prefill)
 
     def __init__(self, kv: KVCacheManager, decode: str = "auto", prefill: BlockSparsePrefill | None = None) -> None:
         self.kv = kv

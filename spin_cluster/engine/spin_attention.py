@@ -26,7 +26,7 @@ import torch
 
 from spin_cluster.config import SparseConfig
 from spin_cluster.dense_attention import decode_impl, prefill_attention
-from spin_cluster.engine.backend import register_backend
+from spin_cluster.engine.backend import BackendParts
 from spin_cluster.engine.cuda_graphs import PlannedCapture
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kernels import lookup_epilogue
@@ -69,9 +69,12 @@ class SpinStepPlan:
     dense_decode: tuple[SpinPrefill, ...] = ()
 
 
-@register_backend
 class SpinAttention(PlannedCapture):
     name = "spin"
+
+    @classmethod
+    def build(cls, kv: OffloadedKVManager, parts: BackendParts) -> SpinAttention:
+        return cls(kv, parts.algorithm, parts.sparse, parts.max_model_len, parts.decode_attention, parts.prefill)
 
     def __init__(self, kv: OffloadedKVManager, algorithm: SparseAlgorithm, sparse: SparseConfig,
                  max_model_len: int, decode: str = "auto", prefill: BlockSparsePrefill | None = None) -> None:

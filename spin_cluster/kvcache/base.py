@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from spin_cluster.kvcache.buffer import GpuBuffer
@@ -39,6 +39,9 @@ NO_PREFIX = PrefixHit()
 
 
 class KVCache(ABC):
+    # The attention backend that reads this cache, by its registered name
+    # (``spin_cluster.engine.backend``).
+    attention_backend: ClassVar[str]
     page_size: int
     num_layers: int
     num_kv_heads: int

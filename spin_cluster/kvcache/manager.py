@@ -23,6 +23,8 @@ from spin_cluster.kvcache.prefix_cache import ChainKey, PrefixCache
 
 
 class KVCacheManager(KVCache):
+    attention_backend = "paged"
+
     def __init__(
         self,
         *,

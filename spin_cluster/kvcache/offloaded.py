@@ -22,6 +22,8 @@ from spin_cluster.kvcache.host_tier import HostTier
 
 
 class OffloadedKVManager(KVCache):
+    attention_backend = "spin"
+
     def __init__(
         self,
         *,

@@ -22,12 +22,17 @@ from collections.abc import Sequence
 
 import torch
 
+from spin_cluster.config import SpinConfig
 from spin_cluster.engine.backend import AttentionBackend
+from spin_cluster.engine.cache_builder import gpu_budget_bytes, num_gpu_pages
 from spin_cluster.engine.cuda_graphs import PlannedCapture
 from spin_cluster.engine.paged_attention import PagedAttention, StepPlan
 from spin_cluster.engine.scheduler import ScheduledChunk
+from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.kernels import paged_decode
-from spin_cluster.parallel.group import all_gather_floats
+from spin_cluster.kvcache.page_pool import PagePool
+from spin_cluster.models import ModelConfig
+from spin_cluster.parallel.group import all_gather_floats, all_reduce_min
 from spin_cluster.parallel.timing import LayerTimer
 
 
@@ -35,6 +40,18 @@ class _RankBackend(AttentionBackend):
     """What both rank backends share: the wrapped backend's step, the per-layer timing of this
     rank's attention, and the all-gather of every rank's times at the end of the step.
     Subclasses attend in ``_attend``; a layer where the rank owns no head is skipped."""
+
+    @classmethod
+    def rank_cache(cls, config: SpinConfig, mc: ModelConfig, placement: HeadPlacement, rank: int, dtype: torch.dtype,
+                   device: torch.device, max_model_len: int, group=None) -> tuple[SpinConfig, ModelConfig]:
+        """The config and model shape rank ``rank``'s own cache is built from
+        (``build_cache``), of the same capacity on every rank (a collective over ``group``)."""
+        raise NotImplementedError
+
+    @classmethod
+    def over(cls, inner, kv_heads: Sequence[Sequence[int]], mc: ModelConfig, group=None) -> _RankBackend:
+        """This wrapper around ``inner``, the backend built over ``rank_cache``'s cache."""
+        raise NotImplementedError
 
     def __init__(self, inner, num_layers: int, group=None) -> None:
         self.inner = inner
@@ -86,6 +103,23 @@ class _RankBackend(AttentionBackend):
 
 
 class HeadParallelAttention(_RankBackend):
+    @classmethod
+    def rank_cache(cls, config, mc, placement, rank, dtype, device, max_model_len, group=None):
+        """A one-layer paged cache with one column per owned (layer, KV head), holding the
+        same number of token pages as every other rank's (the smallest)."""
+        columns = sum(len(h) for h in placement.kv_heads_of(rank))
+        rank_mc = dataclasses.replace(mc, num_layers=1, num_kv_heads=columns)
+        pages = num_gpu_pages(config, rank_mc, dtype, device, max_model_len)
+        token_pages = all_reduce_min(pages // columns, group)
+        page_bytes = PagePool.bytes_per_page(config.cache.page_size, rank_mc.head_dim, dtype)
+        # An exact binary fraction: the builder gets back exactly token_pages * columns pages.
+        gib = token_pages * columns * page_bytes / 2**30
+        return config.replace(cache={"kv_cache_gib": gib}), rank_mc
+
+    @classmethod
+    def over(cls, inner, kv_heads, mc, group=None):
+        return cls(inner, kv_heads, group)
+
     def __init__(self, inner: PagedAttention, kv_heads: Sequence[Sequence[int]], group=None) -> None:
         starts = [0]
         for heads in kv_heads:
@@ -149,6 +183,25 @@ class HeadParallelSpinAttention(_RankBackend, PlannedCapture):
 
     capture_error_mode = "thread_local"  # the NCCL watchdog thread polls events meanwhile
 
+    @classmethod
+    def rank_cache(cls, config, mc, placement, rank, dtype, device, max_model_len, group=None):
+        """The offloaded cache over W padded head columns per layer, the same shape and size
+        on every rank."""
+        width = max(len(heads) for r in range(placement.num_ranks) for heads in placement.kv_heads_of(r))
+        kv_heads = placement.kv_heads_of(rank)
+        rank_mc = dataclasses.replace(mc, num_kv_heads=width, num_heads=width * mc.num_kv_groups)
+        sparse = {}
+        if config.sparse.per_head_budgets is not None:
+            rows = config.sparse.per_head_budgets
+            sparse["per_head_budgets"] = [[rows[layer][h] for h in heads] + [0] * (width - len(heads))
+                                          for layer, heads in enumerate(kv_heads)]
+        gpu_bytes = all_reduce_min(int(gpu_budget_bytes(config, device)), group)
+        return config.replace(cache={"kv_cache_gib": gpu_bytes / 2**30}, sparse=sparse), rank_mc
+
+    @classmethod
+    def over(cls, inner, kv_heads, mc, group=None):
+        return cls(inner, kv_heads, inner.kv.num_kv_heads, mc.num_kv_groups, group)
+
     def __init__(self, inner, kv_heads: Sequence[Sequence[int]], width: int, num_kv_groups: int, group=None) -> None:
         if inner.kv.num_kv_heads != width or inner.kv.num_layers != len(kv_heads):
             raise ValueError(f"the cache must have {len(kv_heads)} layers of {width} head columns")
@@ -199,3 +252,7 @@ class HeadParallelSpinAttention(_RankBackend, PlannedCapture):
             v = torch.nn.functional.pad(v, (0, 0, 0, pad))
         out = self.inner.forward(layer_id, q, k, v)
         return out[:, : n * self.num_kv_groups] if pad else out
+
+
+# The head-parallel wrapper of each cache kind (``cache_builder.cache_kind``).
+RANK_BACKENDS: dict[str, type[_RankBackend]] = {"paged": HeadParallelAttention, "offloaded": HeadParallelSpinAttention}

@@ -22,20 +22,17 @@ heads share a budget) and block-sparse prefill are refused with a ValueError for
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 
 import torch
 import torch.distributed as dist
 
 from spin_cluster.config import SpinConfig
-from spin_cluster.engine.cache_builder import build_cache, gpu_budget_bytes, num_gpu_pages
+from spin_cluster.engine.cache_builder import build_cache, cache_kind
 from spin_cluster.engine.engine import Engine
 from spin_cluster.hplb.placement import HeadPlacement, head_costs, place_heads
-from spin_cluster.kvcache.page_pool import PagePool
 from spin_cluster.models import ModelConfig
-from spin_cluster.parallel.attention import HeadParallelAttention, HeadParallelSpinAttention
-from spin_cluster.parallel.group import all_reduce_min
+from spin_cluster.parallel.attention import RANK_BACKENDS
 from spin_cluster.parallel.shard import shard_attention, shard_mlp
 from spin_cluster.parallel.timing import bubble_seconds
 
@@ -122,40 +119,13 @@ class HeadParallelEngine(Engine):
         return shard_mlp(model, self.rank, self.num_ranks, self.group)
 
     def _build_cache(self, decode_attention: str):
-        if self.config.cache.offload:
-            return self._build_spin_cache(decode_attention)
-        return self._build_paged_cache(decode_attention)
-
-    def _build_spin_cache(self, decode_attention: str):
-        """The offloaded Spin cache over W padded head columns per layer (see
-        ``HeadParallelSpinAttention``), the same shape and size on every rank."""
-        mc, p = self.model.config, self.placement
-        width = max(len(heads) for r in range(self.num_ranks) for heads in p.kv_heads_of(r))
-        rank_mc = dataclasses.replace(mc, num_kv_heads=width, num_heads=width * mc.num_kv_groups)
-        sparse = {}
-        if self.config.sparse.per_head_budgets is not None:
-            rows = self.config.sparse.per_head_budgets
-            sparse["per_head_budgets"] = [[rows[layer][h] for h in heads] + [0] * (width - len(heads))
-                                          for layer, heads in enumerate(self.kv_heads)]
-        gpu_bytes = all_reduce_min(int(gpu_budget_bytes(self.config, self.device)), self.group)
-        config = self.config.replace(cache={"kv_cache_gib": gpu_bytes / 2**30}, sparse=sparse)
-        kv, spin = build_cache(config, rank_mc, self.dtype, self.device, self.max_model_len, decode_attention)
-        self.attention = HeadParallelSpinAttention(spin, self.kv_heads, width, mc.num_kv_groups, self.group)
-        return kv, self.attention
-
-    def _build_paged_cache(self, decode_attention: str):
-        """A one-layer paged cache with one column per owned (layer, KV head), holding the
-        same number of token pages as every other rank's (the smallest)."""
-        columns = sum(len(h) for h in self.kv_heads)
-        rank_mc = dataclasses.replace(self.model.config, num_layers=1, num_kv_heads=columns)
-        pages = num_gpu_pages(self.config, rank_mc, self.dtype, self.device, self.max_model_len)
-        token_pages = all_reduce_min(pages // columns, self.group)
-        page_bytes = PagePool.bytes_per_page(self.config.cache.page_size, rank_mc.head_dim, self.dtype)
-        # An exact binary fraction: the builder gets back exactly token_pages * columns pages.
-        gib = token_pages * columns * page_bytes / 2**30
-        config = self.config.replace(cache={"kv_cache_gib": gib})
-        kv, paged = build_cache(config, rank_mc, self.dtype, self.device, self.max_model_len, decode_attention)
-        self.attention = HeadParallelAttention(paged, self.kv_heads, self.group)
+        """The cache kind's rank wrapper sizes this rank's cache (the same capacity on every
+        rank), the builder builds it and its backend, and the wrapper wraps that backend."""
+        rank_backend = RANK_BACKENDS[cache_kind(self.config)]
+        config, rank_mc = rank_backend.rank_cache(self.config, self.model.config, self.placement, self.rank,
+                                                  self.dtype, self.device, self.max_model_len, self.group)
+        kv, inner = build_cache(config, rank_mc, self.dtype, self.device, self.max_model_len, decode_attention)
+        self.attention = rank_backend.over(inner, self.kv_heads, self.model.config, self.group)
         return kv, self.attention
 
     def release_cuda_graphs(self) -> None:
