@@ -100,10 +100,11 @@ class PlanConfig:
 
 @dataclass(frozen=True)
 class HeadPlan:
-    """budgets: [L][Hkv] middle budgets in tokens (or units) that the placement balanced.
+    """budgets: [L][Hkv] middle budgets in tokens (a needs table's units), >= 0; the placement
+    balanced their costs (the first ``dense_layers`` layers' at the whole context).
     per_head: whether they are per-head budgets (shifted by a profile, or given) rather than
     the uniform budget, so that an engine takes them as ``sparse.per_head_budgets``.
-    placement: each (layer, KV head)'s rank."""
+    placement: each (layer, KV head)'s rank; makespan and imbalance are its cost model's."""
 
     budgets: Budgets
     per_head: bool
