@@ -19,10 +19,9 @@ from collections import Counter
 
 from spin_cluster.deployments.messages import ClusterStats, EnginePlan, EngineReport
 from spin_cluster.deployments.settings import AppConfig
-from spin_cluster.hplb.budget import maxmin_budgets
+from spin_cluster.hplb import PlanConfig, plan_heads
 from spin_cluster.hplb.profile import load_profile
 from spin_cluster.models.config import ModelConfig
-from spin_cluster.parallel.engine import default_placement
 from spin_cluster.sparse import get_algorithm
 
 
@@ -50,17 +49,15 @@ class ClusterPlanner:
         spin, serve = self._config.spin, self._config.serve
         model_path = spin.model.resolved_path()
         mc = ModelConfig.from_folder(model_path)
+        profile = None
         if serve.hplb_profile and not get_algorithm(spin.sparse.algorithm).selects_all:
             profile = load_profile(serve.hplb_profile, model_path=model_path)
-            unit = profile.page_size
-            uniform = spin.sparse.budget_tokens(spin.model.max_model_len or mc.max_position_embeddings)
-            uniform = max(unit, uniform // unit * unit)  # budgets are counted in whole pages
-            budgets = maxmin_budgets(profile, uniform * mc.num_layers * mc.num_kv_heads,
-                                     floor_tokens=int(serve.hplb_floor_fraction * uniform))
-            spin = spin.replace(sparse={"per_head_budgets": budgets})
-        placement = default_placement(spin, mc, self._config.ranks_per_engine(mc.num_kv_heads))
-        return EnginePlan(sparse=dataclasses.asdict(spin.sparse), head_placement=placement.to_rank_heads(),
-                          imbalance=placement.imbalance)
+        # The uniform budget and the floor rounded down to whole pages (the uniform to one at least).
+        config = PlanConfig.from_spin(spin, mc, floor_fraction=serve.hplb_floor_fraction, rounding="down")
+        plan = plan_heads(profile, config, self._config.ranks_per_engine(mc.num_kv_heads))
+        sparse = spin.replace(sparse=plan.sparse_options()).sparse
+        return EnginePlan(sparse=dataclasses.asdict(sparse), head_placement=plan.placement.to_rank_heads(),
+                          imbalance=plan.imbalance)
 
     # ---- engines ------------------------------------------------------------------------
 

@@ -27,7 +27,6 @@ total (the uniform budget times the number of (layer, KV head) pairs):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -145,17 +144,18 @@ def budget_mode_options(method: Method, context_tokens: int, *, page_size: int, 
         return {"top_p": top_p}
     if method.budget_mode != "maxmin":
         return {}
-    from spin_cluster.hplb.budget import maxmin_budgets
+    from spin_cluster.hplb import PlanConfig, plan_heads
 
     if profile is None:
         raise ValueError("budget mode 'maxmin' needs a head profile: `spin-cluster profile --out F`, then --profile F")
     if profile.page_size != page_size:
         raise ValueError(f"the head profile counts pages of {profile.page_size} tokens, the run {page_size}: "
                          f"profile again with the run's page size")
-    uniform = -(-method.budget_tokens(context_tokens) // page_size) * page_size  # whole pages, as Select takes them
-    total = uniform * profile.num_layers * profile.num_kv_heads
-    floor = math.ceil(floor_fraction * uniform)
-    return {"per_head_budgets": maxmin_budgets(profile, total, floor, context_tokens=context_tokens)}
+    # The uniform budget in whole pages, rounded up as Select takes them; read at this length.
+    config = PlanConfig(num_layers=profile.num_layers, num_kv_heads=profile.num_kv_heads,
+                        context_tokens=context_tokens, budget_tokens=method.budget_tokens(context_tokens),
+                        unit_tokens=page_size, floor_fraction=floor_fraction, profile_context_tokens=context_tokens)
+    return plan_heads(profile, config).sparse_options()
 
 
 def _algorithm(name: str):

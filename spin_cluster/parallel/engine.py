@@ -30,7 +30,8 @@ import torch.distributed as dist
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.cache_builder import build_cache, cache_kind
 from spin_cluster.engine.engine import Engine
-from spin_cluster.hplb.placement import HeadPlacement, head_costs, place_heads
+from spin_cluster.hplb.placement import HeadPlacement
+from spin_cluster.hplb.plan import PlanConfig, plan_heads
 from spin_cluster.models import ModelConfig
 from spin_cluster.parallel.attention import RANK_BACKENDS
 from spin_cluster.parallel.shard import shard_attention, shard_mlp
@@ -42,22 +43,7 @@ def default_placement(config: SpinConfig, mc: ModelConfig, num_ranks: int, metho
     else ``sparse.budget`` for every head (uniform costs: the contiguous split). On the
     offloaded cache, whose rank width is the most heads a rank owns in a layer, greedy gives
     every rank at most the contiguous split's ceil(Hkv / R) heads per layer."""
-    sp = config.sparse
-    context = config.model.max_model_len or mc.max_position_embeddings
-    budgets = sp.per_head_budgets or [[sp.budget_tokens(context)] * mc.num_kv_heads] * mc.num_layers
-    if len(budgets) != mc.num_layers or any(len(row) != mc.num_kv_heads for row in budgets):
-        raise ValueError(
-            f"sparse.per_head_budgets must be [{mc.num_layers}][{mc.num_kv_heads}] (layers x KV heads) for this model"
-        )
-    # Dense layers (sparse.dense_layers) read the whole context whatever their budgets say.
-    budgets = [[context] * mc.num_kv_heads if layer < sp.dense_layers else list(row)
-               for layer, row in enumerate(budgets)]
-    costs = head_costs(
-        budgets, sink_tokens=sp.sink_tokens, local_tokens=sp.local_tokens,
-        num_kv_groups=mc.num_kv_groups, context_tokens=context,
-    )
-    max_heads = -(-mc.num_kv_heads // num_ranks) if config.cache.offload else None
-    return place_heads(costs, num_ranks, method, max_heads)
+    return plan_heads(None, PlanConfig.from_spin(config, mc, method=method), num_ranks).placement
 
 
 class HeadParallelEngine(Engine):

@@ -35,6 +35,8 @@ import torch
 
 from spin_cluster.config import SparsePrefillConfig
 from spin_cluster.dense_attention import dense_causal_attention
+from spin_cluster.hplb import PlanConfig, plan_heads
+from spin_cluster.hplb.profile import load_profile
 from spin_cluster.kernels.block_sparse_prefill import (
     block_sparse_prefill,
     block_sparse_prefill_ref,
@@ -201,21 +203,20 @@ def select_blocks(masses: torch.Tensor, budgets: torch.Tensor, context_start: in
 def shifted_budgets(needs: Sequence[Sequence[float]], mean_fraction: float, resolution: int = 1000) -> list[list[float]]:
     """S-HPLB per-head fractions: ``mean_fraction`` on average, shifted from heads that need
     few middle blocks to heads that need many by max-min water-filling
-    (``spin_cluster.hplb.budget.maxmin_budgets``), in steps of 1/resolution. needs: [L][Hkv]
+    (``spin_cluster.hplb.plan_heads`` on the needs), in steps of 1/resolution. needs: [L][Hkv]
     fractions (0..1) of the middle blocks each head needs."""
-    from spin_cluster.hplb.budget import maxmin_budgets
-
+    # Fractions as whole units of a context of ``resolution``: needs, and the uniform budget
+    # whose total is shifted, become token counts there.
     units = [[max(1, round(f * resolution)) for f in row] for row in needs]
-    num_heads = sum(len(row) for row in units)
-    shares = maxmin_budgets(units, round(mean_fraction * resolution) * num_heads, unit_tokens=1)
+    config = PlanConfig(num_layers=len(units), num_kv_heads=len(units[0]) if units else 0, context_tokens=resolution,
+                        budget_tokens=round(mean_fraction * resolution), unit_tokens=1)
+    shares = plan_heads(units, config).budgets
     return [[min(u, resolution - 1) / resolution for u in row] for row in shares]
 
 
 def profile_budgets(config: SparsePrefillConfig) -> list[list[float]]:
     """``per_head`` budgets from ``config.profile``: its heads' need fractions at
     ``config.coverage``, shifted around the mean ``config.budget``."""
-    from spin_cluster.hplb.profile import load_profile
-
     needs = load_profile(config.profile).need_fractions(config.coverage)
     return shifted_budgets(needs.tolist(), config.budget)
 
