@@ -15,10 +15,11 @@ def script_path(name: str) -> Path:
 
 
 def run(name: str, argv: list[str]) -> int:
-    """Run benchmark ``name`` as ``python benchmarks/<script> argv...`` would, in this process."""
+    """Run benchmark ``name`` as ``python benchmarks/<script> [its registered argv] argv...`` would, in
+    this process."""
     path = script_path(name)
     saved_argv, saved_path = sys.argv, list(sys.path)
-    sys.argv = [str(path), *argv]
+    sys.argv = [str(path), *BENCHMARKS[name].argv, *argv]
     sys.path.insert(0, str(path.parent))
     try:
         runpy.run_path(str(path), run_name="__main__")

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from spin_cluster.bench import BENCHMARKS
-from spin_cluster.bench.harness import help_text
+from spin_cluster.bench.harness import help_text, run
 from spin_cluster.bench.paths import benchmarks_dir
 from spin_cluster.bench.index import render, result_files
 
@@ -26,6 +26,14 @@ def test_every_benchmark_script_exists_and_every_script_is_registered():
     assert all((benchmarks_dir() / s).is_file() for s in scripts)
     mains = {p.name for p in benchmarks_dir().glob("*.py") if "__main__" in p.read_text()}
     assert mains <= scripts, f"benchmarks with no bench subcommand: {sorted(mains - scripts)}"
+
+
+def test_retrieve_runs_the_retrieve_part_of_memory(capsys):
+    # memory.py measures Retrieve (retrieve_pages) first and eviction second; the alias skips the
+    # eviction part. --metadata-only runs on the CPU and still parses the alias's own argument.
+    assert (BENCHMARKS["retrieve"].script, BENCHMARKS["retrieve"].argv) == ("memory.py", ("--skip-eviction",))
+    assert run("retrieve", ["--metadata-only"]) == 0
+    assert "Page-table metadata" in capsys.readouterr().out
 
 
 def test_results_index_is_current_and_lists_every_file():
