@@ -10,7 +10,9 @@ documented commands, the shell wrappers and ``spin-cluster bench`` all run the s
 benchmark is copied. The registry below is the one list of benchmarks: the CLI's help, the tests
 and the results index all read it.
 
-Results are written through ``spin_cluster.provenance.write_json`` (commit, command, GPU, date).
+The flags the scripts share (model, tokenizer, attention shape, Select and budget, device, --out)
+come from ``spin_cluster.bench.args``; results are written through
+``spin_cluster.provenance.write_json`` (commit, command, GPU, date).
 """
 
 from __future__ import annotations

@@ -41,3 +41,13 @@ def test_results_index_is_current_and_lists_every_file():
     assert readme == render(ROOT), "stale: run spin-cluster bench index"
     for rel in result_files(ROOT / "benchmarks" / "results"):
         assert f"[{rel}]({rel})" in readme
+
+
+def test_the_shared_shape_defaults_are_llama_31_8b():
+    from spin_cluster.bench.args import LLAMA_31_8B_ATTENTION
+    from spin_cluster.models.shapes import LLAMA_31_8B
+
+    assert LLAMA_31_8B_ATTENTION == {"layers": LLAMA_31_8B["num_hidden_layers"],
+                                     "heads": LLAMA_31_8B["num_attention_heads"],
+                                     "kv_heads": LLAMA_31_8B["num_key_value_heads"],
+                                     "head_dim": LLAMA_31_8B["head_dim"]}
