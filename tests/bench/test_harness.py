@@ -8,7 +8,7 @@ from pathlib import Path
 from spin_cluster.bench import BENCHMARKS
 from spin_cluster.bench.harness import help_text, run
 from spin_cluster.bench.paths import benchmarks_dir
-from spin_cluster.bench.index import render, result_files
+from spin_cluster.bench.index import render, result_files, rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,3 +51,21 @@ def test_the_shared_shape_defaults_are_llama_31_8b():
                                      "heads": LLAMA_31_8B["num_attention_heads"],
                                      "kv_heads": LLAMA_31_8B["num_key_value_heads"],
                                      "head_dim": LLAMA_31_8B["head_dim"]}
+
+
+def test_index_reads_abbreviated_names_and_lists_the_uncited(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("")
+    (tmp_path / "docs" / "a.md").write_text(
+        "Results `2026-12-01-h200-eq-128k-e2e.json`, `-eq-32k-e2e.json` and `-check.log`; then\n"
+        "`benchmarks/results/t/2026-12-02-cpu-vs-xeon.{json,md}` and `-run.log`, `...-cpu-ours-40s.json`.\n")
+    names = ["2026-12-01-h200-eq-128k-e2e.json", "2026-12-01-h200-eq-32k-e2e.json", "2026-12-01-h200-check.log",
+             "2026-12-02-cpu-vs-xeon.json", "2026-12-02-cpu-vs-xeon-run.log", "2026-12-02-cpu-ours-40s.json",
+             "2026-12-02-cpu-other.log"]
+    (tmp_path / "benchmarks" / "results" / "t").mkdir(parents=True)
+    for name in names:
+        (tmp_path / "benchmarks" / "results" / "t" / name).write_text("x")
+    cited = {r["file"]: r["docs"] for r in rows(tmp_path)}
+    assert [f for f, docs in cited.items() if not docs] == ["t/2026-12-02-cpu-other.log"]
+    text = render(tmp_path)
+    assert text.endswith("* [t/2026-12-02-cpu-other.log](t/2026-12-02-cpu-other.log): names no commit\n")
