@@ -6,11 +6,13 @@ its name, default and meaning in every script (benchmarks/gpu_*.sh call them by 
     model     --model DIR                   a checkpoint folder; model_path() resolves the default
     tokenizer --tokenizer DIR               tokenizer files for a shape-only model folder
     shape     --heads --kv-heads --head-dim [--layers] --page-size: attention shapes, Llama-3.1-8B's
-    sparse    --algorithm NAME, --budget N  the Select and its middle-token budget
+    sparse    --algorithm NAME, --budget N  the Select and its middle-token budget (tokens; the
+                                            prefill benchmarks' --budget, a block fraction, stays theirs)
     device    --device NAME
     out       --out JSON [--md MD] (save() writes it), or --out DIR for several files
 
 Every JSON result goes through ``spin_cluster.provenance.write_json`` (commit, command, GPU, date).
+An app config (cpu_serving.py's --ours-config YAML) is one script's flag and stays there.
 """
 
 from __future__ import annotations
