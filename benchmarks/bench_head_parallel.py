@@ -28,6 +28,8 @@ import statistics
 import sys
 import time
 
+from spin_cluster.bench.args import add_budget_tokens, add_out, add_tokenizer, save
+
 # --tiny: Llama-3.1-8B's config (spin_cluster.models.shapes) with these fields replaced.
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 8,
         "num_key_value_heads": 4, "head_dim": 8, "vocab_size": 49152, "max_position_embeddings": 4096,
@@ -42,18 +44,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=131072, help="prompt tokens per request")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed")
-    ap.add_argument("--budget", type=int, default=2048, help="mean middle tokens per head (S-HPLB shifted)")
+    add_budget_tokens(ap, help="mean middle tokens per KV head (S-HPLB shifted)")
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="float32 makes the token check exact: bf16 logits of random weights are near ties")
     ap.add_argument("--max-batched-tokens", type=int, default=65536, help="prefill chunk (tokens per step)")
     ap.add_argument("--gpu-kv-gib", type=float, default=24.0)
     ap.add_argument("--host-kv-gib", type=float, default=40.0)
-    ap.add_argument("--tokenizer", default=None, metavar="DIR", help="folder with tokenizer.json (default: the default model's)")
+    add_tokenizer(ap)
     ap.add_argument("--timeout-s", type=float, default=480.0,
                     help="per configuration, counted once every rank has started")
-    ap.add_argument("--out", default=None, metavar="JSON")
-    ap.add_argument("--md", default=None, metavar="MD")
+    add_out(ap, md=True)
     args = ap.parse_args(argv)
     if args.tiny:
         args.ranks = [r for r in args.ranks if r <= 2] or [1, 2]
@@ -243,10 +244,7 @@ def _write(result: dict, args) -> str:
         for n in sorted({n for n, _ in by}) if (n, "contiguous") in by and (n, "greedy") in by
     }
     table = markdown(result)
-    if args.out:
-        from spin_cluster.provenance import write_json
-
-        write_json(args.out, result)
+    save(args, result)
     if args.md:
         with open(args.md, "w") as f:
             f.write(table)

@@ -43,10 +43,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from spin_cluster.bench.args import add_device, add_out, add_shape, save
 from spin_cluster.hplb.placement import HeadPlacement, contiguous_placement, greedy_placement, head_costs
 from spin_cluster.kernels import paged_decode
 from spin_cluster.parallel.timing import bubble_ratio
-from spin_cluster.provenance import write_json
 
 
 def synthetic_budgets(num_layers: int, num_kv_heads: int, sigma: float, seed: int) -> np.ndarray:
@@ -216,11 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--batch", type=int, default=32, help="decode requests B")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--page-size", type=int, default=16)
+    add_shape(ap, page_size=16, layers=True)
     ap.add_argument("--sink", type=int, default=16)
     ap.add_argument("--local", type=int, default=64)
     ap.add_argument("--mean-budget", type=int, default=2048, help="mean middle budget per KV head, tokens")
@@ -233,9 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--copies", type=int, default=4)
     ap.add_argument("--splits", choices=("ragged", "default"), default="ragged",
                     help="flash-decoding splits: sized by the group's total work, or the kernel's default")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--md", default=None)
+    add_device(ap, default="cuda")
+    add_out(ap, md=True)
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -327,8 +322,7 @@ def _report(result: dict, args) -> None:
     if args.md:
         with open(args.md, "w") as f:
             f.write(text + "\n")
-    if args.out:
-        write_json(args.out, result)
+    save(args, result)
 
 
 if __name__ == "__main__":

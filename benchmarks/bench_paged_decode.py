@@ -1,7 +1,7 @@
 """Benchmark paged decode attention on a GPU (not a test).
 
     python benchmarks/bench_paged_decode.py [--batches 1 32] [--contexts 8192 32768 131072]
-                                            [--contiguous-pages] [--no-ref] [--sweep]
+                                            [--contiguous-pages] [--no-ref] [--sweep] [--out JSON]
 
 For each batch size B and context length T (every request holds T tokens), with
 H=32, Hkv=8, D=128, page size 16, bf16, times with ``triton.testing.do_bench`` (median):
@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # a source checkout without the package installed: last, after an installed one
+    sys.path.append(_ROOT)
+from spin_cluster.bench.args import add_out, add_shape, save  # noqa: E402
 
 
 def _import_paged_decode():
@@ -62,10 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--page-size", type=int, default=16)
+    add_shape(ap, page_size=16)
     ap.add_argument("--contiguous-pages", action="store_true")
     ap.add_argument("--no-ref", action="store_true", help="skip the (slow) torch reference")
     ap.add_argument("--num-splits", type=int, default=None, help="override the heuristic")
@@ -75,6 +76,7 @@ def main() -> None:
         help="instead of the table, time the kernel (in a CUDA graph) over block_n x num_warps "
         "x num_stages x num_splits for each (B, ctx) and print the best settings",
     )
+    add_out(ap, help="write the table's rows (or the sweep's best settings) as JSON here")
     args = ap.parse_args()
 
     import torch
@@ -103,6 +105,9 @@ def main() -> None:
     )
     print(hdr)
     print("-" * len(hdr))
+    result = {"gpu": props.name, "sms": props.multi_processor_count, "heads": H, "kv_heads": Hkv, "head_dim": D,
+              "page_size": S, "dtype": "bfloat16", "pages": "contiguous" if args.contiguous_pages else "shuffled",
+              "rows": [], "sweeps": []}
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
@@ -155,10 +160,10 @@ def main() -> None:
                 return F.scaled_dot_product_attention(q_sdpa, k_dense, v_dense)
 
             if args.sweep:
-                sweep(
+                result["sweeps"].append(sweep(
                     pd, bench_graph, nbytes, B, T, splits,
                     q, k_pages, v_pages, block_tables, seq_lens, out,
-                )
+                ))
                 del k_dense, v_dense, k_pages, v_pages, block_tables, out
                 torch.cuda.empty_cache()
                 continue
@@ -189,11 +194,18 @@ def main() -> None:
                 f"{err_ref:10.2e} {err_sdpa:11.2e}",
                 flush=True,
             )
+            result["rows"].append({
+                "batch": B, "context": T, "num_splits": splits, "kv_bytes": nbytes, "kernel_us": t_kernel,
+                "graph_us": t_graph, "ref_us": t_ref, "sdpa_us": t_sdpa,
+                "max_err_ref": None if math.isnan(err_ref) else err_ref,
+                "max_err_sdpa": None if math.isnan(err_sdpa) else err_sdpa,
+            })
             del k_dense, v_dense, k_pages, v_pages, block_tables, out
             torch.cuda.empty_cache()
+    save(args, result)
 
 
-def sweep(pd, bench, nbytes, B, T, splits, q, k_pages, v_pages, block_tables, seq_lens, out):
+def sweep(pd, bench, nbytes, B, T, splits, q, k_pages, v_pages, block_tables, seq_lens, out) -> dict:
     results = []
     split_opts = sorted({max(1, splits // 2), splits, splits * 2})
     for block_n in (32, 64, 128):
@@ -221,6 +233,8 @@ def sweep(pd, bench, nbytes, B, T, splits, q, k_pages, v_pages, block_tables, se
     for us, kw in results[:5]:
         print(f"    {us:9.1f} us {nbytes / (us * 1e-6) / 1e9:6.0f} GB/s  {kw}")
     print(f"    worst {results[-1][0]:.1f} us {results[-1][1]}", flush=True)
+    return {"batch": B, "context": T, "default_us": default,
+            "best": [{"us": us, **kw} for us, kw in results[:5]], "worst": {"us": results[-1][0], **results[-1][1]}}
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e  # noqa: E402  (same folder)
 
+from spin_cluster.bench.args import add_budget_tokens, add_out_folder, write_result  # noqa: E402
+
 
 def decode_width(pages: int) -> int:
     """``SpinAttention.decode_pages``' rounding: up to an eighth of the page count's power of two."""
@@ -29,10 +31,10 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--budget", type=int, default=2048, help="mean middle tokens per head")
+    add_budget_tokens(ap)
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16, 32])
-    ap.add_argument("--out", default=".")
+    add_out_folder(ap)
     args = ap.parse_args(argv)
     e2e._import_package()
     import torch
@@ -40,7 +42,6 @@ def main(argv=None) -> dict:
 
     from spin_cluster.hplb.budget import synthetic_maxmin_budgets
     from spin_cluster.kernels.page_select import SPLIT_CHUNK, select_ragged, split_chunk
-    from spin_cluster.provenance import write_json
 
     S, hkv, B = args.page_size, 8, args.batch
     results = []
@@ -65,8 +66,7 @@ def main(argv=None) -> dict:
                                 "auto": split_chunk(P, width) == chunk})
                 print(f"| {P} | {name} | {int(budgets.max())} | {kernel} | {w or '-'} | {us:.1f} |", flush=True)
     out = {"context": args.context, "batch": B, "gpu": torch.cuda.get_device_name(), "rows": results}
-    os.makedirs(args.out, exist_ok=True)
-    write_json(os.path.join(args.out, "bench_select.json"), out)
+    write_result(os.path.join(args.out, "bench_select.json"), out)
     return out
 
 

@@ -29,19 +29,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from spin_cluster.bench.args import add_algorithm, add_budget_tokens, add_out, add_shape, save
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, default=131072)
-    ap.add_argument("--budget", type=int, default=2048, help="middle tokens per KV head")
-    ap.add_argument("--algorithm", default="quest", choices=["quest", "labels"], help="the Select to time")
+    add_budget_tokens(ap, help="middle tokens per KV head")
+    add_algorithm(ap, help="the Select to time")
     ap.add_argument("--sink-tokens", type=int, default=16)
     ap.add_argument("--local-tokens", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    add_shape(ap, page_size=16)
+    add_out(ap)
     args = ap.parse_args()
 
     import torch
@@ -53,7 +52,6 @@ def main() -> None:
         sys.exit("bench_sparse_decode needs a CUDA GPU")
     from spin_cluster.kernels.paged_decode import paged_decode_attention
     from spin_cluster.sparse import SelectPlan, get_algorithm, select_pages
-    from spin_cluster.provenance import write_json
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -170,8 +168,7 @@ def main() -> None:
                   f"{attn_gbs:9.0f} {100 * row['attention_of_copy']:5.0f}%", flush=True)
         del k_dense, v_dense, k_pages, v_pages, alg, sel
         torch.cuda.empty_cache()
-    if args.out:
-        write_json(args.out, results)
+    save(args, results)
 
 
 if __name__ == "__main__":

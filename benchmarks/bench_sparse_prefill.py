@@ -47,6 +47,9 @@ import time
 from tqdm.auto import tqdm
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # a source checkout without the package installed: last, after an installed one
+    sys.path.append(_ROOT)
+from spin_cluster.bench.args import add_device, add_out, save  # noqa: E402
 H, HKV, D = 32, 8, 128
 
 
@@ -464,9 +467,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--tasks", nargs="+", default=None, help="accuracy: RULER-style tasks (default: all)")
-    ap.add_argument("--device", default="auto")
+    add_device(ap, default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--out", default=None, metavar="JSON")
+    add_out(ap)
     args = ap.parse_args()
     defaults = {"dense": ([32768, 131072], 0.125, 128), "kernel": ([32768, 65536, 131072], 0.125, 128),
                 "accuracy": ([4096, 8192], 0.2, 64)}[args.what]
@@ -475,10 +478,7 @@ def main() -> None:
     args.block_size = args.block_size or defaults[2]
     _import_package()
     result = {"dense": run_dense, "kernel": run_kernel, "accuracy": run_accuracy}[args.what](args)
-    if args.out:
-        from spin_cluster.provenance import write_json
-
-        write_json(args.out, result)
+    save(args, result)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import json
 import pydoc
 import time
 
+from spin_cluster.bench.args import add_device, add_model, add_out, model_path, save
+
 PAGE, SINK, LOCAL, BUDGET, MAX_SHARE = 16, 16, 64, 128, 64
 MANDATORY = SINK // PAGE + BUDGET // PAGE + LOCAL // PAGE  # pages a head selects per step
 
@@ -69,14 +71,11 @@ def run(model: str, device: str, columns_per_head: int, elastic: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default=None)
+    add_model(ap)
+    add_device(ap, default="cpu")
+    add_out(ap)
     a = ap.parse_args()
-    from spin_cluster.model_store import prepare_default_model
-    from spin_cluster.provenance import write_json
-
-    model = a.model or str(prepare_default_model())
+    model = model_path(a)
     rows = []
     for cols in (8 * MANDATORY, 8 * 2 * MANDATORY, 8 * MAX_SHARE):
         for elastic in (True, False):
@@ -89,8 +88,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['columns_per_head']} | {'elastic' if r['elastic'] else 'fixed'} | {r['peak_running']} | "
               f"{r['hit_ratio']:.1%} | {r['retrieved_mib']:.1f} | {r['wall_s']:.1f} |")
-    if a.out:
-        write_json(a.out, rows, indent=2)
+    save(a, rows, indent=2)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e  # noqa: E402  (same folder: the package import and the toy shape)
 
+from spin_cluster.bench.args import add_device, add_out, add_tokenizer, save  # noqa: E402
+
 SHAPE = {**e2e.TINY, "num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 4, "head_dim": 32}
 
 
@@ -48,9 +50,10 @@ def engines(device: str, folder: str, max_len: int) -> dict[str, dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tokenizer", default=None)
+    add_device(ap, default="cuda")
+    add_tokenizer(ap)
     ap.add_argument("--max-tokens", type=int, default=24)
+    add_out(ap, help="write each engine's outcome as JSON here")
     args = ap.parse_args(argv)
     e2e._import_package()
     from spin_cluster.config import SpinConfig
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
     folder = shape_folder({**LLAMA_31_8B, **SHAPE}, max_len, args.tokenizer, prefix="check-model-")
     prompts = [[1000 + (31 * i + 7 * j) % 20000 for j in range(n)] for i, n in enumerate((150, 97, 211))]
     params = [SamplingParams(temperature=0, max_tokens=args.max_tokens - d, ignore_eos=True) for d in (0, 5, 11)]
-    tokens, failed = {}, False
+    tokens, failed, result = {}, False, {}
     for name, cfg in engines(args.device, folder, max_len).items():
         engine = Engine(SpinConfig.from_dict(cfg), progress=False)
         tokens[name] = [o.token_ids for o in engine.generate(prompts, params)]
@@ -69,9 +72,13 @@ def main(argv=None) -> int:
         stats = engine.last_stats
         same = tokens[name] == tokens["plain"]
         failed |= not same
+        result[name] = {"same_tokens": same, "pipelined_steps": engine.num_pipelined_steps,
+                        "buffer_hits": stats.buffer_hits_total, "buffer_lookups": stats.buffer_lookups_total}
         print(f"{name}: {'same tokens as the plain loop' if same else 'TOKENS DIFFER'}; pipelined steps "
               f"{engine.num_pipelined_steps}; buffer hits {stats.buffer_hits_total} of {stats.buffer_lookups_total} "
               f"lookups", flush=True)
+    save(args, {"device": args.device, "max_tokens": args.max_tokens, "engines": result,
+                "reference_tokens": tokens["plain"]})
     return 1 if failed else 0
 
 

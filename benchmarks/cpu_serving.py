@@ -32,6 +32,8 @@ from pathlib import Path
 
 import httpx
 
+from spin_cluster.bench.args import add_model, add_out_folder, model_path, write_result
+
 _ROOT = Path(__file__).resolve().parent.parent
 # (prompt tokens, concurrent streams)
 LEVELS = [(512, 1), (512, 4), (512, 16), (2048, 4)]
@@ -178,7 +180,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--guidellm-venv", default=str(_ROOT / ".peers" / "guidellm"))
     ap.add_argument("--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: one core kept for its API)")
     ap.add_argument("--ours-config", default=None, help="ours: an app config (default: the bundled default)")
-    ap.add_argument("--model", default=None, help="ours: a model folder (default: the prepared default model)")
+    add_model(ap, help="ours: a model folder (default: the prepared default model)")
     ap.add_argument("--model-dir", default=None, help="the model folder vLLM serves and guidellm tokenizes with "
                                                       "(default: the prepared default model)")
     ap.add_argument("--runs", type=int, default=3)
@@ -189,12 +191,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--levels", type=int, nargs="+", default=None, metavar="I",
                     help="indices into the levels (default: all): " + ", ".join(level_name(*lv) for lv in LEVELS))
     ap.add_argument("--ready-timeout-s", type=float, default=600.0, help="vLLM compiles its graphs at start-up")
-    ap.add_argument("--out", default=".")
+    add_out_folder(ap)
     args = ap.parse_args(argv)
     if args.model_dir is None:
-        from spin_cluster.model_store import prepare_default_model
-
-        args.model_dir = str(args.model or prepare_default_model())
+        args.model_dir = model_path(args)
     levels = [LEVELS[i] for i in args.levels] if args.levels else LEVELS
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -219,11 +219,9 @@ def main(argv=None) -> dict:
                 stop(proc)
                 log.close()
     summary = summarize(results)
-    from spin_cluster.provenance import write_json
-
     report = {"levels": [level_name(*lv) for lv in levels], "output_tokens": OUTPUT_TOKENS, "seconds": args.seconds, "long_seconds": args.long_seconds,
               "runs": args.runs, "vllm_bind": args.vllm_bind, "results": results, "summary": summary}
-    write_json(out / "cpu_serving.json", report)
+    write_result(str(out / "cpu_serving.json"), report)
     table = markdown(summary, args.systems, report["levels"])
     (out / "cpu_serving.md").write_text(table)
     plot(summary, args.systems, report["levels"], out / "cpu_serving.png")

@@ -37,10 +37,13 @@ import statistics
 import sys
 import time
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # a source checkout without the package installed: last, after an installed one
+    sys.path.append(_ROOT)
 import e2e_report  # noqa: E402  (same folder: the tables and the plot)
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from spin_cluster.bench.args import add_algorithm, add_budget_tokens, add_out_folder, add_tokenizer  # noqa: E402
 MODES = ("dense", "dense-offload", "sparse-no-buffer", "spin")
 
 # --tiny: Llama-3.1-8B's config (spin_cluster.models.shapes) with these fields replaced.
@@ -74,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--online-output-tokens", type=int, default=64)
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="wall time for all measurements (default 480; 60 with --tiny)")
-    ap.add_argument("--out", default=".")
+    add_out_folder(ap)
     args = ap.parse_args(argv)
     if args.tiny:
         args.gpu_kv_gib, args.host_kv_gib = 0.002, 0.05
@@ -91,9 +94,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ``profile_step.py`` so that a profile runs the engine the end-to-end run measures."""
     ap.add_argument("--gpu-kv-gib", type=float, default=24.0, help="GPU KV capacity of every mode (pages / buffer)")
     ap.add_argument("--host-kv-gib", type=float, default=72.0, help="host tier of the offloaded modes")
-    ap.add_argument("--budget", type=int, default=2048, help="sparse modes: mean middle tokens per head")
-    ap.add_argument("--algorithm", default="quest", choices=["quest", "labels"],
-                    help="sparse modes' Select (graph-safe algorithms)")
+    add_budget_tokens(ap, help="sparse modes: mean middle tokens per KV head")
+    add_algorithm(ap, help="sparse modes' Select (graph-safe algorithms)")
     ap.add_argument("--resident-margin", type=float, default=0.0,
                     help="spin: sparse.resident_margin, Select's hysteresis in nats (0: off)")
     ap.add_argument("--per-head-shares", action="store_true",
@@ -109,8 +111,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=65536,
                     help="prefill chunk size: a 128K prompt in two chunks (later chunks of an offloaded "
                          "request gather its earlier context from the host tier in every layer)")
-    ap.add_argument("--tokenizer", default=None, metavar="DIR",
-                    help="folder with tokenizer.json (default: the prepared default model's)")
+    add_tokenizer(ap)
     ap.add_argument("--async-decode", choices=["auto", "on", "off"], default="auto",
                     help="scheduler.async_decode: pipelined decode steps (auto: on with CUDA)")
 

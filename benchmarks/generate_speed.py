@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from spin_cluster.bench.args import add_model, add_out, save
+
 
 def _sync() -> None:
     if torch.cuda.is_available():
@@ -103,12 +105,12 @@ def bench_transformers(model: str, batch_sizes: list[int], new_tokens: int, pref
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    add_model(ap, required=True)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=None)
+    add_out(ap)
     a = ap.parse_args()
     ours = bench_engine(a.model, a.batch, a.new_tokens, a.prefill_len, a.reps)
     theirs = bench_transformers(a.model, a.batch, a.new_tokens, a.prefill_len, a.reps)
@@ -117,10 +119,7 @@ def main() -> None:
     print(f"{'metric':32s} {'spin-cluster':>14s} {'transformers':>14s} {'ratio':>7s}")
     for name, x, y in rows:
         print(f"{name:32s} {x:14.1f} {y:14.1f} {x / y:7.2f}")
-    if a.out:
-        from spin_cluster.provenance import write_json
-
-        write_json(a.out, {"args": vars(a), "spin_cluster": ours, "transformers": theirs}, indent=2)
+    save(a, {"args": vars(a), "spin_cluster": ours, "transformers": theirs}, indent=2)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,10 @@ import sys
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # a source checkout without the package installed: last, after an installed one
+    sys.path.append(_ROOT)
+from spin_cluster.bench.args import add_out, save  # noqa: E402
+
 HEAD_DIM = 128
 GATHER_FRACTION = 0.25
 EVICT_FRACTION = 0.10
@@ -324,8 +328,7 @@ def metadata_table(rows):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
-    ap.add_argument("--md", default=None, help="write markdown tables here")
+    add_out(ap, md=True)
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--host-gib", type=float, default=2.0, help="pinned host pool, K+V")
     ap.add_argument("--memcpy-pages", type=int, default=2000)
@@ -351,7 +354,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/memory.py needs a CUDA GPU")
     retrieve, lru = _import_modules()
-    from spin_cluster.provenance import write_json
 
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -379,8 +381,7 @@ def main() -> None:
         lines += ["## Eviction: 10% of the slots", ""] + eviction_table(result["eviction"])
     text = "\n".join(lines) + "\n"
     print("\n" + text)
-    if args.out:
-        write_json(args.out, result, indent=2)
+    save(args, result, indent=2)
     if args.md:
         with open(args.md, "w") as f:
             f.write(text)

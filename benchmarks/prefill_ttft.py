@@ -31,6 +31,8 @@ import time
 
 from bench_sparse_prefill import D, H, HKV, _import_package, _sync, _tokens
 
+from spin_cluster.bench.args import add_out, add_tokenizer, save
+
 
 def _engine(folder: str, longest: int, layers: int, prefill: dict, chunk: int | None, on_gpu: bool):
     from spin_cluster.config import SpinConfig
@@ -180,7 +182,7 @@ def main() -> None:
     ap.add_argument("--stride", type=int, default=16, help="estimate stride (query group of the strided estimate)")
     ap.add_argument("--estimator", default="strided", choices=["strided", "antidiagonal", "pooled"])
     ap.add_argument("--layers", type=int, default=32, help="decoder layers (fewer for a smoke run)")
-    ap.add_argument("--tokenizer", default=None, help="folder of tokenizer files (default: the default model's)")
+    add_tokenizer(ap)
     ap.add_argument("--runs", type=int, default=3, help="timed prompts per length of dense and block-sparse (median)")
     ap.add_argument("--ref-runs", type=int, default=1,
                     help="timed prompts of the reference dense variants (chunked, flash); 0 leaves them out")
@@ -188,14 +190,10 @@ def main() -> None:
     ap.add_argument("--warm-lengths", action=argparse.BooleanOptionalAction, default=True,
                     help="one untimed sparse prompt per length first (the kernel tunes once per size class)")
     ap.add_argument("--profile", action="store_true", help="kernel time of one longest prompt, dense and sparse")
-    ap.add_argument("--out", default=None, metavar="JSON")
+    add_out(ap)
     args = ap.parse_args()
     _import_package()
-    result = run(args)
-    if args.out:
-        from spin_cluster.provenance import write_json
-
-        write_json(args.out, result)
+    save(args, run(args))
 
 
 if __name__ == "__main__":

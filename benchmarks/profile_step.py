@@ -22,6 +22,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e  # noqa: E402  (same folder: the modes and the model folder)
 
+from spin_cluster.bench.args import add_out_folder, write_result  # noqa: E402
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -32,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=25, help="kernels listed")
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--out", default=".")
+    add_out_folder(ap)
     e2e.add_engine_args(ap)  # the engine's settings, as e2e.py
     args = ap.parse_args(argv)
     if args.tiny:
@@ -51,7 +53,6 @@ def main(argv=None) -> dict:
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import Engine, SamplingParams
     from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
-    from spin_cluster.provenance import write_json
 
     shape = {**LLAMA_31_8B, **e2e.TINY} if args.tiny else LLAMA_31_8B
     total = args.warmup + args.steps + 4  # the profiled and the eager step still decode
@@ -176,8 +177,7 @@ def main(argv=None) -> dict:
         "hit_ratio": (engine.last_stats.buffer_hits_total / engine.last_stats.buffer_lookups_total
                       if engine.last_stats.buffer_lookups_total else None),
     }
-    os.makedirs(args.out, exist_ok=True)
-    write_json(os.path.join(args.out, f"profile-{args.mode}-{args.context}.json"), result)
+    write_result(os.path.join(args.out, f"profile-{args.mode}-{args.context}.json"), result)
     print(f"{args.mode} context {args.context} batch {batch} on {result['gpu']}: step {1e3 * result['step_s_median']:.2f} ms "
           f"as served (runner {1e3 * result['runner_s_median']:.2f} ms{', launch only: pipelined' if piped else ''}, graphs: {result['graphs']}), "
           f"eager {1e3 * eager_s:.2f} ms; kernels of one eager step: {result['num_kernels']} taking "

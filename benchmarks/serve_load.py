@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from spin_cluster.bench.args import add_out, save
+
 
 @dataclass
 class RequestResult:
@@ -192,12 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_out(p, help="write the summary as JSON here")
     a = p.parse_args(argv)
     cfg = LoadConfig(url=a.url, model=a.model, api_key=a.api_key, clients=a.clients, requests=a.requests,
                      max_tokens=a.max_tokens, prompt=a.prompt, chat=a.chat, ignore_eos=a.ignore_eos,
                      timeout_s=a.timeout)
     summary = asyncio.run(run_load(cfg))
     print(json.dumps(summary, indent=2) if a.json else format_summary(summary))
+    save(a, summary)
     return 0 if summary["errors"] == 0 else 1
 
 

@@ -18,6 +18,8 @@ import pydoc
 import statistics
 import time
 
+from spin_cluster.bench.args import add_model, add_out, model_path, save
+
 STOP = ("<|the end|>", "\n\nTHE END\n\n")
 BIN = 512
 
@@ -77,17 +79,15 @@ def per_bin_us(runs: list[list[float]]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="model folder (default: the prepared default model)")
+    add_model(ap)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=None)
+    add_out(ap)
     a = ap.parse_args()
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import Engine
-    from spin_cluster.model_store import prepare_default_model
-    from spin_cluster.provenance import write_json
 
-    model = a.model or str(prepare_default_model())
+    model = model_path(a)
     cfg = {"model": {"path": model, "device": "cpu", "dtype": "float32", "load_format": "dummy"}}
     engine = Engine(SpinConfig.from_dict(cfg), progress=False)
     ids = output_ids(engine.tokenizer, a.tokens)
@@ -102,9 +102,8 @@ def main() -> None:
     print(f"whole generation: {total_ms:.0f} ms; last bin / first bin: "
           f"_append_token {bins[-1]['median_us'] / bins[0]['median_us']:.2f}x, "
           f"text bookkeeping {text_bins[-1]['median_us'] / text_bins[0]['median_us']:.2f}x")
-    if a.out:
-        write_json(a.out, {"tokens": a.tokens, "stop": list(STOP), "repeats": a.repeats, "bins": bins,
-                           "text_bookkeeping_bins": text_bins, "total_ms": total_ms})
+    save(a, {"tokens": a.tokens, "stop": list(STOP), "repeats": a.repeats, "bins": bins,
+             "text_bookkeeping_bins": text_bins, "total_ms": total_ms})
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import sys
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from spin_cluster.config import SparseConfig
+from spin_cluster.provenance import write_json
 from spin_cluster.sparse import SelectPlan, get_algorithm, select_pages
 
 EDGE = -1  # rank of a needle page that is a sink or local page: always kept
@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="needle mass at which a head counts as copying the key (default 0.1)")
     p.add_argument("--max-steps", type=int, default=0, help="answer steps to diagnose (0: all)")
     p.add_argument("--rows", type=int, default=40, help="missed heads listed at most")
-    p.add_argument("--json", default=None, help="also write every (step, layer, head) row here")
+    p.add_argument("--json", default=None, help="also write every (step, layer, head) row here, with its provenance")
     return p
 
 
@@ -364,8 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(report(diag, args.needle_heads, args.rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(asdict(diag), f)
+        write_json(args.json, asdict(diag), indent=None)
     return 0
 
 

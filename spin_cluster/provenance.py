@@ -39,7 +39,7 @@ def commit() -> str:
     return _git_head() or env.commit_override() or "unknown"
 
 
-def write_json(path: str | Path, result: dict[str, Any] | list, indent: int = 1) -> None:
+def write_json(path: str | Path, result: dict[str, Any] | list, indent: int | None = 1) -> None:
     """``result`` (a list goes under "rows") and its provenance, as JSON at ``path``."""
     body = result if isinstance(result, dict) else {"rows": result}
     Path(path).write_text(json.dumps({"provenance": provenance(), **body}, indent=indent) + "\n")

@@ -10,7 +10,9 @@ documented commands, the shell wrappers and ``spin-cluster bench`` all run the s
 benchmark is copied. The registry below is the one list of benchmarks: the CLI's help, the tests
 and the results index all read it.
 
-Results are written through ``spin_cluster.provenance.write_json`` (commit, command, GPU, date).
+The flags the scripts share (model, tokenizer, attention shape, Select and budget, device, --out)
+come from ``spin_cluster.bench.args``; results are written through
+``spin_cluster.provenance.write_json`` (commit, command, GPU, date).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Benchmark:
     script: str  # file under benchmarks/
     help: str  # one line for spin-cluster bench --help
     results: str  # the topic folder under benchmarks/results/ its results go to
+    argv: tuple[str, ...] = ()  # arguments put before the caller's (an alias that runs part of a script)
 
 
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
@@ -34,7 +37,6 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
               "profiles"),
     Benchmark("select", "bench_select.py", "Select's top-k kernel alone at a decode step's shape", "select"),
     Benchmark("paged-decode", "bench_paged_decode.py", "paged decode attention kernel on a GPU", "decode"),
-    Benchmark("retrieve", "bench_paged_decode.py", "alias of paged-decode: retrieval over paged KV", "decode"),
     Benchmark("sparse-decode", "bench_sparse_decode.py", "sparse decode attention vs dense SDPA at long context",
               "decode"),
     Benchmark("sparse-prefill", "bench_sparse_prefill.py", "block-sparse prefill: kernels, makespan, TTFT, accuracy",
@@ -42,6 +44,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("prefill", "prefill_ttft.py", "time to first token of one long prompt through the engine", "prefill"),
     Benchmark("memory", "memory.py", "the memory-hierarchy mechanisms (offload, eviction, buffer) on a GPU",
               "memory"),
+    Benchmark("retrieve", "memory.py", "Retrieve alone: retrieve_pages over scattered pinned host pages (memory "
+              "--skip-eviction)", "memory", ("--skip-eviction",)),
     Benchmark("head-parallel", "bench_head_parallel.py", "head-parallel decode on the GPUs of one host",
               "head-parallel"),
     Benchmark("hplb-makespan", "bench_hplb_makespan.py", "attention makespan: contiguous vs greedy head placement",

@@ -15,18 +15,38 @@ def script_path(name: str) -> Path:
 
 
 def run(name: str, argv: list[str]) -> int:
-    """Run benchmark ``name`` as ``python benchmarks/<script> argv...`` would, in this process."""
+    """Run benchmark ``name`` as ``python benchmarks/<script> [its registered argv] argv...`` would, in
+    this process."""
     path = script_path(name)
     saved_argv, saved_path = sys.argv, list(sys.path)
-    sys.argv = [str(path), *argv]
+    sys.argv = [str(path), *BENCHMARKS[name].argv, *argv]
     sys.path.insert(0, str(path.parent))
     try:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return _exit_status(e)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     return 0
+
+
+def load(name: str) -> dict:
+    """Benchmark ``name``'s script as a module, not run: its functions by name (what tests call)."""
+    path = script_path(name)
+    saved_path = list(sys.path)
+    sys.path.insert(0, str(path.parent))
+    try:
+        return runpy.run_path(str(path), run_name=path.stem)
+    finally:
+        sys.path[:] = saved_path
+
+
+def _exit_status(e: SystemExit) -> int:
+    """``sys.exit(code)``'s status as the interpreter gives it: a message is printed and means 1."""
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)
+    return 1
 
 
 def help_text() -> str:

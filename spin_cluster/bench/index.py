@@ -2,11 +2,14 @@
 command (from the JSON's "provenance") and the docs that cite it.
 
     spin-cluster bench index          # rewrite benchmarks/results/README.md
-    spin-cluster bench index --check  # exit 1 when it is stale (tests/bench/test_results_index.py)
+    spin-cluster bench index --check  # exit 1 when it is stale (tests/bench/test_harness.py)
 
 A file counts as cited when a doc (docs/*.md, README.md) names its path under results/, brace
-lists and ``*`` included (``results/e2e/x.{json,log}``), or names the file bare (``2026-12-01-h200-x.json``, any folder), or names a file of the same run: same
-folder, same name up to the extension (the .log beside a cited .json).
+lists and ``*`` included (``results/e2e/x.{json,log}``), or names the file bare
+(``2026-12-01-h200-x.json``, any folder), or abbreviates it after a name as prose does
+(``2026-12-01-h200-a-b.json``, then ``-c.log`` or ``...-c.log``: a name that keeps a hyphen-cut
+head of the one before, its date at least), or names a file of the same run: same folder, same name up to the
+extension (the .log beside a cited .json).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from spin_cluster.bench.paths import benchmarks_dir
 
 _REF = re.compile(r"results/([\w.{},*/-]+)")
 _BARE = re.compile(r"(?<![\w/-])(\d{4}-\d\d-\d\d-[\w.{},*-]+)")  # a name without its folder
+# `-c.log` or `...-c.{json,md}` after a name: the tail of a name that keeps the earlier one's head.
+_ABBREV = re.compile(r"(?<![\w/.{},*-])(?:\.\.\.)?(-[\w.{},*-]+\.(?:\{[\w,]+\}|json|log|md|txt|png|\*))")
 _DATE = re.compile(r"^(\d{4}-\d\d-\d\d)")
 
 
@@ -46,10 +51,30 @@ def citations(root: Path) -> dict[str, set[str]]:
         for ref in _REF.findall(doc.read_text()):
             for pattern in _expand(ref.rstrip(".,")):
                 out.setdefault(pattern, set()).add(str(doc.relative_to(root)))
-        for ref in _BARE.findall(doc.read_text()):
-            for pattern in _expand(ref.rstrip(".,")):
+        for name in _bare_names(doc.read_text()):
+            for pattern in _expand(name):
                 out.setdefault("*/" + pattern, set()).add(str(doc.relative_to(root)))
     return out
+
+
+def _bare_names(text: str) -> list[str]:
+    """Bare names in ``text``, and each abbreviation as every name it may stand for: the name
+    before it (bare or the last part of a results/ path) cut at a hyphen
+    (``2026-12-01-h200-a-b.json`` -> ``2026-12-01``, ``2026-12-01-h200``, ... ``2026-12-01-h200-a-b``)
+    followed by the abbreviation."""
+    matches = sorted([*_REF.finditer(text), *_BARE.finditer(text), *_ABBREV.finditer(text)], key=lambda m: m.start())
+    names, last = [], None
+    for m in matches:
+        ref = m.group(1).rstrip(".,")
+        if m.re is _ABBREV:
+            if last is not None:
+                parts = re.sub(r"\.\w*$", "", last.split("{")[0]).split("-")
+                names += ["-".join(parts[:i]) + ref for i in range(3, len(parts) + 1)]
+            continue
+        last = ref.rsplit("/", 1)[-1]
+        if m.re is _BARE:
+            names.append(ref)
+    return names
 
 
 def rows(root: Path) -> list[dict]:
@@ -95,11 +120,19 @@ def render(root: Path) -> str:
              "Commit and command come from each JSON's `provenance`; **none** marks a result that names no "
              "commit; *uncited* marks a file no doc links to.", "",
              "| file | date | commit | command | cited by |", "|---|---|---|---|---|"]
-    for r in rows(root):
+    table = rows(root)
+    for r in table:
         commit = "**none**" if r["commit"] in ("none", "unknown") else f"`{r['commit']}`"
         cmd = f"`{r['command']}`".replace("|", "\\|") if r["command"] else ""
         docs = ", ".join(f"[{d}](../../{d})" for d in r["docs"]) or "*uncited*"
         lines.append(f"| [{r['file']}]({r['file']}) | {r['date']} | {commit} | {cmd} | {docs} |")
+    uncited = [r for r in table if not r["docs"]]
+    if uncited:
+        lines += ["", "## Uncited", "",
+                  "No doc cites these. Each is kept as the latest of its kind (a run's log or GPU record beside "
+                  "cited results); an uncited file that a later run replaced is removed instead.", ""]
+        lines += [f"* [{r['file']}]({r['file']})" + ("" if r["commit"] not in ("none", "unknown") else ": names no commit")
+                  for r in uncited]
     return "\n".join(lines) + "\n"
 
 

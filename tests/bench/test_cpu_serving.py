@@ -1,15 +1,14 @@
-"""benchmarks/cpu_serving.py without servers: guidellm's report read at the paths its 0.8.1
+"""spin-cluster bench cpu-serving without servers: guidellm's report read at the paths its 0.8.1
 JSON uses, and runs summarized as median and min-max (its figures are measured ones)."""
 
 import json
-import runpy
 import stat
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_serving.py"
+from spin_cluster.bench.harness import load
 # The shape of a guidellm 0.8.1 report, cut to what the benchmark reads (values from a real run).
 REPORT = {"benchmarks": [{"metrics": {
     "output_tokens_per_second": {"total": {"mean": 7.8}},
@@ -34,14 +33,14 @@ def _fake_guidellm(tmp_path: Path, report: dict | None, exit_code: int = 0) -> P
 
 
 def test_a_level_reads_guidellms_report(tmp_path):
-    bench = runpy.run_path(str(BENCH), run_name="cpu_serving")
+    bench = load("cpu-serving")
     args = SimpleNamespace(guidellm_venv=str(_fake_guidellm(tmp_path, REPORT)), model_dir="/models/m", seconds=5)
     row = bench["drive"](args, "http://127.0.0.1:1", "smollm2", 512, 4, tmp_path / "level.json")
     assert row == {"out_tok_s": 7.8, "itl_ms": 94.2, "ttft_ms": 545.2, "requests": 4, "errored": 0}
 
 
 def test_a_failing_level_names_guidellms_error(tmp_path):
-    bench = runpy.run_path(str(BENCH), run_name="cpu_serving")
+    bench = load("cpu-serving")
     args = SimpleNamespace(guidellm_venv=str(_fake_guidellm(tmp_path, None, exit_code=3)), model_dir="/m", seconds=5)
     with pytest.raises(RuntimeError, match="guidellm exited with 3: args: run --backend "
                                            "kind=openai_http,target=http://127.0.0.1:1,model=smollm2"):
@@ -49,7 +48,7 @@ def test_a_failing_level_names_guidellms_error(tmp_path):
 
 
 def test_runs_are_summarized_as_median_and_spread():
-    bench = runpy.run_path(str(BENCH), run_name="cpu_serving")
+    bench = load("cpu-serving")
     level = bench["level_name"](512, 4)
     assert level == "512 in, 4 streams" and bench["level_name"](512, 1) == "512 in, 1 stream"
     runs = [{"out_tok_s": v, "itl_ms": 100.0 + v, "ttft_ms": 500.0} for v in (10.0, 14.0, 12.0)]

@@ -1,24 +1,21 @@
-"""benchmarks/e2e.py at toy size on the CPU: every mode and workload runs and is reported
+"""spin-cluster bench e2e at toy size on the CPU: every mode and workload runs and is reported
 (its figures are GPU ones)."""
 
 import json
-import runpy
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e.py"
+from spin_cluster.bench.harness import load, run
 
 
 @pytest.mark.slow
 def test_e2e_tiny_runs_every_mode_and_workload(tmp_path):
-    bench = runpy.run_path(str(BENCH), run_name="e2e")
-    result = bench["main"](["--tiny", "--deadline-s", "600", "--out", str(tmp_path)])
+    assert run("e2e", ["--tiny", "--deadline-s", "600", "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "e2e.json").read_text())
-    assert saved["workloads"].keys() == result["workloads"].keys()
+    assert saved["provenance"]["commit"]
     assert len(saved["workloads"]) == 5  # two offline lengths, three rates
     for name, by_mode in saved["workloads"].items():
-        assert sorted(by_mode) == sorted(bench["MODES"]), name
+        assert sorted(by_mode) == sorted(load("e2e")["MODES"]), name
         for mode, r in by_mode.items():
             assert r["finished"] == r["requests"] == 3 and not r["truncated"], (name, mode)
             assert r["ttft_p99_s"] >= r["ttft_p50_s"] > 0 and r["tpot_p99_s"] >= r["tpot_p50_s"] > 0
@@ -31,13 +28,14 @@ def test_e2e_tiny_runs_every_mode_and_workload(tmp_path):
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path):
-    bench = runpy.run_path(str(BENCH), run_name="e2e")
-    with pytest.raises(SystemExit, match="unknown workload"):
-        bench["main"](["--tiny", "--workloads", "offline-1M", "--out", str(tmp_path)])
-    result = bench["main"](["--tiny", "--modes", "spin", "--workloads", "online-16rps", "--out", str(tmp_path),
-                            "--algorithm", "labels", "--resident-margin", "0.5", "--per-head-shares"])
+def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path, capsys):
+    assert run("e2e", ["--tiny", "--workloads", "offline-1M", "--out", str(tmp_path)]) == 1
+    assert "unknown workload" in capsys.readouterr().err
+    assert run("e2e", ["--tiny", "--modes", "spin", "--workloads", "online-16rps", "--out", str(tmp_path),
+                       "--algorithm", "labels", "--resident-margin", "0.5", "--per-head-shares"]) == 0
+    result = json.loads((tmp_path / "e2e.json").read_text())
     assert list(result["workloads"]) == ["online-16rps"] and list(result["workloads"]["online-16rps"]) == ["spin"]
+    bench = load("e2e")
     args = bench["parse_args"](["--tiny", "--resident-margin", "0.5"])
     assert bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["resident_margin"] == 0.5
     args = bench["parse_args"](["--tiny", "--per-head-shares", "--buffer-share", "4"])
@@ -48,7 +46,7 @@ def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path):
 def test_tpot_counts_requests_the_deadline_cut_off():
     from types import SimpleNamespace
 
-    bench = runpy.run_path(str(BENCH), run_name="e2e")
+    bench = load("e2e")
     RT = bench["RequestTimes"]
     engine = SimpleNamespace(last_stats=SimpleNamespace(buffer_hits_total=0, buffer_misses_total=0),
                              runner=SimpleNamespace(graphs=None))
@@ -61,7 +59,7 @@ def test_tpot_counts_requests_the_deadline_cut_off():
 
 
 def test_e2e_sparse_prefill_runs_the_sparse_modes_block_sparse(tmp_path):
-    bench = runpy.run_path(str(BENCH), run_name="e2e")
+    bench = load("e2e")
     shape = {"num_hidden_layers": 2, "num_key_value_heads": 2}
     args = bench["parse_args"](["--tiny", "--sparse-prefill", "0.25"])
     assert "prefill" not in bench["mode_config"]("dense", args, "m", 512, shape)["sparse"]
@@ -70,8 +68,8 @@ def test_e2e_sparse_prefill_runs_the_sparse_modes_block_sparse(tmp_path):
         assert prefill["algorithm"] == "block" and prefill["budgets"] == "per_head"
         fractions = [f for row in prefill["per_head_budgets"] for f in row]
         assert len(fractions) == 4 and abs(sum(fractions) / 4 - 0.25) < 0.01
-    result = bench["main"](["--tiny", "--modes", "spin", "--workloads", "offline-384", "--sparse-prefill", "0.25",
-                            "--out", str(tmp_path)])
-    r = result["workloads"]["offline-384"]["spin"]
+    assert run("e2e", ["--tiny", "--modes", "spin", "--workloads", "offline-384", "--sparse-prefill", "0.25",
+                       "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "e2e.json").read_text())["workloads"]["offline-384"]["spin"]
     assert r["finished"] == r["requests"] == 3 and not r["truncated"]
     assert "prefill block-sparse (0.25 of the blocks)" in (tmp_path / "e2e.md").read_text()
