@@ -23,7 +23,8 @@ Ray owns the followers' processes. Each actor's ``serve`` call runs for the acto
 life: it returns when rank 0 says "stop", and fails when the actor dies, so its ObjectRef
 is the liveness signal ``dead_followers`` polls (the health check). The actors are owned by
 the replica and live in its placement group: when the replica is gone (stopped, replaced, or
-killed), Ray ends them; ``shutdown`` kills them once they have stopped.
+killed), Ray ends them; ``shutdown`` kills them once they have stopped. A follower's logs
+(and the traceback of a failed call) are in Ray's worker logs of its actor.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.deployments.settings import rank_bundles
+from spin_cluster.engine.engine import resolve_device
 from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.parallel.serving import (
     DEFAULT_TIMEOUT_S,
@@ -53,7 +55,7 @@ from spin_cluster.parallel.serving import (
 logger = logging.getLogger(__name__)
 
 # Seconds ``stop`` waits for killed actors' calls to fail (the processes to be gone).
-_KILL_WAIT_S = 5.0
+_KILL_WAIT_S = 2.0
 
 
 @ray.remote(max_restarts=0)
@@ -176,8 +178,6 @@ def _rank_actor(group: PlacementGroup, rank: int) -> Any:
 
 
 def _on_gpu(config: SpinConfig) -> bool:
-    from spin_cluster.engine.engine import resolve_device
-
     return resolve_device(config.model.device).type == "cuda"
 
 
