@@ -22,7 +22,7 @@ from spin_cluster.deployments.engine_server import EngineServer
 from spin_cluster.deployments.ingress import OpenAIIngress
 from spin_cluster.deployments.engine_watch import WatchedPlanner
 from spin_cluster.deployments.routing import PlannerRouter
-from spin_cluster.deployments.settings import AppConfig, load_app_config
+from spin_cluster.deployments.settings import AppConfig, load_app_config, rank_bundles
 
 IMPORT_PATH = "spin_cluster.deployments.app:build_app"
 # Calls that are not requests (checks, stats) may be in flight beside a full queue.
@@ -36,6 +36,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     config.check_model()  # a deploy fails with the reason, not with replicas that fail to start
     config = config.with_model_context()  # null max_model_len: the model's own context
     opts = config.serve
+    engine_options = _engine_placement(config)
     planner = serve.deployment(WatchedPlanner, name="ClusterPlanner").options(
         num_replicas=1,
         max_ongoing_requests=_INGRESS_MAX_ONGOING,
@@ -44,10 +45,8 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     ).bind(config)
     engine = EngineServer.options(
         num_replicas=opts.num_engine_replicas,
-        max_replicas_per_node=1,
         max_ongoing_requests=config.spin.scheduler.max_num_seqs + opts.max_waiting_requests + _SPARE_CALLS,
-        ray_actor_options={"num_cpus": opts.engine_num_cpus, "num_gpus": opts.engine_num_gpus,
-                           "resources": dict(opts.engine_resources or {})},
+        **engine_options,
         request_router_config=RequestRouterConfig(request_router_class=PlannerRouter),
         graceful_shutdown_timeout_s=5,
     ).bind(config, planner)
@@ -57,6 +56,28 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         ray_actor_options={"num_cpus": opts.ingress_num_cpus},
         graceful_shutdown_timeout_s=5,
     ).bind(config, planner, engine)
+
+
+def _engine_placement(config: AppConfig) -> dict[str, Any]:
+    """The EngineServer's resources: one replica per node; with R > 1 head-parallel ranks, a
+    placement group per replica instead, one bundle per rank on one node (STRICT_PACK), the
+    replica (rank 0) in bundle 0 and its ``RankActor``s in the others (``head_parallel.py``).
+    Serve refuses max_replicas_per_node beside bundles; on GPUs, a node fits as many replicas
+    as it has GPUs for their ranks."""
+    from spin_cluster.models.config import ModelConfig
+
+    opts = config.serve
+    resources = dict(opts.engine_resources or {})
+    ranks = config.ranks_per_engine(ModelConfig.from_folder(config.spin.model.resolved_path()).num_kv_heads)
+    if ranks == 1:
+        return {"max_replicas_per_node": 1, "ray_actor_options": {
+            "num_cpus": opts.engine_num_cpus, "num_gpus": opts.engine_num_gpus, "resources": resources}}
+    gpu = opts.engine_num_gpus > 0
+    return {
+        "placement_group_bundles": rank_bundles(ranks, gpu=gpu, num_cpus=opts.engine_num_cpus, resources=resources),
+        "placement_group_strategy": "STRICT_PACK",
+        "ray_actor_options": {"num_cpus": opts.engine_num_cpus, "num_gpus": 1 if gpu else 0, "resources": resources},
+    }
 
 
 def deploy_config(args: dict[str, Any], *, name: str = "spin", route_prefix: str = "/",

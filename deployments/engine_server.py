@@ -3,10 +3,11 @@
 With more than one head-parallel rank in the planner's plan (``serve.engine_ranks``, by
 default one per GPU of the replica), the engine is rank 0 of a head-parallel engine
 (``spin_cluster.parallel.serving.LeaderEngine``) over the node's GPUs (or CPU processes):
-ranks 1.. are follower processes of this replica that replay rank 0's calls, each owning
-the KV heads the planner placed on it. It keeps the ``Engine`` API, so the engine loop and
-everything below are the same for one rank or many. A follower that exits makes the health
-check fail (Serve replaces the replica); the replica's shutdown stops them.
+ranks 1.. are Ray actors in the replica's placement group that replay rank 0's calls, each
+owning the KV heads the planner placed on it (``head_parallel.py``). It keeps the ``Engine``
+API, so the engine loop and everything below are the same for one rank or many. A follower
+that ends makes the health check fail (Serve replaces the replica); the replica's shutdown
+ends them.
 
     ingress ──generate(GenerateRequest)──▶ [validate, queue limit] ──submit──▶ EngineLoop thread
     ingress ◀──Admitted | Failed, Delta...── asyncio.Queue ◀──sink (call_soon_threadsafe)──┘
@@ -111,7 +112,7 @@ def _build_engine(spin: Any, plan: EnginePlan, timeout_s: float, torch_threads: 
     """The plain ``Engine`` for a one-rank plan, on ``torch_threads`` threads (None: as the
     process has them), or per step by ``step_threads`` (a ``StepThreads``) once it runs; else
     rank 0 of a head-parallel engine with the plan's placement, its other ranks started as
-    follower processes of this replica (each sets its own threads)."""
+    Ray actors in this replica's placement group (each sets its own threads)."""
     ranks = len(plan.head_placement) if plan.head_placement else 1
     if ranks == 1:
         import torch
@@ -124,8 +125,8 @@ def _build_engine(spin: Any, plan: EnginePlan, timeout_s: float, torch_threads: 
         if engine.device.type == "cpu":
             engine.runner.step_threads = step_threads
         return engine
+    from spin_cluster.deployments.head_parallel import start_head_parallel
     from spin_cluster.hplb.placement import HeadPlacement
-    from spin_cluster.parallel.serving import start_head_parallel
 
     placement = HeadPlacement.from_rank_heads(plan.head_placement)
     return start_head_parallel(spin, placement, timeout_s=timeout_s)
@@ -224,7 +225,7 @@ class EngineServer:
             raise RuntimeError(f"an engine step failed: {self._loop.failure}")
         dead = getattr(self._engine, "dead_followers", dict)()
         if dead:
-            raise RuntimeError(f"head-parallel follower ranks exited (rank: exit code): {dead}")
+            raise RuntimeError(f"head-parallel follower ranks exited (rank: exit code or cause): {dead}")
 
     def __del__(self) -> None:
         loop = getattr(self, "_loop", None)

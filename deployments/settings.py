@@ -53,10 +53,11 @@ class ServeOptions:
     # {"engine_node": 1} keeps engines on the nodes that offer "engine_node" (a KubeRay worker
     # group's rayStartParams resources), so that the head keeps the ingress and the planner.
     engine_resources: dict[str, float] | None = None
-    # Head-parallel ranks of one EngineServer replica (S-HPLB): one process per rank, each
-    # attending with its share of the KV heads (the planner's placement) and summing the
-    # attention output with the others'. On GPUs rank r uses the replica's GPU r, so at most
-    # engine_num_gpus ranks; with engine_num_gpus 0 they are CPU processes. 1: the plain
+    # Head-parallel ranks of one EngineServer replica (S-HPLB): one process per rank (rank 0
+    # the replica, the others Ray actors in its placement group, one bundle per rank of
+    # engine_num_cpus CPUs and, on GPUs, one GPU), each attending with its share of the KV
+    # heads (the planner's placement) and summing the attention output with the others'. At
+    # most engine_num_gpus ranks on GPUs; with engine_num_gpus 0 they are CPU processes. 1: the plain
     # engine. null: one rank per GPU (at most one per KV head of the model), and 1 when the
     # engine config cannot run head-parallel (block-sparse prefill, seer, top-p). >= 1.
     engine_ranks: int | None = None
@@ -254,3 +255,11 @@ def merge_sections(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
 # When set (to a non-empty key), /v1/* requires "Authorization: Bearer <key>". Read by the
 # ingress replica from its own environment, so the key never travels in the Serve config.
 API_KEY_ENV = "SPIN_API_KEY"
+
+
+def rank_bundles(num_ranks: int, *, gpu: bool, num_cpus: float = 1.0,
+                 resources: dict[str, float] | None = None) -> list[dict[str, float]]:
+    """One placement-group bundle per rank: ``num_cpus`` CPUs and, on GPUs, one GPU each;
+    ``resources`` (the replica's custom resources) only in bundle 0, rank 0's."""
+    bundle = {"CPU": float(num_cpus), **({"GPU": 1.0} if gpu else {})}
+    return [{**bundle, **(resources or {})}] + [dict(bundle) for _ in range(num_ranks - 1)]

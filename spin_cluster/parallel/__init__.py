@@ -5,9 +5,10 @@ attention heads a ``HeadPlacement`` gives it and one block of the MLP's intermed
 features, its KV cache only its heads' pages; the attention's output projection and the MLP's
 down projection are summed across ranks.
 
-``launch_generate`` runs ranks offline; ``spin_cluster.parallel.serving`` runs them behind a
-server (rank 0 in the serving process, the others as follower processes). The latter is not
-imported here: each follower runs it with ``python -m``.
+``launch_generate`` runs ranks offline; ``spin_cluster.parallel.serving`` is what ranks run
+behind a server (rank 0 in the serving process, the others in processes the server starts:
+``spin_cluster.deployments.head_parallel`` makes them Ray actors). The latter is not imported
+here: the offline path does not need it.
 """
 
 from spin_cluster.parallel.engine import HeadParallelEngine, default_placement

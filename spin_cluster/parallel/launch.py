@@ -4,8 +4,8 @@
                              num_ranks=2)
     result.outputs[0].text, result.attention_rank_s, result.bubble_ratio
 
-Each rank is a process (torch.multiprocessing, spawn) joined into one process group on
-127.0.0.1: NCCL with one GPU per rank when the model runs on CUDA, gloo on the CPU. As with
+Each rank is a process (torch.distributed.elastic's ``start_processes``, spawn) joined into
+one process group on 127.0.0.1: NCCL with one GPU per rank when the model runs on CUDA, gloo on the CPU. As with
 any spawn start, a script must call it under ``if __name__ == "__main__":``.
 """
 
@@ -16,6 +16,8 @@ import logging
 import os
 import queue as queue_mod
 import signal
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.engine import resolve_device
@@ -35,6 +39,12 @@ _POLL_S = 0.5
 _EXIT_GRACE_S = 60.0
 # Spawning a rank and importing torch: seconds when idle, tens of seconds on a busy machine.
 _START_TIMEOUT_S = 300.0
+# Seconds ``close`` gives a rank to end on SIGTERM before SIGKILL.
+_CLOSE_S = 5
+# The signals start_processes takes over in the parent (TORCHELASTIC_SIGNALS_TO_HANDLE's
+# default); run_ranks gives them back their handlers, so Ctrl-C stays KeyboardInterrupt.
+_ELASTIC_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+                         if hasattr(signal, name))
 logger = logging.getLogger(__name__)
 
 
@@ -80,18 +90,47 @@ def launch_generate(
 
 
 def run_ranks(fn, args: tuple, num_ranks: int, timeout_s: float | None = None) -> dict:
-    """Run ``fn(rank, *args, results)`` in ``num_ranks`` spawned processes and return
-    {rank: report}: every rank puts ``(rank, report)`` on the ``results`` queue. A rank that
-    fails raises here with its traceback. ``timeout_s`` counts from the moment every rank
-    has entered ``fn``, so that a slow start (spawning, importing torch on a busy machine)
-    does not use it up; the start itself may take up to ``_START_TIMEOUT_S``. Past either,
-    the ranks print the stacks of their threads to stderr (where a hang sits), are
-    terminated, and TimeoutError is raised. ``fn`` must be importable by the children (a
-    module-level function; a script calls this under ``if __name__ == "__main__":``)."""
+    """Run ``fn(rank, *args, results)`` in ``num_ranks`` processes and return {rank: report}:
+    every rank puts ``(rank, report)`` on the ``results`` queue before its teardown (leaving
+    the process group), so that a teardown that hangs cannot hold the reports back.
+
+    The processes are torch.distributed.elastic's (``start_processes``, spawn): it records a
+    failing rank's traceback, which raises here as ``ChildFailedError`` naming the rank and
+    its exit code, and ``close`` ends ranks with SIGTERM, then SIGKILL. ``timeout_s`` counts
+    from the moment every rank has entered ``fn``, so that a slow start (spawning, importing
+    torch on a busy machine) does not use it up; the start itself may take up to
+    ``_START_TIMEOUT_S``. Past either, the ranks print the stacks of their threads to stderr
+    (where a hang sits), are ended, and TimeoutError is raised. Ranks still running
+    ``_EXIT_GRACE_S`` after the last report are ended the same way. ``fn`` must be importable
+    by the children (a module-level function; a script calls this under
+    ``if __name__ == "__main__":``)."""
     ctx = mp.get_context("spawn")
     results, entered = ctx.Queue(), ctx.Queue()
-    procs = mp.start_processes(_traced, args=(entered, fn, *args, results), nprocs=num_ranks, join=False,
-                               start_method="spawn")
+    handlers = {sig: signal.getsignal(sig) for sig in _ELASTIC_SIGNALS}  # start_processes replaces them
+    with tempfile.TemporaryDirectory(prefix="spin-ranks-") as log_dir:
+        procs = start_processes(
+            name="head-parallel", entrypoint=_traced,
+            args={rank: (rank, entered, fn, *args, results) for rank in range(num_ranks)},
+            envs={rank: {} for rank in range(num_ranks)},
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir), start_method="spawn",
+        )
+        try:
+            return _collect(procs, results, entered, num_ranks, timeout_s)
+        finally:
+            procs.close(timeout=_CLOSE_S)
+            _restore_handlers(handlers)
+
+
+def _restore_handlers(handlers: dict) -> None:
+    """Only the main thread has signal handlers (start_processes set none elsewhere)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def _collect(procs, results, entered, num_ranks: int, timeout_s: float | None) -> dict:
+    """The ranks' reports, then their exit (or, past the grace period, their end)."""
     start_deadline = None if timeout_s is None else time.monotonic() + _START_TIMEOUT_S
     deadline = None
     num_entered = 0
@@ -100,32 +139,41 @@ def run_ranks(fn, args: tuple, num_ranks: int, timeout_s: float | None = None) -
         try:
             rank, report = results.get(timeout=_POLL_S)
         except queue_mod.Empty:
-            # join raises (with the rank's traceback) if a rank failed.
-            if procs.join(timeout=0) and results.empty():
-                raise RuntimeError(f"ranks {sorted(set(range(num_ranks)) - set(reports))} exited without a report")
+            _raise_if_done(procs.wait(0), results, set(range(num_ranks)) - set(reports))
             if timeout_s is None:
                 continue
             num_entered += _drain(entered)
             if deadline is None and num_entered == num_ranks:
                 deadline = time.monotonic() + timeout_s
             if deadline is None and time.monotonic() > start_deadline:
-                _dump_and_terminate(procs.processes)
+                _dump_stacks(procs)
                 raise TimeoutError(f"{num_ranks - num_entered} of {num_ranks} ranks did not start within "
                                    f"{_START_TIMEOUT_S:.0f} s")
             if deadline is not None and time.monotonic() > deadline:
-                _dump_and_terminate(procs.processes)
+                _dump_stacks(procs)
                 raise TimeoutError(f"{num_ranks} ranks did not finish within {timeout_s:.0f} s")
             continue
         reports[rank] = report
     # Every rank has reported: give them a grace period to leave the process group and exit,
     # then end them, so that a rank stuck in its teardown cannot hold the results back.
-    grace_end = time.monotonic() + _EXIT_GRACE_S
-    while not procs.join(timeout=_POLL_S):
-        if time.monotonic() > grace_end:
-            logger.warning("ranks did not exit %.0f s after reporting; terminating them", _EXIT_GRACE_S)
-            _dump_and_terminate(procs.processes)
-            break
+    done = procs.wait(timeout=_EXIT_GRACE_S, period=_POLL_S)
+    if done is None:
+        logger.warning("ranks did not exit %.0f s after reporting; ending them", _EXIT_GRACE_S)
+        _dump_stacks(procs)
+    elif done.is_failed():
+        logger.warning("ranks failed after reporting: %s", ChildFailedError("head-parallel", done.failures))
     return reports
+
+
+def _raise_if_done(done, results, missing: set[int]) -> None:
+    """Raises when the ranks have ended (``done`` is ``procs.wait(0)``) before all reported:
+    a failed rank's traceback, or the ranks that exited without a report."""
+    if done is None:
+        return
+    if done.is_failed():
+        raise ChildFailedError("head-parallel", done.failures)
+    if results.empty():
+        raise RuntimeError(f"ranks {sorted(missing)} exited without a report")
 
 
 def _traced(rank: int, entered, fn, *args) -> None:
@@ -147,14 +195,15 @@ def _drain(q) -> int:
         count += 1
 
 
-def _dump_and_terminate(processes) -> None:
-    alive = [p for p in processes if p.is_alive()]
-    for p in alive:
-        os.kill(p.pid, signal.SIGUSR1)
+def _dump_stacks(procs) -> None:
+    """Every live rank prints the stacks of its threads (``_traced``'s SIGUSR1); the caller
+    then ends them with ``procs.close``."""
+    for pid in procs.pids().values():
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
     time.sleep(1.0)  # let them print
-    for p in alive:
-        if p.is_alive():
-            p.terminate()
 
 
 def join_group(rank: int, num_ranks: int, port: int, device_type: str, config: SpinConfig) -> SpinConfig:

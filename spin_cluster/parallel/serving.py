@@ -1,11 +1,18 @@
-"""Head-parallel ranks behind a server: rank 0 in the serving process, the others as
-follower processes that replay its calls.
+"""What the ranks of a served head-parallel engine run: rank 0 (``LeaderEngine``) in the
+serving process, ranks 1..R-1 (``FollowerRank``) in processes the server starts.
 
-    engine = start_head_parallel(config, placement)   # rank 0 here, ranks 1..R-1 as subprocesses
-    rid = engine.add_request(token_ids, params)        # checked here, queued for the followers
-    outputs = engine.step()                            # queued calls + "step" go out, then rank 0 steps
-    engine.dead_followers()                            # {rank: exit code} of followers that exited
-    engine.shutdown()                                  # "stop", wait, terminate what is left
+    store = host_store(num_ranks, timeout_s)                  # rank 0's rendezvous
+    spec = RankSpec(config, placement, num_ranks, store.port)  # goes to every rank
+    # the server starts each follower r >= 1:   FollowerRank(spec, r).serve()
+    engine = start_leader(spec, store, followers)              # rank 0 here
+    rid = engine.add_request(token_ids, params)                # checked here, queued for the followers
+    outputs = engine.step()                                    # queued calls + "step" go out, then rank 0 steps
+    engine.dead_followers()                                    # {rank: how it ended}, from ``followers``
+    engine.shutdown()                                          # "stop", then ``followers.stop``
+
+This module starts no process: the server does (``spin_cluster.deployments.head_parallel``
+runs each follower as a Ray actor) and hands rank 0 a ``FollowerRanks``, through which rank 0
+asks which followers have ended and stops them.
 
 ``HeadParallelEngine`` is SPMD: every rank must see the same ``add_request`` / ``abort`` /
 ``step`` calls in the same order. A server drives one engine object (the engine loop's
@@ -25,41 +32,27 @@ same state, so the abort would be a no-op there as well. Followers receive token
 tokenizes and validates; a refused request never reaches them) and the request id rank 0
 chose, so ids, seeds and sampling line up.
 
-Processes. Followers are ``python -m spin_cluster.parallel.serving`` subprocesses of the
-serving process, not multiprocessing children: a spawn start inside a Ray worker would
-re-run Ray's worker entry point. They inherit the environment, CUDA_VISIBLE_DEVICES included
-(rank r uses ``cuda:r`` of the replica's GPUs, as ``launch.py``'s ranks do; on the CPU each
-follower takes ``cpu_count // R`` threads). The config and placement reach them pickled on
-their stdin, so nothing is written to disk.
-
-Rendezvous. Rank 0 hosts the TCPStore on a port the OS picks (no free-port race), starts the
-followers, waits until each has connected (an exited follower fails the start at once), then
-every rank joins the process group (NCCL on GPU, gloo on CPU; ``timeout_s`` bounds every
-collective of a step) and the gloo control group. A server can sit idle for days with the
-followers blocked on their next command, so the control group's timeout is long; a follower
-still leaves as soon as rank 0 is gone, because the control connection closes (and, as a
-backstop, a watchdog thread exits when the follower's parent process changes).
+Rendezvous. Rank 0 hosts the TCPStore on a port the OS picks (no free-port race); every rank
+joins the process group through it (NCCL on GPU, gloo on CPU; ``timeout_s`` bounds every
+collective of a step and the start) and then the gloo control group. A server can sit idle
+for days with the followers blocked on their next command, so the control group's timeout is
+long; a follower still leaves as soon as rank 0 is gone, because the control connection
+closes.
 
 Failures. A follower that dies makes rank 0's next broadcast or all-reduce raise, so the step
-fails, and ``dead_followers`` names it (the engine server's health check). Rank 0 gone makes
-every follower exit. ``shutdown`` sends "stop" (exit code 0), waits, then terminates and
-reaps what is left, and leaves the process group.
-
-Not imported by ``spin_cluster.parallel``'s ``__init__``: ``python -m`` would otherwise find
-this module already imported when it runs it.
+fails, and ``dead_followers`` names it (the engine server's health check). ``shutdown`` sends
+"stop" (a follower's ``serve`` then leaves the group and returns ``EXIT_STOPPED``) and has
+``followers.stop`` end what is left.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import pickle
-import subprocess
-import sys
 import threading
-import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -78,13 +71,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 120.0
 # The control group's: a follower waits for its next command for as long as the server idles.
 _CONTROL_TIMEOUT = timedelta(days=365)
-_HOST = "127.0.0.1"
-_MODULE = "spin_cluster.parallel.serving"  # this module, run as each follower's main
-_JOINED_KEY = "spin/follower_joined"
-_POLL_S = 0.05
-_WATCHDOG_S = 0.5
+STORE_HOST = "127.0.0.1"  # every rank of one engine runs on one node
 
-# Follower exit codes: told to stop, rank 0 gone; 1 is an error (with its traceback).
+# What a follower's ``serve`` returns: told to stop, or rank 0 gone.
 EXIT_STOPPED = 0
 EXIT_LEADER_GONE = 3
 
@@ -92,12 +81,44 @@ _STEP = ("step",)
 _STOP = ("stop",)
 
 
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank of one served engine is built from; pickled to each follower."""
+
+    config: SpinConfig
+    placement: HeadPlacement | None  # None: every rank places the heads with default_placement
+    num_ranks: int  # R >= 1
+    store_port: int  # rank 0's TCPStore on STORE_HOST
+    timeout_s: float = DEFAULT_TIMEOUT_S  # seconds a collective or the start may wait, > 0
+    cpu_threads: int = 0  # a CPU follower's torch threads; 0: cpu_count // R
+    gpu_index: int = 0  # the CUDA device of each rank in its own process (one GPU per process)
+
+
+class FollowerRanks(ABC):
+    """Ranks 1..R-1 of one engine, as the server started them. Rank 0 only asks and stops;
+    how the processes are run (and reaped) is the server's."""
+
+    @abstractmethod
+    def pids(self) -> list[int]:
+        """Process ids of ranks 1..R-1, in rank order."""
+
+    @abstractmethod
+    def dead(self) -> dict[int, int | str]:
+        """{rank: its serve's exit code, or why it died} of the followers that have ended
+        (empty: all are serving)."""
+
+    @abstractmethod
+    def stop(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for every follower to end (it has been told to stop, or
+        is being abandoned), then end the rest; nothing of them is left running after it."""
+
+
 class LeaderEngine(HeadParallelEngine):
     """Rank 0 of a head-parallel engine, driven like an ``Engine``; forwards the calls that
     change scheduler state to the other ranks over ``control_group`` (all ranks, gloo).
 
-    ``start_head_parallel`` builds one with its followers; built directly, the caller runs
-    the other ranks (each with ``run_follower``) and owns the process group."""
+    ``start_leader`` builds one with its followers; built directly (no ``followers``), the
+    caller runs the other ranks and owns the process group."""
 
     def __init__(
         self,
@@ -106,6 +127,7 @@ class LeaderEngine(HeadParallelEngine):
         *,
         control_group,
         group=None,
+        followers: FollowerRanks | None = None,
         decode_attention: str = "auto",
         progress: bool = True,
     ) -> None:
@@ -113,7 +135,7 @@ class LeaderEngine(HeadParallelEngine):
             raise ValueError(f"the leader is rank 0, this process is rank {dist.get_rank(group)}")
         self._control = control_group
         self._pending: list[tuple] = []  # calls since the last step, in order
-        self._followers: list[subprocess.Popen] = []  # ranks 1.. when started here
+        self._followers = followers
         self._owns_process_group = False
         self._store = None  # the rendezvous store, kept alive with the group
         self._stopped = False
@@ -149,23 +171,23 @@ class LeaderEngine(HeadParallelEngine):
 
     @property
     def follower_pids(self) -> list[int]:
-        return [p.pid for p in self._followers]
+        return self._followers.pids() if self._followers is not None else []
 
-    def dead_followers(self) -> dict[int, int]:
-        """{rank: exit code} of the follower processes that have exited (empty: all alive)."""
-        return {r: p.returncode for r, p in enumerate(self._followers, start=1) if p.poll() is not None}
+    def dead_followers(self) -> dict[int, int | str]:
+        """{rank: exit code or cause} of the followers that have ended (empty: all alive)."""
+        return self._followers.dead() if self._followers is not None else {}
 
     def followers_alive(self) -> bool:
         return not self.dead_followers()
 
     def shutdown(self, *, graceful: bool = True, timeout_s: float = 5.0) -> None:
-        """Stop the followers and, when started by ``start_head_parallel``, leave the process
-        group. Idempotent; the engine refuses to step afterwards.
+        """Stop the followers and, when started by ``start_leader``, leave the process group.
+        Idempotent; the engine refuses to step afterwards.
 
         graceful: send "stop" first. Call it so only from the thread that steps, or once that
         thread has stopped (the control group is not shared between threads); with False the
-        followers are terminated without a word. Followers still running after ``timeout_s``
-        are terminated, then killed."""
+        followers are ended without a word. ``followers.stop`` ends those still running
+        after ``timeout_s``."""
         if self._stopped:
             return
         self._stopped = True
@@ -174,7 +196,8 @@ class LeaderEngine(HeadParallelEngine):
                 _call_with_deadline(
                     lambda: dist.broadcast_object_list([[_STOP]], src=0, group=self._control), timeout_s
                 )
-            _stop_processes(self._followers, timeout_s)
+            if self._followers is not None:
+                self._followers.stop(timeout_s)
         finally:
             if self._owns_process_group and dist.is_initialized():
                 self.release_cuda_graphs()
@@ -182,73 +205,77 @@ class LeaderEngine(HeadParallelEngine):
             self._store = None
 
 
-def start_head_parallel(
-    config: SpinConfig,
-    placement: HeadPlacement | None = None,
+def host_store(num_ranks: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Rank 0's rendezvous store on STORE_HOST, on a port the OS picks (``store.port``)."""
+    return dist.TCPStore(STORE_HOST, 0, num_ranks, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def check_spec(spec: RankSpec) -> None:
+    """Raises ValueError where ``spec`` cannot run, before any rank is started."""
+    if spec.num_ranks < 1:
+        raise ValueError(f"num_ranks={spec.num_ranks}: give a placement or num_ranks >= 1")
+    if spec.placement is not None and spec.placement.num_ranks != spec.num_ranks:
+        raise ValueError(f"the placement is for {spec.placement.num_ranks} ranks, not num_ranks={spec.num_ranks}")
+    refusal = spec.config.head_parallel_refusal()
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
+def start_leader(
+    spec: RankSpec,
+    store,
+    followers: FollowerRanks,
     *,
-    num_ranks: int | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    cpu_threads: int | None = None,
     decode_attention: str = "auto",
     progress: bool = False,
 ) -> LeaderEngine:
-    """Rank 0 in this process, ranks 1 .. R-1 as follower subprocesses; returns rank 0's
-    engine once every rank has built its own.
-
-    R is ``placement.num_ranks``, or ``num_ranks`` without a placement (then every rank
-    places the heads with ``default_placement``). This process joins torch.distributed's
-    default group as rank 0 (it must not be in one yet) and leaves it in ``shutdown``. On
-    CUDA rank r uses ``cuda:r``; on the CPU followers take ``cpu_threads`` threads each
-    (default ``cpu_count // R``), and this process keeps its own setting. On any failure the
-    followers are stopped and the group is left before the error is raised."""
-    if placement is not None:
-        if num_ranks is not None and num_ranks != placement.num_ranks:
-            raise ValueError(f"the placement is for {placement.num_ranks} ranks, not num_ranks={num_ranks}")
-        num_ranks = placement.num_ranks
-    if num_ranks is None or num_ranks < 1:
-        raise ValueError(f"num_ranks={num_ranks}: give a placement or num_ranks >= 1")
+    """Rank 0 in this process: joins torch.distributed's default group (this process must
+    not be in one yet) through ``store`` while the followers join theirs, and returns its
+    engine once every rank has built its own. This process keeps its own torch threads. On
+    a failure the group is left and ``followers.stop`` is called before the error is raised."""
+    check_spec(spec)
     if dist.is_initialized():
         raise ValueError("this process is already in a torch.distributed process group")
-    refusal = config.head_parallel_refusal()
-    if refusal is not None:
-        raise ValueError(refusal)
-    device = resolve_device(config.model.device)
-    if device.type == "cuda":
-        if torch.cuda.device_count() < num_ranks:
-            raise ValueError(f"{num_ranks} ranks need {num_ranks} GPUs, this process sees {torch.cuda.device_count()}")
-        torch.cuda.set_device(0)
-        leader_config = config.replace(model={"device": "cuda:0"})
-    else:
-        leader_config = config
-    threads = cpu_threads or max(1, (os.cpu_count() or 1) // num_ranks)
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(_HOST, 0, num_ranks, is_master=True, wait_for_workers=False, timeout=timeout)
-    spec = pickle.dumps({"config": config, "placement": placement})
-    followers: list[subprocess.Popen] = []
     try:
-        for rank in range(1, num_ranks):
-            followers.append(subprocess.Popen(
-                [sys.executable, "-m", _MODULE, "--rank", str(rank), "--world-size", str(num_ranks),
-                 "--port", str(store.port), "--leader-pid", str(os.getpid()),
-                 "--timeout-s", str(timeout_s), "--threads", str(threads)],
-                stdin=subprocess.PIPE,
-            ))
-        for proc in followers:
-            _hand_over(proc, spec)
-        _wait_joined(store, followers, timeout_s)
-        dist.init_process_group(backend_for(device), store=store, rank=0, world_size=num_ranks, timeout=timeout)
-        control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-        engine = LeaderEngine(leader_config, placement, control_group=control,
+        config = _rank_device(spec)
+        control = _join_group(spec, 0, store)
+        engine = LeaderEngine(config, spec.placement, control_group=control, followers=followers,
                               decode_attention=decode_attention, progress=progress)
     except BaseException:
-        _stop_processes(followers, timeout_s=1.0)
+        followers.stop(timeout_s=1.0)
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
-    engine._followers = followers
     engine._owns_process_group = True
     engine._store = store
     return engine
+
+
+class FollowerRank:
+    """Rank ``rank`` >= 1 of a served engine, in its own process: built, it has joined the
+    group and built its engine (as rank 0 builds its own); ``serve`` then applies rank 0's
+    calls until "stop" or until rank 0 is gone."""
+
+    def __init__(self, spec: RankSpec, rank: int) -> None:
+        if not 1 <= rank < spec.num_ranks:
+            raise ValueError(f"a follower's rank is in 1 .. {spec.num_ranks - 1}, not {rank}")
+        self.rank = rank
+        config = _rank_device(spec)
+        if config.model.device == "cpu":  # share the cores instead of oversubscribing them
+            torch.set_num_threads(spec.cpu_threads or max(1, (os.cpu_count() or 1) // spec.num_ranks))
+        store = dist.TCPStore(STORE_HOST, spec.store_port, spec.num_ranks, is_master=False,
+                              timeout=timedelta(seconds=spec.timeout_s))
+        self._control = _join_group(spec, rank, store)
+        self.engine = HeadParallelEngine(config, spec.placement, progress=False)
+
+    def serve(self) -> int:
+        """EXIT_STOPPED (the group left) or EXIT_LEADER_GONE; an error in a call raises."""
+        code = run_follower(self.engine, self._control)
+        if code == EXIT_STOPPED:
+            self.engine.release_cuda_graphs()
+            dist.destroy_process_group()
+        return code
 
 
 def run_follower(engine: HeadParallelEngine, control_group) -> int:
@@ -276,106 +303,28 @@ def run_follower(engine: HeadParallelEngine, control_group) -> int:
                 raise ValueError(f"unknown command {kind!r} from rank 0")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """A follower rank: ``python -m spin_cluster.parallel.serving --rank R ...``, with
-    {"config": SpinConfig, "placement": HeadPlacement | None} pickled on stdin (or in the
-    file ``--spec``). Started by ``start_head_parallel``."""
-    parser = argparse.ArgumentParser(prog="python -m spin_cluster.parallel.serving",
-                                     description="A follower rank of a head-parallel engine.")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True, help="rank 0's TCPStore port")
-    parser.add_argument("--host", default=_HOST)
-    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: cpu_count // world size)")
-    parser.add_argument("--leader-pid", type=int, default=None,
-                        help="exit when the parent process is no longer this one")
-    parser.add_argument("--spec", default="-", help="pickled config and placement: a file, or - for stdin")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
-    if args.spec == "-":
-        spec = pickle.loads(sys.stdin.buffer.read())
-    else:
-        with open(args.spec, "rb") as f:
-            spec = pickle.load(f)
-    if args.leader_pid is not None:
-        _watch_parent(args.leader_pid)
-
-    config: SpinConfig = spec["config"]
-    device = resolve_device(config.model.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(args.rank)
-        config = config.replace(model={"device": f"cuda:{args.rank}"})
-    else:  # share the cores instead of oversubscribing them
-        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.world_size))
-    timeout = timedelta(seconds=args.timeout_s)
-    store = dist.TCPStore(args.host, args.port, args.world_size, is_master=False, timeout=timeout)
-    store.set(f"{_JOINED_KEY}/{args.rank}", str(os.getpid()))
-    dist.init_process_group(backend_for(device), store=store, rank=args.rank, world_size=args.world_size,
-                            timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-    try:
-        engine = HeadParallelEngine(config, spec["placement"], progress=False)
-        code = run_follower(engine, control)
-    except Exception as e:
-        if args.leader_pid is not None and os.getppid() != args.leader_pid:
-            logger.warning("rank %d: rank 0 is gone (%s); exiting", args.rank, _first_line(e))
-            return EXIT_LEADER_GONE
-        raise  # a real failure: the traceback goes to stderr, and rank 0's next collective fails
-    if code == EXIT_STOPPED:
-        engine.release_cuda_graphs()
-        dist.destroy_process_group()
-    return code
-
-
 # ---- helpers --------------------------------------------------------------------------------
 
 
-def _hand_over(proc: subprocess.Popen, spec: bytes) -> None:
-    """Write the pickled spec to a follower's stdin and close it; a follower that already
-    exited is reported by ``_wait_joined``."""
-    try:
-        proc.stdin.write(spec)
-    except (BrokenPipeError, OSError):
-        pass
-    finally:
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
+def _rank_device(spec: RankSpec) -> SpinConfig:
+    """The spec's config on this process's device: its ``gpu_index`` on CUDA (the server
+    gives each rank's process its own GPU), else the CPU."""
+    config = spec.config
+    device = resolve_device(config.model.device)
+    if device.type != "cuda":
+        return config.replace(model={"device": "cpu"})
+    if torch.cuda.device_count() <= spec.gpu_index:
+        raise ValueError(f"a rank uses cuda:{spec.gpu_index}, this process sees {torch.cuda.device_count()} GPUs")
+    torch.cuda.set_device(spec.gpu_index)
+    return config.replace(model={"device": f"cuda:{spec.gpu_index}"})
 
 
-def _wait_joined(store, followers: list[subprocess.Popen], timeout_s: float) -> None:
-    """Until every follower has reached the store; raises at once if one exited."""
-    keys = [f"{_JOINED_KEY}/{rank}" for rank in range(1, len(followers) + 1)]
-    deadline = time.monotonic() + timeout_s
-    while keys and not store.check(keys):
-        dead = {r: p.returncode for r, p in enumerate(followers, start=1) if p.poll() is not None}
-        if dead:
-            raise RuntimeError(f"head-parallel follower ranks exited while starting (rank: exit code): {dead}; "
-                               "see their stderr")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"head-parallel follower ranks did not connect within {timeout_s}s")
-        time.sleep(_POLL_S)
-
-
-def _stop_processes(procs: list[subprocess.Popen], timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for every process to exit, then terminate, then kill; all reaped."""
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(2.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _join_group(spec: RankSpec, rank: int, store):
+    """The default group (the attention's collectives) and the gloo control group."""
+    device = resolve_device(spec.config.model.device)
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=spec.num_ranks,
+                            timeout=timedelta(seconds=spec.timeout_s))
+    return dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
 
 
 def _call_with_deadline(fn, timeout_s: float) -> None:
@@ -393,21 +342,5 @@ def _call_with_deadline(fn, timeout_s: float) -> None:
     thread.join(timeout_s)
 
 
-def _watch_parent(leader_pid: int) -> None:
-    """Exit (EXIT_LEADER_GONE) as soon as this process's parent is no longer rank 0's process."""
-
-    def watch() -> None:
-        while os.getppid() == leader_pid:
-            time.sleep(_WATCHDOG_S)
-        logger.warning("rank 0's process %d is gone; exiting", leader_pid)
-        os._exit(EXIT_LEADER_GONE)
-
-    threading.Thread(target=watch, name="leader-watchdog", daemon=True).start()
-
-
 def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

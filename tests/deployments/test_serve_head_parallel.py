@@ -1,5 +1,5 @@
 """An engine replica running head-parallel ranks: ``serve.engine_ranks: 2`` on the CPU, rank 0
-in the replica and rank 1 a follower process of it, on the toy model (2 KV heads: one per rank
+in the replica and rank 1 a Ray actor in the replica's placement group, on the toy model (2 KV heads: one per rank
 in each layer). Answers equal the plain engine's; /metrics shows both ranks' attention time;
 a dead follower fails the health check and Serve replaces the replica; deleting the app stops
 the follower ranks."""
@@ -67,19 +67,25 @@ def _replica_info() -> dict:
     return engine_handle(HP_APP).replica_info.remote().result(timeout_s=30)
 
 
-def _followers_of(leader_pid: int) -> list[int]:
-    """Live follower-rank processes started by ``leader_pid``."""
-    marker = f"--leader-pid\0{leader_pid}\0".encode()
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+def _live(pids: list[int]) -> list[int]:
+    """Those of ``pids`` whose process is running (not gone, not a zombie)."""
+    live = []
+    for pid in pids:
         try:
-            text = cmdline.read_bytes()
-            state = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if b"spin_cluster.parallel.serving" in text and marker in text and state not in "ZX":
-            pids.append(int(cmdline.parent.name))
-    return pids
+        if state not in "ZX":
+            live.append(pid)
+    return live
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
+    """Those of ``pids`` still running after up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while _live(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _live(pids)
 
 
 def _rank_metrics(base: str) -> tuple[dict[str, float], float]:
@@ -94,8 +100,8 @@ def _rank_metrics(base: str) -> tuple[dict[str, float], float]:
 
 def test_the_replica_runs_a_follower_rank(hp_app):
     info = _replica_info()
-    assert len(info["follower_pids"]) == 1
-    assert _followers_of(info["pid"]) == info["follower_pids"]
+    assert len(info["follower_pids"]) == 1 and info["follower_pids"] != [info["pid"]]
+    assert _live(info["follower_pids"]) == info["follower_pids"]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -133,8 +139,8 @@ def test_a_dead_follower_fails_the_health_check_and_the_replica_is_replaced(hp_a
             handle.check_health.remote().result(timeout_s=30)
             time.sleep(0.1)
 
-    # Serve replaces the replica after a few failed checks (every 10 s); the old one's
-    # shutdown reaps what is left of its ranks.
+    # Serve replaces the replica after a few failed checks (every 10 s); with it go its
+    # placement group and what is left of its ranks.
     deadline = time.monotonic() + 180
     new = old
     while new["replica_id"] == old["replica_id"] and time.monotonic() < deadline:
@@ -144,8 +150,8 @@ def test_a_dead_follower_fails_the_health_check_and_the_replica_is_replaced(hp_a
         except Exception:  # between replicas
             pass
     assert new["replica_id"] != old["replica_id"], "Serve did not replace the replica"
-    assert _followers_of(old["pid"]) == []
-    assert len(new["follower_pids"]) == 1 and _followers_of(new["pid"]) == new["follower_pids"]
+    assert _wait_gone(old["follower_pids"]) == []
+    assert len(new["follower_pids"]) == 1 and _live(new["follower_pids"]) == new["follower_pids"]
     wait_healthy(base)
     ref = plain_engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0]
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
@@ -154,7 +160,4 @@ def test_a_dead_follower_fails_the_health_check_and_the_replica_is_replaced(hp_a
     # Deleting the app stops the live follower rank too.
     serve.delete(HP_APP)
     state["deleted"] = True
-    deadline = time.monotonic() + 30
-    while _followers_of(new["pid"]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _followers_of(new["pid"]) == []
+    assert _wait_gone(new["follower_pids"]) == []

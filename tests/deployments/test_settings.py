@@ -6,7 +6,7 @@ from ray.serve import Application
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from spin_cluster.deployments.app import IMPORT_PATH, build_app, deploy_config
-from spin_cluster.deployments.settings import CONFIG_DIR, AppConfig, load_app_config
+from spin_cluster.deployments.settings import CONFIG_DIR, AppConfig, load_app_config, rank_bundles
 
 BUNDLED = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
@@ -160,3 +160,9 @@ def test_settings_the_model_cannot_run_say_what_to_change(smollm2_path, bad, wor
 def test_bundled_configs_fit_the_default_model(smollm2_path):
     for name in BUNDLED:
         load_app_config({"config": name, "model": {"path": smollm2_path}}).check_model()
+
+
+def test_rank_bundles_give_each_rank_its_cpus_and_gpu_and_rank_0_the_custom_resources():
+    assert rank_bundles(3, gpu=True, num_cpus=2, resources={"engine_node": 1}) == [
+        {"CPU": 2.0, "GPU": 1.0, "engine_node": 1}, {"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}]
+    assert rank_bundles(2, gpu=False) == [{"CPU": 1.0}, {"CPU": 1.0}]

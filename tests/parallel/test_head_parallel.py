@@ -359,6 +359,29 @@ def test_run_ranks_raises_when_ranks_do_not_start_in_time(monkeypatch):
         launch.run_ranks(_report_soon, (), 2, timeout_s=60.0)
 
 
+def _fail_on_rank_1(rank, results):
+    if rank == 1:
+        raise ValueError("rank 1 cannot go on")
+    results.put((rank, rank))
+
+
+def test_run_ranks_raises_a_failed_ranks_error_with_its_rank_and_exit_code():
+    """torch.distributed.elastic records the failing rank's traceback; it is raised here,
+    naming the rank and its exit code, and the other rank is ended."""
+    import signal as signal_mod
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from spin_cluster.parallel import launch
+
+    sigint = signal_mod.getsignal(signal_mod.SIGINT)
+    with pytest.raises(ChildFailedError, match="rank 1 cannot go on") as info:
+        launch.run_ranks(_fail_on_rank_1, (), 2, timeout_s=60.0)
+    ((rank, failure),) = info.value.failures.items()
+    assert rank == 1 and failure.exitcode == 1
+    assert signal_mod.getsignal(signal_mod.SIGINT) is sigint  # the launcher's handlers are undone
+
+
 def _static_path_rank(rank, world, port, cfg, prompts, params, placement, results):
     """A gloo rank whose decode steps take the path SpinDecodeGraphs captures on the GPU."""
     from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
