@@ -13,7 +13,6 @@ as ``engine_watch`` sees it; its counters are kept so that the exported sums nev
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import Counter
 
@@ -59,7 +58,7 @@ class ClusterPlanner:
                                      floor_tokens=int(serve.hplb_floor_fraction * uniform))
             spin = spin.replace(sparse={"per_head_budgets": budgets})
         placement = default_placement(spin, mc, self._config.ranks_per_engine(mc.num_kv_heads))
-        return EnginePlan(sparse=dataclasses.asdict(spin.sparse), head_placement=placement.to_rank_heads(),
+        return EnginePlan(sparse=spin.sparse.model_dump(), head_placement=placement.to_rank_heads(),
                           imbalance=placement.imbalance)
 
     # ---- engines ------------------------------------------------------------------------
