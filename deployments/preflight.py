@@ -3,11 +3,12 @@ model (``AppConfig.check_model``) and against this machine, the one that will ru
 deployment. A config that cannot run fails here with one ``ValueError`` naming the field,
 instead of Ray starting and an engine replica failing, or waiting for ever to be placed.
 
-    the model       AppConfig.check_model: context, budgets, algorithm and its options
-    the placement   the planner's plan (S-HPLB profile, heads on ranks), as the app makes it
-    memory          the host KV tier (and a CPU page pool) within MemAvailable
-    GPUs            engine GPUs and head-parallel ranks within torch.cuda.device_count()
+    the algorithm   a registered name, options it takes, the cache it runs on
     Ray's node      one engine replica, no custom resources, CPUs within local Ray's
+    GPUs            engine GPUs and head-parallel ranks within torch.cuda.device_count()
+    the model       AppConfig.check_model: context, budgets, per-head shapes, KV heads
+    memory          the host KV tier (and a CPU page pool) within MemAvailable
+    the placement   the planner's plan (S-HPLB profile, heads on ranks), as the app makes it
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spin_cluster.deployments.settings import AppConfig
+from spin_cluster.engine.cache_builder import check_sparse_algorithm
 from spin_cluster.models.config import ModelConfig
 
 MEMINFO = Path("/proc/meminfo")
@@ -23,10 +25,12 @@ MEMINFO = Path("/proc/meminfo")
 def check_local_run(config: AppConfig, local_num_cpus: int) -> None:
     """Raises ``ValueError`` where ``config`` cannot run on this machine as one local Ray node
     of ``local_num_cpus`` logical CPUs."""
-    config.check_model()
-    mc = ModelConfig.from_folder(config.spin.model.resolved_path())
+    # What needs no model first: reading its config imports transformers (seconds).
+    check_sparse_algorithm(config.spin)
     _check_ray_node(config, local_num_cpus)
     _check_gpus(config)
+    config.check_model()
+    mc = ModelConfig.from_folder(config.spin.model.resolved_path())
     _check_memory(config, mc)
     _check_plan(config, mc)
 

@@ -51,19 +51,25 @@ def build_cache(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, device:
 
 def check_cache_config(config: SpinConfig, max_model_len: int) -> type[SparseAlgorithm]:
     """The sparse algorithm class, once the config's sparse section fits the cache and the
-    context: a registered name, options its constructor takes, a budget within the context,
-    the offloaded cache for any algorithm but dense. Cheap (no tensors), so that a server
-    checks it before it starts anything."""
-    try:
-        algorithm_cls = get_algorithm(config.sparse.algorithm)
-    except ValueError as e:
-        raise ValueError(f"sparse.algorithm: {e}") from None
+    context (``check_sparse_algorithm``, and a budget within the context). Cheap (no tensors),
+    so that a server checks it before it starts anything."""
+    algorithm_cls = check_sparse_algorithm(config)
     budget = config.sparse.budget_tokens(max_model_len)
     if not algorithm_cls.selects_all and config.sparse.per_head_budgets is None and budget > max_model_len:
         raise ValueError(
             f"sparse.budget={config.sparse.budget} tokens is larger than the context "
             f"(max_model_len={max_model_len}); lower it or give a fraction in (0, 1)"
         )
+    return algorithm_cls
+
+
+def check_sparse_algorithm(config: SpinConfig) -> type[SparseAlgorithm]:
+    """The class of ``sparse.algorithm``: a registered name, with options its constructors
+    take, on the offloaded cache unless it is dense. Needs no model."""
+    try:
+        algorithm_cls = get_algorithm(config.sparse.algorithm)
+    except ValueError as e:
+        raise ValueError(f"sparse.algorithm: {e}") from None
     if not config.cache.offload and algorithm_cls.name != "dense":
         raise ValueError(
             f"sparse.algorithm={algorithm_cls.name!r} runs on the offloaded cache: set cache.offload=true"
