@@ -118,9 +118,10 @@ class CacheConfig(ConfigSection):
 def _budget_rows(rows: Any, cast: type) -> Any:
     """``per_head_budgets`` ([L][Hkv], any sequences) as a tuple of tuples of ``cast``
     (hashable, as a frozen config's fields are)."""
-    if rows is None or isinstance(rows, str):
+    try:
+        return tuple(tuple(cast(b) for b in row) for row in rows)
+    except (TypeError, ValueError):  # not [L][Hkv] numbers: the field's type check says so
         return rows
-    return tuple(tuple(cast(b) for b in row) for row in rows)
 
 
 def _check_budget_rows(rows: tuple[tuple[float, ...], ...] | None, name: str) -> None:
@@ -360,6 +361,10 @@ def _explain(kind: str, ctx: dict[str, Any], value: Any, msg: str) -> str:
         return "use a number"
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return f"must be a mapping, got {type(value).__name__}"
+    if kind in ("tuple_type", "list_type"):
+        return f"must be a list, got {type(value).__name__}"
+    if kind == "string_type":
+        return "use a string"
     return msg
 
 

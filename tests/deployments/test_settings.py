@@ -160,3 +160,11 @@ def test_settings_the_model_cannot_run_say_what_to_change(smollm2_path, bad, wor
 def test_bundled_configs_fit_the_default_model(smollm2_path):
     for name in BUNDLED:
         load_app_config({"config": name, "model": {"path": smollm2_path}}).check_model()
+
+
+def test_every_serve_field_says_what_it_is():
+    from spin_cluster.deployments.settings import ServeOptions
+
+    for section in (AppConfig, ServeOptions):
+        for name, field in section.model_fields.items():
+            assert field.description, f"{section.__name__}.{name} has no description"
