@@ -272,8 +272,8 @@ class SpinConfig(ConfigSection):
 
     def check_model(self, mc: ModelConfig) -> None:
         """Raises ``ValueError`` where this config does not fit the model ``mc`` (its
-        ``config.json``): the context, the prefill token budget, per-head budget shapes.
-        Cheap (no weights), so a server checks it before it starts anything."""
+        ``config.json``): the context, the prefill token budget, per-head budget shapes, the
+        dense layers of the offloaded cache. Cheap (no weights), so a server checks it before it starts anything."""
         context = self.model.max_model_len or mc.max_position_embeddings
         if context > mc.max_position_embeddings:
             raise ValueError(
@@ -312,11 +312,8 @@ class SpinConfig(ConfigSection):
 
     def replace(self, **sections: Any) -> SpinConfig:
         """Copy with some sections' fields replaced, validated: ``cfg.replace(model={"path": p})``."""
-        unknown = set(sections) - set(type(self).model_fields)
-        if unknown:
-            raise ValueError(f"unknown config section(s) {sorted(unknown)}; known: {sorted(type(self).model_fields)}")
-        return parse_config(type(self), {**self.to_dict(), **{name: {**getattr(self, name).model_dump(), **changes}
-                                                              for name, changes in sections.items()}})
+        changed = {name: {**section.model_dump(), **sections[name]} for name, section in self if name in sections}
+        return parse_config(type(self), {**self.to_dict(), **sections, **changed})  # an unknown name: refused
 
 
 def parse_config(kind: type[BaseModel], data: Any, where: tuple[str, ...] = ()) -> Any:
