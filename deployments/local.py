@@ -53,12 +53,14 @@ def serve_grpc_on_loopback() -> None:
 
 def run_local(args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000,
               app_name: str = "spin", stop: threading.Event | None = None) -> None:
+    from spin_cluster.deployments.preflight import check_local_run
     from spin_cluster.deployments.settings import load_app_config
 
-    # Bad settings, or settings the model cannot run, fail here: before Ray (or even its
-    # import) starts, so the reason is the one line the user sees.
+    # Bad settings, or settings the model or this machine cannot run, fail here: before Ray
+    # (or even its import) starts, so the reason is the one line the user sees.
     config = load_app_config(args)
-    config.check_model()
+    num_cpus = max(LOCAL_NUM_CPUS, os.cpu_count() or 1)
+    check_local_run(config, num_cpus)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray starts its workers at nice 15: the engine would yield the CPU to any other process
     # (the load client included). Read by the raylet from the environment.
@@ -84,7 +86,7 @@ def run_local(args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000
     previous: dict[int, Any] = {}
     # A new single-machine cluster whose own services listen on node_ip (above).
     loopback = node_ip is not None and ipaddress.ip_address(node_ip).is_loopback
-    ray.init(address="local", num_cpus=max(LOCAL_NUM_CPUS, os.cpu_count() or 1), include_dashboard=False,
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
              _node_ip_address=node_ip,
              runtime_env={"worker_process_setup_hook": f"{__name__}.serve_grpc_on_loopback"} if loopback else None)
     try:

@@ -13,7 +13,6 @@ as ``engine_watch`` sees it; its counters are kept so that the exported sums nev
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import Counter
 
@@ -56,7 +55,7 @@ class ClusterPlanner:
         config = PlanConfig.from_spin(spin, mc, floor_fraction=serve.hplb_floor_fraction, rounding="down")
         plan = plan_heads(profile, config, self._config.ranks_per_engine(mc.num_kv_heads))
         sparse = spin.replace(sparse=plan.sparse_options()).sparse
-        return EnginePlan(sparse=dataclasses.asdict(sparse), head_placement=plan.placement.to_rank_heads(),
+        return EnginePlan(sparse=sparse.model_dump(), head_placement=plan.placement.to_rank_heads(),
                           imbalance=plan.imbalance)
 
     # ---- engines ------------------------------------------------------------------------

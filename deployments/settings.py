@@ -12,15 +12,14 @@ deploy config can say ``args: {config: default, model: {path: /models/x}}``.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import Field, StrictInt, field_validator, model_validator
 
-from spin_cluster.config import SpinConfig
+from spin_cluster.config import ConfigSection, SpinConfig, parse_config
 from spin_cluster.engine.step_threads import StepThreads
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -31,57 +30,80 @@ DEFAULT_CONFIG = "default"
 AUTO_THREADS_MIN_TOKENS = 128
 
 
-@dataclass(frozen=True)
-class ServeOptions:
-    # Name clients pass as `model`; None: the model folder's name.
-    model_name: str | None = None
-    # EngineServer replicas, one per node, >= 1.
-    num_engine_replicas: int = 1
-    # Logical Ray resources of one EngineServer replica; GPUs: that node's GPUs, >= 0.
-    engine_num_cpus: float = 1.0
-    engine_num_gpus: float = 0.0
-    # Torch threads of a plain engine replica (its GEMMs and attention): an integer >= 1,
-    # "all" (a CPU engine, engine_num_gpus 0: every CPU this process may run on; a GPU engine:
-    # Ray's), "auto" (a CPU engine: every CPU for steps of at least AUTO_THREADS_MIN_TOKENS
-    # tokens, prefill chunks, and one thread for smaller decode steps, leaving the other cores
-    # to the ingress, the proxy and Ray; a GPU engine: Ray's), or null: Ray's setting from
-    # engine_num_cpus (OMP_NUM_THREADS, at least 1). Served on 2 vCPUs under guidellm, "auto"
-    # gave 17.4, 42.7 and 68.3 tok/s at 1, 4 and 16 streams (medians of 3 runs), "all" 14.3,
-    # 34.4 and 49.0 (one run); spin_cluster/engine/step_threads.py says why.
-    engine_torch_threads: int | str | None = "auto"
-    # Custom Ray resources one EngineServer replica needs besides those, each amount >= 0:
-    # {"engine_node": 1} keeps engines on the nodes that offer "engine_node" (a KubeRay worker
-    # group's rayStartParams resources), so that the head keeps the ingress and the planner.
-    engine_resources: dict[str, float] | None = None
-    # Head-parallel ranks of one EngineServer replica (S-HPLB): one process per rank (rank 0
-    # the replica, the others Ray actors in its placement group, one bundle per rank of
-    # engine_num_cpus CPUs and, on GPUs, one GPU), each attending with its share of the KV
-    # heads (the planner's placement) and summing the attention output with the others'. At
-    # most engine_num_gpus ranks on GPUs; with engine_num_gpus 0 they are CPU processes. 1: the plain
-    # engine. null: one rank per GPU (at most one per KV head of the model), and 1 when the
-    # engine config cannot run head-parallel (block-sparse prefill, seer, top-p). >= 1.
-    engine_ranks: int | None = None
-    # Logical CPUs of the ingress and of the planner, > 0.
-    ingress_num_cpus: float = 0.1
-    planner_num_cpus: float = 0.1
-    # Largest request body in bytes; larger ones get 413. >= 1024.
-    max_body_bytes: int = 4 * 2**20
-    # Per engine: requests admitted but not yet running beyond which new ones get 429. >= 0.
-    max_waiting_requests: int = 256
-    # Seconds to wait for a planner or engine reply (routing, admission, stats), > 0.
-    handle_timeout_s: float = 30.0
-    # Seconds to wait for a request's next output while it runs (one engine step), > 0.
-    token_timeout_s: float = 120.0
-    # Seconds between an engine's capacity/stats reports to the planner, > 0.
-    stats_interval_s: float = 0.5
-    # An engine silent this long is dropped from routing and /health, > stats_interval_s.
-    engine_stale_s: float = 5.0
-    # S-HPLB: the offline per-head profile (`spin-cluster profile --out F`) of this model. The
-    # planner shifts the uniform sparse.budget to per-head budgets at the same total (max-min)
-    # and places each engine's heads on its GPUs; None: the config's budgets as they are.
-    hplb_profile: str | None = None
-    # Each head keeps at least this share of the uniform budget under max-min, 0..1.
-    hplb_floor_fraction: float = 0.25
+# Ray resource amounts: a number >= 0.
+_Amount = Annotated[float, Field(ge=0)]
+
+
+class ServeOptions(ConfigSection):
+    model_name: str | None = Field(None, description="Name clients pass as `model`; null: the model folder's name.")
+    num_engine_replicas: int = Field(1, ge=1, description="EngineServer replicas, one per node, >= 1.")
+    engine_num_cpus: float = Field(1.0, ge=0, description="Logical Ray CPUs of one EngineServer replica, >= 0.")
+    engine_num_gpus: float = Field(0.0, ge=0, description=(
+        "Logical Ray GPUs of one EngineServer replica (that node's GPUs), >= 0."))
+    # Served on 2 vCPUs under guidellm, "auto" gave 17.4, 42.7 and 68.3 tok/s at 1, 4 and 16
+    # streams (medians of 3 runs), "all" 14.3, 34.4 and 49.0 (one run);
+    # spin_cluster/engine/step_threads.py says why.
+    engine_torch_threads: int | Literal["all", "auto"] | None = Field("auto", description=(
+        "Torch threads of a plain engine replica (its GEMMs and attention): an integer >= 1, "
+        '"all" (a CPU engine, engine_num_gpus 0: every CPU this process may run on; a GPU engine: '
+        'Ray\'s), "auto" (a CPU engine: every CPU for steps of at least AUTO_THREADS_MIN_TOKENS '
+        "tokens, prefill chunks, and one thread for smaller decode steps, leaving the other cores "
+        "to the ingress, the proxy and Ray; a GPU engine: Ray's), or null: Ray's setting from "
+        "engine_num_cpus (OMP_NUM_THREADS, at least 1)."))
+    engine_resources: dict[str, _Amount] | None = Field(None, description=(
+        "Custom Ray resources one EngineServer replica needs besides those, each amount >= 0: "
+        '{"engine_node": 1} keeps engines on the nodes that offer "engine_node" (a KubeRay worker '
+        "group's rayStartParams resources), so that the head keeps the ingress and the planner."))
+    engine_ranks: StrictInt | None = Field(None, ge=1, description=(
+        "Head-parallel ranks of one EngineServer replica (S-HPLB), >= 1: one process per rank "
+        "(rank 0 the replica, the others Ray actors in its placement group, one bundle per rank of "
+        "engine_num_cpus CPUs and, on GPUs, one GPU), each attending with its share of the KV heads "
+        "(the planner's placement) and summing the attention output with the others'. At most "
+        "engine_num_gpus ranks on GPUs; with engine_num_gpus 0 they are CPU processes. 1: the plain "
+        "engine. null: one rank per GPU (at most one per KV head of the model), and 1 when the "
+        "engine config cannot run head-parallel (block-sparse prefill, seer, top-p)."))
+    ingress_num_cpus: float = Field(0.1, gt=0, description="Logical Ray CPUs of the ingress, > 0.")
+    planner_num_cpus: float = Field(0.1, gt=0, description="Logical Ray CPUs of the planner, > 0.")
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, description=(
+        "Largest request body in bytes, >= 1024; larger ones get 413."))
+    max_waiting_requests: int = Field(256, ge=0, description=(
+        "Per engine: requests admitted but not yet running beyond which new ones get 429, >= 0."))
+    handle_timeout_s: float = Field(30.0, gt=0, description=(
+        "Seconds to wait for a planner or engine reply (routing, admission, stats), > 0."))
+    token_timeout_s: float = Field(120.0, gt=0, description=(
+        "Seconds to wait for a request's next output while it runs (one engine step), > 0."))
+    stats_interval_s: float = Field(0.5, gt=0, description=(
+        "Seconds between an engine's capacity/stats reports to the planner, > 0."))
+    engine_stale_s: float = Field(5.0, gt=0, description=(
+        "Seconds: an engine silent this long is dropped from routing and /health, > stats_interval_s."))
+    hplb_profile: str | None = Field(None, description=(
+        "S-HPLB: the offline per-head profile (`spin-cluster profile --out F`) of this model. The "
+        "planner shifts the uniform sparse.budget to per-head budgets at the same total (max-min) "
+        "and places each engine's heads on its GPUs; null: the config's budgets as they are."))
+    hplb_floor_fraction: float = Field(0.25, ge=0, le=1, description=(
+        "Each head keeps at least this share of the uniform budget under max-min, 0..1."))
+
+    @field_validator("engine_torch_threads", mode="before")
+    @classmethod
+    def _threads(cls, threads: Any) -> Any:
+        if threads is None or threads in ("all", "auto") or (
+                isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1):
+            return threads
+        raise ValueError('use an integer >= 1, "all", "auto" or null')
+
+    @model_validator(mode="after")
+    def _stale_after_reports(self) -> ServeOptions:
+        if not self.engine_stale_s > self.stats_interval_s:
+            raise ValueError(
+                f"serve.engine_stale_s={self.engine_stale_s} must exceed "
+                f"serve.stats_interval_s={self.stats_interval_s}"
+            )
+        if self.engine_ranks is not None and 0 < self.engine_num_gpus < self.engine_ranks:
+            raise ValueError(
+                f"serve.engine_ranks={self.engine_ranks} exceeds serve.engine_num_gpus={self.engine_num_gpus:g}: "
+                "each head-parallel rank needs a GPU of its own"
+            )
+        return self
 
     def torch_threads(self) -> int | None:
         """The engine replica's torch thread count (with "auto", that of its large steps),
@@ -99,66 +121,30 @@ class ServeOptions:
             return None
         return StepThreads(small=1, large=threads, min_tokens=AUTO_THREADS_MIN_TOKENS)
 
-    def validate(self) -> None:
-        if self.num_engine_replicas < 1:
-            raise ValueError(f"serve.num_engine_replicas={self.num_engine_replicas}: must be >= 1")
-        if self.engine_num_cpus < 0 or self.engine_num_gpus < 0:
-            raise ValueError("serve.engine_num_cpus and serve.engine_num_gpus must be >= 0")
-        threads = self.engine_torch_threads
-        if threads is not None and threads not in ("all", "auto") and (
-                isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"serve.engine_torch_threads={threads!r}: use an integer >= 1, \"all\", \"auto\" "
-                             "or null")
-        resources = self.engine_resources
-        if resources is not None and not (isinstance(resources, dict) and all(
-                isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in resources.items())):
-            raise ValueError(f"serve.engine_resources={resources!r}: use a mapping of resource name to amount >= 0")
-        if self.engine_ranks is not None:
-            if isinstance(self.engine_ranks, bool) or not isinstance(self.engine_ranks, int) or self.engine_ranks < 1:
-                raise ValueError(f"serve.engine_ranks={self.engine_ranks!r}: use an integer >= 1, or null")
-            if self.engine_num_gpus > 0 and self.engine_ranks > self.engine_num_gpus:
-                raise ValueError(
-                    f"serve.engine_ranks={self.engine_ranks} exceeds serve.engine_num_gpus={self.engine_num_gpus}: "
-                    "each head-parallel rank needs a GPU of its own"
-                )
-        if self.ingress_num_cpus <= 0 or self.planner_num_cpus <= 0:
-            raise ValueError("serve.ingress_num_cpus and serve.planner_num_cpus must be > 0")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"serve.max_body_bytes={self.max_body_bytes}: must be >= 1024")
-        if self.max_waiting_requests < 0:
-            raise ValueError(f"serve.max_waiting_requests={self.max_waiting_requests}: must be >= 0")
-        for name in ("handle_timeout_s", "token_timeout_s", "stats_interval_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"serve.{name}={getattr(self, name)}: must be > 0")
-        if not 0 <= self.hplb_floor_fraction <= 1:
-            raise ValueError(f"serve.hplb_floor_fraction={self.hplb_floor_fraction}: use a share in [0, 1]")
-        if not self.engine_stale_s > self.stats_interval_s:
-            raise ValueError(
-                f"serve.engine_stale_s={self.engine_stale_s} must exceed "
-                f"serve.stats_interval_s={self.stats_interval_s}"
-            )
 
+class AppConfig(ConfigSection):
+    spin: SpinConfig = Field(default_factory=SpinConfig, description="The engine's config (spin_cluster.config).")
+    serve: ServeOptions = Field(default_factory=ServeOptions, description="The Serve application's options.")
 
-@dataclass(frozen=True)
-class AppConfig:
-    spin: SpinConfig = field(default_factory=SpinConfig)
-    serve: ServeOptions = field(default_factory=ServeOptions)
-
-    def __post_init__(self) -> None:
-        self.serve.validate()
+    @model_validator(mode="after")
+    def _ranks_the_engine_can_run(self) -> AppConfig:
         ranks = self.serve.engine_ranks
         refusal = self.spin.head_parallel_refusal()
         if ranks is not None and ranks > 1 and refusal is not None:
             raise ValueError(f"serve.engine_ranks={ranks}: {refusal}, or set serve.engine_ranks: 1")
+        return self
 
     def check_model(self) -> None:
         """Reads the model folder's ``config.json`` and raises ``ValueError`` where the config
-        does not fit it: ``SpinConfig.check_model``, head-parallel ranks against the KV heads,
-        a GPU device on engines that Ray gives no GPU. Run before Ray starts anything."""
+        does not fit it or the engine could not run it: ``SpinConfig.check_model``, the sparse
+        algorithm and its options, head-parallel ranks against the KV heads, a GPU device on
+        engines that Ray gives no GPU. Run before Ray starts anything."""
+        from spin_cluster.engine.cache_builder import check_cache_config
         from spin_cluster.models.config import ModelConfig
 
         mc = ModelConfig.from_folder(self.spin.model.resolved_path())
         self.spin.check_model(mc)
+        check_cache_config(self.spin, self.spin.model.max_model_len or mc.max_position_embeddings)
         ranks = self.serve.engine_ranks
         if ranks is not None and ranks > mc.num_kv_heads:
             raise ValueError(f"serve.engine_ranks={ranks} exceeds the model's num_key_value_heads="
@@ -177,8 +163,8 @@ class AppConfig:
         from spin_cluster.models.config import ModelConfig
 
         mc = ModelConfig.from_folder(self.spin.model.resolved_path())
-        model = dataclasses.replace(self.spin.model, max_model_len=mc.max_position_embeddings)
-        return dataclasses.replace(self, spin=dataclasses.replace(self.spin, model=model))
+        model = self.spin.model.model_copy(update={"max_model_len": mc.max_position_embeddings})
+        return self.model_copy(update={"spin": self.spin.model_copy(update={"model": model})})
 
     def ranks_per_engine(self, num_kv_heads: int | None = None) -> int:
         """Head-parallel ranks of one engine replica: ``serve.engine_ranks`` when set, else
@@ -198,18 +184,17 @@ class AppConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> AppConfig:
+        """One YAML file's sections: SpinConfig's and ``serve``."""
         data = dict(data or {})
-        serve = data.pop("serve", None) or {}
-        if not isinstance(serve, dict):
-            raise ValueError(f"config section 'serve' must be a mapping, got {type(serve).__name__}")
-        known = {f.name for f in dataclasses.fields(ServeOptions)}
-        unknown = set(serve) - known
+        sections = set(SpinConfig.model_fields) | {"serve"}
+        unknown = sorted(set(data) - sections)
         if unknown:
-            raise ValueError(f"unknown key(s) {sorted(unknown)} in config section 'serve'; known: {sorted(known)}")
-        return cls(spin=SpinConfig.from_dict(data), serve=ServeOptions(**serve))
+            raise ValueError(f"{unknown[0]}: unknown config section; known: {', '.join(sorted(sections))}")
+        serve = parse_config(ServeOptions, data.pop("serve", None) or {}, ("serve",))
+        return parse_config(cls, {"spin": SpinConfig.from_dict(data), "serve": serve})
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.spin.to_dict(), "serve": dataclasses.asdict(self.serve)}
+        return {**self.spin.to_dict(), "serve": self.serve.model_dump()}
 
 
 def config_path(name: str | Path) -> Path:

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from spin_cluster.config import SparseConfig
+from spin_cluster.config import SparseConfig, parse_config
 from spin_cluster.provenance import write_json
 from spin_cluster.sparse import SelectPlan, get_algorithm, select_pages
 
@@ -337,9 +337,8 @@ def run(args: argparse.Namespace) -> Diagnosis:
     if args.length < 64 or args.page_size < 1:
         raise ValueError("--length must be >= 64 and --page-size >= 1")
     specs = [SelectSpec.parse(s) for s in (args.select or ["quest", "labels"])]
-    sparse = SparseConfig(algorithm="quest", budget=args.budget, sink_tokens=args.sink_tokens,
-                          local_tokens=args.local_tokens)
-    sparse.validate()
+    sparse = parse_config(SparseConfig, {"algorithm": "quest", "budget": args.budget, "sink_tokens": args.sink_tokens,
+                                         "local_tokens": args.local_tokens}, ("sparse",))
     tok = Tokenizer(path)
     sample = ruler.make_sample(args.task, tok, args.length, args.seed)
     if len(sample.answers) != 1:

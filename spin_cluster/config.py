@@ -1,308 +1,279 @@
-"""Engine configuration: one frozen dataclass per subsystem, composed in ``SpinConfig``.
+"""Engine configuration: one frozen pydantic model per subsystem, composed in ``SpinConfig``.
 
-Every field says its unit and range; ``validate`` raises ``ValueError`` telling what to
-change. ``SpinConfig.from_dict`` rejects unknown keys so that a typo in a YAML file is an
-error, not a silently ignored setting.
+Every field says its unit and range (``Field(description=...)``, with its bounds as ``ge``/
+``gt``/``le`` constraints); checks that span fields are ``model_validator``s. Every section
+forbids unknown keys, so that a typo in a YAML file is an error, not a silently ignored
+setting. ``SpinConfig.from_dict`` turns a validation failure into one ``ValueError`` line
+naming the field and what to change (``config_error``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from spin_cluster import env
 
 if TYPE_CHECKING:
     from spin_cluster.models.config import ModelConfig
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_LOAD_FORMATS = ("auto", "dummy")
+
+class ConfigSection(BaseModel):
+    """A frozen section of the config that refuses keys it does not know."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-@dataclass(frozen=True)
-class ModelOptions:
-    # Folder with config.json + *.safetensors + tokenizer. None: the default model
-    # (SmolLM2-135M-Instruct, prepared by `spin-cluster models prepare`).
-    path: str | None = None
-    # Weights and activations: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16.
-    dtype: str = "auto"
-    # "auto" (cuda if available), "cpu", "cuda", "cuda:N".
-    device: str = "auto"
-    # Longest prompt + output in tokens; None: the model's max_position_embeddings.
-    max_model_len: int | None = None
-    # Replay decode-only steps as CUDA graphs, one per padded batch size up to
-    # scheduler.max_num_seqs, captured at start-up (GPU-only cache on CUDA; elsewhere unused).
-    cuda_graphs: bool = True
-    # float32 on the CPU: every GEMM's weight prepacked once for oneDNN (a second copy of the
-    # weights; SmolLM2's decode step 1.1x faster at batch 1, 2x at batch 4, 1.4x at batch 16).
+def _power_of_two(value: int, low: int, high: int) -> int:
+    if not low <= value <= high or value & (value - 1):
+        raise ValueError(f"use a power of two in {low}..{high}")
+    return value
+
+
+class ModelOptions(ConfigSection):
+    path: str | None = Field(None, description=(
+        "Folder with config.json + *.safetensors + tokenizer. null: the default model "
+        "(SmolLM2-135M-Instruct, prepared by `spin-cluster models prepare`)."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "Weights and activations: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."))
+    device: str = Field("auto", description='"auto" (cuda if available), "cpu", "cuda", "cuda:N".')
+    max_model_len: int | None = Field(None, ge=1, description=(
+        "Longest prompt + output in tokens, >= 1; null: the model's max_position_embeddings."))
+    cuda_graphs: StrictBool = Field(True, description=(
+        "Replay decode-only steps as CUDA graphs, one per padded batch size up to "
+        "scheduler.max_num_seqs, captured at start-up (GPU-only cache on CUDA; elsewhere unused)."))
     # Head-parallel ranks never pack: their split-K shards of o_proj and down_proj would round
-    # differently from the one-rank GEMM under oneDNN's blocking. Unused elsewhere.
-    cpu_packed_gemms: bool = True
-    # "auto": weights from the folder's safetensors; "dummy": random weights at the shapes
-    # of its config.json (benchmarks of the system, where the weights do not matter).
-    load_format: str = "auto"
-
-    def validate(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype={self.dtype!r}: choose one of {', '.join(_DTYPES)}")
-        if self.load_format not in _LOAD_FORMATS:
-            raise ValueError(f"model.load_format={self.load_format!r}: choose one of {', '.join(_LOAD_FORMATS)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"model.max_model_len={self.max_model_len}: must be >= 1 or null")
+    # differently from the one-rank GEMM under oneDNN's blocking.
+    cpu_packed_gemms: StrictBool = Field(True, description=(
+        "float32 on the CPU: every GEMM's weight prepacked once for oneDNN (a second copy of the "
+        "weights; SmolLM2's decode step 1.1x faster at batch 1, 2x at batch 4, 1.4x at batch 16). "
+        "Head-parallel ranks never pack. Unused elsewhere."))
+    load_format: Literal["auto", "dummy"] = Field("auto", description=(
+        '"auto": weights from the folder\'s safetensors; "dummy": random weights at the shapes '
+        "of its config.json (benchmarks of the system, where the weights do not matter)."))
 
     def resolved_path(self) -> str:
         return self.path or str(env.default_model_dir())
 
 
-@dataclass(frozen=True)
-class CacheConfig:
-    # Tokens per physical page; each page holds one (layer, KV head). Power of two, 1..256.
-    page_size: int = 16
-    # GPU-only cache: bytes of the K+V page pool in GiB; None: 85% of free GPU memory on
-    # CUDA, 2 GiB on CPU. Not used when offload is on.
-    kv_cache_gib: float | None = None
-    # Spin: every page's home is host memory (pinned), the GPU keeps a buffer of page slots.
-    offload: bool = False
-    # GPU-only cache: requests whose leading tokens equal an earlier request's (a chat
-    # template, a system prompt, a repeated prompt) reuse the K/V of its full pages and
-    # prefill from there. Idle cached pages count as free and are evicted least recently
-    # used first. Ignored with offload (Spin's cache shares no pages).
-    enable_prefix_caching: bool = True
-    # Host tier size in GiB (offload); None: 8 GiB.
-    host_kv_gib: float | None = None
-    # GPU buffer share per (request, layer, KV head), in pages, >= the pages a step selects
-    # (sink + budget + local); 0: buffer_share times those.
-    buffer_pages_per_head: int = 0
-    # The share's cap, when buffer_pages_per_head is 0, as a multiple (>= 1) of the pages a
-    # step selects: the columns past 1x keep pages that recent steps selected (temporal
-    # locality). 0: no cap, a share may grow to the request's every page while the GPU
-    # buffer has room (elastic_shares), so KV that fits the GPU is kept there whole.
-    buffer_share: float = 0.0
-    # Host pages per second-level segment of the page table (offload), power of two 1..1024.
-    # The GPU directory is 1/segment_pages of a flat table; a request's last segment may be
-    # partly unused (at most segment_pages - 1 host pages per layer and head).
-    segment_pages: int = 64
-    # Recency buckets of the buffer's LRU, 2..1024.
-    lru_buckets: int = 64
-    # Size each newcomer's buffer share from the free slots and the queue behind it (down to
-    # its mandatory pages); false: every request takes buffer_pages_per_head or waits.
-    elastic_shares: bool = True
-    # With sparse.per_head_budgets (top-k): size each head's share by its own selection
-    # (buffer_share times sink + its budget + local) instead of the widest head's, so a
-    # request's share takes a fraction of the slots and more requests fit the same GPU cap.
-    per_head_shares: bool = False
-    # Keep selected pages in the GPU buffer between steps (temporal locality); false: every
-    # page a step selects is retrieved from the host tier again (the no-buffer baseline).
-    buffer_reuse: bool = True
+class CacheConfig(ConfigSection):
+    page_size: int = Field(16, description=(
+        "Tokens per physical page; each page holds one (layer, KV head). Power of two, 1..256."))
+    kv_cache_gib: float | None = Field(None, gt=0, description=(
+        "GPU-only cache: bytes of the K+V page pool in GiB, > 0; null: 85% of free GPU memory on "
+        "CUDA, 2 GiB on CPU. Not used when offload is on."))
+    offload: StrictBool = Field(False, description=(
+        "Spin: every page's home is host memory (pinned), the GPU keeps a buffer of page slots."))
+    enable_prefix_caching: StrictBool = Field(True, description=(
+        "GPU-only cache: requests whose leading tokens equal an earlier request's (a chat "
+        "template, a system prompt, a repeated prompt) reuse the K/V of its full pages and "
+        "prefill from there. Idle cached pages count as free and are evicted least recently used "
+        "first. Ignored with offload (Spin's cache shares no pages)."))
+    host_kv_gib: float | None = Field(None, gt=0, description=(
+        "Host tier size in GiB (offload), > 0; null: 8 GiB. It must fit the memory of the machine "
+        "that runs the engine (pinned pages are never swapped out)."))
+    buffer_pages_per_head: int = Field(0, ge=0, description=(
+        "GPU buffer share per (request, layer, KV head), in pages, >= the pages a step selects "
+        "(sink + budget + local); 0: buffer_share times those."))
+    buffer_share: float = Field(0.0, description=(
+        "The share's cap, when buffer_pages_per_head is 0, as a multiple (>= 1) of the pages a "
+        "step selects: the columns past 1x keep pages that recent steps selected (temporal "
+        "locality). 0: no cap, a share may grow to the request's every page while the GPU buffer "
+        "has room (elastic_shares), so KV that fits the GPU is kept there whole."))
+    segment_pages: int = Field(64, description=(
+        "Host pages per second-level segment of the page table (offload), power of two 1..1024. "
+        "The GPU directory is 1/segment_pages of a flat table; a request's last segment may be "
+        "partly unused (at most segment_pages - 1 host pages per layer and head)."))
+    lru_buckets: int = Field(64, ge=2, le=1024, description="Recency buckets of the buffer's LRU, 2..1024.")
+    elastic_shares: StrictBool = Field(True, description=(
+        "Size each newcomer's buffer share from the free slots and the queue behind it (down to "
+        "its mandatory pages); false: every request takes buffer_pages_per_head or waits."))
+    per_head_shares: StrictBool = Field(False, description=(
+        "With sparse.per_head_budgets (top-k): size each head's share by its own selection "
+        "(buffer_share times sink + its budget + local) instead of the widest head's, so a "
+        "request's share takes a fraction of the slots and more requests fit the same GPU cap."))
+    buffer_reuse: StrictBool = Field(True, description=(
+        "Keep selected pages in the GPU buffer between steps (temporal locality); false: every "
+        "page a step selects is retrieved from the host tier again (the no-buffer baseline)."))
 
-    def validate(self) -> None:
-        if self.page_size < 1 or self.page_size > 256 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"cache.page_size={self.page_size}: use a power of two in 1..256")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"cache.enable_prefix_caching={self.enable_prefix_caching!r}: use true or false")
-        for name in ("kv_cache_gib", "host_kv_gib"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"cache.{name}={value}: must be > 0 or null")
-        if not (self.buffer_share >= 1 or self.buffer_share == 0):
-            raise ValueError(f"cache.buffer_share={self.buffer_share}: must be >= 1 (a multiple of the selected "
-                             f"pages) or 0 (no cap)")
-        if self.buffer_pages_per_head < 0:
-            raise ValueError(f"cache.buffer_pages_per_head={self.buffer_pages_per_head}: must be >= 0")
-        if self.segment_pages < 1 or self.segment_pages > 1024 or self.segment_pages & (self.segment_pages - 1):
-            raise ValueError(f"cache.segment_pages={self.segment_pages}: use a power of two in 1..1024")
-        if not 2 <= self.lru_buckets <= 1024:
-            raise ValueError(f"cache.lru_buckets={self.lru_buckets}: use 2..1024")
+    @field_validator("page_size")
+    @classmethod
+    def _page_size(cls, value: int) -> int:
+        return _power_of_two(value, 1, 256)
+
+    @field_validator("segment_pages")
+    @classmethod
+    def _segment_pages(cls, value: int) -> int:
+        return _power_of_two(value, 1, 1024)
+
+    @field_validator("buffer_share")
+    @classmethod
+    def _buffer_share(cls, value: float) -> float:
+        if not (value >= 1 or value == 0):
+            raise ValueError("must be >= 1 (a multiple of the selected pages) or 0 (no cap)")
+        return value
 
 
-_PREFILL_ALGORITHMS = ("dense", "block")
-_PREFILL_ESTIMATORS = ("antidiagonal", "pooled", "strided")
-_PREFILL_BUDGETS = ("uniform", "threshold", "per_head")
+def _budget_rows(rows: Any, cast: type) -> Any:
+    """``per_head_budgets`` ([L][Hkv], any sequences) as a tuple of tuples of ``cast``
+    (hashable, as a frozen config's fields are)."""
+    try:
+        return tuple(tuple(cast(b) for b in row) for row in rows)
+    except (TypeError, ValueError):  # not [L][Hkv] numbers: the field's type check says so
+        return rows
 
 
-def _normalize_budget_rows(section, cast, name: str) -> None:
-    """``section.per_head_budgets`` ([L][Hkv], any sequences) as a tuple of tuples of
-    ``cast`` (hashable, as a frozen config's fields are), every entry >= 0."""
-    if section.per_head_budgets is None:
-        return
-    rows = tuple(tuple(cast(b) for b in row) for row in section.per_head_budgets)
-    object.__setattr__(section, "per_head_budgets", rows)
-    if any(b < 0 for row in rows for b in row):
+def _check_budget_rows(rows: tuple[tuple[float, ...], ...] | None, name: str) -> None:
+    if rows is not None and any(b < 0 for row in rows for b in row):
         raise ValueError(f"{name} must be >= 0")
 
 
-@dataclass(frozen=True)
-class SparsePrefillConfig:
+class SparsePrefillConfig(ConfigSection):
     """``sparse.prefill``: block-sparse attention of prompt chunks (``spin_cluster.sparse.prefill``).
 
     It changes which scores prefill computes, never what it stores: every prompt token's K/V
     is written, so decode (``sparse.algorithm``) and the memory system work unchanged."""
 
-    # "dense": every causal key (SDPA); "block": block-sparse prefill.
-    algorithm: str = "dense"
-    # Positions per query block and key block, a power of two in 16..128.
-    block_size: int = 64
-    # Key-block importance estimate: "antidiagonal" (XAttention: q.k summed along every
-    # stride-th antidiagonal), "pooled" (block-mean q . block-mean k) or "strided"
-    # (stride-mean q . block-mean k: 1/16 of the antidiagonal estimate's cost or less).
-    estimator: str = "antidiagonal"
-    # antidiagonal: positions between sampled antidiagonals; strided: queries per pooled
-    # group. A power of two dividing block_size.
-    stride: int = 8
-    # Always-kept first key blocks (attention sinks) and key blocks just left of the diagonal
-    # (local band), >= 0. The diagonal block is always kept.
-    sink_blocks: int = 1
-    local_blocks: int = 1
-    # More key blocks per (KV head, query block): "uniform" (budget for every head),
-    # "threshold" (the fewest best blocks whose estimated mass, with the kept ones, reaches
-    # threshold: XAttention), "per_head" (per_head_budgets, or S-HPLB budgets from profile).
-    budgets: str = "uniform"
-    # Middle key blocks per query block: a fraction (0, 1) of its middle blocks, or a count >= 1.
-    budget: float = 0.25
-    # threshold: estimated attention mass to reach, (0, 1].
-    threshold: float = 0.9
-    # per_head: [L][Hkv] budgets, each with budget's meaning.
-    per_head_budgets: tuple[tuple[float, ...], ...] | None = None
-    # per_head without per_head_budgets: an S-HPLB head profile (``spin_cluster.hplb``); the
-    # heads' needs at `coverage` (0, 1] shift the fraction `budget` between heads (max-min,
-    # same total).
-    profile: str | None = None
-    coverage: float = 0.9
+    algorithm: Literal["dense", "block"] = Field("dense", description=(
+        '"dense": every causal key (SDPA); "block": block-sparse prefill.'))
+    block_size: int = Field(64, description="Positions per query block and key block, a power of two in 16..128.")
+    estimator: Literal["antidiagonal", "pooled", "strided"] = Field("antidiagonal", description=(
+        'Key-block importance estimate: "antidiagonal" (XAttention: q.k summed along every '
+        'stride-th antidiagonal), "pooled" (block-mean q . block-mean k) or "strided" '
+        "(stride-mean q . block-mean k: 1/16 of the antidiagonal estimate's cost or less)."))
+    stride: int = Field(8, description=(
+        "antidiagonal: positions between sampled antidiagonals; strided: queries per pooled "
+        "group. A power of two dividing block_size."))
+    sink_blocks: int = Field(1, ge=0, description=(
+        "Always-kept first key blocks (attention sinks), >= 0. The diagonal block is always kept."))
+    local_blocks: int = Field(1, ge=0, description=(
+        "Always-kept key blocks just left of the diagonal (local band), >= 0."))
+    budgets: Literal["uniform", "threshold", "per_head"] = Field("uniform", description=(
+        'More key blocks per (KV head, query block): "uniform" (budget for every head), '
+        '"threshold" (the fewest best blocks whose estimated mass, with the kept ones, reaches '
+        'threshold: XAttention), "per_head" (per_head_budgets, or S-HPLB budgets from profile).'))
+    budget: float = Field(0.25, gt=0, description=(
+        "Middle key blocks per query block: a fraction (0, 1) of its middle blocks, or a count >= 1."))
+    threshold: float = Field(0.9, gt=0, le=1, description="threshold: estimated attention mass to reach, (0, 1].")
+    per_head_budgets: tuple[tuple[float, ...], ...] | None = Field(None, description=(
+        "per_head: [L][Hkv] budgets, each >= 0 with budget's meaning."))
+    profile: str | None = Field(None, description=(
+        "per_head without per_head_budgets: an S-HPLB head profile (`spin_cluster.hplb`); the "
+        "heads' needs at coverage shift the fraction budget between heads (max-min, same total)."))
+    coverage: float = Field(0.9, gt=0, le=1, description="The profile's attention mass to cover, (0, 1].")
 
-    def validate(self) -> None:
-        for name, value, choices in (("algorithm", self.algorithm, _PREFILL_ALGORITHMS),
-                                     ("estimator", self.estimator, _PREFILL_ESTIMATORS),
-                                     ("budgets", self.budgets, _PREFILL_BUDGETS)):
-            if value not in choices:
-                raise ValueError(f"sparse.prefill.{name}={value!r}: choose one of {', '.join(choices)}")
-        bs = self.block_size
-        if not 16 <= bs <= 128 or bs & (bs - 1):
-            raise ValueError(f"sparse.prefill.block_size={bs}: use a power of two in 16..128")
-        if self.stride < 1 or self.stride & (self.stride - 1) or bs % self.stride:
-            raise ValueError(f"sparse.prefill.stride={self.stride}: use a power of two dividing block_size={bs}")
-        if self.sink_blocks < 0 or self.local_blocks < 0:
-            raise ValueError("sparse.prefill.sink_blocks and local_blocks must be >= 0")
-        if not self.budget > 0:
-            raise ValueError(f"sparse.prefill.budget={self.budget}: must be > 0 (a fraction, or blocks)")
-        for name in ("threshold", "coverage"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"sparse.prefill.{name}={getattr(self, name)}: use a mass in (0, 1]")
-        _normalize_budget_rows(self, float, "sparse.prefill.per_head_budgets")
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, value: int) -> int:
+        return _power_of_two(value, 16, 128)
+
+    @field_validator("per_head_budgets", mode="before")
+    @classmethod
+    def _rows(cls, rows: Any) -> Any:
+        return _budget_rows(rows, float)
+
+    @model_validator(mode="after")
+    def _fits_together(self) -> SparsePrefillConfig:
+        bs, stride = self.block_size, self.stride
+        if stride < 1 or stride & (stride - 1) or bs % stride:
+            raise ValueError(f"sparse.prefill.stride={stride}: use a power of two dividing block_size={bs}")
+        _check_budget_rows(self.per_head_budgets, "sparse.prefill.per_head_budgets")
         if self.budgets == "per_head" and self.per_head_budgets is None and self.profile is None:
             raise ValueError("sparse.prefill.budgets='per_head' needs per_head_budgets ([L][Hkv]) or a profile")
         if self.profile is not None and self.budget >= 1:
             raise ValueError(f"sparse.prefill.budget={self.budget}: with a profile give the mean as a fraction in (0, 1)")
+        return self
 
 
-@dataclass(frozen=True)
-class SparseConfig:
-    # Registered algorithm: dense, streaming, ... (`spin_cluster.sparse.registered_algorithms()`).
-    algorithm: str = "dense"
-    # Middle pages' budget per head: tokens if >= 1, else a fraction (0, 1) of the context.
-    budget: float = 2048
-    # Always-kept first tokens (attention sinks) and last tokens (local window), >= 0.
-    sink_tokens: int = 16
-    local_tokens: int = 64
-    # The first N decoder layers attend densely (Quest and ShadowKV leave the first layers,
-    # whose attention is the least sparse, dense). On the offloaded cache these layers read
-    # the whole context from the host tier each decode step (PCIe traffic of N/L of a dense
-    # offload step); the other layers select. 0: every layer selects.
-    dense_layers: int = 0
-    # Optional per-(layer, KV head) budgets in tokens, [L][Hkv]; overrides budget.
-    per_head_budgets: tuple[tuple[int, ...], ...] | None = None
-    # Online top-p Select in (0, 1]: per step each head takes the fewest top pages whose
-    # estimated attention mass reaches top_p, the heads of a layer sharing the pages their
-    # budgets add up to (so the buffer reserves that layer total per head). None: top-k.
-    top_p: float | None = None
-    # Select's hysteresis on the offloaded cache, in nats of estimated attention logit: a
-    # page already in the head's GPU buffer share scores as if its logit were this much
-    # higher, so a page outside must beat it by a factor e^margin in estimated attention
-    # weight to take its place. Near-ties at the budget's edge then stop trading places
-    # every step (each trade is a PCIe miss). 0: off.
-    resident_margin: float = 0.0
-    # Keyword options of the algorithm, e.g. {"gate_path": "gate.safetensors"} for seer,
-    # {"outlier_fraction": 0.01} for shadowkv, {"num_clusters": 16} for retroinfer.
-    options: dict | None = None
-    # Block-sparse prefill; default: dense.
-    prefill: SparsePrefillConfig = field(default_factory=SparsePrefillConfig)
+class SparseConfig(ConfigSection):
+    algorithm: str = Field("dense", description=(
+        "Registered algorithm: dense, streaming, ... (`spin_cluster.sparse.registered_algorithms()`; "
+        "the serving config checks the name before it starts anything)."))
+    budget: float = Field(2048, gt=0, description=(
+        "Middle pages' budget per head: tokens if >= 1, else a fraction (0, 1) of the context; > 0."))
+    sink_tokens: int = Field(16, ge=0, description="Always-kept first tokens (attention sinks), >= 0.")
+    local_tokens: int = Field(64, ge=0, description="Always-kept last tokens (local window), >= 0.")
+    # Quest and ShadowKV leave the first layers, whose attention is the least sparse, dense.
+    dense_layers: int = Field(0, ge=0, description=(
+        "The first N decoder layers attend densely, >= 0. On the offloaded cache these layers "
+        "read the whole context from the host tier each decode step (PCIe traffic of N/L of a "
+        "dense offload step); the other layers select. 0: every layer selects."))
+    per_head_budgets: tuple[tuple[int, ...], ...] | None = Field(None, description=(
+        "Optional per-(layer, KV head) budgets in tokens, [L][Hkv], each >= 0; overrides budget."))
+    top_p: float | None = Field(None, gt=0, le=1, description=(
+        "Online top-p Select in (0, 1]: per step each head takes the fewest top pages whose "
+        "estimated attention mass reaches top_p, the heads of a layer sharing the pages their "
+        "budgets add up to (so the buffer reserves that layer total per head). null: top-k."))
+    # Near-ties at the budget's edge then stop trading places every step (each trade is a PCIe miss).
+    resident_margin: float = Field(0.0, ge=0, description=(
+        "Select's hysteresis on the offloaded cache, in nats of estimated attention logit, >= 0: "
+        "a page already in the head's GPU buffer share scores as if its logit were this much "
+        "higher, so a page outside must beat it by a factor e^margin in estimated attention "
+        "weight to take its place. 0: off."))
+    options: dict[str, Any] | None = Field(None, description=(
+        'Keyword options of the algorithm, e.g. {"gate_path": "gate.safetensors"} for seer, '
+        '{"outlier_fraction": 0.01} for shadowkv, {"num_clusters": 16} for retroinfer.'))
+    prefill: SparsePrefillConfig = Field(default_factory=SparsePrefillConfig, description=(
+        "Block-sparse prefill; default: dense."))
 
-    def validate(self) -> None:
-        self.prefill.validate()
-        if not self.budget > 0:
-            raise ValueError(f"sparse.budget={self.budget}: must be > 0 (tokens, or a fraction of the context)")
-        if self.sink_tokens < 0 or self.local_tokens < 0:
-            raise ValueError("sparse.sink_tokens and sparse.local_tokens must be >= 0")
-        if self.dense_layers < 0:
-            raise ValueError(f"sparse.dense_layers={self.dense_layers}: must be >= 0 (the first N layers attend densely)")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"sparse.top_p={self.top_p}: use a mass in (0, 1], or null for top-k")
-        if not self.resident_margin >= 0:
-            raise ValueError(f"sparse.resident_margin={self.resident_margin}: must be >= 0 (nats; 0 is off)")
-        if self.options is not None and not isinstance(self.options, dict):
-            raise ValueError(f"sparse.options must be a mapping of the algorithm's options, got {self.options!r}")
-        _normalize_budget_rows(self, int, "sparse.per_head_budgets")
+    @field_validator("per_head_budgets", mode="before")
+    @classmethod
+    def _rows(cls, rows: Any) -> Any:
+        return _budget_rows(rows, int)
+
+    @field_validator("prefill", mode="before")
+    @classmethod
+    def _prefill(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @model_validator(mode="after")
+    def _budgets_not_negative(self) -> SparseConfig:
+        _check_budget_rows(self.per_head_budgets, "sparse.per_head_budgets")
+        return self
 
     def budget_tokens(self, context_tokens: int) -> int:
         return int(self.budget) if self.budget >= 1 else max(1, int(self.budget * context_tokens))
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    # Most requests running at once (decode batch size), 1..4096.
-    max_num_seqs: int = 64
-    # Most tokens (prefill chunks + decode tokens) in one step, >= 1.
-    max_num_batched_tokens: int = 2048
-    # Split long prompts into chunks of at most the step's leftover token budget. When off,
-    # a prompt is prefilled in one step, so max_num_batched_tokens must cover max_model_len.
-    enable_chunked_prefill: bool = True
-    # Pipelined decode: while the GPU runs decode step n+1, the host reads step n's tokens and
-    # does its bookkeeping (greedy decode-only batches; the next step's input tokens go from
-    # the GPU's argmax to the next step without the host). null: on with CUDA, off on CPU.
-    async_decode: bool | None = None
-
-    def validate(self) -> None:
-        if self.async_decode not in (None, True, False):
-            raise ValueError(f"scheduler.async_decode={self.async_decode!r}: use true, false or null (auto)")
-        if not 1 <= self.max_num_seqs <= 4096:
-            raise ValueError(f"scheduler.max_num_seqs={self.max_num_seqs}: use 1..4096")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"scheduler.max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1"
-            )
+class SchedulerConfig(ConfigSection):
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="Most requests running at once (decode batch size), 1..4096.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description=(
+        "Most tokens (prefill chunks + decode tokens) in one step, >= 1."))
+    enable_chunked_prefill: StrictBool = Field(True, description=(
+        "Split long prompts into chunks of at most the step's leftover token budget. When off, a "
+        "prompt is prefilled in one step, so max_num_batched_tokens must cover max_model_len."))
+    async_decode: StrictBool | None = Field(None, description=(
+        "Pipelined decode: while the GPU runs decode step n+1, the host reads step n's tokens and "
+        "does its bookkeeping (greedy decode-only batches; the next step's input tokens go from "
+        "the GPU's argmax to the next step without the host). null: on with CUDA, off on CPU."))
 
 
-@dataclass(frozen=True)
-class SpinConfig:
-    model: ModelOptions = field(default_factory=ModelOptions)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    sparse: SparseConfig = field(default_factory=SparseConfig)
+class SpinConfig(ConfigSection):
+    model: ModelOptions = Field(default_factory=ModelOptions, description="The checkpoint and how to run it.")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="The KV cache: pages, tiers, buffer.")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Batching of requests.")
+    sparse: SparseConfig = Field(default_factory=SparseConfig, description="Sparse attention of decode and prefill.")
 
-    def __post_init__(self) -> None:
-        for sub in (self.model, self.cache, self.scheduler, self.sparse):
-            sub.validate()
+    @model_validator(mode="before")
+    @classmethod
+    def _null_sections(cls, data: Any) -> Any:
+        """A YAML section written with no keys (``cache:``) is the section's defaults."""
+        if isinstance(data, dict):
+            return {k: {} if v is None else v for k, v in data.items()}
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SpinConfig:
-        data = dict(data or {})
-        parts = {}
-        for f in dataclasses.fields(cls):
-            sub = data.pop(f.name, None) or {}
-            parts[f.name] = _build(_SECTIONS[f.name], sub, f.name)
-        if data:
-            raise ValueError(
-                f"unknown config section(s) {sorted(data)}; known: {sorted(_SECTIONS)}"
-            )
-        return cls(**parts)
+        return parse_config(cls, data or {})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
     def check_model(self, mc: ModelConfig) -> None:
         """Raises ``ValueError`` where this config does not fit the model ``mc`` (its
-        ``config.json``): the context, the prefill token budget, per-head budget shapes.
-        Cheap (no weights), so a server checks it before it starts anything."""
+        ``config.json``): the context, the prefill token budget, per-head budget shapes, the
+        dense layers of the offloaded cache. Cheap (no weights), so a server checks it before it starts anything."""
         context = self.model.max_model_len or mc.max_position_embeddings
         if context > mc.max_position_embeddings:
             raise ValueError(
@@ -320,6 +291,8 @@ class SpinConfig:
             if rows is not None and (len(rows) != mc.num_layers or any(len(r) != mc.num_kv_heads for r in rows)):
                 raise ValueError(f"{name} must be [{mc.num_layers}][{mc.num_kv_heads}] (layers x KV heads) "
                                  "for this model")
+        if self.cache.offload and self.sparse.dense_layers > mc.num_layers:
+            raise ValueError(f"sparse.dense_layers={self.sparse.dense_layers}: the model has {mc.num_layers} layers")
 
     def head_parallel_refusal(self) -> str | None:
         """Why head-parallel ranks (``spin_cluster.parallel``) cannot run this config, or None.
@@ -338,34 +311,75 @@ class SpinConfig:
         return None
 
     def replace(self, **sections: Any) -> SpinConfig:
-        """Copy with some sections' fields replaced: ``cfg.replace(model={"path": p})``."""
-        parts = {}
-        for name, changes in sections.items():
-            if name not in _SECTIONS:
-                raise ValueError(f"unknown config section {name!r}; known: {sorted(_SECTIONS)}")
-            parts[name] = _build(_SECTIONS[name], {**dataclasses.asdict(getattr(self, name)), **changes}, name)
-        return dataclasses.replace(self, **parts)
+        """Copy with some sections' fields replaced, validated: ``cfg.replace(model={"path": p})``."""
+        changed = {name: {**section.model_dump(), **sections[name]} for name, section in self if name in sections}
+        return parse_config(type(self), {**self.to_dict(), **sections, **changed})  # an unknown name: refused
 
 
-_SECTIONS: dict[str, type] = {
-    "model": ModelOptions,
-    "cache": CacheConfig,
-    "scheduler": SchedulerConfig,
-    "sparse": SparseConfig,
-}
-_SUBSECTIONS: dict[type, dict[str, type]] = {SparseConfig: {"prefill": SparsePrefillConfig}}
+def parse_config(kind: type[BaseModel], data: Any, where: tuple[str, ...] = ()) -> Any:
+    """``kind.model_validate(data)``, with a failure as one ``ValueError`` line (``config_error``);
+    ``where``: the section's place in the config file, as the message names it."""
+    try:
+        return kind.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(config_error(e, kind, where)) from None
 
 
-def _build(kind: type, values: dict[str, Any], section: str) -> Any:
-    if not isinstance(values, dict):
-        raise ValueError(f"config section {section!r} must be a mapping, got {type(values).__name__}")
-    known = {f.name for f in dataclasses.fields(kind)}
-    unknown = set(values) - known
-    if unknown:
-        raise ValueError(
-            f"unknown key(s) {sorted(unknown)} in config section {section!r}; known: {sorted(known)}"
-        )
-    for name, sub in _SUBSECTIONS.get(kind, {}).items():  # nested sections arrive as mappings
-        if name in values and not isinstance(values[name], sub):
-            values = {**values, name: _build(sub, values[name] or {}, f"{section}.{name}")}
-    return kind(**values)
+def config_error(error: ValidationError, kind: type[BaseModel], where: tuple[str, ...] = ()) -> str:
+    """The first of ``error``'s failures as one line: ``cache.page_size=3: use a power of two
+    in 1..256``. Checks across fields name their fields themselves, so their text stands alone."""
+    first = error.errors(include_url=False)[0]
+    loc = tuple(first["loc"])
+    path = _dotted(where + loc)
+    kind_, ctx, value = first["type"], first.get("ctx") or {}, first.get("input")
+    if kind_ == "extra_forbidden":
+        known = ", ".join(sorted(_section_at(kind, loc[:-1]).model_fields))
+        what = "unknown config section" if not where and len(loc) == 1 else "unknown key"
+        return f"{path}: {what}; known: {known}"
+    if kind_ == "value_error" and _section_at(kind, loc) is not None:  # a check across a section's fields
+        return str(ctx.get("error", first["msg"]))
+    return f"{path}={value!r}: {_explain(kind_, ctx, value, first['msg'])}" if path else first["msg"]
+
+
+def _explain(kind: str, ctx: dict[str, Any], value: Any, msg: str) -> str:
+    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+    if kind in bounds:
+        bound = next(iter(ctx.values()))
+        return f"must be {bounds[kind]} {int(bound) if float(bound).is_integer() else bound}"
+    if kind == "value_error":
+        return str(ctx.get("error", msg))
+    if kind == "literal_error":
+        return f"choose one of {ctx['expected']}"
+    if kind.startswith("bool_"):
+        return "use true or false"
+    if kind.startswith("int_"):
+        return "use an integer"
+    if kind.startswith("float_"):
+        return "use a number"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"must be a mapping, got {type(value).__name__}"
+    if kind in ("tuple_type", "list_type"):
+        return f"must be a list, got {type(value).__name__}"
+    if kind == "string_type":
+        return "use a string"
+    return msg
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    """('sparse', 'per_head_budgets', 0, 1) -> 'sparse.per_head_budgets[0][1]'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out
+
+
+def _section_at(kind: Any, loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The section that ``loc`` names under ``kind``, None where it names a value."""
+    for name in loc:
+        field = kind.model_fields.get(name) if isinstance(name, str) else None
+        if field is None:
+            return None
+        kind = field.annotation
+        if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
+            return None
+    return kind

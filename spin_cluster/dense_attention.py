@@ -42,7 +42,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from spin_cluster import env
 from spin_cluster.kernels import paged_decode
@@ -255,7 +254,7 @@ def _sdpa(q, k, v, context_start: int, name: str) -> torch.Tensor:
     if context_start:
         end = context_start + n
         if q.device.type == "cuda":
-            mask = causal_lower_right(n, end)
+            mask = _causal_lower_right(n, end)
         else:
             mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(context_start, end, device=q.device)[:, None]
     if name == "default":
@@ -325,6 +324,15 @@ def chunk_causal_mask(n: int, context_start: int, device: torch.device):
     """
     end = context_start + n
     if device.type == "cuda":
-        return causal_lower_right(n, end)
+        return _causal_lower_right(n, end)
     q_pos = torch.arange(context_start, end, device=device)
     return torch.arange(end, device=device)[None, :] <= q_pos[:, None]  # [n, end]
+
+
+def _causal_lower_right(n: int, end: int):
+    """torch's ``CausalBias`` of n queries aligned to the lower right of [n, end] scores.
+    Imported here: ``torch.nn.attention.bias`` imports torch._dynamo (seconds), which only a
+    chunk prefilled on CUDA needs, not a CPU engine nor the serve command's config checks."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(n, end)

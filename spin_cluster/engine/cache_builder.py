@@ -26,7 +26,7 @@ from spin_cluster.kvcache.manager import KVCacheManager
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.kvcache.page_pool import PagePool
 from spin_cluster.models.config import ModelConfig
-from spin_cluster.sparse import get_algorithm
+from spin_cluster.sparse import SparseAlgorithm, get_algorithm
 from spin_cluster.sparse.prefill import BlockSparsePrefill
 
 _CPU_DEFAULT_KV_GIB = 2.0
@@ -46,23 +46,71 @@ def cache_kind(config: SpinConfig) -> str:
 def build_cache(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
                 max_model_len: int, decode_attention: str = "auto"):
     """Returns (kv manager, attention backend)."""
-    algorithm_cls = get_algorithm(config.sparse.algorithm)
+    algorithm_cls = check_cache_config(config, max_model_len)
+    parts = BackendParts(config.sparse, max_model_len, decode_attention, prefill=_sparse_prefill(config, mc, device))
+    kv, parts = CACHE_KINDS[cache_kind(config)](config, mc, dtype, device, parts, algorithm_cls)
+    return kv, backend_class(kv.attention_backend).build(kv, parts)
+
+
+def check_cache_config(config: SpinConfig, max_model_len: int) -> type[SparseAlgorithm]:
+    """The sparse algorithm class, once the config's sparse section fits the cache and the
+    context (``check_sparse_algorithm``, and a budget within the context). Cheap (no tensors),
+    so that a server checks it before it starts anything."""
+    algorithm_cls = check_sparse_algorithm(config)
     budget = config.sparse.budget_tokens(max_model_len)
     if not algorithm_cls.selects_all and config.sparse.per_head_budgets is None and budget > max_model_len:
         raise ValueError(
             f"sparse.budget={config.sparse.budget} tokens is larger than the context "
             f"(max_model_len={max_model_len}); lower it or give a fraction in (0, 1)"
         )
-    parts = BackendParts(config.sparse, max_model_len, decode_attention, prefill=_sparse_prefill(config, mc, device))
-    kv, parts = CACHE_KINDS[cache_kind(config)](config, mc, dtype, device, parts, algorithm_cls)
-    return kv, backend_class(kv.attention_backend).build(kv, parts)
+    return algorithm_cls
 
 
-def _build_paged(config, mc, dtype, device, parts: BackendParts, algorithm_cls):
-    if algorithm_cls.name != "dense":
+def check_sparse_algorithm(config: SpinConfig) -> type[SparseAlgorithm]:
+    """The class of ``sparse.algorithm``: a registered name, with options its constructors
+    take, on the offloaded cache unless it is dense. Needs no model."""
+    try:
+        algorithm_cls = get_algorithm(config.sparse.algorithm)
+    except ValueError as e:
+        raise ValueError(f"sparse.algorithm: {e}") from None
+    if not config.cache.offload and algorithm_cls.name != "dense":
         raise ValueError(
             f"sparse.algorithm={algorithm_cls.name!r} runs on the offloaded cache: set cache.offload=true"
         )
+    known = _algorithm_options(algorithm_cls)
+    unknown = sorted(set(config.sparse.options or {}) - known)
+    if unknown:
+        raise ValueError(f"sparse.options: {algorithm_cls.name!r} takes no option {unknown[0]!r}; "
+                         f"its options: {', '.join(sorted(known)) or 'none'}")
+    return algorithm_cls
+
+
+def _algorithm_options(cls: type[SparseAlgorithm]) -> set[str]:
+    """Keyword options an algorithm's constructors take, down the classes that pass ``**kw`` on
+    (the shape, which the builder gives, has no default and is not an option)."""
+    options: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        options |= {p.name for p in parameters if p.default is not inspect.Parameter.empty}
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            break
+    return options
+
+
+def host_tier_segments(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, max_model_len: int) -> int:
+    """Segments of the offloaded cache's host tier: ``cache.host_kv_gib`` (null: 8 GiB), never
+    more than every request row could use at full length."""
+    cc, S = config.cache, config.cache.page_size
+    host_gib = cc.host_kv_gib or _DEFAULT_HOST_KV_GIB
+    seg_bytes = HostTier.bytes_per_segment(cc.segment_pages, S, mc.head_dim, dtype)
+    max_pages = -(-max_model_len // S)
+    most_segments = config.scheduler.max_num_seqs * -(-max_pages // cc.segment_pages) * mc.num_layers * mc.num_kv_heads
+    return min(int(host_gib * 2**30 // seg_bytes), most_segments)
+
+
+def _build_paged(config, mc, dtype, device, parts: BackendParts, algorithm_cls):
     kv = KVCacheManager(
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
         page_size=config.cache.page_size, num_pages=num_gpu_pages(config, mc, dtype, device, parts.max_model_len),
@@ -109,14 +157,10 @@ def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_c
             f"the GPU buffer ({num_slots} page slots) cannot hold one request's selected pages "
             f"({least_slots} over {per_column} heads); raise cache.kv_cache_gib or lower sparse.budget"
         )
-    host_gib = cc.host_kv_gib or _DEFAULT_HOST_KV_GIB
-    seg_bytes = HostTier.bytes_per_segment(cc.segment_pages, S, mc.head_dim, dtype)
-    # Never more than every request row could use at full length.
-    most_segments = sc.max_num_seqs * -(-max_pages // cc.segment_pages) * per_column
     kv = OffloadedKVManager(
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=S,
         segment_pages=cc.segment_pages,
-        num_host_segments=min(int(host_gib * 2**30 // seg_bytes), most_segments),
+        num_host_segments=host_tier_segments(config, mc, dtype, max_model_len),
         num_buffer_slots=num_slots, buffer_pages_per_head=share, mandatory_pages_per_head=mandatory,
         max_seqs=sc.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
         num_buckets=cc.lru_buckets, elastic_shares=cc.elastic_shares, reuse=cc.buffer_reuse,

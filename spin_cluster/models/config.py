@@ -1,15 +1,17 @@
 """What the model code needs from a Hugging Face ``config.json``, parsed and validated once.
 
-Two writers of ``config.json`` are in the wild and both are accepted:
+transformers reads the file (``AutoConfig.from_pretrained``, local files only), so every key
+the file leaves out takes transformers' own default for that model type, and its RoPE
+parameters arrive in one layout whichever transformers wrote them:
 
 * transformers 4: top-level ``rope_theta`` and an optional ``rope_scaling`` dict (whose type
   key is ``rope_type`` or, older, ``type``);
 * transformers 5: one ``rope_parameters`` dict holding ``rope_theta``, ``rope_type`` and, for
   scaled RoPE, the scaling fields. transformers 5 may also write ``architectures: null``.
 
-Anything the model code could not run faithfully (another architecture, another activation,
-sliding-window layers, a RoPE type other than default/llama3) is refused here with a
-``ValueError`` rather than silently computed wrong.
+Before that, what the file says is checked here: anything the model code could not run
+faithfully (another architecture, another activation, sliding-window layers, a RoPE type other
+than default/llama3) is refused with a ``ValueError`` rather than silently computed wrong.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
+_MODEL_TYPE_BY_ARCH = {arch: model_type for model_type, arch in _ARCH_BY_MODEL_TYPE.items()}
+
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 _LLAMA3_FIELDS = (
     "factor",
@@ -39,12 +43,6 @@ _LLAMA3_FIELDS = (
     "high_freq_factor",
     "original_max_position_embeddings",
 )
-
-# transformers' defaults when a key is absent (same in 4.x and 5.x for these three models).
-_DEFAULT_ROPE_THETA = 10_000.0
-_DEFAULT_RMS_NORM_EPS = 1e-6
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
-_DEFAULT_QWEN3_HEAD_DIM = 128
 
 
 @dataclass(frozen=True)
@@ -80,119 +78,141 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
+        from transformers import AutoConfig
+
         path = Path(path)
-        if not path.is_dir():
-            raise ValueError(
-                f"model folder {str(path)!r} does not exist; "
-                "run `spin-cluster models prepare` to download or convert a model first"
-            )
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise ValueError(
-                f"model folder {str(path)!r} has no config.json; it must hold a Hugging Face "
-                "checkpoint (config.json + *.safetensors). Run `spin-cluster models prepare` "
-                "to produce one"
-            )
+        d = _read_config_json(path)
+        _refuse_unsupported(d)
         try:
-            d = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
-        if not isinstance(d, dict):
-            raise ValueError(f"{cfg_file} must hold a JSON object")
-        return cls.from_json_dict(d)
+            hf = AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"transformers cannot read {path / 'config.json'}: {e}") from None
+        return cls.from_transformers(hf, d)
 
     @classmethod
     def from_json_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """From the contents of a ``config.json``, read as ``from_folder`` reads the file."""
+        from transformers import CONFIG_MAPPING
+
+        arch = _refuse_unsupported(d)
+        return cls.from_transformers(CONFIG_MAPPING[_MODEL_TYPE_BY_ARCH[arch]].from_dict(d), d)
+
+    @classmethod
+    def from_transformers(cls, hf: Any, d: dict[str, Any]) -> ModelConfig:
+        """``hf``: transformers' config of the file ``d`` (its defaults filled in), ``d``
+        having passed ``_refuse_unsupported``."""
         arch = _architecture(d)
-        model_type = next(t for t, a in _ARCH_BY_MODEL_TYPE.items() if a == arch)
-
-        vocab_size = _req_int(d, "vocab_size")
-        hidden_size = _req_int(d, "hidden_size")
-        intermediate_size = _req_int(d, "intermediate_size")
-        num_layers = _req_int(d, "num_hidden_layers")
-        num_heads = _req_int(d, "num_attention_heads")
-        num_kv_heads = _opt_int(d, "num_key_value_heads") or num_heads
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_attention_heads ({num_heads}) must be a multiple of "
-                f"num_key_value_heads ({num_kv_heads})"
-            )
-        head_dim = _opt_int(d, "head_dim")
-        if head_dim is None:
-            if model_type == "qwen3":
-                head_dim = _DEFAULT_QWEN3_HEAD_DIM
-            elif hidden_size % num_heads == 0:
-                head_dim = hidden_size // num_heads
-            else:
-                raise ValueError(
-                    f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads "
-                    f"({num_heads}) and config.json gives no head_dim"
-                )
-        if head_dim % 2 != 0:
-            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
-
-        act = d.get("hidden_act") or "silu"
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
-        if model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
-            raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
-        if (d.get("partial_rotary_factor") or 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1.0 is not supported")
-
-        rope_theta, rope_scaling = _rope(d)
-        max_pos = _opt_int(d, "max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type]
-        if rope_scaling is not None:
-            # As transformers' standardize_rope_params: a top-level value wins, then the one in
-            # the RoPE dict, then max_position_embeddings.
+        model_type = _MODEL_TYPE_BY_ARCH[arch]
+        hidden_size, num_heads = hf.hidden_size, hf.num_attention_heads
+        # transformers 4 leaves head_dim unset where it is hidden_size / heads (Qwen2 always).
+        head_dim = getattr(hf, "head_dim", None) or hidden_size // num_heads
+        rope_theta, rope_scaling = _rope(_rope_layout(hf))
+        max_pos = hf.max_position_embeddings
+        if rope_scaling is not None and rope_scaling["original_max_position_embeddings"] is None:
+            # transformers 4 leaves it unset; 5 sets it as follows (standardize_rope_params).
             top = _opt_int(d, "original_max_position_embeddings")
-            if top is not None or rope_scaling["original_max_position_embeddings"] is None:
-                rope_scaling["original_max_position_embeddings"] = top or max_pos
-
-        if model_type == "qwen2":
+            rope_scaling["original_max_position_embeddings"] = top or max_pos
+        if model_type == "qwen2":  # Qwen2's q/k/v projections always carry a bias, o_proj none
             attention_bias, o_proj_bias = True, False
         else:
-            attention_bias = o_proj_bias = bool(d.get("attention_bias", False))
-        mlp_bias = bool(d.get("mlp_bias", False)) if model_type == "llama" else False
-
-        # transformers' LlamaConfig defaults to bos 1 / eos 2 when the keys are absent.
-        llama = model_type == "llama"
-        eos = d.get("eos_token_id", 2 if llama else None)
-        if eos is None:
-            eos_ids: tuple[int, ...] = ()
-        elif isinstance(eos, int):
-            eos_ids = (eos,)
-        elif isinstance(eos, list) and all(isinstance(e, int) for e in eos):
-            eos_ids = tuple(eos)
-        else:
-            raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
-        bos = d.get("bos_token_id", 1 if llama else None)
-        if bos is not None and not isinstance(bos, int):
-            raise ValueError(f"bos_token_id must be an int, got {bos!r}")
-
+            attention_bias = o_proj_bias = bool(getattr(hf, "attention_bias", False))
+        eos = hf.eos_token_id
         dtype_str = d.get("dtype") or d.get("torch_dtype")
         return cls(
             architecture=arch,
             model_type=model_type,
-            vocab_size=vocab_size,
+            vocab_size=hf.vocab_size,
             hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_layers=num_layers,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
+            num_kv_heads=hf.num_key_value_heads or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps") or _DEFAULT_RMS_NORM_EPS),
+            rms_norm_eps=float(hf.rms_norm_eps),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.tie_word_embeddings),
             attention_bias=attention_bias,
             qk_norm=model_type == "qwen3",
-            bos_token_id=bos,
-            eos_token_ids=eos_ids,
+            bos_token_id=hf.bos_token_id,
+            eos_token_ids=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
             o_proj_bias=o_proj_bias,
-            mlp_bias=mlp_bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)) if model_type == "llama" else False,
             checkpoint_dtype=dtype_str if isinstance(dtype_str, str) else None,
         )
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise ValueError(
+            f"model folder {str(path)!r} does not exist; "
+            "run `spin-cluster models prepare` to download or convert a model first"
+        )
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(
+            f"model folder {str(path)!r} has no config.json; it must hold a Hugging Face "
+            "checkpoint (config.json + *.safetensors). Run `spin-cluster models prepare` "
+            "to produce one"
+        )
+    try:
+        d = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"{cfg_file} must hold a JSON object")
+    return d
+
+
+def _refuse_unsupported(d: dict[str, Any]) -> str:
+    """The architecture of the ``config.json`` contents ``d``, once what the file states is
+    something the model code runs: the shape keys it must give, heads that group, an even
+    head_dim, silu, no sliding window, full rotary default or llama3 RoPE, integer token ids."""
+    arch = _architecture(d)
+    model_type = _MODEL_TYPE_BY_ARCH[arch]
+    hidden_size = _req_int(d, "hidden_size")
+    for key in ("vocab_size", "intermediate_size", "num_hidden_layers"):
+        _req_int(d, key)
+    num_heads = _req_int(d, "num_attention_heads")
+    num_kv_heads = _opt_int(d, "num_key_value_heads") or num_heads
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_attention_heads ({num_heads}) must be a multiple of "
+            f"num_key_value_heads ({num_kv_heads})"
+        )
+    head_dim = _opt_int(d, "head_dim")
+    if head_dim is None and model_type != "qwen3" and hidden_size % num_heads != 0:
+        raise ValueError(
+            f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads "
+            f"({num_heads}) and config.json gives no head_dim"
+        )
+    if head_dim is not None and head_dim % 2 != 0:
+        raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    act = d.get("hidden_act") or "silu"
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    if model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    if (d.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1.0 is not supported")
+    _rope(d)
+    eos = d.get("eos_token_id")
+    if not (eos is None or isinstance(eos, int) or (isinstance(eos, list) and all(isinstance(e, int) for e in eos))):
+        raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
+    bos = d.get("bos_token_id")
+    if bos is not None and not isinstance(bos, int):
+        raise ValueError(f"bos_token_id must be an int, got {bos!r}")
+    return arch
+
+
+def _rope_layout(hf: Any) -> dict[str, Any]:
+    """transformers' RoPE parameters of ``hf`` as a config.json of ``_rope`` has them: 5's
+    ``rope_parameters``, or 4's ``rope_theta`` and ``rope_scaling``."""
+    params = getattr(hf, "rope_parameters", None)
+    if params is not None:
+        return {"rope_parameters": params}
+    return {"rope_theta": hf.rope_theta, "rope_scaling": getattr(hf, "rope_scaling", None)}
 
 
 def _architecture(d: dict[str, Any]) -> str:
@@ -220,8 +240,9 @@ def _architecture(d: dict[str, Any]) -> str:
     )
 
 
-def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, normalized scaling dict or None) from either config.json layout."""
+def _rope(d: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
+    """(rope_theta, normalized scaling dict or None) from either config.json layout; theta
+    None where ``d`` gives none (transformers' config of the file always does)."""
     # transformers 4 wrote `rope_scaling`; 5 writes `rope_parameters`. Like transformers 5,
     # a non-empty `rope_scaling` wins when both are present.
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
@@ -231,7 +252,7 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
     theta = params.pop("rope_theta", None)
     if theta is None:
-        theta = d.get("rope_theta", _DEFAULT_ROPE_THETA)
+        theta = d.get("rope_theta")  # None only in a file that leaves it to transformers
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -242,7 +263,7 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if (params.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1.0 is not supported")
     if rope_type == "default":
-        return float(theta), None
+        return _float_or_none(theta), None
 
     missing = [k for k in _LLAMA3_FIELDS[:3] if k not in params]
     if missing:
@@ -254,7 +275,11 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling["original_max_position_embeddings"] = int(omp) if omp is not None else None
     if scaling["high_freq_factor"] == scaling["low_freq_factor"]:
         raise ValueError("llama3 RoPE needs high_freq_factor != low_freq_factor")
-    return float(theta), scaling
+    return _float_or_none(theta), scaling
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _req_int(d: dict[str, Any], key: str) -> int:

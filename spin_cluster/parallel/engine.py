@@ -46,6 +46,19 @@ def default_placement(config: SpinConfig, mc: ModelConfig, num_ranks: int, metho
     return plan_heads(None, PlanConfig.from_spin(config, mc, method=method), num_ranks).placement
 
 
+def check_placement(p: HeadPlacement, mc: ModelConfig) -> None:
+    """Raises ``ValueError`` unless the placement fits the model's heads and gives every rank
+    a KV head in some layer."""
+    if (p.num_layers, p.num_kv_heads) != (mc.num_layers, mc.num_kv_heads):
+        raise ValueError(
+            f"the placement is [{p.num_layers}][{p.num_kv_heads}] (layers x KV heads), "
+            f"the model has [{mc.num_layers}][{mc.num_kv_heads}]"
+        )
+    idle = [r for r in range(p.num_ranks) if not any(p.kv_heads_of(r))]
+    if idle:
+        raise ValueError(f"the placement gives ranks {idle} no KV head in any layer; use fewer ranks")
+
+
 class HeadParallelEngine(Engine):
     """This process's rank of a head-parallel engine; ``placement`` None places the heads
     with ``default_placement`` (the same on every rank: it depends only on the config)."""
@@ -91,15 +104,8 @@ class HeadParallelEngine(Engine):
         mc = model.config
         if self.placement is None:
             self.placement = default_placement(self.config, mc, self.num_ranks)
+        check_placement(self.placement, mc)
         p = self.placement
-        if (p.num_layers, p.num_kv_heads) != (mc.num_layers, mc.num_kv_heads):
-            raise ValueError(
-                f"the placement is [{p.num_layers}][{p.num_kv_heads}] (layers x KV heads), "
-                f"the model has [{mc.num_layers}][{mc.num_kv_heads}]"
-            )
-        idle = [r for r in range(self.num_ranks) if not any(p.kv_heads_of(r))]
-        if idle:
-            raise ValueError(f"the placement gives ranks {idle} no KV head in any layer; use fewer ranks")
         self.kv_heads = p.kv_heads_of(self.rank)  # [L] this rank's KV heads
         shard_attention(model, self.kv_heads, self.group)
         return shard_mlp(model, self.rank, self.num_ranks, self.group)

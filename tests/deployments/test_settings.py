@@ -83,8 +83,8 @@ def test_generated_serve_config_passes_rays_schema(name):
 
 
 @pytest.mark.parametrize("bad, words", [
-    ({"serve": {"engine_ranks": 0}}, r"serve.engine_ranks=0: use an integer >= 1"),
-    ({"serve": {"engine_ranks": 1.5}}, r"serve.engine_ranks=1.5: use an integer >= 1"),
+    ({"serve": {"engine_ranks": 0}}, r"^serve.engine_ranks=0: must be >= 1$"),
+    ({"serve": {"engine_ranks": 1.5}}, r"^serve.engine_ranks=1.5: use an integer$"),
     ({"serve": {"engine_ranks": 4, "engine_num_gpus": 2}}, "exceeds serve.engine_num_gpus=2: each head-parallel rank"),
     ({"config": "spin-quest", "sparse": {"top_p": 0.9}, "serve": {"engine_ranks": 2}},
      r"engine_ranks=2: .*set sparse.top_p=null"),
@@ -166,3 +166,11 @@ def test_rank_bundles_give_each_rank_its_cpus_and_gpu_and_rank_0_the_custom_reso
     assert rank_bundles(3, gpu=True, num_cpus=2, resources={"engine_node": 1}) == [
         {"CPU": 2.0, "GPU": 1.0, "engine_node": 1}, {"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}]
     assert rank_bundles(2, gpu=False) == [{"CPU": 1.0}, {"CPU": 1.0}]
+
+
+def test_every_serve_field_says_what_it_is():
+    from spin_cluster.deployments.settings import ServeOptions
+
+    for section in (AppConfig, ServeOptions):
+        for name, field in section.model_fields.items():
+            assert field.description, f"{section.__name__}.{name} has no description"

@@ -1,7 +1,6 @@
 """The Helm chart, rendered offline by Helm's own Go SDK (helm-python-sdk: no helm binary, no
 cluster), for the default values and for a 2-node 8-GPU values file."""
 
-import dataclasses
 import json
 import re
 import tomllib
@@ -258,14 +257,14 @@ def test_serve_config_is_deploy_config_of_the_bundled_app_config(case):
         shape["model_name"] = served
     if values.get("hplb", {}).get("profile"):
         shape["hplb_profile"] = "/etc/spin-cluster/hplb/profile.json"
-    assert chart.serve == dataclasses.replace(local.serve, **overrides.get("serve", {}), **shape)
+    assert chart.serve == local.serve.model_copy(update={**overrides.get("serve", {}), **shape})
 
 
 def test_schema_knows_the_bundled_configs_and_the_app_sections():
     schema = json.loads((CHART / "values.schema.json").read_text())
     app = schema["properties"]["app"]["properties"]
     assert sorted(app["config"]["enum"]) == sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-    sections = {f.name for f in dataclasses.fields(SpinConfig)} | {"serve"}
+    sections = set(SpinConfig.model_fields) | {"serve"}
     assert set(app["overrides"]["properties"]) == sections, "list the app config's sections under " \
         "app.overrides in helm/spin-cluster/values.schema.json"
 

@@ -1,0 +1,79 @@
+"""`spin-cluster serve` with a config that cannot run: exit 2 within seconds, one `error:` line
+naming the field, and Ray neither imported nor started (no session folder under RAY_TMPDIR)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from spin_cluster.deployments.preflight import memory_bytes
+
+# Runs the command as `spin-cluster serve` does, then says on stdout whether Ray was imported.
+_SERVE = ("import sys; from spin_cluster import cli; rc = cli.main(sys.argv[1:]); "
+          "print('ray' in sys.modules); sys.exit(rc)")
+
+
+def _over_memory_gib() -> int:
+    return 2 * memory_bytes()[0] // 2**30
+
+
+# Head-parallel ranks (2 or more) on CUDA, one more than this machine has GPUs.
+_RANKS = max(2, torch.cuda.device_count() + 1)
+
+
+# (YAML of the config, the start of the one stderr line)
+BAD = {
+    "unknown algorithm": ("sparse: {algorithm: nope}",
+                          "error: sparse.algorithm: unknown sparse algorithm 'nope'; choose one of dense, "),
+    "unknown prefill algorithm": ("sparse: {prefill: {algorithm: nope}}",
+                                  "error: sparse.prefill.algorithm='nope': choose one of 'dense' or 'block'"),
+    # Every row of 4096 at the full 8192 tokens: the tier is held to its rows' use, 1440 GiB in fp32.
+    "host tier over the memory": (
+        f"cache: {{offload: true, host_kv_gib: {_over_memory_gib()}}}\n"
+        "scheduler: {max_num_seqs: 4096}\nsparse: {algorithm: quest, budget: 64}",
+        f"error: cache.host_kv_gib={float(_over_memory_gib())}: the KV pages would take "),
+    "engine ranks over the GPUs": (
+        f"serve: {{engine_ranks: {_RANKS}, engine_num_gpus: {_RANKS}}}", f"error: serve.engine_ranks={_RANKS}"),
+    "engine GPUs over the GPUs": (f"serve: {{engine_num_gpus: {torch.cuda.device_count() + 1}}}",
+                                  f"error: serve.engine_num_gpus={torch.cuda.device_count() + 1}: this machine has "),
+    "a budget of 0": ("sparse: {budget: 0}", "error: sparse.budget=0: must be > 0"),
+    "a negative prefill budget": ("sparse: {prefill: {budget: -1}}", "error: sparse.prefill.budget=-1: must be > 0"),
+    "an unknown key": ("cache: {bogus: 1}", "error: cache.bogus: unknown key; known: buffer_pages_per_head, "),
+    "an unknown section": ("sparsity: {budget: 64}", "error: sparsity: unknown config section; known: cache, model, "),
+    "an unknown algorithm option": ("cache: {offload: true}\nsparse: {algorithm: quest, budget: 64, options: {nope: 1}}",
+                                    "error: sparse.options: 'quest' takes no option 'nope'; its options: "),
+    "two engine replicas on one node": ("serve: {num_engine_replicas: 2}", "error: serve.num_engine_replicas=2: "),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_a_config_that_cannot_run_fails_in_seconds_naming_the_field(name, tmp_path, smollm2_path):
+    config, first_words = BAD[name]
+    path = tmp_path / "bad.yaml"
+    path.write_text(config + "\n")
+    ray_tmp = tmp_path / "ray"
+    ray_tmp.mkdir()
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _SERVE, "serve", "--config", str(path), "--model", smollm2_path],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "RAY_TMPDIR": str(ray_tmp)},
+    )
+    elapsed_s = time.monotonic() - started
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(first_words), proc.stderr
+    assert proc.stdout == "False\n"  # Ray was not imported
+    assert list(ray_tmp.iterdir()) == []
+    assert elapsed_s < 10, f"took {elapsed_s:.1f}s"
+
+
+@pytest.mark.parametrize("name", ["default", "spin", "spin-quest"])
+def test_the_bundled_configs_pass_on_this_machine(name, smollm2_path):
+    from spin_cluster.deployments.local import LOCAL_NUM_CPUS
+    from spin_cluster.deployments.preflight import check_local_run
+    from spin_cluster.deployments.settings import load_app_config
+
+    check_local_run(load_app_config({"config": name, "model": {"path": smollm2_path}}), LOCAL_NUM_CPUS)

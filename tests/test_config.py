@@ -1,0 +1,51 @@
+"""The engine config's sections: each failure is one line naming the field and what to change."""
+
+import pytest
+
+from spin_cluster.config import CacheConfig, SpinConfig
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"cache": {"page_size": 3}}, "cache.page_size=3: use a power of two in 1..256"),
+    ({"cache": {"lru_buckets": 1}}, "cache.lru_buckets=1: must be >= 2"),
+    ({"cache": {"host_kv_gib": 0}}, "cache.host_kv_gib=0: must be > 0"),
+    ({"cache": {"offload": "yes"}}, "cache.offload='yes': use true or false"),
+    ({"cache": ["page_size"]}, "cache=['page_size']: must be a mapping, got list"),
+    ({"model": {"dtype": "int8"}}, "model.dtype='int8': choose one of 'auto', 'float32', 'bfloat16' or 'float16'"),
+    ({"model": {"max_model_len": 1.5}}, "model.max_model_len=1.5: use an integer"),
+    ({"scheduler": {"max_num_seqs": 5000}}, "scheduler.max_num_seqs=5000: must be <= 4096"),
+    ({"sparse": {"budget": -1}}, "sparse.budget=-1: must be > 0"),
+    ({"sparse": {"top_p": "x"}}, "sparse.top_p='x': use a number"),
+    ({"sparse": {"per_head_budgets": 5}}, "sparse.per_head_budgets=5: must be a list, got int"),
+    ({"sparse": {"per_head_budgets": [[1, "a"]]}}, "sparse.per_head_budgets[0][1]='a': use an integer"),
+    ({"sparse": {"prefill": {"coverage": 0}}}, "sparse.prefill.coverage=0: must be > 0"),
+    ({"sparse": {"prefill": {"profile": "p.json", "budget": 2}}},
+     "sparse.prefill.budget=2.0: with a profile give the mean as a fraction in (0, 1)"),
+    ({"cache": {"segment": 4}}, "cache.segment: unknown key; known: buffer_pages_per_head, buffer_reuse, "
+     "buffer_share, elastic_shares, enable_prefix_caching, host_kv_gib, kv_cache_gib, lru_buckets, offload, "
+     "page_size, per_head_shares, segment_pages"),
+    ({"caches": {}}, "caches: unknown config section; known: cache, model, scheduler, sparse"),
+])
+def test_a_bad_value_is_one_line_naming_the_field(data, message):
+    with pytest.raises(ValueError) as e:
+        SpinConfig.from_dict(data)
+    assert str(e.value) == message
+
+
+def test_sections_are_frozen_and_round_trip():
+    cfg = SpinConfig.from_dict({"cache": None, "sparse": {"prefill": None, "per_head_budgets": [[64, 32.0]]}})
+    assert cfg.cache == CacheConfig() and cfg.sparse.per_head_budgets == ((64, 32),)
+    assert SpinConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="frozen"):
+        cfg.cache.page_size = 32
+    assert cfg.replace(cache={"page_size": 32}).cache.page_size == 32
+    with pytest.raises(ValueError, match="^cache.page_size=33: use a power of two"):
+        cfg.replace(cache={"page_size": 33})
+
+
+def test_every_field_says_what_it_is():
+    from spin_cluster.config import ModelOptions, SchedulerConfig, SparseConfig, SparsePrefillConfig
+
+    for section in (SpinConfig, ModelOptions, CacheConfig, SchedulerConfig, SparseConfig, SparsePrefillConfig):
+        for name, field in section.model_fields.items():
+            assert field.description, f"{section.__name__}.{name} has no description"
