@@ -29,11 +29,10 @@ from spin_cluster.dense_attention import decode_impl, prefill_attention
 from spin_cluster.engine.backend import BackendParts
 from spin_cluster.engine.cuda_graphs import PlannedCapture
 from spin_cluster.engine.scheduler import ScheduledChunk
-from spin_cluster.kernels import lookup_epilogue
 from spin_cluster.kvcache.buffer import InstallPlan
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.kvcache.transfer import Transfer
-from spin_cluster.sparse import SelectPlan, SparseAlgorithm, select_pages
+from spin_cluster.sparse import SelectPlan, SparseAlgorithm, select
 
 if TYPE_CHECKING:
     from spin_cluster.sparse.prefill import BlockSparsePrefill
@@ -86,8 +85,7 @@ class SpinAttention(PlannedCapture):
         dev = kv.buffer.k_slots.device
         self.device = dev
         self._decode = decode_impl(decode, dev)
-        self.transfer = Transfer(kv.host, dev)  # Offload and Retrieve
-        self._epilogue = lookup_epilogue.lookup_epilogue if dev.type == "cuda" else lookup_epilogue.lookup_epilogue_ref
+        self.transfer = Transfer(kv.host, dev, kv.buffer, kv.directory)  # Offload and Retrieve
         S = kv.page_size
         if sparse.dense_layers > kv.num_layers:
             raise ValueError(f"sparse.dense_layers={sparse.dense_layers}: the model has {kv.num_layers} layers")
@@ -266,31 +264,17 @@ class SpinAttention(PlannedCapture):
                 k_ctx, v_ctx = self._gather_context(layer, seg)
                 out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, seg.context_start, None, layer)
             return
-        sel = plan.select[layer]
+        sel, rows, buf = plan.select[layer], plan.decode_rows, kv.buffer
+        margin = self.sparse.resident_margin if buf.reuse and not self.algorithm.selects_all else 0.0
+        held = buf.resident(rows, layer, sel.max_pages) if margin else None  # the pages the buffer holds
+        want, num_selected = select(self.algorithm, layer, q, rows, sel, held, margin)  # [Bd, Hkv, K]
         # No wait for this layer's host write: Retrieve may copy the tail page without the new
-        # token, and the write-through below puts it into the slot after Retrieve, on this
-        # stream. Earlier steps' writes have landed (end_step waits).
-        scores = None
-        if not self.algorithm.selects_all:
-            scores = self.algorithm.score(layer, q, plan.decode_rows, sel.max_pages)
-            # Scores are q.k summed over the G query heads of a KV head: a logit times G sqrt(D).
-            logit_scale = kv.num_kv_heads / (q.shape[1] * q.shape[2] ** 0.5)
-            if self.sparse.resident_margin and kv.buffer.reuse:  # hysteresis, in score units
-                held = kv.buffer.resident(plan.decode_rows, layer, scores.shape[-1])
-                scores = scores + (held * (self.sparse.resident_margin / logit_scale)).to(scores.dtype)
-            if sel.top_p is not None:
-                sel = dataclasses.replace(sel, score_scale=logit_scale)
-        want, num_selected = select_pages(scores, self.algorithm.selects_all, sel, kv.num_kv_heads)  # [Bd, Hkv, K]
-        lookup, miss = kv.buffer.lookup(plan.decode_rows, layer, want, self.now)
-        # The misses' host pages, each head's attended length, its newest token's slot.
-        src, lens, tail_slot = self._epilogue(want, lookup.slots, miss, num_selected, plan.decode_rows, sel.tail_len,
-                                              kv.directory.directory, layer, kv.directory.segment_pages, kv.page_size)
-        buf = kv.buffer
-        self.transfer.retrieve(src, buf.k_slots, buf.v_slots, lookup.miss_dst)
-        # Write-through: the new token into its tail page's slot (the last selected page).
+        # token, and writes it through into the slot after the gather, on this stream. Earlier
+        # steps' writes have landed (end_step waits).
         D = q.shape[-1]
-        self.transfer.write(buf.k_slots, buf.v_slots, k.reshape(-1, D), v.reshape(-1, D), tail_slot)
-        self._decode(q, buf.k_slots, buf.v_slots, lookup.slots, lens, out=out)
+        slots, lens = self.transfer.retrieve(rows, layer, want, num_selected, sel.tail_len, self.now,
+                                             k.reshape(-1, D), v.reshape(-1, D))
+        self._decode(q, buf.k_slots, buf.v_slots, slots, lens, out=out)
 
     def _prefill(self, layer: int, seg: SpinPrefill, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, H, D]; k, v [n, Hkv, D] -> [n, H, D]."""
@@ -303,7 +287,7 @@ class SpinAttention(PlannedCapture):
         """The request's first context_start + n K/V of this layer from the host tier: [Hkv, T, D]."""
         self.transfer.wait_offload()  # this chunk's own K/V reach the host on the side stream
         hkv, D = self.kv.num_kv_heads, seg.k_ctx.shape[-1]
-        self.transfer.retrieve(seg.host_pages[layer], seg.k_ctx, seg.v_ctx, seg.dst_ids)
+        self.transfer.gather(seg.host_pages[layer], seg.k_ctx, seg.v_ctx, seg.dst_ids)
         num_tokens = seg.context_start + seg.num_tokens
         return seg.k_ctx.view(hkv, -1, D)[:, :num_tokens], seg.v_ctx.view(hkv, -1, D)[:, :num_tokens]
 

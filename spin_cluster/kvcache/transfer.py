@@ -3,10 +3,13 @@
     Offload    new K/V rows -> their host pages (every page's home), on a side stream beside
                the layer's compute; inside a CUDA graph, on the graph's own stream (a decode
                step's few KB need no overlap, and a graph must not wait on work outside it)
-    write      K/V rows -> GPU buffer slots (the decode token's write-through, prefill's
-               installed pages), on the compute stream
-    Retrieve   host pages -> GPU buffer slots or a gather buffer, one zero-copy gather launch
-               reading pinned host memory (the misses of a step, a prefill chunk's context)
+    write      K/V rows -> GPU buffer slots (prefill's installed pages), on the compute stream
+    Retrieve   a decode layer's selected pages -> their GPU buffer slots, whole (``retrieve``):
+               the buffer's lookup (hits, and slots for the misses by the bucketed LRU), the
+               epilogue (the misses' host pages from the directory, each head's attended
+               length, its newest token's slot), one zero-copy gather launch of the misses
+               from pinned host memory, and the new token's write-through into its tail slot
+    gather     host pages -> a gather buffer (a prefill chunk's context), the same launch
 
 Before a Retrieve reads host pages that this step's Offload wrote (a later prefill chunk's
 own context), ``wait_offload`` orders it after the side stream; ``end_step`` waits for every
@@ -17,17 +20,23 @@ from __future__ import annotations
 
 import torch
 
-from spin_cluster.kernels import offload, retrieve
+from spin_cluster.kernels import lookup_epilogue, offload, retrieve
+from spin_cluster.kvcache.buffer import GpuBuffer
+from spin_cluster.kvcache.directory import SegmentDirectory
 from spin_cluster.kvcache.host_tier import HostTier
 
 
 class Transfer:
-    def __init__(self, host: HostTier, device: torch.device) -> None:
+    def __init__(self, host: HostTier, device: torch.device, buffer: GpuBuffer | None = None,
+                 directory: SegmentDirectory | None = None) -> None:
         self.host = host
         self.device = device
+        self.buffer = buffer  # where ``retrieve`` puts pages, and
+        self.directory = directory  # where it finds their host pages
         on_cuda = device.type == "cuda"
         self.write = offload.write_tokens if on_cuda else offload.write_tokens_ref  # (dst_k, dst_v, k, v, slots)
         self._retrieve = retrieve.retrieve_pages if on_cuda else retrieve.retrieve_pages_ref
+        self._epilogue = lookup_epilogue.lookup_epilogue if on_cuda else lookup_epilogue.lookup_epilogue_ref
         self._side = torch.cuda.Stream(device) if on_cuda else None
 
     def offload(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -42,7 +51,26 @@ class Transfer:
         for t in (k, v, slots):
             t.record_stream(self._side)
 
-    def retrieve(self, host_pages: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    def retrieve(self, rows: torch.Tensor, layer: int, want: torch.Tensor, num_selected: torch.Tensor,
+                 tail_len: torch.Tensor, now: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bring layer ``layer``'s selected pages of table rows [B] into the GPU buffer.
+
+        want [B, Hkv, K] page ids (-1 padding) and num_selected [B, Hkv] from Select;
+        tail_len [B] tokens in each tail page; now: the step index on the device (the LRU's
+        clock); k, v [B * Hkv, D] the decode tokens' new K/V, written through into their tail
+        page's slot after the gather (the slot may hold the page without it). Returns
+        (slots [B, Hkv, K] buffer slots, -1 padding; lens [B, Hkv] tokens each head attends).
+        Device work only, no host sync: a CUDA graph captures it.
+        """
+        buf, d = self.buffer, self.directory
+        lookup, miss = buf.lookup(rows, layer, want, now)
+        src, lens, tail_slot = self._epilogue(want, lookup.slots, miss, num_selected, rows, tail_len,
+                                              d.directory, layer, d.segment_pages, self.host.page_size)
+        self.gather(src, buf.k_slots, buf.v_slots, lookup.miss_dst)
+        self.write(buf.k_slots, buf.v_slots, k, v, tail_slot)
+        return lookup.slots, lens
+
+    def gather(self, host_pages: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor) -> None:
         """Host pages [M] (-1: skip) -> pages dst_ids [M] of dst_k / dst_v [N, S, D]."""
         self._retrieve(self.host.k_pages, self.host.v_pages, dst_k, dst_v, host_pages, dst_ids)
 

@@ -24,11 +24,16 @@ Two rules pick the middle pages:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from spin_cluster.kernels.page_select import MAX_ROW_PAGES, select_ragged
+
+if TYPE_CHECKING:
+    from spin_cluster.sparse.contract import SparseAlgorithm
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,28 @@ class SelectPlan:
     # mass (up to a constant per head), e.g. 1 / (G sqrt(D)) for q.k summed over G query heads.
     top_p: float | None = None
     score_scale: float = 1.0
+
+
+def select(algorithm: SparseAlgorithm, layer: int, q: torch.Tensor, rows: torch.Tensor, plan: SelectPlan,
+           resident: torch.Tensor | None = None, resident_margin: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select for one layer of a decode step, whole: the algorithm's page scores for the
+    queries q [B, H, D] of table rows [B], the hysteresis, then ``select_pages``. Returns
+    (want [B, Hkv, K] page ids with -1 padding, num_selected [B, Hkv]).
+
+    Hysteresis (``sparse.resident_margin`` > 0): pages the GPU buffer holds now (``resident``
+    [B, Hkv, plan.max_pages] bool) score that many attention logits more, so that a page near
+    the cut does not leave and come back step after step.
+    """
+    scores = None
+    if not algorithm.selects_all:
+        scores = algorithm.score(layer, q, rows, plan.max_pages)
+        # Scores are q.k summed over the G query heads of a KV head: a logit times G sqrt(D).
+        logit_scale = algorithm.num_kv_heads / (q.shape[1] * q.shape[2] ** 0.5)
+        if resident_margin and resident is not None:  # in score units
+            scores = scores + (resident * (resident_margin / logit_scale)).to(scores.dtype)
+        if plan.top_p is not None:
+            plan = dataclasses.replace(plan, score_scale=logit_scale)
+    return select_pages(scores, algorithm.selects_all, plan, algorithm.num_kv_heads)
 
 
 def select_pages(scores: torch.Tensor | None, select_all: bool, plan: SelectPlan, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
