@@ -87,7 +87,6 @@ class SpinAttention(PlannedCapture):
         self.device = dev
         self._decode = decode_impl(decode, dev)
         self.transfer = Transfer(kv.host, dev)  # Offload and Retrieve
-        self._epilogue = lookup_epilogue.lookup_epilogue if dev.type == "cuda" else lookup_epilogue.lookup_epilogue_ref
         S = kv.page_size
         if sparse.dense_layers > kv.num_layers:
             raise ValueError(f"sparse.dense_layers={sparse.dense_layers}: the model has {kv.num_layers} layers")
@@ -283,8 +282,9 @@ class SpinAttention(PlannedCapture):
         want, num_selected = select_pages(scores, self.algorithm.selects_all, sel, kv.num_kv_heads)  # [Bd, Hkv, K]
         lookup, miss = kv.buffer.lookup(plan.decode_rows, layer, want, self.now)
         # The misses' host pages, each head's attended length, its newest token's slot.
-        src, lens, tail_slot = self._epilogue(want, lookup.slots, miss, num_selected, plan.decode_rows, sel.tail_len,
-                                              kv.directory.directory, layer, kv.directory.segment_pages, kv.page_size)
+        src, lens, tail_slot = lookup_epilogue.lookup_epilogue(
+            want, lookup.slots, miss, num_selected, plan.decode_rows, sel.tail_len,
+            kv.directory.directory, layer, kv.directory.segment_pages, kv.page_size)
         buf = kv.buffer
         self.transfer.retrieve(src, buf.k_slots, buf.v_slots, lookup.miss_dst)
         # Write-through: the new token into its tail page's slot (the last selected page).

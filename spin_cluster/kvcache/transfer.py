@@ -25,10 +25,8 @@ class Transfer:
     def __init__(self, host: HostTier, device: torch.device) -> None:
         self.host = host
         self.device = device
-        on_cuda = device.type == "cuda"
-        self.write = offload.write_tokens if on_cuda else offload.write_tokens_ref  # (dst_k, dst_v, k, v, slots)
-        self._retrieve = retrieve.retrieve_pages if on_cuda else retrieve.retrieve_pages_ref
-        self._side = torch.cuda.Stream(device) if on_cuda else None
+        self.write = offload.write_tokens  # (dst_k, dst_v, k, v, slots)
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def offload(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [M, D] rows into the host tier at flat token slots [M] (host page * S + offset)."""
@@ -44,7 +42,7 @@ class Transfer:
 
     def retrieve(self, host_pages: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor) -> None:
         """Host pages [M] (-1: skip) -> pages dst_ids [M] of dst_k / dst_v [N, S, D]."""
-        self._retrieve(self.host.k_pages, self.host.v_pages, dst_k, dst_v, host_pages, dst_ids)
+        retrieve.retrieve_pages(self.host.k_pages, self.host.v_pages, dst_k, dst_v, host_pages, dst_ids)
 
     def wait_offload(self) -> None:
         """Order the compute stream after every Offload issued so far."""
