@@ -23,12 +23,17 @@ A query at position p sees the listed keys at positions <= p (causal). Every que
 list should hold its diagonal block (selection always keeps it): a query row that sees no
 key gets zeros. With every causal block listed this is dense causal attention.
 
-Two entry points with the same signature:
+Two implementations with the same signature:
 
-* :func:`block_sparse_prefill` -- Triton (CUDA tensors, or CPU tensors under
-  ``TRITON_INTERPRET=1``); FlashAttention-2 tiling, no host sync.
+* the Triton kernel (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
+  FlashAttention-2 tiling, no host sync.
 * :func:`block_sparse_prefill_ref` -- pure torch: the block lists as a boolean mask, SDPA.
   The CPU engine path and the test oracle.
+
+:func:`block_sparse_prefill` (``impl="auto"``) picks one (``kernels._impl``: the kernel on
+CUDA). The kernel takes head dims up to 256 and blocks of 16..128 positions; other shapes
+raise on CUDA (as they did before the launcher chose) rather than silently running the
+reference, whose SDPA mask is [Hkv, n, T].
 
 This module imports only torch (and Triton, lazily).
 """
@@ -42,6 +47,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from ._impl import resolve_impl
 from ._triton_support import interpreter_requested, load_kernel_module
 
 __all__ = [
@@ -177,7 +183,8 @@ def block_sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
                          num_blocks: torch.Tensor, context_start: int, block_size: int,
                          scale: float | None = None, out: torch.Tensor | None = None, *,
                          block_n: int | None = None, num_warps: int | None = None,
-                         num_stages: int | None = None, tma: bool | None = None) -> torch.Tensor:
+                         num_stages: int | None = None, tma: bool | None = None,
+                         impl: str = "auto") -> torch.Tensor:
     """Triton block-sparse prefill; see the module docstring for the layout. ``block_size``
     is 16..128 here (the query tile is one block). Keyword-only tuning knobs: ``block_n``
     (keys per inner tile, a power of two dividing block_size), ``num_warps``, ``num_stages``,
@@ -186,7 +193,10 @@ def block_sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
     descriptor loads against pointer loads where descriptors are usable.
 
     Not checked (it would need a host sync): listed ids lie in 0 .. the query block's
-    diagonal block, ascending, and ``0 <= num_blocks <= K``."""
+    diagonal block, ascending, and ``0 <= num_blocks <= K``. ``impl``: "auto", "triton"
+    or "torch" (the reference; the tuning knobs are then unused)."""
+    if resolve_impl(impl, q.device) == "torch":
+        return block_sparse_prefill_ref(q, k, v, block_ids, num_blocks, context_start, block_size, scale, out)
     n, H, Hkv, G, D, M = _check_inputs(q, k, v, block_ids, num_blocks, context_start, block_size, out)
     if D > _MAX_HEAD_DIM:
         raise ValueError(f"head dim D={D} > {_MAX_HEAD_DIM} is not supported by the kernel")

@@ -15,10 +15,10 @@ The policy (what "least recently used" means here, and why buckets) is documente
 Per row, the victims are the first ``min(num_needed, num_evictable)`` evictable slots in
 (bucket descending, column ascending) order.
 
-Two entry points with the same signature:
+Two implementations with the same signature, picked by :func:`bucketed_lru_victims`'s
+``impl="auto"`` (``kernels._impl``: the kernel on CUDA, the reference elsewhere):
 
-* :func:`bucketed_lru_victims` -- Triton (CUDA tensors, or CPU tensors under
-  ``TRITON_INTERPRET=1``): three launches, each reading the slots at most once; no global
+* the Triton kernel (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``): three launches, each reading the slots at most once; no global
   atomics, no host sync, so it can be captured in a CUDA graph.
 * :func:`bucketed_lru_victims_ref` -- pure torch, fixed-shape ops only (no host sync
   either: ``scatter_add_`` instead of ``bincount``, which reads its max on the host on CUDA).
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from ._impl import resolve_impl
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2, triton_importable
 
 __all__ = [
@@ -206,11 +207,16 @@ def bucketed_lru_victims(
     num_needed: int | torch.Tensor,
     num_buckets: int = 64,
     bucket_width: int = 1,
+    *,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton bucketed LRU. Returns ``victims`` [B, N] bool and ``num_victims`` [B] int64.
+    """Bucketed LRU. Returns ``victims`` [B, N] bool and ``num_victims`` [B] int64.
 
-    Compiles once per (N, num_buckets, bucket_width): the block count is a constant.
+    ``impl``: "auto", "triton" or "torch" (``kernels._impl``). The kernel compiles once per
+    (N, num_buckets, bucket_width): the block count is a constant.
     """
+    if resolve_impl(impl, last_use.device) == "torch":
+        return bucketed_lru_victims_ref(last_use, evictable, now, num_needed, num_buckets, bucket_width)
     _check_inputs(last_use, evictable, now, num_needed, num_buckets, bucket_width)
     for name, t in (("last_use", last_use), ("evictable", evictable)):
         if t.shape[1] > 1 and t.stride(1) != 1:

@@ -22,9 +22,10 @@ A hit keeps its column; the i-th miss of a head takes the i-th victim column of 
 LRU (``spin_cluster.kvcache.lru``) among the columns not selected this step. ``reuse=False``
 treats every held page as forgotten (every selected page is a miss).
 
-Two implementations with the same contract: ``buffer_lookup`` (Triton, one launch: one
-program per (row, head); CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and
-``buffer_lookup_ref`` (fixed-shape torch ops, about 60 per call; ``res_col`` optional). The
+Two implementations with the same contract: the Triton kernel (one launch: one program per
+(row, head); CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and
+``buffer_lookup_ref`` (fixed-shape torch ops, about 60 per call; ``res_col`` optional).
+``buffer_lookup(..., impl="auto")`` picks one (``kernels._impl``: the kernel on CUDA). The
 Triton launch finds hits through the map and walks columns in chunks of 64 and selected
 pages in one chunk of up to 1024, O(K + C) per head (O(K) for a head without a miss) at any width: per-head budgets of 500+ pages and shares of 1000+ columns
 are what S-HPLB gives its widest heads.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from ._impl import resolve_impl
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2
 from .bucketed_lru import _check_row_value, bucketed_lru_victims_ref
 
@@ -44,8 +46,12 @@ CHUNK = 64  # columns and selected pages per chunk of the kernel
 
 
 def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int, counters,
-                  num_buckets: int = 64, reuse: bool = True, *, res_col, chunk: int = 0):
-    """``chunk``: columns and selected pages at a time (power of 2 >= 16; default ``CHUNK``)."""
+                  num_buckets: int = 64, reuse: bool = True, *, res_col, chunk: int = 0, impl: str = "auto"):
+    """``chunk``: columns and selected pages at a time (power of 2 >= 16; default ``CHUNK``;
+    the kernel's only). ``impl``: "auto", "triton" or "torch" (``kernels._impl``)."""
+    if resolve_impl(impl, want.device) == "torch":
+        return buffer_lookup_ref(res_page, res_slot, last_use, rows, layer, want, now, counters,
+                                 num_buckets, reuse, res_col)
     _check(res_page, res_slot, last_use, rows, want, counters, now)
     kmod = load_kernel_module("_buffer_lookup_kernel", "buffer_lookup", "buffer_lookup_ref")
     if want.device.type != "cuda" and not is_interpreted(kmod._buffer_lookup):

@@ -18,6 +18,15 @@ the CPU, and called through ``ctypes`` (which releases the GIL for the call). Wi
 compiler, or if the build fails, :func:`available` is False and callers keep the torch paths.
 ``SPIN_CLUSTER_CPU_KERNELS=0`` turns the kernels off.
 
+Why not ``torch.utils.cpp_extension.load``: it builds a C++ extension against torch's headers
+and libtorch, with ninja. Measured on a 2-core CI-class host (gcc 12), a one-function
+``torch/extension.h`` module took 108 s to build where ``cc`` builds this file in 0.9 s; CI
+starts from an empty cache, so every run would pay that at first use. It would also need a
+C++ compiler and a ``ninja`` binary (the venv has no ``ninja`` package; the PyPI one is
+installable, but is one more dependency) where a plain ``cc`` suffices, and the fallback on a
+machine without them would be the same as here. What this module keeps by hand is small: the
+compiler lookup, a hash-keyed cache and the ctypes signatures.
+
 This module imports only torch: it must not import ``spin_cluster``.
 """
 

@@ -11,18 +11,25 @@
 A 16-bit index rounds outward: ``slack = |k| * 2^-7`` (nearest rounding errs by <= 2^-8
 relative for bfloat16, 2^-11 for float16), so the stored bounds stay bounds; float32 adds
 none. Tokens of one block must be adjacent in ``blocks`` (as a step's tokens of one request
-are). Two entry points, same signature: :func:`bounds_append` (Triton: one program per
-(token, head), about a dozen torch launches fewer per layer) and :func:`bounds_append_ref`.
+are). Two implementations, same signature: the Triton kernel (one program per (token, head),
+about a dozen torch launches fewer per layer) and :func:`bounds_append_ref`;
+:func:`bounds_append` (``impl="auto"``) picks one (``kernels._impl``). A step that appends to
+every layer plans once (:func:`plan_bounds_append`, which fixes the choice) and runs
+:func:`bounds_append_planned` per layer: the torch steps' plan is a per-step gather map.
 This module imports only torch (and Triton, lazily).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ._impl import resolve_impl
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2
 
-__all__ = ["bounds_append", "bounds_append_ref", "fold_bounds_ref", "fold_plan", "SLACK_16BIT"]
+__all__ = ["BoundsAppendPlan", "bounds_append", "bounds_append_planned", "bounds_append_ref", "fold_bounds_ref",
+           "fold_plan", "plan_bounds_append", "SLACK_16BIT"]
 
 SLACK_16BIT = 2.0 ** -7
 
@@ -67,7 +74,37 @@ def fold_bounds_ref(kmin, kmax, k, fresh, expanded) -> None:
     kmax.scatter_reduce_(0, expanded, hi, "amax")
 
 
-def bounds_append(kmin, kmax, k, blocks, positions, block_tokens: int) -> None:
+@dataclass(frozen=True)
+class BoundsAppendPlan:
+    """One step's append plan for every layer. impl "triton": ``a``, ``b`` are the [T] blocks
+    and positions; impl "torch": ``fold_plan``'s [T] fresh rows and [T, Hkv, D] block rows."""
+
+    impl: str
+    block_tokens: int
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def plan_bounds_append(blocks, positions, block_tokens: int, num_rows: int, head_shape,
+                       impl: str = "auto") -> BoundsAppendPlan:
+    """Once per step: ``num_rows`` rows of kmin/kmax (the last a dump row), ``head_shape``
+    (Hkv, D); ``impl`` as for ``bounds_append``, decided by the blocks' device."""
+    if resolve_impl(impl, blocks.device) == "triton":
+        return BoundsAppendPlan("triton", block_tokens, blocks, positions)
+    return BoundsAppendPlan("torch", block_tokens, *fold_plan(blocks, positions, block_tokens, num_rows, head_shape))
+
+
+def bounds_append_planned(kmin, kmax, k, plan: BoundsAppendPlan) -> None:
+    if plan.impl == "triton":
+        bounds_append(kmin, kmax, k, plan.a, plan.b, plan.block_tokens, impl="triton")
+    else:
+        fold_bounds_ref(kmin, kmax, k, plan.a, plan.b)
+
+
+def bounds_append(kmin, kmax, k, blocks, positions, block_tokens: int, *, impl: str = "auto") -> None:
+    """``impl``: "auto", "triton" or "torch" (``kernels._impl``)."""
+    if resolve_impl(impl, k.device) == "torch":
+        return bounds_append_ref(kmin, kmax, k, blocks, positions, block_tokens)
     _check(kmin, kmax, k, blocks, positions)
     kmod = load_kernel_module("_index_append_kernel", "bounds_append", "bounds_append_ref")
     if k.device.type != "cuda" and not is_interpreted(kmod._bounds_append):

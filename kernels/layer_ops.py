@@ -12,7 +12,8 @@ A decode step at batch 1 is a few hundred such small kernels per layer; even rep
 CUDA graph each costs microseconds, so their number bounds the step. Each function has a
 ``*_ref`` twin in torch with the same rounding to the activation dtype: the references are
 what the model runs off CUDA, and what the kernels are tested against (under
-``TRITON_INTERPRET=1`` on the CPU).
+``TRITON_INTERPRET=1`` on the CPU). Each launcher takes ``impl="auto"`` (``kernels._impl``:
+the kernel on CUDA tensors, the reference elsewhere; "triton" or "torch" to choose).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._impl import resolve_impl
 from ._triton_support import load_kernel_module, next_pow2
 
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "rope_qk", "rope_qk_ref", "silu_mul", "silu_mul_ref", "fits"]
@@ -65,7 +67,9 @@ def silu_mul_ref(gate, up):
 
 # ---- kernels ------------------------------------------------------------------------------------
 
-def add_rms_norm(x, residual, weight, eps: float):
+def add_rms_norm(x, residual, weight, eps: float, *, impl: str = "auto"):
+    if resolve_impl(impl, x.device) == "torch":
+        return add_rms_norm_ref(x, residual, weight, eps)
     if x.dim() != 2 or weight.shape != x.shape[-1:] or (residual is not None and residual.shape != x.shape):
         raise ValueError(f"x must be [T, E] with weight [E] and residual [T, E]; got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}, {None if residual is None else tuple(residual.shape)}")
@@ -84,10 +88,14 @@ def add_rms_norm(x, residual, weight, eps: float):
     return out, res_out
 
 
-def rope_qk(q, k, cos, sin, v=None):
+def rope_qk(q, k, cos, sin, v=None, *, impl: str = "auto"):
     """RoPE on q [T, H, D] and k [T, Hkv, D] in one launch. With ``v`` [T, Hkv, D] the same
     launch also copies v into a contiguous tensor, returned third: q/k/v from one fused GEMM
-    are strided views of its output, and the KV writes take contiguous rows."""
+    are strided views of its output, and the KV writes take contiguous rows. impl="torch":
+    ``rope_qk_ref`` (and v.contiguous())."""
+    if resolve_impl(impl, q.device) == "torch":
+        rotated = rope_qk_ref(q, k, cos, sin)
+        return rotated if v is None else (*rotated, v.contiguous())
     T, H, D = q.shape
     if k.dim() != 3 or k.shape[0] != T or k.shape[2] != D or cos.shape[-1] != D or sin.shape != cos.shape:
         raise ValueError(f"q [T, H, D], k [T, Hkv, D], cos/sin [T, 1, D] expected; got {tuple(q.shape)}, "
@@ -111,9 +119,12 @@ def rope_qk(q, k, cos, sin, v=None):
     return (q_out, k_out) if v is None else (q_out, k_out, v_out)
 
 
-def silu_mul(gate, up):
+def silu_mul(gate, up, *, impl: str = "auto"):
     """silu(gate) * up: [T, F] each, rows contiguous; gate and up may be the two halves of one
-    [T, 2F] tensor (a fused gate/up GEMM's output) as long as they share its row stride."""
+    [T, 2F] tensor (a fused gate/up GEMM's output) as long as they share its row stride (the
+    kernel's condition; the reference takes any)."""
+    if resolve_impl(impl, gate.device) == "torch":
+        return silu_mul_ref(gate, up)
     if gate.shape != up.shape or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1 \
             or gate.stride(0) != up.stride(0):
         raise ValueError("gate and up must be [T, F] of one shape and one row stride, rows contiguous")

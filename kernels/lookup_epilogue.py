@@ -14,15 +14,17 @@
              tail_slot [B*Hkv] int64  flat buffer slot of each head's newest token (the
                                       write-through): slot of the last selected page * S + tail_len - 1
 
-Two implementations with the same contract: ``lookup_epilogue`` (Triton, one program per
-(request, head); CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and
-``lookup_epilogue_ref`` (torch). Neither syncs with the host.
+Two implementations with the same contract: the Triton kernel (one program per (request,
+head); CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and ``lookup_epilogue_ref``
+(torch); ``lookup_epilogue(..., impl="auto")`` picks one (``kernels._impl``). Neither syncs
+with the host.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._impl import resolve_impl
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2
 
 __all__ = ["lookup_epilogue", "lookup_epilogue_ref"]
@@ -53,7 +55,11 @@ def lookup_epilogue_ref(want, slots, miss, num_selected, rows, tail_len, directo
 
 
 def lookup_epilogue(want, slots, miss, num_selected, rows, tail_len, directory, layer: int,
-                    segment_pages: int, page_size: int):
+                    segment_pages: int, page_size: int, *, impl: str = "auto"):
+    """``impl``: "auto", "triton" or "torch" (``kernels._impl``)."""
+    if resolve_impl(impl, want.device) == "torch":
+        return lookup_epilogue_ref(want, slots, miss, num_selected, rows, tail_len, directory, layer,
+                                   segment_pages, page_size)
     _check(want, slots, miss, num_selected, rows, tail_len, directory)
     kmod = load_kernel_module("_lookup_epilogue_kernel", "lookup_epilogue", "lookup_epilogue_ref")
     if want.device.type != "cuda" and not is_interpreted(kmod._lookup_epilogue):

@@ -6,8 +6,10 @@
 
 On CUDA the destination may be pinned host memory: the kernel stores through unified
 addressing, so a decode step writes its new token through to the host page without a
-``cudaMemcpy`` or a host sync, and prefill writes a whole chunk the same way. Two entry
-points with the same signature: :func:`write_tokens` (Triton) and :func:`write_tokens_ref`.
+``cudaMemcpy`` or a host sync, and prefill writes a whole chunk the same way. Two
+implementations with the same signature: the Triton kernel and :func:`write_tokens_ref`;
+:func:`write_tokens` (``impl="auto"``) picks by the rows' device: the kernel when k is on
+CUDA (whatever tier the pages are in), the reference otherwise (``kernels._impl``).
 
 This module imports only torch (and Triton, lazily).
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from ._impl import resolve_impl
 
 __all__ = ["write_tokens", "write_tokens_ref"]
 
@@ -64,7 +68,10 @@ def _kernel():
     return _write_tokens
 
 
-def write_tokens(dst_k, dst_v, k, v, slots) -> None:
+def write_tokens(dst_k, dst_v, k, v, slots, *, impl: str = "auto") -> None:
+    """``impl``: "auto", "triton" or "torch" (``kernels._impl``), decided by k's device."""
+    if resolve_impl(impl, k.device) == "torch":
+        return write_tokens_ref(dst_k, dst_v, k, v, slots)
     _check(dst_k, dst_v, k, v, slots)
     if k.shape[0] == 0:
         return

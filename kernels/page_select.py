@@ -30,8 +30,10 @@ Fused Select (what the engine runs on the GPU: one launch per layer instead of a
                 ``sink_pages``, the last ``local_pages`` and the top ``budgets[b, h]`` middle
                 pages by score (as ``topk_ragged``); num_selected [B, Hkv] int64
 
-Each has a Triton kernel and a torch reference of the same signature; none syncs with the
-host. This module imports only torch (and Triton, lazily).
+Each has a Triton kernel and a torch reference of the same signature (``*_ref``); the
+public launcher takes ``impl="auto"`` (``kernels._impl``: the kernel on CUDA, the reference
+elsewhere; "triton" or "torch" to choose). Rows longer than ``MAX_ROW_PAGES`` do not fit the
+top-k kernels: "auto" takes the reference for them. None syncs with the host. This module imports only torch (and Triton, lazily).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import torch
 
+from ._impl import resolve_impl
 from ._triton_support import interpreter_requested, load_kernel_module
 
 __all__ = ["label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "select_ragged", "select_ragged_ref",
@@ -98,7 +101,10 @@ def _kernels():
     return load_kernel_module("_page_select_kernel", "the Triton Select kernels", "their *_ref functions")
 
 
-def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor, *,
+                impl: str = "auto") -> torch.Tensor:
+    if resolve_impl(impl, q.device) == "torch":
+        return page_scores_ref(q, kmin, kmax, pages)
     _check_scores(q, kmin, kmax, pages)
     if q.device.type != "cuda" and not interpreter_requested():
         raise ValueError("the Triton page-score kernel needs CUDA tensors (or TRITON_INTERPRET=1); use page_scores_ref")
@@ -119,11 +125,13 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: 
     return out
 
 
-def topk_ragged(scores: torch.Tensor, budgets: torch.Tensor, k: int) -> torch.Tensor:
+def topk_ragged(scores: torch.Tensor, budgets: torch.Tensor, k: int, *, impl: str = "auto") -> torch.Tensor:
     """Triton: per row, a threshold by radix select over the scores' order-preserving integer
     keys (four 256-bin histogram passes over the row held in registers, no sort), then the
     pages above it (and the lowest-index ties) compacted by a prefix sum. One program per
-    row, up to 16K pages (256K tokens at S=16)."""
+    row, up to 16K pages (256K tokens at S=16): "auto" takes the reference for longer rows."""
+    if _select_impl(impl, scores) == "torch":
+        return topk_ragged_ref(scores, budgets, k)
     _check_topk(scores, budgets, k)
     if scores.device.type != "cuda" and not interpreter_requested():
         raise ValueError("the Triton top-k kernel needs CUDA tensors (or TRITON_INTERPRET=1); use topk_ragged_ref")
@@ -137,6 +145,12 @@ def topk_ragged(scores: torch.Tensor, budgets: torch.Tensor, k: int) -> torch.Te
     _kernels()._topk_ragged[(B * hkv,)](scores.float().contiguous(), budgets.to(torch.int32).contiguous(), out,
                                         P, k, P_PAD=p_pad, num_warps=num_warps)
     return out
+
+
+def _select_impl(impl: str, scores: torch.Tensor) -> str:
+    """``resolve_impl`` for the top-k kernels, which hold a row of at most MAX_ROW_PAGES."""
+    fits = scores.dim() == 3 and scores.shape[-1] <= MAX_ROW_PAGES
+    return "torch" if impl == "auto" and not fits else resolve_impl(impl, scores.device)
 
 
 def _row_launch(P: int) -> tuple[int, int]:
@@ -177,7 +191,7 @@ def select_ragged_ref(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages:
 
 def select_ragged(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, local_pages: int,
                   budgets: torch.Tensor, width: int, num_warps: int = 0,
-                  chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  chunk: int | None = None, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Triton: the edge masks, the radix-select top-k over the middle pages, and the
     compaction of ``select_ragged_ref``.
 
@@ -186,7 +200,10 @@ def select_ragged(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int
     budget as candidates, and one program per row selects among those. At a decode step's
     few rows a whole row per program is latency-bound: at 128K tokens a row is 4096+ pages
     padded to a power of two, on 32 of the GPU's 132 SMs. ``num_warps``: of a whole-row
-    program (0: ``_row_launch``). ``chunk=0`` forces the whole-row kernel."""
+    program (0: ``_row_launch``). ``chunk=0`` forces the whole-row kernel. Rows longer than
+    ``MAX_ROW_PAGES``: "auto" takes the reference."""
+    if _select_impl(impl, scores) == "torch":
+        return select_ragged_ref(scores, num_pages, sink_pages, local_pages, budgets, width)
     _check_select(scores, num_pages, sink_pages, local_pages, budgets, width)
     if scores.device.type != "cuda" and not interpreter_requested():
         raise ValueError("the Triton Select kernel needs CUDA tensors (or TRITON_INTERPRET=1); use select_ragged_ref")
@@ -274,9 +291,12 @@ def label_scores_ref(qr, labels, rows, lengths, span: int, num_pages: int, page_
     return s.view(*s.shape[:2], num_pages, page_size).amax(-1)
 
 
-def label_scores(qr, labels, rows, lengths, span: int, num_pages: int, page_size: int) -> torch.Tensor:
+def label_scores(qr, labels, rows, lengths, span: int, num_pages: int, page_size: int, *,
+                 impl: str = "auto") -> torch.Tensor:
     """Triton ``label_scores_ref``: one program per (request, KV head) and block of pages,
     a block's labels read as one [pages, S, r] tile."""
+    if resolve_impl(impl, qr.device) == "torch":
+        return label_scores_ref(qr, labels, rows, lengths, span, num_pages, page_size)
     _check_labels(qr, labels, rows, lengths, span, num_pages, page_size)
     if qr.device.type != "cuda" and not interpreter_requested():
         raise ValueError("the Triton label scorer needs CUDA tensors (or TRITON_INTERPRET=1); use label_scores_ref")

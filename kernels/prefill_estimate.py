@@ -20,16 +20,19 @@ over its groups and the KV head's G query heads, each group weighted by the chun
 it holds. Means are taken over positions inside the chunk (fp32 sums); the dots run in the
 inputs' dtype, the softmax in fp32.
 
-* :func:`strided_block_masses` -- Triton (CUDA tensors, or CPU tensors under
-  ``TRITON_INTERPRET=1``): one program per (KV head, query block), logits kept on chip.
+* the Triton kernel (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``): one
+  program per (KV head, query block), logits kept on chip.
 * :func:`strided_block_masses_ref` -- pure torch, chunked over KV heads; the CPU path and
   the test oracle.
+
+:func:`strided_block_masses` (``impl="auto"``) picks one (``kernels._impl``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._impl import resolve_impl
 from ._triton_support import interpreter_requested, load_kernel_module, next_pow2
 from .block_sparse_prefill import num_query_blocks
 
@@ -101,8 +104,11 @@ def strided_block_masses_ref(q: torch.Tensor, k: torch.Tensor, context_start: in
 
 def strided_block_masses(q: torch.Tensor, k: torch.Tensor, context_start: int, block_size: int,
                          stride: int, *, block_j: int = 64, num_warps: int = 4,
-                         num_stages: int = 2) -> torch.Tensor:
-    """Triton strided estimate (see the module docstring); ``block_j`` key blocks a tile."""
+                         num_stages: int = 2, impl: str = "auto") -> torch.Tensor:
+    """The strided estimate (see the module docstring); ``block_j`` key blocks a tile (the
+    kernel's, as ``num_warps`` and ``num_stages``); ``impl``: "auto", "triton" or "torch"."""
+    if resolve_impl(impl, q.device) == "torch":
+        return strided_block_masses_ref(q, k, context_start, block_size, stride)
     n, H, Hkv, G, D, first, M, J, T = _shape(q, k, context_start, block_size, stride)
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in its last dimension")

@@ -24,12 +24,15 @@ either on that device or in pinned host memory: a pinned tensor's address is val
 page, with no per-page ``cudaMemcpy`` and no host round trip. On CPU-only machines both pools
 are host tensors and the reference does the copy.
 
-Two entry points with the same signature:
+Two implementations with the same signature:
 
-* :func:`retrieve_pages` -- Triton kernel (CUDA destination, or CPU tensors under
-  ``TRITON_INTERPRET=1``). Never syncs with the host, so it can be captured in a CUDA graph.
+* the Triton kernel (CUDA destination, or CPU tensors under ``TRITON_INTERPRET=1``). Never
+  syncs with the host, so it can be captured in a CUDA graph.
 * :func:`retrieve_pages_ref` -- pure torch; used on the CPU path and as the test oracle. It
   selects the live pairs with a boolean mask (one host sync).
+
+:func:`retrieve_pages` (``impl="auto"``) picks by the destination's device: the kernel for a
+CUDA destination, the reference otherwise (``kernels._impl``).
 
 Preconditions not checked (they would need a host sync): live ids are in range, and no slot
 is the destination of two live pairs (which one lands is then undefined), and no page is both
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import torch
 
+from ._impl import resolve_impl
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2, triton_importable
 
 __all__ = ["retrieve_pages", "retrieve_pages_ref", "triton_available"]
@@ -217,14 +221,18 @@ def retrieve_pages(
     *,
     block: int | None = None,
     num_warps: int | None = None,
+    impl: str = "auto",
 ) -> None:
-    """Triton Retrieve: one program per (src, dst) pair, K and V in one launch.
+    """Retrieve; the kernel runs one program per (src, dst) pair, K and V in one launch.
 
-    See the module docstring for the contract. Keyword-only tuning knobs:
+    See the module docstring for the contract. Keyword-only:
       block      elements per chunk and tensor (power of 2); default
                  ``min(next_pow2(S * D), 4096)``.
       num_warps  Triton launch option; default 4.
+      impl       "auto", "triton" or "torch" (``kernels._impl``), by dst_k's device.
     """
+    if resolve_impl(impl, dst_k.device) == "torch":
+        return retrieve_pages_ref(src_k, src_v, dst_k, dst_v, src_ids, dst_ids, count)
     M = _check_inputs(src_k, src_v, dst_k, dst_v, src_ids, dst_ids, count)
     kmod = _load_kernel()
     interpreted = is_interpreted(kmod._retrieve_pages)

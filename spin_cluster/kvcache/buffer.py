@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spin_cluster.kernels.buffer_lookup import buffer_lookup, buffer_lookup_ref, page_columns
+from spin_cluster.kernels.buffer_lookup import buffer_lookup, page_columns
 from spin_cluster.kvcache.free_list import FreeList, check_partition
 from spin_cluster.kvcache.lru import DEFAULT_NUM_BUCKETS
 
@@ -298,9 +298,8 @@ class GpuBuffer:
         same steps as fixed-shape torch ops. ``count``: add to the hit/miss counters (False
         for pages prefill installs, which no step selected).
         """
-        fn = buffer_lookup if want.device.type == "cuda" else buffer_lookup_ref
         counters = self.counters if count else torch.zeros_like(self.counters)
-        slots, miss_dst, miss = fn(self.res_page, self.res_slot, self.res_last_use, rows, layer, want, now,
+        slots, miss_dst, miss = buffer_lookup(self.res_page, self.res_slot, self.res_last_use, rows, layer, want, now,
                                    counters, num_buckets=self.num_buckets, reuse=self.reuse, res_col=self.res_col)
         # The caller pairs miss_dst with the host pages (it knows the directory).
         return Lookup(slots=slots, miss_dst=miss_dst), miss

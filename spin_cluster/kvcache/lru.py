@@ -70,17 +70,6 @@ DEFAULT_NUM_BUCKETS = 64
 _AGE_CAP = (1 << 31) - 1  # exact top-k packs (age, column) into one int64 key
 
 
-def _impl(name: str, device: torch.device):
-    """'auto': the Triton kernel on CUDA, the torch reference elsewhere."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        return _mech.bucketed_lru_victims
-    if name == "torch":
-        return _mech.bucketed_lru_victims_ref
-    raise ValueError(f"bucketed LRU impl {name!r}: choose auto, triton or torch")
-
-
 def _check_1d(last_use, evictable, num_needed):
     for name, t in (("last_use", last_use), ("evictable", evictable)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1:
@@ -123,8 +112,7 @@ def select_victims_batched(
     launches), ``"torch"`` (fixed-shape torch ops), or ``"auto"`` (Triton on CUDA).
     """
     _mech.check_slots(last_use, evictable)
-    select = _impl(impl, last_use.device)
-    return select(last_use, evictable, now, num_needed, num_buckets, bucket_width)
+    return _mech.bucketed_lru_victims(last_use, evictable, now, num_needed, num_buckets, bucket_width, impl=impl)
 
 
 def select_victims(

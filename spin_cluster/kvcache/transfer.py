@@ -33,11 +33,8 @@ class Transfer:
         self.device = device
         self.buffer = buffer  # where ``retrieve`` puts pages, and
         self.directory = directory  # where it finds their host pages
-        on_cuda = device.type == "cuda"
-        self.write = offload.write_tokens if on_cuda else offload.write_tokens_ref  # (dst_k, dst_v, k, v, slots)
-        self._retrieve = retrieve.retrieve_pages if on_cuda else retrieve.retrieve_pages_ref
-        self._epilogue = lookup_epilogue.lookup_epilogue if on_cuda else lookup_epilogue.lookup_epilogue_ref
-        self._side = torch.cuda.Stream(device) if on_cuda else None
+        self.write = offload.write_tokens  # (dst_k, dst_v, k, v, slots)
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def offload(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [M, D] rows into the host tier at flat token slots [M] (host page * S + offset)."""
@@ -64,15 +61,17 @@ class Transfer:
         """
         buf, d = self.buffer, self.directory
         lookup, miss = buf.lookup(rows, layer, want, now)
-        src, lens, tail_slot = self._epilogue(want, lookup.slots, miss, num_selected, rows, tail_len,
-                                              d.directory, layer, d.segment_pages, self.host.page_size)
+        # The misses' host pages, each head's attended length, its newest token's slot.
+        src, lens, tail_slot = lookup_epilogue.lookup_epilogue(
+            want, lookup.slots, miss, num_selected, rows, tail_len, d.directory, layer, d.segment_pages,
+            self.host.page_size)
         self.gather(src, buf.k_slots, buf.v_slots, lookup.miss_dst)
         self.write(buf.k_slots, buf.v_slots, k, v, tail_slot)
         return lookup.slots, lens
 
     def gather(self, host_pages: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor) -> None:
         """Host pages [M] (-1: skip) -> pages dst_ids [M] of dst_k / dst_v [N, S, D]."""
-        self._retrieve(self.host.k_pages, self.host.v_pages, dst_k, dst_v, host_pages, dst_ids)
+        retrieve.retrieve_pages(self.host.k_pages, self.host.v_pages, dst_k, dst_v, host_pages, dst_ids)
 
     def wait_offload(self) -> None:
         """Order the compute stream after every Offload issued so far."""

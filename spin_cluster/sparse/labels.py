@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from spin_cluster.kernels.page_select import label_scores, label_scores_ref
+from spin_cluster.kernels.page_select import label_scores
 from spin_cluster.sparse.contract import SparseAlgorithm, register
 from spin_cluster.sparse.sparq import weight_channels
 
@@ -80,5 +80,4 @@ class Labels(SparseAlgorithm):
         B, H, D = q.shape
         qs = q.float().view(B, self.num_kv_heads, H // self.num_kv_heads, D).sum(2)  # [B, Hkv, D]
         qr = qs.gather(2, self.channel_ids[layer][None].expand(B, -1, -1))  # [B, Hkv, r]
-        fn = label_scores if q.device.type == "cuda" else label_scores_ref
-        return fn(qr, self.labels[layer], rows, self.lengths, self.span, num_pages, self.page_size)
+        return label_scores(qr, self.labels[layer], rows, self.lengths, self.span, num_pages, self.page_size)

@@ -37,12 +37,8 @@ from spin_cluster.config import SparsePrefillConfig
 from spin_cluster.dense_attention import dense_causal_attention
 from spin_cluster.hplb import PlanConfig, plan_heads
 from spin_cluster.hplb.profile import load_profile
-from spin_cluster.kernels.block_sparse_prefill import (
-    block_sparse_prefill,
-    block_sparse_prefill_ref,
-    num_query_blocks,
-)
-from spin_cluster.kernels.prefill_estimate import strided_block_masses, strided_block_masses_ref
+from spin_cluster.kernels.block_sparse_prefill import block_sparse_prefill, num_query_blocks
+from spin_cluster.kernels.prefill_estimate import strided_block_masses
 from spin_cluster.sparse.select import SelectPlan, select_pages
 
 # Scores held at once by the antidiagonal estimate ([rows, J * bs / stride] fp32 per chunk).
@@ -79,7 +75,9 @@ def block_masses(q: torch.Tensor, k: torch.Tensor, context_start: int, block_siz
     M = num_query_blocks(context_start, n, block_size)
     J = first + M
     if estimator == "strided":
-        return _strided_masses(q, k, context_start, block_size, stride)
+        # Fused on CUDA, the [G*R, J] logits kept on chip (the torch estimate writes and
+        # rereads them in fp32: about 5 ms a layer at 128K on an H200).
+        return strided_block_masses(q, k, context_start, block_size, stride)
     # Queries placed at their positions within whole blocks; rows outside the chunk are zero.
     lead = context_start - first * block_size
     q_blocks = q.new_zeros(M * block_size, H, D)
@@ -131,17 +129,6 @@ def _antidiagonal_masses(q_blocks, k_blocks, row_in_chunk, first, block_size, st
             p = p.view(G, rows, per, J, per).sum((0, 2, 4))  # [rows(blocks), J]
             out[h, m0:m0 + rows] = p
     return out / out.sum(-1, keepdim=True).clamp(min=1e-30)
-
-
-def _strided_masses(q: torch.Tensor, k: torch.Tensor, context_start: int, block_size: int,
-                    stride: int) -> torch.Tensor:
-    """q [n, H, D], k [Hkv, >= T, D] -> [Hkv, M, J] (see ``block_masses``: 'strided', and
-    ``spin_cluster.kernels.prefill_estimate`` for the layout): the fused Triton estimate on
-    CUDA, which keeps the [G*R, J] logits on chip (the torch estimate writes and rereads them
-    in fp32: about 5 ms a layer at 128K on an H200), the torch reference elsewhere."""
-    if q.device.type == "cuda":
-        return strided_block_masses(q, k, context_start, block_size, stride)
-    return strided_block_masses_ref(q, k, context_start, block_size, stride)
 
 
 # ---- Select --------------------------------------------------------------------------------
@@ -309,7 +296,6 @@ class BlockSparsePrefill:
                  device: torch.device) -> None:
         self.config = config
         self.device = device
-        self._attend = block_sparse_prefill if device.type == "cuda" else block_sparse_prefill_ref
         rows = self._budget_rows(config, num_layers, num_kv_heads)
         self._budgets = torch.tensor(rows, dtype=torch.float64, device=device)  # [L, Hkv]
         self._fraction_max = [max((b for b in row if b < 1), default=0.0) for row in rows]
@@ -353,4 +339,4 @@ class BlockSparsePrefill:
         self.computed_blocks += num_blocks.sum()
         self.causal_blocks += (context_start // self.config.block_size + 1
                                + torch.arange(num_blocks.shape[1], device=q.device)).sum() * num_blocks.shape[0]
-        return self._attend(q, k, v, block_ids, num_blocks, context_start, self.config.block_size)
+        return block_sparse_prefill(q, k, v, block_ids, num_blocks, context_start, self.config.block_size)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from spin_cluster.kernels.index_append import bounds_append, fold_bounds_ref, fold_plan
-from spin_cluster.kernels.page_select import page_scores, page_scores_ref
+from spin_cluster.kernels.index_append import bounds_append_planned, plan_bounds_append
+from spin_cluster.kernels.page_select import page_scores
 from spin_cluster.sparse.contract import SparseAlgorithm, register
 
 
@@ -70,25 +70,19 @@ class Quest(SparseAlgorithm):
 
     def plan_append(self, rows, positions):
         """Once per step: [T] flat block row of each token and [T] positions (a token at a
-        block's start resets it) for the Triton append; on the CPU the torch steps' plan."""
+        block's start resets it), planned for the append of every layer."""
         blocks = rows * (self.max_pages_per_seq * self.blocks_per_page) + positions // self.block_tokens
-        if blocks.is_cuda:
-            return blocks, positions
-        return fold_plan(blocks, positions, self.block_tokens, self.kmin.shape[1], self.kmin.shape[2:])
+        return plan_bounds_append(blocks, positions, self.block_tokens, self.kmin.shape[1], self.kmin.shape[2:])
 
     def append(self, layer, plan, k):
         # One Triton launch on CUDA (bounds rounded outward in a 16-bit index), else torch ops.
-        if k.is_cuda:
-            bounds_append(self.kmin[layer], self.kmax[layer], k, *plan, self.block_tokens)
-        else:
-            fold_bounds_ref(self.kmin[layer], self.kmax[layer], k, *plan)
+        bounds_append_planned(self.kmin[layer], self.kmax[layer], k, plan)
 
     def score(self, layer, q, rows, num_pages):
         # q: [B, H, D] -> [B, Hkv, num_pages]; Triton on CUDA, the torch reference elsewhere
         nb = self.blocks_per_page
         blocks = self._score_blocks(rows, num_pages * nb)  # [B, P' * nb]
-        fn = page_scores if q.device.type == "cuda" else page_scores_ref
-        scores = fn(q, self.kmin[layer], self.kmax[layer], blocks)  # [B, Hkv, P' * nb]
+        scores = page_scores(q, self.kmin[layer], self.kmax[layer], blocks)  # [B, Hkv, P' * nb]
         if nb == 1:
             return scores
         # A page scores its best block. Blocks no token reached yet (in the tail page, or past

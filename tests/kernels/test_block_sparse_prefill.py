@@ -9,6 +9,8 @@ from spin_cluster.kernels.block_sparse_prefill import (
     num_query_blocks,
 )
 
+from .conftest import check_impls
+
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
@@ -49,7 +51,7 @@ def test_kernel_equals_reference_on_ragged_lists(cs, dtype):
     ids, counts = _random_lists(Hkv, cs, n, bs, seed=cs + 1)
     assert len(set(counts.flatten().tolist())) > 1  # ragged
     ref = block_sparse_prefill_ref(q, k, v, ids, counts, cs, bs)
-    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs)
+    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, impl="triton")
     assert got.dtype == dtype
     assert torch.allclose(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     # Sparse lists change the result (the test would notice a kernel that ignores them).
@@ -62,8 +64,8 @@ def test_every_block_listed_is_dense_causal_attention(dtype):
     q, k, v = _qkv(n, cs, H, Hkv, D, dtype, seed=3)
     ids, counts = causal_block_lists(Hkv, cs, n, bs)
     dense = _dense_causal(q, k, v, cs)
-    for fn in (block_sparse_prefill_ref, block_sparse_prefill):
-        got = fn(q, k, v, ids, counts, cs, bs)
+    for impl in ("torch", "triton"):
+        got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, impl=impl)
         assert torch.allclose(got.float(), dense, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -73,7 +75,7 @@ def test_block_n_tiles_and_padding_past_the_count():
     ids, counts = _random_lists(Hkv, cs, n, bs, seed=5)
     ids = torch.cat([ids, torch.full_like(ids[..., :2], 1)], -1)  # junk past num_blocks: never read
     ref = block_sparse_prefill_ref(q, k, v, ids, counts, cs, bs)
-    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=16)
+    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=16, impl="triton")
     assert torch.allclose(got, ref, atol=2e-5)
 
 
@@ -82,8 +84,8 @@ def test_rows_without_keys_get_zeros():
     q, k, v = _qkv(n, cs, H, Hkv, D, torch.float32, seed=6)
     ids, counts = causal_block_lists(Hkv, cs, n, bs)
     counts = torch.tensor([[0, 2]], dtype=torch.int32)  # query block 0 lists nothing
-    for fn in (block_sparse_prefill_ref, block_sparse_prefill):
-        out = fn(q, k, v, ids, counts, cs, bs)
+    for impl in ("torch", "triton"):
+        out = block_sparse_prefill(q, k, v, ids, counts, cs, bs, impl=impl)
         assert out[:16].abs().max() == 0
         assert out[16:].abs().min() > 0
 
@@ -104,7 +106,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="block_size"):
         block_sparse_prefill_ref(q, k, v, ids, counts, 0, 24)
     with pytest.raises(ValueError, match="block_ids"):
-        block_sparse_prefill(q, k, v, torch.zeros(1, 2, 1, dtype=torch.int32), counts, 0, 16)
+        block_sparse_prefill(q, k, v, torch.zeros(1, 2, 1, dtype=torch.int32), counts, 0, 16, impl="triton")
 
 
 @pytest.mark.gpu
@@ -115,18 +117,18 @@ def test_kernel_at_llama_shapes_on_gpu(cs):
     q, k, v = _qkv(n, cs, H, Hkv, D, torch.bfloat16, seed=7, device="cuda")
     ids, counts = _random_lists(Hkv, cs, n, bs, seed=8, device="cuda")
     ref = block_sparse_prefill_ref(q, k, v, ids, counts, cs, bs)
-    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs)
+    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, impl="triton")
     assert (got.float() - ref.float()).abs().max() < 2e-2
     ids, counts = causal_block_lists(Hkv, cs, n, bs, device="cuda")
     dense = _dense_causal(q, k, v, cs)
-    assert (block_sparse_prefill(q, k, v, ids, counts, cs, bs).float() - dense).abs().max() < 2e-2
+    assert (block_sparse_prefill(q, k, v, ids, counts, cs, bs, impl="triton").float() - dense).abs().max() < 2e-2
 
 
 def test_128_key_tiles_in_a_128_block_with_an_unaligned_chunk():
     n, cs, H, Hkv, D, bs = 150, 100, 2, 1, 16, 128
     q, k, v = _qkv(n, cs, H, Hkv, D, torch.float32, seed=9)
     ids, counts = causal_block_lists(Hkv, cs, n, bs)
-    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=128, num_warps=8, num_stages=3)
+    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=128, num_warps=8, num_stages=3, impl="triton")
     assert torch.allclose(got, _dense_causal(q, k, v, cs), atol=2e-5)
 
 
@@ -153,7 +155,7 @@ def test_every_autotune_candidate_is_correct_on_gpu():
     for c in AUTOTUNE_CONFIGS:
         for tma in descriptors:
             got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, block_n=c.kwargs["BLOCK_N"],
-                                       num_warps=c.num_warps, num_stages=c.num_stages, tma=tma)
+                                       num_warps=c.num_warps, num_stages=c.num_stages, tma=tma, impl="triton")
             assert (got.float() - ref.float()).abs().max() < 2e-2, (c, tma)
 
 
@@ -166,10 +168,10 @@ def test_tensor_descriptor_loads_equal_the_reference(dtype):
     k, v = k.transpose(0, 1).contiguous().transpose(0, 1), v.transpose(0, 1).contiguous().transpose(0, 1)
     ids, counts = _random_lists(Hkv, cs, n, bs, seed=13)
     ref = block_sparse_prefill_ref(q, k, v, ids, counts, cs, bs)
-    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, tma=True)
+    got = block_sparse_prefill(q, k, v, ids, counts, cs, bs, tma=True, impl="triton")
     assert torch.allclose(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     with pytest.raises(ValueError, match="tma=True"):
-        block_sparse_prefill(q.float(), k.float(), v.float(), ids, counts, cs, bs, tma=True)
+        block_sparse_prefill(q.float(), k.float(), v.float(), ids, counts, cs, bs, tma=True, impl="triton")
 
 
 def test_descriptor_self_check_and_switch(monkeypatch):
@@ -182,3 +184,12 @@ def test_descriptor_self_check_and_switch(monkeypatch):
     assert not descriptors_usable(q.float(), k.float(), v.float())
     monkeypatch.setenv("SPIN_PREFILL_TMA", "0")
     assert not descriptors_usable(q, k, v)
+
+
+def test_impl_choice():
+    n, cs, H, Hkv, D, bs = 20, 8, 2, 1, 16, 16
+
+    def make():
+        q, k, v = _qkv(n, cs, H, Hkv, D, torch.float32, seed=8)
+        return [q, k, v, *_random_lists(Hkv, cs, n, bs, seed=9), cs, bs], {}
+    check_impls(block_sparse_prefill, block_sparse_prefill_ref, make, exact=False)

@@ -13,6 +13,8 @@ import torch
 import spin_cluster.kernels.bucketed_lru as lru_mech
 from spin_cluster.kernels.bucketed_lru import bucketed_lru_victims, bucketed_lru_victims_ref
 
+from .conftest import check_impls
+
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
@@ -35,7 +37,7 @@ def random_slots(B, N, max_age, seed, protected=0.2):
 
 
 def assert_same(args):
-    got_mask, got_n = bucketed_lru_victims(*args)
+    got_mask, got_n = bucketed_lru_victims(*args, impl="triton")
     exp_mask, exp_n = bucketed_lru_victims_ref(*args)
     assert got_mask.dtype == torch.bool and got_n.dtype == torch.int64
     assert torch.equal(got_mask, exp_mask)
@@ -70,7 +72,7 @@ def test_full_block_size_one_block_of_many_ties():
 def test_column_stride_checked():
     last_use, evictable, now = random_slots(2, 8, 10, seed=3)
     with pytest.raises(ValueError, match="contiguous"):
-        bucketed_lru_victims(last_use.t(), evictable.t(), now, 1)
+        bucketed_lru_victims(last_use.t(), evictable.t(), now, 1, impl="triton")
 
 
 @pytest.mark.gpu
@@ -82,3 +84,8 @@ def test_million_slots_on_gpu():
     args = (last_use[None], evictable[None], torch.tensor(10_000, device="cuda"), N // 10)
     assert_same(args + (64, 1))
     assert_same(args + (64, 2))
+
+
+def test_impl_choice(small_blocks):
+    last_use, evictable, now = random_slots(2, 37, 30, seed=5)
+    check_impls(bucketed_lru_victims, bucketed_lru_victims_ref, lambda: ([last_use, evictable, now, 9, 8, 2], {}))

@@ -9,10 +9,14 @@ victims) is tested against the buffer in tests/kvcache/test_buffer.py.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from spin_cluster.kernels.buffer_lookup import buffer_lookup, buffer_lookup_ref, page_columns
+
+from .conftest import check_impls
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEVER = -(2**30)
@@ -68,7 +72,7 @@ def _steps_equal_reference(case, seed, reuse, num_pages, shift, chunk=0):
     col_a, col_b = page_columns(a[0], num_pages), page_columns(b[0], num_pages)
     ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
     for num_buckets in (64, 4):  # 4: ages beyond the last bucket collapse, ties go by column
-        ra = buffer_lookup(*a, ca, num_buckets=num_buckets, reuse=reuse, res_col=col_a, chunk=chunk)
+        ra = buffer_lookup(*a, ca, num_buckets=num_buckets, reuse=reuse, res_col=col_a, chunk=chunk, impl="triton")
         rb = buffer_lookup_ref(*b, cb, num_buckets=num_buckets, reuse=reuse, res_col=col_b)
         for x, y, name in zip(ra, rb, ("slots", "miss_dst", "miss")):
             assert torch.equal(x, y), name
@@ -109,13 +113,14 @@ def test_the_kernel_needs_the_page_map():
     a = list(make_case(2, 1, 1, 20, 18, 20, [1], 0, 9, seed=5))
     counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)
     with pytest.raises(TypeError, match="res_col"):
-        buffer_lookup(*a, counters)
+        buffer_lookup(*a, counters, impl="triton")
     with pytest.raises(ValueError, match="res_col must be"):
-        buffer_lookup(*a, counters, res_col=page_columns(a[0], 40).int())
+        buffer_lookup(*a, counters, res_col=page_columns(a[0], 40).int(), impl="triton")
 
 
-@pytest.mark.parametrize("fn", [buffer_lookup, buffer_lookup_ref])
-def test_step_index_from_a_device_tensor_equals_the_int(fn):
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_step_index_from_a_device_tensor_equals_the_int(impl):
+    fn = functools.partial(buffer_lookup, impl=impl)
     # A CUDA graph replays the lookup with the step index it reads from the device.
     a = list(make_case(3, 2, 2, 12, 6, 10, [2, 0], 1, 20, seed=3))
     b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
@@ -140,7 +145,7 @@ def test_every_miss_gets_its_own_victim_and_hits_keep_their_slot():
     before_page, before_slot = res_page.clone(), res_slot.clone()
     counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)
     slots, miss_dst, miss = buffer_lookup(res_page, res_slot, last, rows, layer, want, now, counters,
-                                          res_col=page_columns(res_page, 40))
+                                          res_col=page_columns(res_page, 40), impl="triton")
     for b, r in enumerate(rows.tolist()):
         for h in range(want.shape[1]):
             held = dict(zip(before_page[r, 0, h].tolist(), before_slot[r, 0, h].tolist()))
@@ -175,7 +180,7 @@ def test_kernel_equals_reference_at_llama_shapes():
     col = page_columns(a[0], 400)
     ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
     for _ in range(3):
-        ra, rb = buffer_lookup(*a, ca, res_col=col), buffer_lookup_ref(*b, cb)
+        ra, rb = buffer_lookup(*a, ca, res_col=col, impl="triton"), buffer_lookup_ref(*b, cb)
         assert all(torch.equal(x, y) for x, y in zip(ra, rb))
         assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(ca, cb)
         for x in (a, b):
@@ -193,7 +198,7 @@ def test_kernel_equals_reference_at_shplb_widths():
     col = page_columns(a[0], 4096)
     ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
     for _ in range(3):
-        ra, rb = buffer_lookup(*a, ca, res_col=col), buffer_lookup_ref(*b, cb)
+        ra, rb = buffer_lookup(*a, ca, res_col=col, impl="triton"), buffer_lookup_ref(*b, cb)
         assert torch.equal(col, page_columns(a[0], 4096))
         assert all(torch.equal(x, y) for x, y in zip(ra, rb))
         assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(ca, cb)
@@ -218,7 +223,7 @@ def test_kernel_equals_reference_on_per_head_widths(reuse):
     col_a, col_b = page_columns(a[0], num_pages), page_columns(b[0], num_pages)
     ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
     for _ in range(3):
-        ra = buffer_lookup(*a, ca, reuse=reuse, res_col=col_a)
+        ra = buffer_lookup(*a, ca, reuse=reuse, res_col=col_a, impl="triton")
         rb = buffer_lookup_ref(*b, cb, reuse=reuse, res_col=col_b)
         for x, y, name in zip(ra, rb, ("slots", "miss_dst", "miss")):
             assert torch.equal(x, y), name
@@ -229,3 +234,11 @@ def test_kernel_equals_reference_on_per_head_widths(reuse):
             x[6] += 2
             x[5] = torch.where(x[5] >= 0, (x[5] + 13) % num_pages, -1)
     assert ca[2] > 0  # misses happened
+
+
+def test_impl_choice():
+    def make():
+        a = make_case(2, 1, 2, 7, 5, 7, [1, 0], 0, 5, seed=11)
+        counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+        return [*a, counters], dict(num_buckets=4, res_col=page_columns(a[0], 40))
+    check_impls(buffer_lookup, buffer_lookup_ref, make)

@@ -6,6 +6,8 @@ import torch
 
 from spin_cluster.kernels.lookup_epilogue import lookup_epilogue, lookup_epilogue_ref
 
+from .conftest import check_impls
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -31,7 +33,7 @@ def test_kernel_equals_reference(shape):
     B, H, K, R, L, E, S = shape
     args = make_case(B, H, K, R, L, E, S, seed=sum(shape))
     for layer in range(L):
-        got = lookup_epilogue(*args, layer, E, S)
+        got = lookup_epilogue(*args, layer, E, S, impl="triton")
         want = lookup_epilogue_ref(*args, layer, E, S)
         for x, y, name in zip(got, want, ("src", "lens", "tail_slot")):
             assert x.dtype == y.dtype and torch.equal(x, y), name
@@ -56,5 +58,10 @@ def test_kernel_equals_reference_at_llama_shapes():
     """4 requests x 8 KV heads x 540 selected pages (S-HPLB's widest), pages of 32."""
     args = make_case(4, 8, 540, 16, 2, 16, 32, seed=11)
     for layer in range(2):
-        for x, y in zip(lookup_epilogue(*args, layer, 16, 32), lookup_epilogue_ref(*args, layer, 16, 32)):
+        for x, y in zip(lookup_epilogue(*args, layer, 16, 32, impl="triton"), lookup_epilogue_ref(*args, layer, 16, 32)):
             assert torch.equal(x, y)
+
+
+def test_impl_choice():
+    check_impls(lookup_epilogue, lookup_epilogue_ref,
+                lambda: ([*make_case(3, 2, 7, 5, 3, 4, 16, seed=5), 1, 4, 16], {}))

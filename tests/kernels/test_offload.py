@@ -3,6 +3,8 @@ import torch
 
 from spin_cluster.kernels.offload import write_tokens, write_tokens_ref
 
+from .conftest import check_impls
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_writes_exactly_the_named_slots(dtype):
@@ -12,9 +14,9 @@ def test_kernel_writes_exactly_the_named_slots(dtype):
     slots = torch.tensor([0, 5, -1, 23, 9, 12, -3])
     poison = torch.full((N, S, D), 7.0, dtype=dtype)
     outs = []
-    for fn in (write_tokens, write_tokens_ref):
+    for impl in ("triton", "torch"):
         dk, dv = poison.clone(), poison.clone()
-        fn(dk, dv, k, v, slots)
+        write_tokens(dk, dv, k, v, slots, impl=impl)
         outs.append((dk, dv))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     flat = outs[0][0].view(-1, D)
@@ -30,4 +32,12 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="slots"):
         write_tokens_ref(torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), torch.zeros(3, 8), torch.zeros(3, 8), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="dtype"):
-        write_tokens(torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), torch.zeros(3, 8, dtype=torch.float16), torch.zeros(3, 8, dtype=torch.float16), torch.zeros(3, dtype=torch.long))
+        write_tokens(torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), torch.zeros(3, 8, dtype=torch.float16), torch.zeros(3, 8, dtype=torch.float16), torch.zeros(3, dtype=torch.long), impl="triton")
+
+
+def test_impl_choice():
+    def make():
+        g = torch.Generator().manual_seed(2)
+        k, v = torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)
+        return [torch.zeros(3, 4, 8), torch.zeros(3, 4, 8), k, v, torch.tensor([0, 11, -1, 4, 7])], {}
+    check_impls(write_tokens, write_tokens_ref, make)

@@ -2,6 +2,8 @@ import pytest
 import torch
 
 from spin_cluster.kernels.page_select import (
+    label_scores,
+    label_scores_ref,
     page_scores,
     page_scores_ref,
     select_ragged,
@@ -9,6 +11,8 @@ from spin_cluster.kernels.page_select import (
     topk_ragged,
     topk_ragged_ref,
 )
+
+from .conftest import check_impls
 
 
 def _index(N=9, hkv=2, D=16, seed=0, dtype=torch.float32):
@@ -26,7 +30,7 @@ def test_page_scores_kernel_equals_reference_and_bounds_every_key(group):
     q = torch.randn(3, 2 * group, 16, generator=g)
     pages = torch.tensor([[0, 1, 2, 8], [3, 4, 5, 6], [7, 8, 0, 0]])
     ref = page_scores_ref(q, kmin, kmax, pages)
-    got = page_scores(q, kmin, kmax, pages)
+    got = page_scores(q, kmin, kmax, pages, impl="triton")
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
     assert ref[0, :, 3].abs().max() == 0  # never-written page
     # Any key inside the bounds scores at most the page's score.
@@ -43,7 +47,7 @@ def test_topk_ragged_kernel_equals_reference_with_ties_and_minus_inf():
     scores[1, 1, :35] = float("-inf")  # only 5 valid pages
     budgets = torch.tensor([[2, 6], [0, 9], [40, 1]])
     ref = topk_ragged_ref(scores, budgets, 8)
-    got = topk_ragged(scores, budgets, 8)
+    got = topk_ragged(scores, budgets, 8, impl="triton")
     assert torch.equal(got, ref)
     assert ref[0, 0].tolist() == [5, 9] + [-1] * 6  # ties: lowest indices first
     assert ref[1, 0].tolist() == [-1] * 8
@@ -55,7 +59,7 @@ def test_topk_ragged_random_rows():
     g = torch.Generator().manual_seed(3)
     scores = torch.randn(4, 3, 200, generator=g).round(decimals=1)  # many ties
     budgets = torch.randint(0, 30, (4, 3), generator=g)
-    assert torch.equal(topk_ragged(scores, budgets, 24), topk_ragged_ref(scores, budgets, 24))
+    assert torch.equal(topk_ragged(scores, budgets, 24, impl="triton"), topk_ragged_ref(scores, budgets, 24))
 
 
 def test_topk_ragged_keys_that_share_leading_bytes():
@@ -66,7 +70,7 @@ def test_topk_ragged_keys_that_share_leading_bytes():
     steps = torch.randint(0, 6, (2, 2, 300), generator=g)
     scores = base[torch.randint(0, 6, (2, 2, 300), generator=g)] + steps * 1e-7
     budgets = torch.tensor([[1, 17], [150, 299]])
-    assert torch.equal(topk_ragged(scores, budgets, 160), topk_ragged_ref(scores, budgets, 160))
+    assert torch.equal(topk_ragged(scores, budgets, 160, impl="triton"), topk_ragged_ref(scores, budgets, 160))
 
 
 def test_bad_shapes_raise():
@@ -90,12 +94,12 @@ def test_full_size_select_on_gpu(index_dtype):
     q = torch.randn(B, hkv * G, D, generator=g, device=dev, dtype=torch.bfloat16)
     pages = torch.arange(B, device=dev)[:, None] * P + torch.arange(P, device=dev)
     ref = page_scores_ref(q, kmin, kmax, pages)
-    got = page_scores(q, kmin, kmax, pages)
+    got = page_scores(q, kmin, kmax, pages, impl="triton")
     assert torch.allclose(got, ref, atol=1e-2, rtol=1e-4)
     budgets = torch.randint(0, 129, (B, hkv), generator=g, device=dev)
-    assert torch.equal(topk_ragged(ref, budgets, 128), topk_ragged_ref(ref, budgets, 128))
+    assert torch.equal(topk_ragged(ref, budgets, 128, impl="triton"), topk_ragged_ref(ref, budgets, 128))
     num_pages = torch.tensor([P, P - 1000], device=dev)
-    got = select_ragged(ref, num_pages, 1, 4, budgets, 133)
+    got = select_ragged(ref, num_pages, 1, 4, budgets, 133, impl="triton")
     want = select_ragged_ref(ref, num_pages, 1, 4, budgets, 133)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -114,7 +118,7 @@ def _select_case(seed, B=3, hkv=2, P=70):
 def test_select_ragged_kernel_equals_reference(sink, local):
     scores, num_pages, budgets = _select_case(5)
     width = sink + 12 + local
-    want, count = select_ragged(scores, num_pages, sink, local, budgets, width)
+    want, count = select_ragged(scores, num_pages, sink, local, budgets, width, impl="triton")
     ref_want, ref_count = select_ragged_ref(scores, num_pages, sink, local, budgets, width)
     assert torch.equal(want, ref_want) and torch.equal(count, ref_count)
     # sink and local pages are always there; budgets cap the middle
@@ -130,7 +134,7 @@ def test_split_row_select_equals_the_reference(sink, local, seed):
     # and local windows overlap, budgets over a chunk's middle pages.
     scores, num_pages, budgets = _select_case(seed)
     width = min(70, sink + 12 + local)
-    want, count = select_ragged(scores, num_pages, sink, local, budgets, width, chunk=16)
+    want, count = select_ragged(scores, num_pages, sink, local, budgets, width, chunk=16, impl="triton")
     ref_want, ref_count = select_ragged_ref(scores, num_pages, sink, local, budgets, width)
     assert torch.equal(count, ref_count)
     assert torch.equal(want, ref_want)
@@ -143,3 +147,33 @@ def test_split_chunk_splits_long_rows_with_narrow_budgets_only():
     assert split_chunk(4096, 72) == SPLIT_CHUNK
     assert split_chunk(900, 72) == 0  # one chunk
     assert split_chunk(4096, 600) == 0  # wide budgets: candidates ~ the row
+
+
+def test_impl_choice():
+    g = torch.Generator().manual_seed(7)
+    kmin, kmax = _index()
+    q = torch.randn(2, 4, 16, generator=g)
+    pages = torch.tensor([[0, 1, 8, 2], [3, 4, 5, 0]])
+    check_impls(page_scores, page_scores_ref, lambda: ([q, kmin, kmax, pages], {}), exact=False)
+    scores = torch.randn(2, 2, 20, generator=g)
+    budgets = torch.tensor([[3, 0], [5, 20]])
+    check_impls(topk_ragged, topk_ragged_ref, lambda: ([scores, budgets, 6], {}))
+    num_pages = torch.tensor([20, 9])
+    check_impls(select_ragged, select_ragged_ref, lambda: ([scores, num_pages, 1, 2, budgets, 9], {}))
+    S, span = 4, 3 * 4  # labels: 2 request rows of 3 pages of 4 tokens, r = 3 channels, a dump row
+    labels = torch.randn(2 * span + 1, 2, 3, generator=g)
+    qr = torch.randn(2, 2, 3, generator=g)
+    lengths = torch.tensor([span, 5, 0])
+    check_impls(label_scores, label_scores_ref,
+                lambda: ([qr, labels, torch.tensor([1, 0]), lengths, span, 3, S], {}), exact=False)
+
+
+def test_auto_takes_the_reference_for_rows_past_the_kernel():
+    # A row of more than MAX_ROW_PAGES pages does not fit one program: "auto" does not launch.
+    from spin_cluster.kernels.page_select import MAX_ROW_PAGES
+
+    scores = torch.randn(1, 1, MAX_ROW_PAGES + 1)
+    budgets = torch.tensor([[4]])
+    assert torch.equal(topk_ragged(scores, budgets, 4), topk_ragged_ref(scores, budgets, 4))
+    with pytest.raises(ValueError, match="pages per row"):
+        topk_ragged(scores, budgets, 4, impl="triton")

@@ -7,11 +7,15 @@ sees any write outside the targeted slots.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import spin_cluster.kernels.retrieve as rt
 from spin_cluster.kernels.retrieve import retrieve_pages, retrieve_pages_ref
+
+from .conftest import check_impls
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -19,8 +23,8 @@ POISON = -7.0
 
 needs_triton = pytest.mark.skipif(not rt.triton_available(), reason="triton not importable")
 BOTH = [
-    pytest.param(retrieve_pages, marks=needs_triton, id="triton"),
-    pytest.param(retrieve_pages_ref, id="ref"),
+    pytest.param(functools.partial(retrieve_pages, impl="triton"), marks=needs_triton, id="triton"),
+    pytest.param(functools.partial(retrieve_pages, impl="torch"), id="torch"),
 ]
 
 
@@ -119,7 +123,7 @@ def test_strided_pages_and_large_chunks():
     base_dst = torch.full((5, 2, S, D), POISON, device=DEVICE)
     src_k, src_v = base_src[:, 0], base_src[:, 1]
     dst_k, dst_v = base_dst[:, 0], base_dst[:, 1]
-    retrieve_pages(src_k, src_v, dst_k, dst_v, ids([6, 1]), ids([2, 4]), block=32)
+    retrieve_pages(src_k, src_v, dst_k, dst_v, ids([6, 1]), ids([2, 4]), block=32, impl="triton")
     assert torch.equal(dst_k[2], src_k[6]) and torch.equal(dst_v[2], src_v[6])
     assert torch.equal(dst_k[4], src_k[1]) and torch.equal(dst_v[4], src_v[1])
     assert bool((base_dst[torch.tensor([0, 1, 3])] == POISON).all())
@@ -153,7 +157,7 @@ def test_unpinned_host_source_rejected():
     src_k, src_v, _, _ = make_pools(4, 4, 2, 8, torch.float32, device="cpu")
     dst_k = torch.zeros(4, 2, 8, device="cuda")
     good = ids([0, 1], device="cuda")
-    for fn in (retrieve_pages, retrieve_pages_ref):
+    for fn in (functools.partial(retrieve_pages, impl="triton"), retrieve_pages_ref):
         with pytest.raises(ValueError, match="pinned"):
             fn(src_k, src_v, dst_k, dst_k.clone(), good, good)
 
@@ -172,9 +176,17 @@ def test_pinned_host_to_cuda_full_size(S):
     dst_ids = torch.randperm(n_slots, generator=gen).to("cuda")
     n = n_slots - 100
     count = torch.tensor([n], dtype=torch.int32, device="cuda")
-    retrieve_pages(host_k, host_v, slot_k, slot_v, src_ids, dst_ids, count)
+    retrieve_pages(host_k, host_v, slot_k, slot_v, src_ids, dst_ids, count, impl="triton")
     torch.cuda.synchronize()
     d, s = dst_ids[:n].cpu(), src_ids[:n].cpu()
     assert torch.equal(slot_k.cpu()[d], host_k[s]) and torch.equal(slot_v.cpu()[d], host_v[s])
     rest = dst_ids[n:]
     assert bool((slot_k[rest] == POISON).all()) and bool((slot_v[rest] == POISON).all())
+
+
+@needs_triton
+def test_impl_choice():
+    def make():
+        pools = make_pools(6, 5, 2, 8, torch.float32, seed=3)
+        return [*pools, ids([4, -1, 0, 2]), ids([1, 3, -1, 0]), torch.tensor([3], device=DEVICE)], {}
+    check_impls(retrieve_pages, retrieve_pages_ref, make)

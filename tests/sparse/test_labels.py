@@ -60,7 +60,7 @@ def test_triton_scorer_equals_reference(S, rc):
     lengths = torch.tensor([7, span, 1, 3 * S + 1, 0])  # rows 0..3 and the dump row
     for num_pages in (P, 2):
         want = label_scores_ref(qr, labels, rows, lengths, span, num_pages, S)
-        got = label_scores(qr, labels, rows, lengths, span, num_pages, S)
+        got = label_scores(qr, labels, rows, lengths, span, num_pages, S, impl="triton")
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     empty = [p for p in range(2) if p * S >= 7]  # row 0 wrote 7 tokens: later pages hold none
     assert torch.isinf(want[1, :, empty]).all() and torch.isfinite(want[0, :, 0]).all()
@@ -82,5 +82,5 @@ def test_triton_scorer_equals_reference_at_llama_shapes():
     qr = torch.randn(B, Hkv, rc, generator=g).cuda()
     rows = torch.tensor([3, 1, 0, 2]).cuda()
     lengths = torch.tensor([span, span - 5, 100, 7 * S, 0]).cuda()
-    got = label_scores(qr, labels, rows, lengths, span, P, S)
+    got = label_scores(qr, labels, rows, lengths, span, P, S, impl="triton")
     torch.testing.assert_close(got, label_scores_ref(qr, labels, rows, lengths, span, P, S), rtol=1e-4, atol=1e-3)

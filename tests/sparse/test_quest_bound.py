@@ -50,7 +50,7 @@ def _append_in_steps(alg, k, row, triton):
         rows, pos = torch.full((hi - lo,), row), torch.arange(lo, hi)
         if triton:
             blocks = rows * (alg.max_pages_per_seq * alg.blocks_per_page) + pos // alg.block_tokens
-            bounds_append(alg.kmin[0], alg.kmax[0], k[lo:hi].contiguous(), blocks, pos, alg.block_tokens)
+            bounds_append(alg.kmin[0], alg.kmax[0], k[lo:hi].contiguous(), blocks, pos, alg.block_tokens, impl="triton")
         else:
             alg.on_append(0, rows, pos, k[lo:hi])
 
@@ -60,7 +60,7 @@ def _score(alg, q, row, num_pages, triton):
         return alg.score(0, q, torch.full((q.shape[0],), row), num_pages)
     nb = alg.blocks_per_page
     blocks = row * alg.max_pages_per_seq * nb + torch.arange(num_pages * nb)
-    s = page_scores(q, alg.kmin[0], alg.kmax[0], blocks.expand(q.shape[0], -1).contiguous())
+    s = page_scores(q, alg.kmin[0], alg.kmax[0], blocks.expand(q.shape[0], -1).contiguous(), impl="triton")
     if nb == 1:
         return s
     return s.nan_to_num(nan=float("-inf")).view(*s.shape[:2], num_pages, nb).amax(-1)
