@@ -34,7 +34,7 @@ if [ -f .carry/gate/seer_gate.safetensors ]; then
 fi
 run() {  # name, timeout_s, eval arguments...
   local name=$1 limit=$2; shift 2
-  (cd /tmp && SPIN_SEER_GATE=$GATE timeout "$limit" python3 -m spin_cluster.cli eval --sink-tokens 16 \
+  (cd /tmp && SPIN_SEER_GATE=$GATE timeout "$limit" python3 -P -m spin_cluster.cli eval --sink-tokens 16 \
       --local-tokens 64 --max-batch 64 --quiet --out "$OUT/$name.json" "$@" 2>&1 | tail -40) | tee "$OUT/$name.log"
 }
 has() { [[ " $PARTS " == *" $1 "* ]]; }

@@ -9,7 +9,7 @@ set -o pipefail
 source benchmarks/gpu_setup.sh
 gpu_record
 for mode in ${MODES:-dense spin}; do
-  timeout "${MODE_TIMEOUT:-280}" python3 -m spin_cluster.bench decode-step --mode "$mode" --context "${CONTEXT:-131072}" \
+  timeout "${MODE_TIMEOUT:-280}" python3 -P -m spin_cluster.bench decode-step --mode "$mode" --context "${CONTEXT:-131072}" \
     --batch "${BATCH:-4}" --steps "${STEPS:-20}" --gpu-kv-gib "${GPU_KV_GIB:-100}" --host-kv-gib "${HOST_KV_GIB:-72}" \
     ${EXTRA_ARGS} "${TOK[@]}" --out "$OUT" 2>&1 | tee -a "$OUT/profile.log"
 done

@@ -34,6 +34,6 @@ BATCH=$(( HOST / 17 )); [ "$BATCH" -gt 6 ] && BATCH=6; [ "$BATCH" -lt 1 ] && BAT
 echo "pinnable host memory: >= $PIN GiB; host tier $HOST GiB; offline batch $BATCH" | tee -a "$OUT/gpu.txt"
 MODES_ARG=(); [ -n "$MODES" ] && MODES_ARG=(--modes $MODES)
 WL_ARG=(); [ -n "$WORKLOADS" ] && WL_ARG=(--workloads $WORKLOADS)
-timeout 545 python3 -m spin_cluster.bench e2e "${MODES_ARG[@]}" "${WL_ARG[@]}" --gpu-kv-gib "${GPU_KV_GIB:-24}" --host-kv-gib "$HOST" --offline-batch "$BATCH" \
+timeout 545 python3 -P -m spin_cluster.bench e2e "${MODES_ARG[@]}" "${WL_ARG[@]}" --gpu-kv-gib "${GPU_KV_GIB:-24}" --host-kv-gib "$HOST" --offline-batch "$BATCH" \
   --deadline-s "${DEADLINE_S:-470}" \
   ${MAX_BATCHED:+--max-batched-tokens $MAX_BATCHED} ${EXTRA_ARGS} "${TOK[@]}" --out "$OUT" 2>&1 | tee "$OUT/e2e.log"

