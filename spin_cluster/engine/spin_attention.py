@@ -32,7 +32,7 @@ from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.kvcache.buffer import InstallPlan
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.kvcache.transfer import Transfer
-from spin_cluster.sparse import SelectPlan, SparseAlgorithm, select
+from spin_cluster.sparse import SelectPlan, SparseAlgorithm, select_layer
 
 if TYPE_CHECKING:
     from spin_cluster.sparse.prefill import BlockSparsePrefill
@@ -267,7 +267,7 @@ class SpinAttention(PlannedCapture):
         sel, rows, buf = plan.select[layer], plan.decode_rows, kv.buffer
         margin = self.sparse.resident_margin if buf.reuse and not self.algorithm.selects_all else 0.0
         held = buf.resident(rows, layer, sel.max_pages) if margin else None  # the pages the buffer holds
-        want, num_selected = select(self.algorithm, layer, q, rows, sel, held, margin)  # [Bd, Hkv, K]
+        want, num_selected = select_layer(self.algorithm, layer, q, rows, sel, held, margin)  # [Bd, Hkv, K]
         # No wait for this layer's host write: Retrieve may copy the tail page without the new
         # token, and writes it through into the slot after the gather, on this stream. Earlier
         # steps' writes have landed (end_step waits).

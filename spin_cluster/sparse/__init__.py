@@ -5,7 +5,7 @@ finds one by name with ``get_algorithm``."""
 
 from spin_cluster.sparse import dense, labels, oracle, quest, retroinfer, seer, shadowkv, sparq, streaming  # noqa: F401
 from spin_cluster.sparse.contract import REGISTRY, SparseAlgorithm, register
-from spin_cluster.sparse.select import SelectPlan, select, select_pages
+from spin_cluster.sparse.select import SelectPlan, select_layer, select_pages
 
 
 def registered_algorithms() -> list[str]:
@@ -21,5 +21,5 @@ def get_algorithm(name: str) -> type[SparseAlgorithm]:
         ) from None
 
 
-__all__ = ["SelectPlan", "SparseAlgorithm", "get_algorithm", "register", "registered_algorithms", "select",
-           "select_pages"]
+__all__ = ["SelectPlan", "SparseAlgorithm", "get_algorithm", "register", "registered_algorithms",
+           "select_layer", "select_pages"]

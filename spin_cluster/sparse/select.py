@@ -51,8 +51,8 @@ class SelectPlan:
     score_scale: float = 1.0
 
 
-def select(algorithm: SparseAlgorithm, layer: int, q: torch.Tensor, rows: torch.Tensor, plan: SelectPlan,
-           resident: torch.Tensor | None = None, resident_margin: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def select_layer(algorithm: SparseAlgorithm, layer: int, q: torch.Tensor, rows: torch.Tensor, plan: SelectPlan,
+                 resident: torch.Tensor | None = None, resident_margin: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Select for one layer of a decode step, whole: the algorithm's page scores for the
     queries q [B, H, D] of table rows [B], the hysteresis, then ``select_pages``. Returns
     (want [B, Hkv, K] page ids with -1 padding, num_selected [B, Hkv]).

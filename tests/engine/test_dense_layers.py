@@ -6,6 +6,7 @@ import torch
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
 from spin_cluster.engine import spin_attention
+from spin_cluster.sparse import select as sparse_select
 
 PROMPTS = [list(range(1000, 1070)), list(range(2000, 2045))]  # 70 and 45 tokens: 18 and 12 pages of 4
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -40,13 +41,13 @@ def selects(monkeypatch):
             layers.append(layer)
 
     select_calls = []
-    select = spin_attention.select_pages
+    select = sparse_select.select_pages
 
     def counting(*args, **kwargs):
         select_calls.append(1)
         return select(*args, **kwargs)
 
-    monkeypatch.setattr(spin_attention, "select_pages", counting)
+    monkeypatch.setattr(sparse_select, "select_pages", counting)  # what select_layer calls
     monkeypatch.setattr(spin_attention.SpinAttention, "_decode_layer", recording)
     return layers
 

@@ -5,7 +5,7 @@ import torch
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
-from spin_cluster.engine import spin_attention
+from spin_cluster.sparse import select as sparse_select
 from spin_cluster.sparse.contract import SparseAlgorithm, register
 
 PROMPT = list(range(1000, 1060))  # 60 tokens: 15 pages of 4
@@ -45,8 +45,8 @@ def selections(monkeypatch):
         calls.append(num_selected[0].tolist())
         return want, num_selected
 
-    select = spin_attention.select_pages
-    monkeypatch.setattr(spin_attention, "select_pages", recording)
+    select = sparse_select.select_pages
+    monkeypatch.setattr(sparse_select, "select_pages", recording)  # what select_layer calls
     return calls
 
 
