@@ -145,8 +145,9 @@ class EngineLoop:
             return
         try:
             self.engine.add_request(ids, params, request_id=request_id)
-        except ValueError as e:  # prompt too long, empty, out of vocabulary, id in use
-            _deliver(sink, Failed(400, str(e), param="prompt", code="invalid_prompt"))
+        except ValueError as e:  # prompt too long, empty, out of vocabulary, id in use; logit_bias ids
+            param = "logit_bias" if str(e).startswith("logit_bias") else "prompt"
+            _deliver(sink, Failed(400, str(e), param=param, code="invalid_prompt" if param == "prompt" else "invalid_value"))
             return
         self._sinks[request_id] = sink
         self.num_admitted_total += 1

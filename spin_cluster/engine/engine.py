@@ -119,6 +119,7 @@ class Engine:
         request_id: str | None = None,
     ) -> str:
         params = params or SamplingParams()
+        params.check_vocab(self.model.config.vocab_size)
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._check_prompt(ids)
@@ -190,9 +191,11 @@ class Engine:
 
     @staticmethod
     def _pipelinable(req: Request, pending: int) -> bool:
-        """Greedy, and no min_tokens ban left on its next token (a ban changes the logits on
-        the host before the argmax); ``pending``: its tokens launched but not read yet."""
-        return req.params.greedy and len(req.output_token_ids) + pending >= req.params.min_tokens
+        """Greedy, no logit_bias, and no min_tokens ban left on its next token (a bias or a ban
+        changes the logits before the sampler's argmax, which the launch's argmax skips);
+        ``pending``: its tokens launched but not read yet."""
+        p = req.params
+        return p.greedy and not p.logit_bias and len(req.output_token_ids) + pending >= p.min_tokens
 
     def _launch(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None, t0: float,
                 num_preempted: int = 0) -> _InFlight:

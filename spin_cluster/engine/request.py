@@ -31,6 +31,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # End-of-sequence and stop tokens cannot be sampled before this many tokens, >= 0.
     min_tokens: int = 0
+    # (token id, bias) pairs added to the logits before sampling; bias in [-100, 100] (-100
+    # bans a token in practice, 100 all but forces it). A dict is accepted and sorted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +52,24 @@ class SamplingParams:
             raise ValueError(f"min_tokens={self.min_tokens}: must be in [0, max_tokens]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        pairs = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        object.__setattr__(self, "logit_bias", pairs)
+        for token_id, bias in pairs:
+            if token_id < 0:
+                raise ValueError(f"logit_bias={{{token_id}: {bias}}}: token ids must be >= 0")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias={{{token_id}: {bias}}}: a bias must be in [-100, 100]")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids this request names must lie inside the model's vocabulary."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias={{{bad[0]}: ...}}: token id {bad[0]} is outside the "
+                             f"vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:

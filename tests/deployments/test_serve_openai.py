@@ -122,6 +122,13 @@ def test_n_greater_than_one_is_refused(client):
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
 
 
+def test_logit_bias_steers_the_tokens(client, engine):
+    forced = engine.tokenizer.encode(" banana")[-1]
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                    logit_bias={str(forced): 100})
+    assert engine.tokenizer.encode(out.choices[0].text) == [forced] * 4
+
+
 # ---- bad input: status and OpenAI error body ---------------------------------------------
 
 _BAD = {
@@ -136,6 +143,11 @@ _BAD = {
     "two prompts": ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     "n": ({"model": MODEL, "prompt": "Hi", "n": 3}, 400, "n"),
     "logprobs": ({"model": MODEL, "prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
+    "logit_bias key not a token id": ({"model": MODEL, "prompt": "Hi", "logit_bias": {"abc": 5}}, 400, "logit_bias"),
+    "logit_bias key outside the vocabulary": ({"model": MODEL, "prompt": "Hi", "logit_bias": {"999999": 5}}, 400,
+                                              "logit_bias"),
+    "logit_bias over 100": ({"model": MODEL, "prompt": "Hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    "an unknown field": ({"model": MODEL, "prompt": "Hi", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
 }
 
 
