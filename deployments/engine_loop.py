@@ -146,7 +146,7 @@ class EngineLoop:
         try:
             self.engine.add_request(ids, params, request_id=request_id)
         except ValueError as e:  # prompt too long, empty, out of vocabulary, id in use; logit_bias ids
-            param = "logit_bias" if str(e).startswith("logit_bias") else "prompt"
+            param = next((name for name in _PARAMS_NAMED_BY_THE_ENGINE if str(e).startswith(name)), "prompt")
             _deliver(sink, Failed(400, str(e), param=param, code="invalid_prompt" if param == "prompt" else "invalid_value"))
             return
         self._sinks[request_id] = sink
@@ -188,6 +188,10 @@ class EngineLoop:
                 fn(self.engine)
             except Exception:
                 logger.exception("engine loop step hook failed")
+
+
+# add_request's errors that are about a sampling field, not the prompt, start with its name.
+_PARAMS_NAMED_BY_THE_ENGINE = ("logit_bias", "response_format")
 
 
 def _deliver(sink: Sink, item: object) -> bool:

@@ -61,9 +61,7 @@ class _Common(BaseModel):
                 raise ApiError(400, f"{name} is not supported (use 0)", param=name, code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported",
-                           param="response_format", code="unsupported_value")
+        structured_output(self.response_format)
 
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         """SamplingParams fields; the engine server builds them and reports bad values."""
@@ -77,6 +75,7 @@ class _Common(BaseModel):
             "min_tokens": self.min_tokens,
             "seed": self.seed,
             "logit_bias": logit_bias_ids(self.logit_bias or {}),
+            "structured_output": structured_output(self.response_format),
         }
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
@@ -180,6 +179,23 @@ def checked_text(text: str, param: str) -> str:
         raise ApiError(400, f"{param} holds an unpaired surrogate (U+{ord(found.group()):04X}) at position "
                        f"{found.start()}; send valid Unicode text", param=param, code="invalid_value")
     return text
+
+
+def structured_output(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """response_format as SamplingParams' structured_output fields (None: free text); a 400
+    naming response_format for any other shape. Whether a schema compiles, the engine says."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"kind": "json_object"}
+    spec = response_format.get("json_schema") if kind == "json_schema" else None
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise ApiError(400, 'response_format: use {"type": "text"}, {"type": "json_object"} or {"type": '
+                       '"json_schema", "json_schema": {"name": ..., "schema": {...}}}', param="response_format",
+                       code="invalid_value")
+    # No schema: any JSON (OpenAI's own default).
+    return {"kind": "json_schema", "schema": json.dumps(spec.get("schema", {}), sort_keys=True)}
 
 
 def logit_bias_ids(bias: dict[str, float]) -> dict[int, float]:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from spin_cluster.engine.detokenizer import Detokenizer
+from spin_cluster.engine.grammar import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before sampling; bias in [-100, 100] (-100
     # bans a token in practice, 100 all but forces it). A dict is accepted and sorted.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # The output must match this grammar (JSON); None: free text. A dict is taken as its fields.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +56,8 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         self._check_logit_bias()
+        if isinstance(self.structured_output, dict):
+            object.__setattr__(self, "structured_output", StructuredOutput(**self.structured_output))
 
     def _check_logit_bias(self) -> None:
         pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias

@@ -39,7 +39,7 @@ EXAMPLES = {
     "logit_bias": ({"42": 5.5, "7": -100}, None),
     "presence_penalty": (0, 0.5),
     "frequency_penalty": (0, 0.5),
-    "response_format": ({"type": "text"}, {"type": "yaml"}),
+    "response_format": ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}, None),
     "logprobs": (False, True),
     "top_logprobs": (0, 3),
     "user": ("user-1", None),
@@ -120,6 +120,12 @@ def test_each_field_is_honoured_or_refused_by_name(endpoint, name):
 def test_logit_bias_reaches_sampling_params():
     req = parse_body(_body("chat", "logit_bias", {"42": 5.5, "7": -100}), ChatCompletionRequest)
     assert SamplingParams(**req.to_generate("r").sampling).logit_bias == ((7, -100.0), (42, 5.5))
+
+
+@pytest.mark.parametrize("fmt", [{"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": 3},
+                                 {"type": "json_schema", "json_schema": {"name": "n", "schema": []}}])
+def test_bad_response_formats_are_refused(fmt):
+    assert _refusal("chat", "response_format", fmt).param == "response_format"
 
 
 @pytest.mark.parametrize("bias, words", [({"abc": 5}, "'abc' is not a token id"), ({"-3": 1}, "must be >= 0"),

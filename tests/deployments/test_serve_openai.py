@@ -320,3 +320,44 @@ def _assert_error(r: httpx.Response, status: int) -> None:
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+# ---- structured outputs --------------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+PERSON_ASK = [{"role": "user", "content": "Give me a person as JSON with name and age."}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_json_schema_validates(client, stream):
+    import jsonschema
+
+    kwargs = dict(model=MODEL, messages=PERSON_ASK, max_tokens=64, temperature=0.7, seed=3,
+                  response_format=PERSON_FORMAT)
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+                       if c.choices)
+    else:
+        text = client.chat.completions.create(**kwargs).choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_json_object_is_an_object(client, stream):
+    kwargs = dict(model=MODEL, prompt="A person as JSON: ", max_tokens=64, temperature=0,
+                  extra_body={"response_format": {"type": "json_object"}})
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    else:
+        text = client.completions.create(**kwargs).choices[0].text
+    assert isinstance(json.loads(text), dict)
+
+
+def test_a_schema_that_does_not_compile_is_400_saying_why(client):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=PERSON_ASK, max_tokens=8, response_format=bad)
+    assert e.value.body["param"] == "response_format" and "cannot be compiled" in e.value.body["message"]
