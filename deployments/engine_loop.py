@@ -81,6 +81,16 @@ class EngineLoop:
         """Stop the request and free its pages; its sink gets nothing more."""
         self._push(lambda: self._abort(request_id))
 
+    def fail_all(self, failed: Failed) -> None:
+        """Every request in the engine gets ``failed`` as its last item and is aborted."""
+
+        def fail() -> None:
+            for request_id, sink in list(self._sinks.items()):
+                _deliver(sink, failed)
+                self._abort(request_id)
+
+        self._push(fail)
+
     def call(self, fn: Callable[[Any], T]) -> Future[T]:
         """Run ``fn(engine)`` on the loop thread between steps."""
         fut: Future[T] = Future()
