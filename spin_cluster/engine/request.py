@@ -58,6 +58,10 @@ class SamplingParams:
         self._check_logit_bias()
         if isinstance(self.structured_output, dict):
             object.__setattr__(self, "structured_output", StructuredOutput(**self.structured_output))
+        if self.structured_output is not None and self.min_tokens > 0:
+            # A ban on the stop tokens where the grammar allows only those leaves nothing to sample.
+            raise ValueError(f"min_tokens={self.min_tokens}: cannot be combined with response_format, "
+                             "whose grammar decides where the output ends; use 0")
 
     def _check_logit_bias(self) -> None:
         pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
