@@ -34,6 +34,9 @@ class _Common(BaseModel):
 
     model: str
     max_tokens: int | None = None
+    # The newer name of max_tokens (chat's, in OpenAI's API); load tools send it to completions
+    # too. max_tokens wins when both are set.
+    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -68,7 +71,8 @@ class _Common(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         stop = [checked_text(s, "stop") for s in stop]
         out: dict[str, Any] = {
-            "max_tokens": default_max_tokens if self.max_tokens is None else self.max_tokens,
+            "max_tokens": next((n for n in (self.max_tokens, self.max_completion_tokens) if n is not None),
+                               default_max_tokens),
             "stop": tuple(stop),
             "stop_token_ids": tuple(self.stop_token_ids or ()),
             "ignore_eos": self.ignore_eos,
@@ -89,7 +93,6 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None
@@ -136,7 +139,6 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -160,8 +162,6 @@ class ChatCompletionRequest(_Common):
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         sampling = self.sampling(_UNBOUNDED_MAX_TOKENS)
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            sampling["max_tokens"] = self.max_completion_tokens
         messages = tuple({"role": m.role, "content": checked_text(m.text(), f"messages[{i}].content")}
                          for i, m in enumerate(self.messages))
         return GenerateRequest(request_id, sampling, messages=messages)
