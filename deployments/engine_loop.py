@@ -81,6 +81,16 @@ class EngineLoop:
         """Stop the request and free its pages; its sink gets nothing more."""
         self._push(lambda: self._abort(request_id))
 
+    def fail_all(self, failed: Failed) -> None:
+        """Every request in the engine gets ``failed`` as its last item and is aborted."""
+
+        def fail() -> None:
+            for request_id, sink in list(self._sinks.items()):
+                _deliver(sink, failed)
+                self._abort(request_id)
+
+        self._push(fail)
+
     def call(self, fn: Callable[[Any], T]) -> Future[T]:
         """Run ``fn(engine)`` on the loop thread between steps."""
         fut: Future[T] = Future()
@@ -145,8 +155,9 @@ class EngineLoop:
             return
         try:
             self.engine.add_request(ids, params, request_id=request_id)
-        except ValueError as e:  # prompt too long, empty, out of vocabulary, id in use
-            _deliver(sink, Failed(400, str(e), param="prompt", code="invalid_prompt"))
+        except ValueError as e:  # prompt too long, empty, out of vocabulary, id in use; logit_bias ids
+            param = next((name for name in _PARAMS_NAMED_BY_THE_ENGINE if str(e).startswith(name)), "prompt")
+            _deliver(sink, Failed(400, str(e), param=param, code="invalid_prompt" if param == "prompt" else "invalid_value"))
             return
         self._sinks[request_id] = sink
         self.num_admitted_total += 1
@@ -187,6 +198,10 @@ class EngineLoop:
                 fn(self.engine)
             except Exception:
                 logger.exception("engine loop step hook failed")
+
+
+# add_request's errors that are about a sampling field, not the prompt, start with its name.
+_PARAMS_NAMED_BY_THE_ENGINE = ("logit_bias", "response_format")
 
 
 def _deliver(sink: Sink, item: object) -> bool:

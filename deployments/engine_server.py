@@ -187,6 +187,12 @@ class EngineServer:
             if not done:  # closed or cancelled early: the client is gone
                 self._loop.abort(request.request_id)
 
+    async def end_streams(self, route_to: str | None = None) -> None:
+        """Shutting down: every request here ends now with a 503 ``shutting_down`` (an error
+        event on a stream), so that Serve's graceful shutdown does not wait them out.
+        ``route_to``: this replica's id, so that the caller reaches each replica in turn."""
+        self._loop.fail_all(Failed(503, "the server is shutting down", code="shutting_down"))
+
     # ---- checks and debugging -----------------------------------------------------------
 
     async def check_integrity(self) -> dict[str, Any]:

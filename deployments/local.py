@@ -13,6 +13,7 @@ import ipaddress
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 # Ray's logical CPUs in local mode: actors reserve fractions of these, not real cores, so
@@ -20,6 +21,8 @@ from typing import Any
 LOCAL_NUM_CPUS = 8
 # Named for its use on Windows and macOS, where it is off by default; see run_local.
 _RAY_KEEPS_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# How long the ingress gets to write the streams' error events before the cluster stops.
+_ERROR_EVENT_GRACE_S = 0.5
 
 
 def _ray_node_ip(host: str) -> str | None:
@@ -100,10 +103,28 @@ def run_local(args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000
         while not stop.wait(0.5):
             pass
         print("shutting down", flush=True)
+        end_streams(app_name)
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        # Not serve.shutdown(): it waits out each replica's graceful shutdown in turn (~25 s).
+        # The streams have ended above; stopping the cluster this process started stops every
+        # process of it, replicas included.
+        ray.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def end_streams(app_name: str, timeout_s: float = 2.0) -> None:
+    """Every engine replica ends its requests with a ``shutting_down`` error; waits (at most
+    ``timeout_s``) until the ingress has no stream left to write, so clients read the error."""
+    from ray import serve
+
+    try:
+        planner = serve.get_deployment_handle("ClusterPlanner", app_name=app_name)
+        engine = serve.get_deployment_handle("EngineServer", app_name=app_name)
+        replica_ids = planner.engine_actor_names.remote().result(timeout_s=timeout_s)
+        for replica_id in replica_ids:
+            engine.end_streams.remote(route_to=replica_id).result(timeout_s=timeout_s)
+    except Exception as e:  # a replica gone already: its streams have ended with it
+        print(f"could not end every stream before stopping: {type(e).__name__}: {e}", flush=True)
+    # The error events still go through the ingress to the clients: leave them a moment.
+    time.sleep(_ERROR_EVENT_GRACE_S)

@@ -1,10 +1,8 @@
 """The OpenAI HTTP protocol: request models, their validation, and response/chunk bodies.
 
-Supported: one choice per request (``n`` > 1 is refused with 400), text or token-id prompts
-(one per request), text chat content, ``stream`` with ``stream_options.include_usage``, and
-vLLM's extra sampling fields (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``).
-Refused with 400: logprobs, echo, suffix, best_of > 1, tools, penalties other than 0.
-Unknown fields are ignored, as OpenAI-compatible servers do.
+Every request field is honoured, honoured with limits, or refused with a 400 that names it;
+docs/serving.md has the table. A field these models do not know is refused too (pydantic's
+``extra="forbid"``), so nothing a client sends is silently dropped.
 """
 
 from __future__ import annotations
@@ -26,14 +24,19 @@ _UNBOUNDED_MAX_TOKENS = 1 << 30
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = None
+    # The newer name of max_tokens (chat's, in OpenAI's API); load tools send it to completions
+    # too. max_tokens wins when both are set.
+    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -47,32 +50,36 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    # OpenAI's end-user id, for the caller's own abuse tracking: accepted, no effect on output.
     user: str | None = None
+    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         if self.n != 1:
             raise ApiError(400, f"n={self.n}: this server returns one choice per request; "
                            "send n separate requests instead", param="n", code="unsupported_value")
-        if self.best_of not in (None, 1):
-            raise ApiError(400, "best_of is not supported", param="best_of", code="unsupported_value")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ApiError(400, f"{name} is not supported (use 0)", param=name, code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        structured_output(self.response_format)
 
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         """SamplingParams fields; the engine server builds them and reports bad values."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         stop = [checked_text(s, "stop") for s in stop]
         out: dict[str, Any] = {
-            "max_tokens": default_max_tokens if self.max_tokens is None else self.max_tokens,
+            "max_tokens": next((n for n in (self.max_tokens, self.max_completion_tokens) if n is not None),
+                               default_max_tokens),
             "stop": tuple(stop),
             "stop_token_ids": tuple(self.stop_token_ids or ()),
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
             "seed": self.seed,
+            "logit_bias": logit_bias_ids(self.logit_bias or {}),
+            "structured_output": structured_output(self.response_format),
         }
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
@@ -86,13 +93,15 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None
+    best_of: int | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.best_of not in (None, 1):
+            raise ApiError(400, "best_of is not supported (use 1)", param="best_of", code="unsupported_value")
         for name in ("echo", "suffix", "logprobs"):
             if getattr(self, name) not in (None, False):
                 raise ApiError(400, f"{name} is not supported", param=name, code="unsupported_value")
@@ -111,7 +120,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
@@ -130,21 +139,29 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.logprobs:
             raise ApiError(400, "logprobs is not supported", param="logprobs", code="unsupported_value")
+        if self.top_logprobs not in (None, 0):
+            raise ApiError(400, "top_logprobs is not supported", param="top_logprobs", code="unsupported_value")
         if self.tools:
             raise ApiError(400, "tools are not supported", param="tools", code="unsupported_value")
+        if self.tool_choice not in (None, "none"):
+            raise ApiError(400, "tool_choice is not supported (tools are not)", param="tool_choice",
+                           code="unsupported_value")
+        if self.parallel_tool_calls is not None:
+            raise ApiError(400, "parallel_tool_calls is not supported (tools are not)",
+                           param="parallel_tool_calls", code="unsupported_value")
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         sampling = self.sampling(_UNBOUNDED_MAX_TOKENS)
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            sampling["max_tokens"] = self.max_completion_tokens
         messages = tuple({"role": m.role, "content": checked_text(m.text(), f"messages[{i}].content")}
                          for i, m in enumerate(self.messages))
         return GenerateRequest(request_id, sampling, messages=messages)
@@ -164,6 +181,36 @@ def checked_text(text: str, param: str) -> str:
     return text
 
 
+def structured_output(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """response_format as SamplingParams' structured_output fields (None: free text); a 400
+    naming response_format for any other shape. Whether a schema compiles, the engine says."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"kind": "json_object"}
+    spec = response_format.get("json_schema") if kind == "json_schema" else None
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise ApiError(400, 'response_format: use {"type": "text"}, {"type": "json_object"} or {"type": '
+                       '"json_schema", "json_schema": {"name": ..., "schema": {...}}}', param="response_format",
+                       code="invalid_value")
+    # No schema: any JSON (OpenAI's own default).
+    return {"kind": "json_schema", "schema": json.dumps(spec.get("schema", {}), sort_keys=True)}
+
+
+def logit_bias_ids(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's string keys as token ids; a key that is not an integer is a 400 naming it.
+    The engine checks the ids against its vocabulary and the biases' range."""
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ApiError(400, f"logit_bias: key {key!r} is not a token id (an integer, as a string)",
+                           param="logit_bias", code="invalid_value") from None
+    return out
+
+
 def parse_body(raw: bytes, model: type[_Common]) -> _Common:
     data = load_json_object(raw)
     try:
@@ -171,8 +218,10 @@ def parse_body(raw: bytes, model: type[_Common]) -> _Common:
     except ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param,
-                       code="invalid_value") from None
+        msg = first["msg"]
+        if first["type"] == "extra_forbidden":
+            msg = "this server does not support this field; remove it (docs/serving.md lists the fields)"
+        raise ApiError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value") from None
     req.check_supported()
     return req
 

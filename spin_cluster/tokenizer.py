@@ -16,6 +16,11 @@ class Tokenizer:
         self.eos_token_id: int | None = self._tok.eos_token_id
 
     @property
+    def hf_tokenizer(self):
+        """The transformers tokenizer (a grammar compiler reads its vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return len(self._tok)
 

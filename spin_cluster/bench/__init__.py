@@ -58,6 +58,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("buffer-policy", "buffer_policy.py", "the elastic buffer policy: concurrency vs hit ratio", "memory"),
     Benchmark("stop-strings", "stop_strings.py", "host time per token of detokenizing and stop strings (CPU)",
               "engine"),
+    Benchmark("grammar-cost", "grammar_cost.py", "decode tok/s at batch 16 with a json_schema grammar vs without (CPU)",
+              "engine"),
     Benchmark("check-spin-tokens", "check_spin_tokens.py", "Spin gives dense's tokens when Select keeps every page",
               "checks"),
 ]}

@@ -29,6 +29,7 @@ from spin_cluster.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOu
 from spin_cluster.engine.stats import StepStats
 from spin_cluster.engine.cache_builder import build_cache
 from spin_cluster.engine.detokenizer import Detokenizer
+from spin_cluster.engine.grammar import Grammars
 from spin_cluster.models import ModelConfig, load_model, random_model
 from spin_cluster.tokenizer import Tokenizer
 
@@ -84,6 +85,7 @@ class Engine:
         self.runner = ModelRunner(self.model, attention, self.device, progress=progress,
                                   cuda_graph_max_batch=sc.max_num_seqs if config.model.cuda_graphs else 0)
         self.sampler = Sampler(self.device)
+        self.grammars = Grammars(self.tokenizer.hf_tokenizer, mc.vocab_size)
         self._eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self._eos_ids.add(self.tokenizer.eos_token_id)
@@ -119,12 +121,15 @@ class Engine:
         request_id: str | None = None,
     ) -> str:
         params = params or SamplingParams()
+        params.check_vocab(self.model.config.vocab_size)
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._check_prompt(ids)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_output is not None:
+            self.grammars.start(request_id, params.structured_output)
         req = Request(request_id=request_id, prompt_token_ids=ids, params=params, prompt=text,
                       detokenizer=Detokenizer(self.tokenizer, params.stop))
         self._requests[request_id] = req
@@ -171,6 +176,7 @@ class Engine:
             if sampled:
                 reqs = [c.request for c in sampled]
                 self._suppress_early_stops(logits, reqs)
+                self.grammars.mask(logits, [r.request_id for r in reqs])
                 token_ids = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs])
                 for req, tok in zip(reqs, token_ids):
                     outputs.append(self._append_token(req, tok))
@@ -190,9 +196,14 @@ class Engine:
 
     @staticmethod
     def _pipelinable(req: Request, pending: int) -> bool:
-        """Greedy, and no min_tokens ban left on its next token (a ban changes the logits on
-        the host before the argmax); ``pending``: its tokens launched but not read yet."""
-        return req.params.greedy and len(req.output_token_ids) + pending >= req.params.min_tokens
+        """Greedy, no logit_bias, no grammar, and no min_tokens ban left on its next token (a
+        bias, a grammar's mask or a ban changes the logits before the sampler's argmax, which
+        the launch's argmax skips; a grammar's mask also depends on the token before, which a
+        pipelined step has not read yet): such rows take the synchronous path.
+        ``pending``: its tokens launched but not read yet."""
+        p = req.params
+        return (p.greedy and not p.logit_bias and p.structured_output is None
+                and len(req.output_token_ids) + pending >= p.min_tokens)
 
     def _launch(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None, t0: float,
                 num_preempted: int = 0) -> _InFlight:
@@ -320,6 +331,8 @@ class Engine:
 
     def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
         p = req.params
+        if req.request_id in self.grammars and self.grammars.accept(req.request_id, token_id):
+            return FinishReason.STOP  # the grammar has terminated
         if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self._eos_ids):
             return FinishReason.STOP
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
@@ -332,6 +345,7 @@ class Engine:
         req.finished_s = time.monotonic()
         self.scheduler.finish(req)
         self.sampler.forget(req.request_id)
+        self.grammars.forget(req.request_id)
         self._requests.pop(req.request_id, None)
 
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:

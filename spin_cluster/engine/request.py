@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from spin_cluster.engine.detokenizer import Detokenizer
+from spin_cluster.engine.grammar import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,11 @@ class SamplingParams:
     ignore_eos: bool = False
     # End-of-sequence and stop tokens cannot be sampled before this many tokens, >= 0.
     min_tokens: int = 0
+    # (token id, bias) pairs added to the logits before sampling; bias in [-100, 100] (-100
+    # bans a token in practice, 100 all but forces it). A dict is accepted and sorted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # The output must match this grammar (JSON); None: free text. A dict is taken as its fields.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +55,30 @@ class SamplingParams:
             raise ValueError(f"min_tokens={self.min_tokens}: must be in [0, max_tokens]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._check_logit_bias()
+        if isinstance(self.structured_output, dict):
+            object.__setattr__(self, "structured_output", StructuredOutput(**self.structured_output))
+        if self.structured_output is not None and self.min_tokens > 0:
+            # A ban on the stop tokens where the grammar allows only those leaves nothing to sample.
+            raise ValueError(f"min_tokens={self.min_tokens}: cannot be combined with response_format, "
+                             "whose grammar decides where the output ends; use 0")
+
+    def _check_logit_bias(self) -> None:
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        pairs = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        object.__setattr__(self, "logit_bias", pairs)
+        for token_id, bias in pairs:
+            if token_id < 0:
+                raise ValueError(f"logit_bias={{{token_id}: {bias}}}: token ids must be >= 0")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias={{{token_id}: {bias}}}: a bias must be in [-100, 100]")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids this request names must lie inside the model's vocabulary."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias={{{bad[0]}: ...}}: token id {bad[0]} is outside the "
+                             f"vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:

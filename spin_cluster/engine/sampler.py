@@ -24,7 +24,8 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
     ) -> list[int]:
-        """logits: [B, V] float32 -> B token ids."""
+        """logits: [B, V] float32 -> B token ids. ``logits`` is changed in place (logit_bias)."""
+        add_logit_bias(logits, params)
         greedy_ids = logits.argmax(dim=-1).tolist()
         out = list(greedy_ids)
         for i, (rid, p) in enumerate(zip(request_ids, params)):
@@ -43,6 +44,21 @@ class Sampler:
         if gen is None:
             gen = self._request_gens[request_id] = torch.Generator(device="cpu").manual_seed(p.seed)
         return gen
+
+
+def add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """logits: [B, V]; every row's logit_bias added by one scatter-add for the whole batch."""
+    rows, token_ids, biases = [], [], []
+    for i, p in enumerate(params):
+        for token_id, bias in p.logit_bias:
+            rows.append(i)
+            token_ids.append(token_id)
+            biases.append(bias)
+    if not rows:
+        return
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device))
+    logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:

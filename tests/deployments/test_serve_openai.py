@@ -122,6 +122,13 @@ def test_n_greater_than_one_is_refused(client):
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
 
 
+def test_logit_bias_steers_the_tokens(client, engine):
+    forced = engine.tokenizer.encode(" banana")[-1]
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                    logit_bias={str(forced): 100})
+    assert engine.tokenizer.encode(out.choices[0].text) == [forced] * 4
+
+
 # ---- bad input: status and OpenAI error body ---------------------------------------------
 
 _BAD = {
@@ -136,6 +143,11 @@ _BAD = {
     "two prompts": ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     "n": ({"model": MODEL, "prompt": "Hi", "n": 3}, 400, "n"),
     "logprobs": ({"model": MODEL, "prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
+    "logit_bias key not a token id": ({"model": MODEL, "prompt": "Hi", "logit_bias": {"abc": 5}}, 400, "logit_bias"),
+    "logit_bias key outside the vocabulary": ({"model": MODEL, "prompt": "Hi", "logit_bias": {"999999": 5}}, 400,
+                                              "logit_bias"),
+    "logit_bias over 100": ({"model": MODEL, "prompt": "Hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    "an unknown field": ({"model": MODEL, "prompt": "Hi", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
 }
 
 
@@ -308,3 +320,44 @@ def _assert_error(r: httpx.Response, status: int) -> None:
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+# ---- structured outputs --------------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+PERSON_ASK = [{"role": "user", "content": "Give me a person as JSON with name and age."}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_json_schema_validates(client, stream):
+    import jsonschema
+
+    kwargs = dict(model=MODEL, messages=PERSON_ASK, max_tokens=64, temperature=0.7, seed=3,
+                  response_format=PERSON_FORMAT)
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+                       if c.choices)
+    else:
+        text = client.chat.completions.create(**kwargs).choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_json_object_is_an_object(client, stream):
+    kwargs = dict(model=MODEL, prompt="A person as JSON: ", max_tokens=64, temperature=0,
+                  extra_body={"response_format": {"type": "json_object"}})
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    else:
+        text = client.completions.create(**kwargs).choices[0].text
+    assert isinstance(json.loads(text), dict)
+
+
+def test_a_schema_that_does_not_compile_is_400_saying_why(client):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=PERSON_ASK, max_tokens=8, response_format=bad)
+    assert e.value.body["param"] == "response_format" and "cannot be compiled" in e.value.body["message"]

@@ -59,3 +59,22 @@ def test_greedy_is_argmax():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
     s = Sampler(torch.device("cpu"))
     assert s.sample(logits, ["a", "b"], [SamplingParams(temperature=0)] * 2) == [1, 0]
+
+
+def test_logit_bias_is_added_to_its_own_rows_only():
+    logits = torch.tensor([[3.0, 1.0, 0.0, 2.0], [3.0, 1.0, 0.0, 2.0], [3.0, 1.0, 0.0, 2.0]])
+    params = [SamplingParams(temperature=0, logit_bias={2: 10}), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logit_bias={0: -100, 1: 1.5})]
+    assert Sampler(torch.device("cpu")).sample(logits, ["a", "b", "c"], params) == [2, 0, 1]
+    assert logits[2].tolist() == [-97.0, 2.5, 0.0, 2.0]
+
+
+@pytest.mark.parametrize("bias, match", [({-1: 1}, "must be >= 0"), ({3: 100.5}, r"\[-100, 100\]")])
+def test_bad_logit_bias_raises(bias, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_outside_the_vocabulary_raises():
+    with pytest.raises(ValueError, match=r"logit_bias=\{50000: \.\.\.\}: token id 50000 is outside"):
+        SamplingParams(logit_bias={50000: 1, 3: 1}).check_vocab(49152)
