@@ -1,10 +1,12 @@
-"""Structured outputs on SmolLM2 (CPU): every output, greedy and sampled, streamed delta by
-delta, parses and validates against its JSON schema. The schemas run as one batch."""
+"""Structured outputs on SmolLM2 (CPU; the batch test also on CUDA, marked gpu): every output,
+greedy and sampled, streamed delta by delta, parses and validates against its JSON schema.
+The schemas run as one batch."""
 
 import json
 
 import jsonschema
 import pytest
+import torch
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
@@ -58,11 +60,22 @@ SCHEMAS = [
 PROMPT = [{"role": "user", "content": "Reply with a short JSON value for a small example record."}]
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2_path):
-    return Engine(SpinConfig.from_dict({"model": {"path": smollm2_path, "device": "cpu", "dtype": "float32",
+def _engine(path: str, device: str) -> Engine:
+    return Engine(SpinConfig.from_dict({"model": {"path": path, "device": device, "dtype": "float32",
                                                   "max_model_len": 1024},
                                         "scheduler": {"max_num_seqs": 64}}), progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path):
+    return _engine(smollm2_path, "cpu")
+
+
+@pytest.fixture(scope="module")
+def cuda_engine(smollm2_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return _engine(smollm2_path, "cuda")
 
 
 def _params(schema, greedy: bool, i: int) -> SamplingParams:
@@ -71,6 +84,17 @@ def _params(schema, greedy: bool, i: int) -> SamplingParams:
 
 
 def test_every_output_validates_against_its_schema(engine):
+    _every_output_validates(engine)
+
+
+@pytest.mark.gpu
+def test_every_output_validates_against_its_schema_on_cuda(cuda_engine):
+    """The bitmask on the GPU: the mask applied to CUDA logits, the CUDA graphs of decode steps
+    and pipelined decode for the unconstrained rows (none here: every row has a grammar)."""
+    _every_output_validates(cuda_engine)
+
+
+def _every_output_validates(engine):
     assert len(SCHEMAS) >= 20
     cases = [(schema, greedy) for schema in SCHEMAS for greedy in (True, False)]
     prompt_ids = engine.tokenizer.chat_prompt_ids(PROMPT)
