@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from spin_cluster.bench.args import add_model, add_out_folder, model_path, write_result
+from spin_cluster.provenance import cpu_line
 
 _ROOT = Path(__file__).resolve().parent.parent
 # (prompt tokens, concurrent streams)
@@ -220,9 +221,9 @@ def main(argv=None) -> dict:
                 log.close()
     summary = summarize(results)
     report = {"levels": [level_name(*lv) for lv in levels], "output_tokens": OUTPUT_TOKENS, "seconds": args.seconds, "long_seconds": args.long_seconds,
-              "runs": args.runs, "vllm_bind": args.vllm_bind, "results": results, "summary": summary}
+              "runs": args.runs, "vllm_bind": args.vllm_bind, "cpu": cpu_line(), "results": results, "summary": summary}
     write_result(str(out / "cpu_serving.json"), report)
-    table = markdown(summary, args.systems, report["levels"])
+    table = f"CPU: {cpu_line()}\n\n" + markdown(summary, args.systems, report["levels"])
     (out / "cpu_serving.md").write_text(table)
     plot(summary, args.systems, report["levels"], out / "cpu_serving.png")
     print(table)

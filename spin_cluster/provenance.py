@@ -1,4 +1,5 @@
-"""What produced a result file: the code's commit, the command, the GPU, the date, versions.
+"""What produced a result file: the code's commit, the command, the GPU, the CPU, the date,
+versions.
 
 Every benchmark writes its JSON through ``write_json``, which adds ``provenance()`` under the
 key "provenance", so that a figure names the code and the machine that measured it.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -27,10 +29,54 @@ def provenance() -> dict[str, Any]:
         "commit": commit(),
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cpu": cpu_info(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "triton": _triton_version(),
     }
+
+
+# The instruction-set features that choose CPU kernels (oneDNN's GEMMs, our C kernels), as
+# /proc/cpuinfo names them.
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
+    """The CPU a CPU figure was measured on: model, the features of ``CPU_FEATURES`` it has, the
+    logical CPUs this process may run on and the machine's, and the first core's clock (MHz,
+    as /proc/cpuinfo reports it at that moment). Fields it cannot read are None."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = CPUINFO.read_text()
+        except OSError:
+            cpuinfo = ""
+    first: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if first:
+                break  # the first processor's block is enough
+            continue
+        key, _, value = line.partition(":")
+        first.setdefault(key.strip(), value.strip())
+    flags = set(first.get("flags", "").split())
+    mhz = first.get("cpu MHz")
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "model": first.get("model name"),
+        "features": [f for f in CPU_FEATURES if f in flags] if flags else None,
+        "cpus": usable,
+        "machine_cpus": os.cpu_count(),
+        "mhz": round(float(mhz)) if mhz else None,
+    }
+
+
+def cpu_line(info: dict[str, Any] | None = None) -> str:
+    """``cpu_info`` in one line, for a result table's heading."""
+    info = info or cpu_info()
+    features = ", ".join(info["features"] or []) or "no listed features"
+    return (f"{info['model'] or 'unknown CPU'}; {info['cpus']} of {info['machine_cpus']} logical CPUs; "
+            f"{features}" + (f"; {info['mhz']} MHz" if info["mhz"] else ""))
 
 
 def commit() -> str:
