@@ -220,10 +220,11 @@ def main(argv=None) -> dict:
                 stop(proc)
                 log.close()
     summary = summarize(results)
+    cpu = cpu_line()
     report = {"levels": [level_name(*lv) for lv in levels], "output_tokens": OUTPUT_TOKENS, "seconds": args.seconds, "long_seconds": args.long_seconds,
-              "runs": args.runs, "vllm_bind": args.vllm_bind, "cpu": cpu_line(), "results": results, "summary": summary}
+              "runs": args.runs, "vllm_bind": args.vllm_bind, "cpu": cpu, "results": results, "summary": summary}
     write_result(str(out / "cpu_serving.json"), report)
-    table = f"CPU: {cpu_line()}\n\n" + markdown(summary, args.systems, report["levels"])
+    table = f"CPU: {cpu}\n\n" + markdown(summary, args.systems, report["levels"])
     (out / "cpu_serving.md").write_text(table)
     plot(summary, args.systems, report["levels"], out / "cpu_serving.png")
     print(table)

@@ -76,12 +76,6 @@ class AttentionBackend(ABC):
         return None
 
 
-def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    """Add a backend beside the built-in ones (a cache names it by ``cls.name``)."""
-    _BACKENDS[cls.name] = cls
-    return cls
-
-
 def backend_class(name: str) -> type[AttentionBackend]:
     if name not in _BACKENDS:
         raise ValueError(f"no attention backend {name!r}; registered: {', '.join(sorted(_BACKENDS))}")

@@ -27,8 +27,7 @@ from spin_cluster.kvcache.host_tier import HostTier
 
 
 class Transfer:
-    def __init__(self, host: HostTier, device: torch.device, buffer: GpuBuffer | None = None,
-                 directory: SegmentDirectory | None = None) -> None:
+    def __init__(self, host: HostTier, device: torch.device, buffer: GpuBuffer, directory: SegmentDirectory) -> None:
         self.host = host
         self.device = device
         self.buffer = buffer  # where ``retrieve`` puts pages, and
