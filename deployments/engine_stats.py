@@ -28,10 +28,12 @@ def engine_report(engine: Any, replica_id: str, num_requests_total: int = 0) -> 
     buffer = kv.buffer
     if buffer is None:  # device pages only
         kv_pages = _pages("gpu", kv.num_free_pages, kv.num_total_pages)
-    else:  # home pages on the host, the buffer's page slots on the device
+    else:  # home pages on the GPU and the host, the buffer's page slots on the GPU
+        tiers = kv.tier_pages()
         kv_pages = {
-            **_pages("host", kv.num_free_pages, kv.num_total_pages),
-            **_pages("gpu", buffer.num_free_slots, buffer.num_slots),
+            **_pages("gpu", tiers["gpu"][1] - tiers["gpu"][0], tiers["gpu"][1]),
+            **_pages("host", tiers["host"][1] - tiers["host"][0], tiers["host"][1]),
+            **_pages("gpu_buffer", buffer.num_free_slots, buffer.num_slots),
         }
     return EngineReport(
         replica_id=replica_id,
@@ -41,12 +43,16 @@ def engine_report(engine: Any, replica_id: str, num_requests_total: int = 0) -> 
         num_running=engine.scheduler.num_running(),
         num_waiting=engine.scheduler.num_waiting(),
         kv_pages=kv_pages,
+        kv_bytes={key: n * _page_bytes(kv) for key, n in kv_pages.items()},
         metadata_bytes={"gpu": st.metadata_gpu_bytes, "host": st.metadata_host_bytes},
         counters={
             "buffer_lookups": st.buffer_lookups_total,
             "buffer_hits": st.buffer_hits_total,
             "retrieved_bytes": st.retrieved_bytes_total,
             "evicted_pages": st.evicted_pages_total,
+            "promoted_pages": st.buffer_misses_total,
+            "spilled_pages": getattr(st, "spilled_pages_total", 0),
+            "preemptions": getattr(st, "preemptions_total", 0),
             "prefix_cache_queries": st.prefix_cache_queries_total,
             "prefix_cache_hits": st.prefix_cache_hits_total,
             # Head-parallel engines (rank 0's stats): the bubble summed over steps and layers,
@@ -56,6 +62,14 @@ def engine_report(engine: Any, replica_id: str, num_requests_total: int = 0) -> 
         attention_rank_s={**{str(r): 0.0 for r in range(getattr(engine, "num_ranks", 1))},
                           **(getattr(st, "attention_rank_s_total", None) or {})},
     )
+
+
+def _page_bytes(kv: Any) -> int:
+    """K and V bytes of one page of either cache."""
+    if kv.buffer is not None:
+        return kv.buffer.page_bytes
+    pool = kv.pool
+    return 2 * pool.k_pages[0].numel() * pool.k_pages.element_size()
 
 
 def _pages(tier: str, num_free: int, num_total: int) -> dict[tuple[str, str], int]:

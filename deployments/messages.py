@@ -55,12 +55,16 @@ class KvUsage:
 
     num_running: int = 0
     num_waiting: int = 0
-    # (tier, state) -> pages; tier "gpu" (the device pool or buffer) or "host".
+    # (tier, state) -> pages; tier "gpu" (the device pool, or the offloaded cache's GPU home
+    # pages), "host" (home pages in host memory) or "gpu_buffer" (the offloaded cache's slots).
     kv_pages: dict[tuple[str, str], int] = field(default_factory=dict)
+    # (tier, state) -> bytes of those pages (K and V).
+    kv_bytes: dict[tuple[str, str], int] = field(default_factory=dict)
     # tier -> bytes of page-table metadata.
     metadata_bytes: dict[str, int] = field(default_factory=dict)
-    # Cumulative: buffer_lookups, buffer_hits, retrieved_bytes, evicted_pages,
-    # prefix_cache_queries, prefix_cache_hits (tokens), attention_bubble_s.
+    # Cumulative: buffer_lookups, buffer_hits, retrieved_bytes, evicted_pages, promoted_pages,
+    # spilled_pages, preemptions, prefix_cache_queries, prefix_cache_hits (tokens),
+    # attention_bubble_s.
     counters: dict[str, float] = field(default_factory=dict)
     # rank -> cumulative attention seconds of that head-parallel rank.
     attention_rank_s: dict[str, float] = field(default_factory=dict)

@@ -32,6 +32,9 @@ _ENGINE_COUNTERS = {
     "buffer_hits": ("spin_buffer_hits", "Selected pages found in the GPU buffer."),
     "retrieved_bytes": ("spin_retrieved_bytes", "Bytes retrieved from the host tier into the buffer."),
     "evicted_pages": ("spin_evicted_pages", "Pages evicted from the GPU buffer."),
+    "promoted_pages": ("spin_promoted_pages", "Host pages Select picked, retrieved into GPU buffer slots."),
+    "spilled_pages": ("spin_spilled_pages", "Pages moved from the GPU to the host tier to make room, coldest first."),
+    "preemptions": ("spin_num_preemptions", "Requests preempted (pages freed, recomputed later)."),
     "prefix_cache_queries": ("spin_prefix_cache_queries", "Admitted requests' tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("spin_prefix_cache_hits", "Admitted requests' tokens found in the prefix cache."),
     "attention_bubble_s": ("spin_attention_bubble_seconds", "Seconds ranks waited for the slowest rank."),
@@ -132,6 +135,11 @@ class _ClusterCollector(Collector):
         for (tier, state), n in sorted(_with_tiers(st.kv_pages).items()):
             pages.add_metric([name, tier, state], n)
         yield pages
+        kv_bytes = GaugeMetricFamily("spin_kv_bytes", "KV bytes (K and V) by tier and state.",
+                                     labels=["model_name", "tier", "state"])
+        for (tier, state), n in sorted(_with_tiers(st.kv_bytes).items()):
+            kv_bytes.add_metric([name, tier, state], n)
+        yield kv_bytes
         meta = GaugeMetricFamily("spin_metadata_bytes", "Page-table bytes by tier.", labels=["model_name", "tier"])
         for tier in sorted({"gpu", "host", *st.metadata_bytes}):
             meta.add_metric([name, tier], st.metadata_bytes.get(tier, 0))
@@ -152,7 +160,7 @@ def _gauge(metric: str, doc: str, value: float, model_name: str) -> GaugeMetricF
 
 
 def _with_tiers(kv_pages: dict[tuple[str, str], int]) -> dict[tuple[str, str], int]:
-    """Both tiers and both states always present (zero when a tier is not in use)."""
+    """Both home tiers and both states always present (zero when a tier is not in use)."""
     out = {(t, s): 0 for t in ("gpu", "host") for s in ("free", "used")}
     out.update(kv_pages)
     return out

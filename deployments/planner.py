@@ -125,11 +125,13 @@ class ClusterPlanner:
     def cluster_stats(self) -> ClusterStats:
         live = self.live_reports()
         kv_pages: Counter = Counter()
+        kv_bytes: Counter = Counter()
         metadata: Counter[str] = Counter()
         counters = Counter(self._retired_counters)
         rank_s = Counter(self._retired_rank_s)
         for r in live:
             kv_pages.update(r.kv_pages)
+            kv_bytes.update(r.kv_bytes)
             metadata.update(r.metadata_bytes)
             counters.update(r.counters)
             rank_s.update(r.attention_rank_s)
@@ -138,6 +140,7 @@ class ClusterPlanner:
             num_running=sum(r.num_running for r in live),
             num_waiting=sum(r.num_waiting for r in live),
             kv_pages=dict(kv_pages),
+            kv_bytes=dict(kv_bytes),
             metadata_bytes=dict(metadata),
             counters=dict(counters),
             attention_rank_s=dict(rank_s),

@@ -70,9 +70,17 @@ class CacheConfig(ConfigSection):
         "template, a system prompt, a repeated prompt) reuse the K/V of its full pages and "
         "prefill from there. Idle cached pages count as free and are evicted least recently used "
         "first. Ignored with offload (Spin's cache shares no pages)."))
-    host_kv_gib: float | None = Field(None, gt=0, description=(
-        "Host tier size in GiB (offload), > 0; null: 8 GiB. It must fit the memory of the machine "
-        "that runs the engine (pinned pages are never swapped out)."))
+    host_kv_gib: float | None = Field(None, ge=0, description=(
+        "Host tier size in GiB (offload), >= 0; null: 8 GiB; 0: no host tier (every page on the "
+        "GPU, which needs gpu_home_fraction > 0). It must fit the memory of the machine that runs "
+        "the engine (pinned pages are never swapped out)."))
+    gpu_home_fraction: float | None = Field(None, ge=0, lt=1, description=(
+        "Offload: the share of the GPU KV memory, in [0, 1), that holds pages at home; the rest "
+        "is the buffer's slots, which cache the host pages Select picks. A page is born on the GPU "
+        "while there is room and moves to the host, coldest first, only when the GPU is full, so "
+        "the cache holds what the GPU and the host hold together. null: the buffer gets the "
+        "selected pages of max_num_seqs requests 1.25 times over (at most half the memory), home "
+        "pages the rest; 0: the host is every page's home and the GPU a buffer of copies."))
     buffer_pages_per_head: int = Field(0, ge=0, description=(
         "GPU buffer share per (request, layer, KV head), in pages, >= the pages a step selects "
         "(sink + budget + local); 0: buffer_share times those."))

@@ -6,8 +6,9 @@ the cache names its backend (``KVCache.attention_backend``), which ``backend_cla
     kind       cache.offload  cache (its backend)                 notes
     paged      false          KVCacheManager (PagedAttention)     dense only; prefix caching
                                                                   with cache.enable_prefix_caching
-    offloaded  true           OffloadedKVManager (SpinAttention)  Spin: host tier + GPU buffer,
-                                                                  any registered sparse algorithm
+    offloaded  true           OffloadedKVManager (SpinAttention)  Spin: GPU home pages + host
+                                                                  tier + GPU buffer, any
+                                                                  registered sparse algorithm
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ _DEFAULT_HOST_KV_GIB = 8.0
 _GPU_KV_FRACTION = 0.85
 # Most columns of one buffer share (the page -> column map holds int16 columns).
 _MAX_SHARE = 2**15 - 1
+# With GPU home pages (cache.gpu_home_fraction null): the buffer's slots as a multiple of what
+# max_num_seqs requests select per step, and at most this part of the GPU KV memory.
+_BUFFER_MULTIPLE = 1.25
+_MOST_BUFFER_FRACTION = 0.5
 
 
 def cache_kind(config: SpinConfig) -> str:
@@ -103,7 +108,7 @@ def host_tier_segments(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, 
     """Segments of the offloaded cache's host tier: ``cache.host_kv_gib`` (null: 8 GiB), never
     more than every request row could use at full length."""
     cc, S = config.cache, config.cache.page_size
-    host_gib = cc.host_kv_gib or _DEFAULT_HOST_KV_GIB
+    host_gib = _DEFAULT_HOST_KV_GIB if cc.host_kv_gib is None else cc.host_kv_gib
     seg_bytes = HostTier.bytes_per_segment(cc.segment_pages, S, mc.head_dim, dtype)
     max_pages = -(-max_model_len // S)
     most_segments = config.scheduler.max_num_seqs * -(-max_pages // cc.segment_pages) * mc.num_layers * mc.num_kv_heads
@@ -151,22 +156,47 @@ def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_c
         share = max(max(row) for row in widths)
     full_slots = sum(map(sum, widths)) if widths else share * per_column
     least_slots = sum(map(sum, head_mandatory)) if head_mandatory else mandatory * per_column
-    num_slots = min(int(gpu_bytes // slot_bytes), sc.max_num_seqs * full_slots)
+    all_slots = int(gpu_bytes // slot_bytes)
+    num_slots, num_gpu_segments = split_gpu_pages(config, all_slots, least_slots, max_pages, per_column)
+    num_slots = min(num_slots, sc.max_num_seqs * full_slots)
     if num_slots < least_slots:
         raise ValueError(
             f"the GPU buffer ({num_slots} page slots) cannot hold one request's selected pages "
-            f"({least_slots} over {per_column} heads); raise cache.kv_cache_gib or lower sparse.budget"
+            f"({least_slots} over {per_column} heads); raise cache.kv_cache_gib, lower sparse.budget "
+            "or lower cache.gpu_home_fraction"
         )
+    num_host_segments = host_tier_segments(config, mc, dtype, max_model_len)
+    if num_host_segments == 0 and num_gpu_segments == 0:
+        raise ValueError("cache.host_kv_gib=0 leaves no page a home: give the GPU home pages "
+                         "(cache.gpu_home_fraction > 0) or the host tier some GiB")
     kv = OffloadedKVManager(
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=S,
-        segment_pages=cc.segment_pages,
-        num_host_segments=host_tier_segments(config, mc, dtype, max_model_len),
+        segment_pages=cc.segment_pages, num_gpu_segments=num_gpu_segments,
+        num_host_segments=num_host_segments,
         num_buffer_slots=num_slots, buffer_pages_per_head=share, mandatory_pages_per_head=mandatory,
         max_seqs=sc.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,
         num_buckets=cc.lru_buckets, elastic_shares=cc.elastic_shares, reuse=cc.buffer_reuse,
         head_widths=widths, head_mandatory=head_mandatory,
     )
     return kv, dataclasses.replace(parts, algorithm=algorithm)
+
+
+def split_gpu_pages(config: SpinConfig, all_slots: int, least_slots: int, max_pages: int,
+                    per_column: int) -> tuple[int, int]:
+    """The GPU KV memory's ``all_slots`` pages as (buffer slots, GPU home segments), by
+    ``cache.gpu_home_fraction``; null: the buffer takes what max_num_seqs requests select per
+    step (``least_slots`` each) 1.25 times over, at most half, and home pages the rest, never
+    more than max_num_seqs requests of ``max_pages`` pages per (layer, KV head) use."""
+    cc, sc = config.cache, config.scheduler
+    fraction = cc.gpu_home_fraction
+    if fraction is None:
+        buffer = min(math.ceil(_BUFFER_MULTIPLE * sc.max_num_seqs * least_slots), int(all_slots * _MOST_BUFFER_FRACTION))
+        buffer = max(buffer, min(least_slots, all_slots))
+    else:
+        buffer = all_slots - int(all_slots * fraction)
+    E = cc.segment_pages
+    most_segments = sc.max_num_seqs * -(-max_pages // E) * per_column
+    return buffer, min((all_slots - buffer) // E, most_segments)
 
 
 # A cache kind's factory: (config, model shape, dtype, device, parts, algorithm class) ->

@@ -300,6 +300,8 @@ class Engine:
             "buffer_misses_total": misses,
             "evicted_pages_total": evicted,
             "retrieved_bytes_total": misses * buffer.page_bytes,
+            "spilled_pages_total": self.kv.num_spilled_segments * self.kv.host.segment_pages,
+            "preemptions_total": self.num_preemptions_total,
             "metadata_gpu_bytes": meta["gpu"] + meta["gpu_buffer"],
             "metadata_host_bytes": meta["host"],
             "metadata_flat_gpu_bytes": meta["flat_gpu"],

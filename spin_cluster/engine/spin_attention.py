@@ -2,17 +2,20 @@
 
 Per layer, for the decode requests of the step (all on the device, no host round trip)::
 
-    Offload   new K/V -> their host pages (side stream on CUDA); algorithm's Index updated
+    Offload   new K/V -> their home pages (a GPU page in place; a host page on a side
+              stream on CUDA); algorithm's Index updated
     Select    algorithm scores pages; top pages per head within budget + sink + local
-    Retrieve  buffer lookup: hits keep their slot, misses get LRU-evicted slots and one
-              gather kernel copies their host pages in
+    Retrieve  GPU home pages are read where they are; for host pages the buffer lookup:
+              hits keep their slot, misses get LRU-evicted slots and one gather kernel
+              copies their host pages in
     (write-through: the new token also goes into its tail page's slot)
     Attention paged decode over the selected slots, per-head lengths
 
-Prefill chunks write their K/V to the host pages and attend with SDPA: the first chunk to
-itself, later chunks to the request's earlier pages gathered from the host tier. Their pages
-also stay in the request's GPU buffer share as far as it has room (``GpuBuffer.install``):
-they are on the GPU already, and decode then starts warm.
+Prefill chunks write their K/V to their home pages (born on the GPU while it has room, as
+dense's) and attend with SDPA: the first chunk to itself, later chunks to the request's
+earlier pages gathered from their homes. Pages whose home is the host also stay in the
+request's GPU buffer share as far as it has room (``GpuBuffer.install``): they are on the
+GPU already, and decode then starts warm.
 The step plan is built once (``begin_step``) and read by every layer.
 """
 
@@ -57,7 +60,7 @@ class SpinPrefill:
 
 @dataclass(frozen=True)
 class SpinStepPlan:
-    host_slots: tuple[torch.Tensor, ...]  # per layer [T * Hkv] flat host token slots
+    host_slots: tuple[torch.Tensor, ...]  # per layer [T * Hkv] flat host token slots, -1: a GPU home page
     append: object  # the algorithm's plan_append(token rows, positions), read by every layer
     num_decode: int  # Bd
     decode_rows: torch.Tensor | None  # [Bd]
@@ -66,6 +69,9 @@ class SpinStepPlan:
     # sparse.dense_layers: each decode row as a one-token chunk over its whole context,
     # gathered from the host tier in the dense layers (empty when there are none).
     dense_decode: tuple[SpinPrefill, ...] = ()
+    # Per layer [T * Hkv] flat slots of the tokens whose pages live at home on the GPU, in the
+    # GPU page array (-1: a host page); None without GPU home pages.
+    gpu_slots: tuple[torch.Tensor, ...] | None = None
 
 
 class SpinAttention(PlannedCapture):
@@ -85,7 +91,7 @@ class SpinAttention(PlannedCapture):
         dev = kv.buffer.k_slots.device
         self.device = dev
         self._decode = decode_impl(decode, dev)
-        self.transfer = Transfer(kv.host, dev, kv.buffer, kv.directory)  # Offload and Retrieve
+        self.transfer = Transfer(kv.homes, dev, kv.buffer, kv.directory)  # Offload and Retrieve
         S = kv.page_size
         if sparse.dense_layers > kv.num_layers:
             raise ValueError(f"sparse.dense_layers={sparse.dense_layers}: the model has {kv.num_layers} layers")
@@ -135,8 +141,7 @@ class SpinAttention(PlannedCapture):
         dense_decode = tuple(self._prefill_plan(c, i) for i, c in enumerate(decode)) if self.dense_layers else ()
         prefill, start = [], bd
         for c in chunks[bd:]:
-            install = self.kv.buffer.install_plan(self.row(c.request.request_id), c.start, c.num_tokens,
-                                                  self.kv.page_size)
+            install = self.kv.install_plan(c.request.request_id, c.start, c.num_tokens)
             prefill.append(dataclasses.replace(self._prefill_plan(c, start), install=install))
             start += c.num_tokens
         self.advance()
@@ -166,8 +171,14 @@ class SpinAttention(PlannedCapture):
         if num_decode:
             rows = token_rows[:num_decode]
             select = self._layer_select_plans(self._decode_select(positions[:num_decode], pages))
+        slots = self.kv.directory.token_slots(token_rows, positions).flatten(1)  # [L, T * Hkv]
+        gpu_slots = None
+        if self.transfer.gpu_homes:
+            gpu, slots = self.kv.homes.split_token_slots(slots, self.kv.page_size)
+            gpu_slots = gpu.unbind(0)
         return SpinStepPlan(
-            host_slots=self.kv.directory.token_slots(token_rows, positions).flatten(1).unbind(0),
+            gpu_slots=gpu_slots,
+            host_slots=slots.unbind(0),
             append=self.algorithm.plan_append(token_rows, positions),
             num_decode=num_decode,
             decode_rows=rows,
@@ -209,8 +220,8 @@ class SpinAttention(PlannedCapture):
         kv, S = self.kv, self.kv.page_size
         num_pages = -(-(chunk.start + chunk.num_tokens) // S)
         pages = kv.directory.request_host_pages(chunk.request.request_id, num_pages)  # [L, Hkv, P']
-        k = torch.empty(kv.num_kv_heads * num_pages, S, kv.host.k_pages.shape[-1],
-                        dtype=kv.host.k_pages.dtype, device=self.device)
+        k = torch.empty(kv.num_kv_heads * num_pages, S, kv.buffer.k_slots.shape[-1],
+                        dtype=kv.buffer.k_slots.dtype, device=self.device)
         dst = torch.arange(k.shape[0], device=self.device)
         return SpinPrefill(token_start, chunk.num_tokens, chunk.start, pages.flatten(1).unbind(0), dst, k,
                            torch.empty_like(k))
@@ -236,7 +247,8 @@ class SpinAttention(PlannedCapture):
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self.plan
         T, H, D = q.shape
-        self.transfer.offload(plan.host_slots[layer_id], k.reshape(-1, D), v.reshape(-1, D))
+        self.transfer.offload(plan.host_slots[layer_id], k.reshape(-1, D), v.reshape(-1, D),
+                              None if plan.gpu_slots is None else plan.gpu_slots[layer_id])
         self.algorithm.append(layer_id, plan.append, k)
         out = torch.empty_like(q)  # [T, H, D]
         if plan.num_decode:
@@ -266,7 +278,7 @@ class SpinAttention(PlannedCapture):
             return
         sel, rows, buf = plan.select[layer], plan.decode_rows, kv.buffer
         margin = self.sparse.resident_margin if buf.reuse and not self.algorithm.selects_all else 0.0
-        held = buf.resident(rows, layer, sel.max_pages) if margin else None  # the pages the buffer holds
+        held = self.kv.resident(rows, layer, sel.max_pages) if margin else None  # pages on the GPU
         want, num_selected = select_layer(self.algorithm, layer, q, rows, sel, held, margin)  # [Bd, Hkv, K]
         # No wait for this layer's host write: Retrieve may copy the tail page without the new
         # token, and writes it through into the slot after the gather, on this stream. Earlier
@@ -284,7 +296,7 @@ class SpinAttention(PlannedCapture):
         return prefill_attention(q, k_ctx, v_ctx, seg.context_start, self.sparse_prefill, layer)
 
     def _gather_context(self, layer: int, seg: SpinPrefill) -> tuple[torch.Tensor, torch.Tensor]:
-        """The request's first context_start + n K/V of this layer from the host tier: [Hkv, T, D]."""
+        """The request's first context_start + n K/V of this layer from their homes: [Hkv, T, D]."""
         self.transfer.wait_offload()  # this chunk's own K/V reach the host on the side stream
         hkv, D = self.kv.num_kv_heads, seg.k_ctx.shape[-1]
         self.transfer.gather(seg.host_pages[layer], seg.k_ctx, seg.v_ctx, seg.dst_ids)

@@ -25,6 +25,10 @@ class StepStats:
     buffer_misses_total: int = 0
     evicted_pages_total: int = 0
     retrieved_bytes_total: int = 0
+    # Offloaded cache (cumulative): pages moved GPU -> host to make room (spills); requests
+    # preempted (their pages freed, recomputed later).
+    spilled_pages_total: int = 0
+    preemptions_total: int = 0
     # Page-table bytes: GPU directory, host level 2, and a flat GPU table's for comparison.
     metadata_gpu_bytes: int = 0
     metadata_host_bytes: int = 0

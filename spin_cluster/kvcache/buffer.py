@@ -91,18 +91,23 @@ class GpuBuffer:
         max_pages: int = 0,
         head_widths: list[list[int]] | None = None,
         head_mandatory: list[list[int]] | None = None,
+        num_home_pages: int = 0,
     ) -> None:
         """head_widths: [L][Hkv] full share width of each head (the widest == ``max_share``),
-        with head_mandatory [L][Hkv] the pages each selects per step; None: one width."""
+        with head_mandatory [L][Hkv] the pages each selects per step; None: one width.
+        num_home_pages: GPU pages that are pages' homes (``homes.py``), kept in the same page
+        array after the buffer's slots, so that attention reads a home page and a cached host
+        page through one slot index."""
         self.num_layers = num_layers
         # False: lookups forget what a share holds, so every selected page is a miss.
         self.reuse = reuse
         self.num_kv_heads = num_kv_heads
         self.max_share = max_share
         self.num_buckets = num_buckets
-        # [N_slots, S, D] each
-        self.k_slots = torch.zeros(num_slots, page_size, head_dim, dtype=dtype, device=device)
-        self.v_slots = torch.zeros(num_slots, page_size, head_dim, dtype=dtype, device=device)
+        # [N_slots + N_home, S, D] each: the buffer's slots, then the GPU home pages
+        self._num_slots = num_slots
+        self.k_slots = torch.zeros(num_slots + num_home_pages, page_size, head_dim, dtype=dtype, device=device)
+        self.v_slots = torch.zeros(num_slots + num_home_pages, page_size, head_dim, dtype=dtype, device=device)
         shape = (max_seqs, num_layers, num_kv_heads, max_share)
         self.res_slot = torch.full(shape, -1, dtype=torch.int32, device=device)
         self.res_page = torch.full(shape, -1, dtype=torch.int32, device=device)
@@ -130,7 +135,8 @@ class GpuBuffer:
 
     @property
     def num_slots(self) -> int:
-        return self.k_slots.shape[0]
+        """The buffer's slots (the GPU home pages after them are not the buffer's)."""
+        return self._num_slots
 
     @property
     def num_free_slots(self) -> int:

@@ -1,15 +1,16 @@
 """Two-level page table for the offloaded cache.
 
 Level 1, on the GPU, is a small directory: per (request row, layer, KV head), one entry per
-*segment* of E logical pages, holding the host segment id (or -1 before it exists)::
+*segment* of E logical pages, holding the segment id (or -1 before it exists); segment ids
+name a host or a GPU segment (``homes.py``: host ids first, then GPU ids)::
 
     directory[row, layer, kv_head, p // E] = seg      (int32)
 
-Level 2 is the segment itself, allocated in host memory on demand as the request grows:
-E consecutive host pages, so that the host page of logical page p is arithmetic and the
-second level stores no entries at all::
+Level 2 is the segment itself, allocated on demand as the request grows: E consecutive
+pages of one tier, so that the page id of logical page p is arithmetic and the second level
+stores no entries at all::
 
-    host_page(p) = directory[row, layer, kv_head, p // E] * E + p % E
+    page(p) = directory[row, layer, kv_head, p // E] * E + p % E
 
 Which pages are *in the GPU buffer* is the buffer's business (``buffer.py``): its metadata
 is sized by the buffer, not by the context. A flat table (one entry per logical page on the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from spin_cluster.kvcache.free_list import FreeList
+from spin_cluster.kvcache.homes import PageHomes
 from spin_cluster.kvcache.host_tier import HostTier
 
 _ENTRY_BYTES = 4  # int32
@@ -29,7 +31,7 @@ _ENTRY_BYTES = 4  # int32
 class SegmentDirectory:
     def __init__(
         self,
-        host: HostTier,
+        host: HostTier | PageHomes,
         num_layers: int,
         num_kv_heads: int,
         page_size: int,
@@ -37,6 +39,8 @@ class SegmentDirectory:
         max_seqs: int,
         device: torch.device | str,
     ) -> None:
+        """host: where segments come from (``allocate`` / ``free``): the host tier alone, or
+        both tiers (``PageHomes``)."""
         self.host = host
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -78,7 +82,7 @@ class SegmentDirectory:
         return row
 
     def remove(self, request_id: str) -> list[int]:
-        """Drop the request; return its host segment ids for the host tier to free."""
+        """Drop the request; return its segment ids for their tiers to free."""
         row = self._request_to_row.pop(request_id)
         self._free_rows.give([row])
         self.directory[row] = -1
@@ -90,11 +94,11 @@ class SegmentDirectory:
         need = -(-(-(-num_tokens // self.page_size)) // self.segment_pages)
         return max(0, need - have) * self.segments_per_logical_segment
 
-    def grow(self, request_id: str, num_tokens: int) -> None:
-        """Allocate host segments so that the request can hold ``num_tokens`` tokens."""
+    def grow(self, request_id: str, num_tokens: int) -> list[int]:
+        """Allocate segments so that the request can hold ``num_tokens`` tokens; returns them."""
         n = self.num_new_segments(request_id, num_tokens)
         if not n:
-            return
+            return []
         per = self.segments_per_logical_segment
         ids = self.host.allocate(n)
         groups = self._request_to_segments[request_id]
@@ -108,11 +112,25 @@ class SegmentDirectory:
         self.directory[self.row(request_id), :, :, start : start + block.shape[0]] = block.permute(1, 2, 0).to(
             self.directory.device
         )
+        return ids
+
+    def rehome(self, moves: list[tuple[str, int, int, int, int]]) -> None:
+        """Point segments at new homes: (request, layer, KV head, logical segment, new id)
+        each, in the host mirror and (one indexed write) in the directory."""
+        if not moves:
+            return
+        per = self.num_kv_heads
+        for rid, layer, head, logical, seg in moves:
+            self._request_to_segments[rid][logical][layer * per + head] = seg
+        idx = torch.tensor([(self.row(r), l, h, s) for r, l, h, s, _ in moves], dtype=torch.long).T
+        new = torch.tensor([m[4] for m in moves], dtype=torch.int32)
+        dev = self.directory.device
+        self.directory[tuple(i.to(dev) for i in idx)] = new.to(dev)
 
     # ---- lookups, on the directory's device, fixed shapes -----------------------------------
 
     def host_pages(self, rows: torch.Tensor, layer: int, logical: torch.Tensor) -> torch.Tensor:
-        """Host page ids of logical pages.
+        """Page ids (``homes.py``: host or GPU) of logical pages.
 
         rows: [B] int64; logical: [B, Hkv, K] int (entries < 0 give -1).
         Returns [B, Hkv, K] int64.
@@ -124,7 +142,7 @@ class SegmentDirectory:
         return torch.where(logical >= 0, seg_ids * E + safe % E, -1)
 
     def token_slots(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[L, T, Hkv] flat host slots (host_page * S + offset) of each token's K/V.
+        """[L, T, Hkv] flat token slots (page id * S + offset) of each token's K/V.
 
             page  = directory[row, l, h, (pos // S) // E] * E + (pos // S) % E
         """
@@ -135,7 +153,7 @@ class SegmentDirectory:
         return (page * S + (positions % S)[:, None, None]).permute(1, 0, 2).contiguous()
 
     def request_host_pages(self, request_id: str, num_pages: int) -> torch.Tensor:
-        """[L, Hkv, num_pages] int64 host page ids of the request's first pages in every
+        """[L, Hkv, num_pages] int64 page ids of the request's first pages in every
         layer, for prefill gathers (one lookup per step, not one per layer)."""
         E = self.segment_pages
         logical = torch.arange(num_pages, device=self.directory.device)  # [P']

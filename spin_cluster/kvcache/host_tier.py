@@ -52,8 +52,10 @@ class HostTier:
         head_dim: int,
         dtype: torch.dtype,
         pin_memory: bool,
+        allow_empty: bool = False,
     ) -> None:
-        if num_segments < 1:
+        """allow_empty: a tier of no segments (the GPU holds every page: ``homes.py``)."""
+        if num_segments < 1 and not (allow_empty and num_segments == 0):
             raise ValueError(
                 f"the host KV tier needs at least one segment of {segment_pages} pages; "
                 f"raise cache.host_kv_gib"

@@ -1,23 +1,31 @@
-"""The offloaded KV cache (Spin): every page's home in host memory, a GPU buffer in front.
+"""The offloaded KV cache (Spin): pages at home on the GPU or the host, a GPU buffer in front.
 
 Same request-level API as ``KVCacheManager`` (the scheduler cannot tell them apart):
 ``can_allocate`` / ``allocate`` / ``free`` in token counts, ``check_integrity``. On top,
 admission gives each request its buffer share (``buffer.py``), and the attention backend
 reads the directory and the buffer once per step and layer.
 
-Capacity: a request is admitted only when its host segments and its mandatory buffer share
-fit; otherwise it waits in the queue. A running request that cannot grow preempts the
-newest one (the scheduler's rule), so a full host tier never corrupts a running request.
+Capacity is the GPU's home pages plus the host tier (``homes.py``): a page is born on the
+GPU while there is room; when the GPU is full, the coldest GPU segments (no recent step
+selected them) move to the host to make room (``spill``), and a host page that Select picks
+is retrieved into a buffer slot. A request is admitted when its segments fit in both tiers
+together and its mandatory buffer share fits; otherwise it waits in the queue. A running
+request that cannot grow preempts the newest one (the scheduler's rule), so full tiers never
+corrupt a running request. With no GPU home pages (``num_gpu_segments=0``) the host is every
+page's home, as in the Spin paper.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from spin_cluster.kvcache.base import NO_PREFIX, KVCache, PrefixHit
-from spin_cluster.kvcache.buffer import GpuBuffer
+from spin_cluster.kvcache.buffer import GpuBuffer, InstallPlan
 from spin_cluster.kvcache.directory import SegmentDirectory
-from spin_cluster.kvcache.free_list import check_partition
+from spin_cluster.kernels import offload
+from spin_cluster.kvcache.homes import PageHomes
 from spin_cluster.kvcache.host_tier import HostTier
 
 
@@ -45,10 +53,12 @@ class OffloadedKVManager(KVCache):
         reuse: bool = True,
         head_widths: list[list[int]] | None = None,
         head_mandatory: list[list[int]] | None = None,
+        num_gpu_segments: int = 0,
     ) -> None:
         """head_widths, head_mandatory: per-head share widths of the GPU buffer (see
         ``GpuBuffer``); buffer_pages_per_head and mandatory_pages_per_head are then the
-        widest head's."""
+        widest head's. num_gpu_segments: GPU home segments of segment_pages pages each, in the
+        buffer's page array after its slots (0: the host is every page's home)."""
         device = torch.device(device)
         if buffer_pages_per_head < mandatory_pages_per_head:
             raise ValueError(
@@ -62,18 +72,22 @@ class OffloadedKVManager(KVCache):
         self.mandatory_pages_per_head = mandatory_pages_per_head
         self.elastic_shares = elastic_shares
         self.host = HostTier(
-            num_host_segments, segment_pages, page_size, head_dim, dtype, pin_memory=device.type == "cuda"
+            num_host_segments, segment_pages, page_size, head_dim, dtype, pin_memory=device.type == "cuda",
+            allow_empty=num_gpu_segments > 0,
         )
+        self.homes = PageHomes(self.host, num_gpu_segments, num_buffer_slots, device)
         self.directory = SegmentDirectory(
-            self.host, num_layers, num_kv_heads, page_size, -(-max_model_len // page_size), max_seqs, device
+            self.homes, num_layers, num_kv_heads, page_size, -(-max_model_len // page_size), max_seqs, device
         )
         self.buffer = GpuBuffer(
             num_buffer_slots, page_size, head_dim, num_layers, num_kv_heads, max_seqs,
             buffer_pages_per_head, dtype, device, num_buckets, reuse, max_pages=-(-max_model_len // page_size),
-            head_widths=head_widths, head_mandatory=head_mandatory,
+            head_widths=head_widths, head_mandatory=head_mandatory, num_home_pages=num_gpu_segments * segment_pages,
         )
+        # Segments moved GPU -> host since start (``spill``).
+        self.num_spilled_segments = 0
 
-    # ---- capacity (token counts; "pages" are host pages) --------------------------------------
+    # ---- capacity (token counts; "pages" are home pages of both tiers) ------------------------
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         E = self.host.segment_pages
@@ -82,11 +96,19 @@ class OffloadedKVManager(KVCache):
 
     @property
     def num_total_pages(self) -> int:
-        return self.host.num_segments * self.host.segment_pages
+        return self.homes.num_segments * self.host.segment_pages
 
     @property
     def num_free_pages(self) -> int:
-        return self.host.num_free_segments * self.host.segment_pages
+        return self.homes.num_free_segments * self.host.segment_pages
+
+    def tier_pages(self) -> dict[str, tuple[int, int]]:
+        """(used, total) home pages per tier: ``{"gpu": .., "host": ..}``."""
+        E, h = self.host.segment_pages, self.homes
+        return {
+            "gpu": ((h.num_gpu_segments - len(h.gpu_free)) * E, h.num_gpu_segments * E),
+            "host": ((self.host.num_segments - self.host.num_free_segments) * E, self.host.num_segments * E),
+        }
 
     def can_allocate(self, request_id: str, num_tokens: int, num_queued: int = 0,
                      prefix: PrefixHit = NO_PREFIX) -> bool:
@@ -98,7 +120,7 @@ class OffloadedKVManager(KVCache):
                 return False
             if self.buffer.share_for(self.mandatory_pages_per_head, num_queued, self.elastic_shares) == 0:
                 return False
-        return self.host.can_allocate(self.directory.num_new_segments(request_id, num_tokens))
+        return self.homes.can_allocate(self.directory.num_new_segments(request_id, num_tokens))
 
     def allocate(self, request_id: str, num_tokens: int, num_queued: int = 0,
                  prefix: PrefixHit = NO_PREFIX) -> None:
@@ -111,13 +133,64 @@ class OffloadedKVManager(KVCache):
                 buf.make_room(buf.slots_for(share), buf.floor_share(mandatory, num_queued))
             row = self.directory.add(request_id)
             buf.attach(row, share)
-        self.directory.grow(request_id, num_tokens)
+        need = self.directory.num_new_segments(request_id, num_tokens)
+        self.spill(min(need - len(self.homes.gpu_free), self.host.num_free_segments))
+        self.homes.mark_used(self.directory.grow(request_id, num_tokens))
+
+    def spill(self, num_segments: int) -> list[tuple[str, int, int, int, int]]:
+        """Move the ``num_segments`` coldest GPU segments (at most what the host has free) to
+        host segments (least recently
+        selected first; ties: the lower row, layer, head, segment). Device work in stream order
+        (the copies follow every step already issued) and one read of the chosen segments.
+        Returns the moves: (request, layer, KV head, logical segment, new host segment)."""
+        homes, d = self.homes, self.directory
+        if num_segments <= 0 or not homes.num_gpu_segments:
+            return []
+        table = d.directory  # [R, L, Hkv, n_seg]
+        on_gpu = table >= homes.num_host_segments
+        stamp = homes.gpu_last_use[(table - homes.num_host_segments).clamp(min=0).long()]
+        key = torch.where(on_gpu, stamp.long(), torch.iinfo(torch.int64).max).flatten()
+        n = min(num_segments, int(on_gpu.sum()), self.host.num_free_segments)
+        if n == 0:
+            return []
+        # Stable order of (stamp, flat position): the coldest, then the lowest position.
+        order = torch.sort(key, stable=True).indices[:n].cpu()
+        R, L, H, N = table.shape
+        gpu_segs = table.flatten()[order.to(table.device)].cpu().tolist()
+        host_segs = self.host.allocate(n)
+        row_to_request = {d.row(r): r for r in d.request_ids()}
+        moves = []
+        for flat, seg in zip(order.tolist(), host_segs):
+            row, rest = divmod(flat, L * H * N)
+            layer, rest = divmod(rest, H * N)
+            head, logical = divmod(rest, N)
+            moves.append((row_to_request[row], layer, head, logical, seg))
+        self._copy_segments(gpu_segs, host_segs)
+        d.rehome(moves)
+        homes.free(gpu_segs)
+        self.num_spilled_segments += n
+        return moves
+
+    def _copy_segments(self, gpu_segs: list[int], host_segs: list[int]) -> None:
+        """K/V of GPU segments -> host segments, whole pages, one write launch."""
+        E, S, buf = self.host.segment_pages, self.page_size, self.buffer
+        dev = buf.k_slots.device
+        i = torch.arange(E, device=dev)
+        src = (torch.tensor(gpu_segs, device=dev)[:, None] * E + i).flatten()  # [n * E] page ids
+        dst = (torch.tensor(host_segs, device=dev)[:, None] * E + i).flatten()
+        slots = self.homes.gpu_slots(src)
+        D = buf.k_slots.shape[-1]
+        tok = torch.arange(S, device=dev)
+        flat = (dst[:, None] * S + tok).flatten()  # [n * E * S] host token slots
+        k = buf.k_slots.index_select(0, slots).reshape(-1, D)
+        v = buf.v_slots.index_select(0, slots).reshape(-1, D)
+        offload.write_tokens(self.host.k_pages, self.host.v_pages, k, v, flat)
 
     def free(self, request_id: str) -> None:
         if request_id in self.directory:
             row = self.directory.row(request_id)
             self.buffer.detach(row)
-            self.host.free(self.directory.remove(request_id))
+            self.homes.free(self.directory.remove(request_id))
             if self.elastic_shares:  # the others' buffering pages grow into the freed slots
                 self.buffer.spread_free()
 
@@ -129,6 +202,37 @@ class OffloadedKVManager(KVCache):
 
     def row(self, request_id: str) -> int:
         return self.directory.row(request_id)
+
+    # ---- the GPU tier, as decode and prefill read it ----------------------------------------
+
+    def _gpu_home(self, rows: torch.Tensor, num_pages: int, layer: int | None = None) -> torch.Tensor:
+        """[B, L, Hkv, num_pages] (or [B, Hkv, num_pages] for one ``layer``) bool: which of
+        pages 0 .. num_pages - 1 live at home on the GPU."""
+        E = self.host.segment_pages
+        table = self.directory.directory[rows] if layer is None else self.directory.directory[rows, layer]
+        logical = torch.arange(num_pages, device=table.device) // E
+        return table[..., logical] >= self.homes.num_host_segments
+
+    def resident(self, rows: torch.Tensor, layer: int, num_pages: int) -> torch.Tensor:
+        """[B, Hkv, num_pages] bool: pages a step reads without a transfer (at home on the GPU,
+        or held by the buffer): Select's hysteresis leans towards them. No host sync."""
+        held = self.buffer.resident(rows, layer, num_pages)
+        if self.homes.num_gpu_segments:
+            held = held | self._gpu_home(rows, num_pages, layer)
+        return held
+
+    def install_plan(self, request_id: str, first_token: int, num_tokens: int) -> InstallPlan | None:
+        """The buffer's plan for a prefill chunk's pages (``GpuBuffer.install_plan``) less
+        the pages whose home is the GPU: those are read in place and need no copy."""
+        row = self.directory.row(request_id)
+        plan = self.buffer.install_plan(row, first_token, num_tokens, self.page_size)
+        if plan is None or not self.homes.num_gpu_segments or plan.want.shape[-1] == 0:
+            return plan
+        want = plan.want  # [L, 1, Hkv, Kc]
+        pages = want.clamp(min=0)
+        at_home = self._gpu_home(plan.row, int(pages.max()) + 1)[0]  # [L, Hkv, P]
+        at_home = at_home.gather(-1, pages[:, 0])[:, None]  # [L, 1, Hkv, Kc]
+        return dataclasses.replace(plan, want=torch.where(at_home, -1, want))
 
     # ---- stats --------------------------------------------------------------------------------
 
@@ -143,7 +247,7 @@ class OffloadedKVManager(KVCache):
     # ---- integrity ----------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        check_partition(self.directory.owned_segment_ids(), self.host.free_list, "host segments")
+        self.homes.check(self.directory.owned_segment_ids())
         rows = set()
         for rid in self.directory.request_ids():
             row = self.directory.row(rid)

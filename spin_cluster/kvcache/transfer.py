@@ -1,15 +1,17 @@
 """Offload and Retrieve: the system's two operations of the Spin pipeline, and their streams.
 
-    Offload    new K/V rows -> their host pages (every page's home), on a side stream beside
-               the layer's compute; inside a CUDA graph, on the graph's own stream (a decode
-               step's few KB need no overlap, and a graph must not wait on work outside it)
+    Offload    new K/V rows -> their home pages: a GPU home page on the compute stream (as
+               dense writes its cache), a host page on a side stream beside the layer's
+               compute; inside a CUDA graph, on the graph's own stream (a decode step's few KB
+               need no overlap, and a graph must not wait on work outside it)
     write      K/V rows -> GPU buffer slots (prefill's installed pages), on the compute stream
     Retrieve   a decode layer's selected pages -> their GPU buffer slots, whole (``retrieve``):
-               the buffer's lookup (hits, and slots for the misses by the bucketed LRU), the
+               GPU home pages read in place (their slot is arithmetic: ``homes.py``), for the
+               host pages the buffer's lookup (hits, and slots for the misses by the bucketed LRU), the
                epilogue (the misses' host pages from the directory, each head's attended
                length, its newest token's slot), one zero-copy gather launch of the misses
                from pinned host memory, and the new token's write-through into its tail slot
-    gather     host pages -> a gather buffer (a prefill chunk's context), the same launch
+    gather     home pages -> a gather buffer (a prefill chunk's context): one launch per tier
 
 Before a Retrieve reads host pages that this step's Offload wrote (a later prefill chunk's
 own context), ``wait_offload`` orders it after the side stream; ``end_step`` waits for every
@@ -23,20 +25,30 @@ import torch
 from spin_cluster.kernels import lookup_epilogue, offload, retrieve
 from spin_cluster.kvcache.buffer import GpuBuffer
 from spin_cluster.kvcache.directory import SegmentDirectory
-from spin_cluster.kvcache.host_tier import HostTier
+from spin_cluster.kvcache.homes import PageHomes
 
 
 class Transfer:
-    def __init__(self, host: HostTier, device: torch.device, buffer: GpuBuffer, directory: SegmentDirectory) -> None:
-        self.host = host
+    def __init__(self, homes: PageHomes, device: torch.device, buffer: GpuBuffer, directory: SegmentDirectory) -> None:
+        self.homes = homes
+        self.host = homes.host
         self.device = device
         self.buffer = buffer  # where ``retrieve`` puts pages, and
-        self.directory = directory  # where it finds their host pages
+        self.directory = directory  # where it finds their home pages
         self.write = offload.write_tokens  # (dst_k, dst_v, k, v, slots)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def offload(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [M, D] rows into the host tier at flat token slots [M] (host page * S + offset)."""
+    @property
+    def gpu_homes(self) -> bool:
+        """Whether any page lives at home on the GPU (else every page's home is the host)."""
+        return self.homes.num_gpu_segments > 0
+
+    def offload(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gpu_slots: torch.Tensor | None = None) -> None:
+        """k, v [M, D] rows into their homes: the host tier at flat token slots [M] (host page
+        * S + offset, -1: not a host page) and the GPU page array at ``gpu_slots`` [M] (-1:
+        not a GPU page; None: no GPU homes)."""
+        if gpu_slots is not None:
+            self.write(self.buffer.k_slots, self.buffer.v_slots, k, v, gpu_slots)
         host = self.host
         if self._side is None or torch.cuda.is_current_stream_capturing():
             self.write(host.k_pages, host.v_pages, k, v, slots)
@@ -59,18 +71,36 @@ class Transfer:
         Device work only, no host sync: a CUDA graph captures it.
         """
         buf, d = self.buffer, self.directory
+        slots_at_home = None
+        if self.gpu_homes:  # GPU home pages are read in place; the buffer sees host pages only
+            slots_at_home = self.homes.gpu_slots(d.host_pages(rows, layer, want))  # [B, Hkv, K]
+            want = torch.where(slots_at_home >= 0, -1, want)
+            self.homes.touch(slots_at_home, now)
         lookup, miss = buf.lookup(rows, layer, want, now)
+        slots = lookup.slots
+        if slots_at_home is not None:
+            slots = torch.where(slots_at_home >= 0, slots_at_home, slots).int()
         # The misses' host pages, each head's attended length, its newest token's slot.
         src, lens, tail_slot = lookup_epilogue.lookup_epilogue(
-            want, lookup.slots, miss, num_selected, rows, tail_len, d.directory, layer, d.segment_pages,
+            want, slots, miss, num_selected, rows, tail_len, d.directory, layer, d.segment_pages,
             self.host.page_size)
-        self.gather(src, buf.k_slots, buf.v_slots, lookup.miss_dst)
+        self.gather(src, buf.k_slots, buf.v_slots, lookup.miss_dst, host_only=True)
         self.write(buf.k_slots, buf.v_slots, k, v, tail_slot)
-        return lookup.slots, lens
+        return slots, lens
 
-    def gather(self, host_pages: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor) -> None:
-        """Host pages [M] (-1: skip) -> pages dst_ids [M] of dst_k / dst_v [N, S, D]."""
-        retrieve.retrieve_pages(self.host.k_pages, self.host.v_pages, dst_k, dst_v, host_pages, dst_ids)
+    def gather(self, pages: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor,
+               host_only: bool = False) -> None:
+        """Home pages [M] (page ids, -1: skip) -> pages dst_ids [M] of dst_k / dst_v [N, S, D]:
+        host pages over PCIe, GPU home pages from the GPU page array (``host_only``: the
+        caller knows no page is a GPU one)."""
+        if host_only or not self.gpu_homes:
+            retrieve.retrieve_pages(self.host.k_pages, self.host.v_pages, dst_k, dst_v, pages, dst_ids)
+            return
+        at_home = self.homes.gpu_slots(pages)
+        on_host = torch.where(at_home >= 0, -1, pages)
+        if self.host.num_segments:
+            retrieve.retrieve_pages(self.host.k_pages, self.host.v_pages, dst_k, dst_v, on_host, dst_ids)
+        retrieve.retrieve_pages(self.buffer.k_slots, self.buffer.v_slots, dst_k, dst_v, at_home, dst_ids)
 
     def wait_offload(self) -> None:
         """Order the compute stream after every Offload issued so far."""
