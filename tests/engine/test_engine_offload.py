@@ -1,4 +1,8 @@
-"""The Spin data path end to end on SmolLM2: offloaded pages, GPU buffer, Retrieve."""
+"""The Spin data path end to end on SmolLM2: offloaded pages, GPU buffer, Retrieve.
+
+Most tests here exercise the buffer, so their cache keeps every page's home on the host
+(``gpu_home_fraction: 0``) unless they say otherwise; the GPU home pages' own tests are at the
+end."""
 
 import pytest
 import torch
@@ -33,7 +37,7 @@ class _Scattered(SparseAlgorithm):
 def _engine(path, cache=None, sparse=None, max_len=256):
     cfg = {
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": max_len},
-        "cache": {"page_size": 4, **(cache or {})},
+        "cache": {"page_size": 4, "gpu_home_fraction": 0.0, **(cache or {})},
         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
         "sparse": sparse or {},
     }
@@ -225,3 +229,40 @@ def test_per_head_shares_fit_more_requests_with_the_same_tokens(smollm2_path):
         tokens[per_head] = [out[i] for i in ids]
     assert tokens[True] == tokens[False]
     assert peak[False] < peak[True] == 8, peak
+
+
+# ---- pages at home on the GPU, spilled to the host when it is full ---------------------------
+
+
+def test_gpu_home_pages_give_the_gpu_only_caches_tokens_without_a_transfer(smollm2_path, gpu_only_tokens):
+    eng = _engine(smollm2_path, cache={"offload": True, "segment_pages": 4, "gpu_home_fraction": None})
+    assert eng.kv.homes.num_gpu_segments > 0
+    assert _run(eng) == gpu_only_tokens
+    lookups, hits, misses, evicted = eng.kv.buffer.counters.tolist()
+    assert lookups == misses == 0  # every page read where it was born
+    assert eng.kv.num_spilled_segments == 0
+
+
+def test_forced_spilling_keeps_the_tokens_of_the_gpu_only_cache(smollm2_path, gpu_only_tokens):
+    """A GPU home of 725 segments (16 tokens of one of 90 heads each: 8 logical segments) and a
+    buffer for 3 requests' selections (dense selects a whole request: 64 pages x 90 heads) while
+    3 requests of ~50 tokens need 3 x 3 logical segments: the GPU fills, the coldest segments
+    move to the host, and decode reads them back through the buffer; the tokens do not change."""
+    slot_bytes = 2 * 4 * 64 * 4  # K+V of a 4-token fp32 page, D=64
+    eng = _engine(smollm2_path, cache={"offload": True, "segment_pages": 4, "gpu_home_fraction": 0.112,
+                                       "kv_cache_gib": 25920 * slot_bytes / 2**30}, sparse={"algorithm": "dense"})
+    assert eng.kv.homes.num_gpu_segments == 725 and eng.kv.buffer.num_slots == 25920 - 2903
+    assert _run(eng) == gpu_only_tokens
+    lookups, hits, misses, evicted = eng.kv.buffer.counters.tolist()
+    assert eng.kv.num_spilled_segments > 0 and misses > 0
+    st = eng.last_stats
+    assert st.spilled_pages_total == eng.kv.num_spilled_segments * 4
+
+
+def test_a_cache_with_no_host_tier_holds_what_the_gpu_holds(smollm2_path, gpu_only_tokens):
+    eng = _engine(smollm2_path, cache={"offload": True, "host_kv_gib": 0, "gpu_home_fraction": 0.5},
+                  sparse={"algorithm": "dense"})
+    assert eng.kv.host.num_segments == 0
+    assert _run(eng) == gpu_only_tokens
+    with pytest.raises(ValueError, match="no page a home"):
+        _engine(smollm2_path, cache={"offload": True, "host_kv_gib": 0})
