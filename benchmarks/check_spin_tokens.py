@@ -11,10 +11,14 @@ steps) under four engines:
 
     plain       GPU-only pages, decode steps one after the other (the reference)
     dense       GPU-only pages, pipelined decode (``scheduler.async_decode``), as the rest
-    offloaded   dense attention over the offloaded cache: every page Retrieved or installed
-                into the elastic GPU buffer, in a buffer too small for all of them
+    offloaded   dense attention over the offloaded cache with every page's home on the host:
+                every page Retrieved or installed into the elastic GPU buffer, in a buffer
+                too small for all of them
     quest       Spin with Quest's Select and a budget of the whole context (every page
-                selected: the bounds append, Select, lookup and install on the real path)
+                selected: the bounds append, Select, lookup and install on the real path),
+                pages at home on the GPU
+    spilled     as quest, with GPU home pages for a third of the prompts' pages: the GPU
+                fills, its coldest segments spill to the host, and Retrieve brings them back
 
 Exit status 1 when any engine's tokens differ from the reference's.
 """
@@ -39,12 +43,15 @@ def engines(device: str, folder: str, max_len: int) -> dict[str, dict]:
             "cache": {"page_size": 16, "kv_cache_gib": 0.002},
             "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "async_decode": True}}
     off = {**base["cache"], "offload": True, "host_kv_gib": 0.01}
+    quest = {"algorithm": "quest", "budget": max_len, "sink_tokens": 16, "local_tokens": 32,
+             "options": {"index_dtype": "bfloat16"}}
     return {
         "plain": {**base, "scheduler": {**base["scheduler"], "async_decode": False}},
         "dense": base,
-        "offloaded": {**base, "cache": {**off, "kv_cache_gib": 0.0008}},
-        "quest": {**base, "cache": off, "sparse": {"algorithm": "quest", "budget": max_len, "sink_tokens": 16,
-                                                    "local_tokens": 32, "options": {"index_dtype": "bfloat16"}}},
+        "offloaded": {**base, "cache": {**off, "kv_cache_gib": 0.0008, "gpu_home_fraction": 0.0}},
+        "quest": {**base, "cache": off, "sparse": quest},
+        "spilled": {**base, "cache": {**off, "kv_cache_gib": 0.0035, "gpu_home_fraction": 0.1, "segment_pages": 1},
+                    "sparse": quest},
     }
 
 
@@ -73,10 +80,11 @@ def main(argv=None) -> int:
         same = tokens[name] == tokens["plain"]
         failed |= not same
         result[name] = {"same_tokens": same, "pipelined_steps": engine.num_pipelined_steps,
-                        "buffer_hits": stats.buffer_hits_total, "buffer_lookups": stats.buffer_lookups_total}
+                        "buffer_hits": stats.buffer_hits_total, "buffer_lookups": stats.buffer_lookups_total,
+                        "spilled_pages": stats.spilled_pages_total}
         print(f"{name}: {'same tokens as the plain loop' if same else 'TOKENS DIFFER'}; pipelined steps "
               f"{engine.num_pipelined_steps}; buffer hits {stats.buffer_hits_total} of {stats.buffer_lookups_total} "
-              f"lookups", flush=True)
+              f"lookups; {stats.spilled_pages_total} pages spilled", flush=True)
     save(args, {"device": args.device, "max_tokens": args.max_tokens, "engines": result,
                 "reference_tokens": tokens["plain"]})
     return 1 if failed else 0

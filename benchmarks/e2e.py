@@ -106,6 +106,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sparse-prefill", type=float, default=0.0, metavar="FRACTION",
                     help="sparse modes: block-sparse prefill (strided estimate, S-HPLB-like per-head fractions "
                          "of this mean; 0: dense prefill, as dense runs)")
+    ap.add_argument("--gpu-home-fraction", type=float, default=None,
+                    help="spin: cache.gpu_home_fraction, the share of --gpu-kv-gib holding pages at home "
+                         "(default: the cache's own split; 0: the host is every page's home)")
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=65536,
@@ -135,7 +138,10 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
     }
     if mode == "dense":
         return cfg
-    cfg["cache"].update(offload=True, host_kv_gib=args.host_kv_gib, buffer_reuse=mode == "spin")
+    # Spin's pages live on the GPU while it has room (cache.gpu_home_fraction); the offload
+    # baselines keep every page's home on the host, as their names say.
+    cfg["cache"].update(offload=True, host_kv_gib=args.host_kv_gib, buffer_reuse=mode == "spin",
+                        gpu_home_fraction=args.gpu_home_fraction if mode == "spin" else 0.0)
     if mode == "dense-offload":
         return cfg
     # A bfloat16 index halves the bytes Select reads (Quest's bounds are rounded outward).
@@ -237,6 +243,9 @@ def summarize(times: list[RequestTimes], steps, wall_s: float, truncated: bool, 
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
         "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
         "buffer_hits_total": stats.buffer_hits_total, "buffer_misses_total": stats.buffer_misses_total,
+        "spilled_pages_total": stats.spilled_pages_total, "preemptions_total": stats.preemptions_total,
+        # Home pages per tier (used, total) as the run ended, for the offloaded cache.
+        "tier_pages": engine.kv.tier_pages() if hasattr(engine.kv, "tier_pages") else None,
         # Decode steps that replayed a CUDA graph, and graphs captured, since the engine started.
         "graph_replays": getattr(engine.runner.graphs, "replays", None),
         "graph_captures": getattr(engine.runner.graphs, "captures", None),

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One capacity over the GPU and the host (device tool, repo root, .carry/tok carried): Spin's
+# pages live on the GPU while there is room and spill to the host coldest first, so Spin
+# holds what HBM and pinned host memory hold together, where dense holds what HBM holds.
+# Runs, each within one 10-minute call on one H200:
+#   check   GPU tests of the cache and the Spin path, and check_spin_tokens (Spin's path,
+#           spills included, gives dense's tokens with CUDA graphs on) [2]
+#   cap64   64 x 32K prompts, 1024 output tokens each (256 GiB of KV: more than either tier
+#           holds), the whole GPU (108 GiB of KV pages for dense; 108 GiB of home pages and
+#           buffer plus 88 GiB of host for Spin), --max-num-seqs 64, dense and Spin [7.5]
+#   cap64s  the same, Spin alone and 256 output tokens (a quick look at its peak batch) [4]
+# Results in $OUT: capacity.log, e2e-<run>.{json,md}, check_spin_tokens.json.
+set -o pipefail
+source benchmarks/gpu_setup.sh
+LOG="$OUT/capacity.log"
+gpu_record "$LOG"
+echo "commit ${SPIN_COMMIT:-unknown}" | tee -a "$LOG"
+run() {  # name, deadline s, e2e.py flags
+  local name=$1 deadline=$2; shift 2
+  mkdir -p "/tmp/e2e-$name"
+  timeout $(( deadline + 60 )) python3 -P -m spin_cluster.bench e2e --host-kv-gib 88 --gpu-kv-gib 108 \
+    --deadline-s "$deadline" "${TOK[@]}" --out "/tmp/e2e-$name" "$@" 2>&1 | grep -v "^\[" | tee -a "$LOG"
+  cp "/tmp/e2e-$name/e2e.json" "$OUT/e2e-$name.json"
+  cp "/tmp/e2e-$name/e2e.md" "$OUT/e2e-$name.md" 2>/dev/null
+}
+CAP=(--workloads offline-32K --offline-lengths 32768 --offline-batch 64 --max-num-seqs 64 --max-batched-tokens 32768)
+for r in ${RUNS:-check}; do
+  case $r in
+    check)
+      (cd /tmp && timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$REPO/tests/kvcache" \
+        "$REPO/tests/engine/test_spin_gpu.py" "$REPO/tests/engine/test_spin_graphs.py" 2>&1 | tail -15) | tee -a "$LOG"
+      timeout 240 python3 -P -m spin_cluster.bench check-spin-tokens "${TOK[@]}" --out "$OUT/check_spin_tokens.json" \
+        2>&1 | tail -8 | tee -a "$LOG" ;;
+    cap64) run cap64 500 --modes dense spin "${CAP[@]}" --output-tokens 1024 ;;
+    cap64s) run cap64s 240 --modes spin "${CAP[@]}" --output-tokens 256 ;;
+  esac
+done
