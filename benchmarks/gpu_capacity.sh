@@ -8,6 +8,7 @@
 #   cap64   64 x 32K prompts, 1024 output tokens each (256 GiB of KV: more than either tier
 #           holds), the whole GPU (108 GiB of KV pages for dense; 108 GiB of home pages and
 #           buffer plus 88 GiB of host for Spin), --max-num-seqs 64, dense and Spin [7.5]
+#           (Spin with per-head buffer shares and block-sparse prefill, PREFILL=0.125 of the blocks)
 #   cap64s  the same, Spin alone and 256 output tokens (a quick look at its peak batch) [4]
 # Results in $OUT: capacity.log, e2e-<run>.{json,md}, check_spin_tokens.json.
 set -o pipefail
@@ -27,11 +28,11 @@ CAP=(--workloads offline-32K --offline-lengths 32768 --offline-batch 64 --max-nu
 for r in ${RUNS:-check}; do
   case $r in
     check)
-      (cd /tmp && timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$REPO/tests/kvcache" \
+      (cd /tmp && timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$REPO/tests/kvcache/test_lru.py" "$REPO/tests/kvcache/test_buffer.py" \
         "$REPO/tests/engine/test_spin_gpu.py" "$REPO/tests/engine/test_spin_graphs.py" 2>&1 | tail -15) | tee -a "$LOG"
       timeout 240 python3 -P -m spin_cluster.bench check-spin-tokens "${TOK[@]}" --out "$OUT/check_spin_tokens.json" \
         2>&1 | tail -8 | tee -a "$LOG" ;;
-    cap64) run cap64 500 --modes dense spin "${CAP[@]}" --output-tokens 1024 ;;
+    cap64) run cap64 480 --modes dense spin "${CAP[@]}" --output-tokens 1024 --per-head-shares --sparse-prefill "${PREFILL:-0.125}" ;;
     cap64s) run cap64s 240 --modes spin "${CAP[@]}" --output-tokens 256 ;;
   esac
 done
