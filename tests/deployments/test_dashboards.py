@@ -71,7 +71,8 @@ def test_required_panels():
         assert metric in serving
     kv = " ".join(dashboards.panel_queries(boards["kv-memory"]))
     for metric in ("spin_buffer_hits_total", "spin_kv_pages", "spin_metadata_bytes", "spin_retrieved_bytes_total",
-                   "spin_evicted_pages_total", "spin_prefix_cache_queries_total", "spin_prefix_cache_hits_total"):
+                   "spin_evicted_pages_total", "spin_prefix_cache_queries_total", "spin_prefix_cache_hits_total",
+                   "spin_kv_bytes", "spin_spilled_pages_total", "spin_promoted_pages_total", "spin_num_preemptions_total"):
         assert metric in kv
     hp = " ".join(dashboards.panel_queries(boards["head-parallel"]))
     for metric in ("spin_attention_rank_seconds_total", "spin_attention_bubble_seconds_total",

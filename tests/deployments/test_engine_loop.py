@@ -142,3 +142,30 @@ def test_queued_deltas_go_to_the_ingress_as_one():
     assert merged == d("ab", (1, 2)) and held is failed and q.qsize() == 1
     admitted = Admitted(num_prompt_tokens=3)
     assert _coalesce(admitted, q) == (admitted, None) and q.qsize() == 1  # only Deltas merge
+
+
+def test_report_of_the_offloaded_cache_gives_both_home_tiers_and_the_buffer(tiny_llama_path):
+    """Pages at home on the GPU and on the host, and the buffer's slots, each with their bytes;
+    a GPU home of a few segments makes the long prompt spill."""
+    cfg = SpinConfig.from_dict({
+        "model": {"path": tiny_llama_path, "device": "cpu", "dtype": "float32", "max_model_len": 512},
+        "cache": {"offload": True, "page_size": 16, "segment_pages": 1, "host_kv_gib": 0.01, "kv_cache_gib": 0.002,
+                  "gpu_home_fraction": 0.05},
+        "scheduler": {"max_num_seqs": 2, "max_num_batched_tokens": 512},
+    })
+    eng = Engine(cfg, progress=False)
+    eng.add_request(list(range(5, 400)), SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.step()
+    kv, rep = eng.kv, engine_report(eng, "r")
+    tiers = kv.tier_pages()
+    assert rep.kv_pages[("gpu", "used")] == tiers["gpu"][0] == tiers["gpu"][1] > 0  # the GPU filled
+    assert rep.kv_pages[("host", "used")] == tiers["host"][0] > 0  # and the rest went to the host
+    assert rep.kv_pages[("gpu_buffer", "free")] + rep.kv_pages[("gpu_buffer", "used")] == kv.buffer.num_slots
+    assert rep.kv_bytes[("host", "used")] == rep.kv_pages[("host", "used")] * kv.buffer.page_bytes
+    assert rep.counters["spilled_pages"] == 0 and rep.counters["preemptions"] == 0  # born where they fit
+    eng.add_request(list(range(7, 200)), SamplingParams(max_tokens=2, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    eng.check_integrity()
+    rep = engine_report(eng, "r")
+    assert rep.counters["spilled_pages"] == kv.num_spilled_segments > 0  # the newcomer's pages took the GPU

@@ -18,7 +18,8 @@ SERIES = {
     "spin_prompt_tokens": "counter", "spin_generation_tokens": "counter", "spin_request_success": "counter",
     "spin_buffer_lookups": "counter", "spin_buffer_hits": "counter", "spin_retrieved_bytes": "counter",
     "spin_evicted_pages": "counter", "spin_prefix_cache_queries": "counter", "spin_prefix_cache_hits": "counter",
-    "spin_kv_pages": "gauge", "spin_metadata_bytes": "gauge",
+    "spin_promoted_pages": "counter", "spin_spilled_pages": "counter", "spin_num_preemptions": "counter",
+    "spin_kv_pages": "gauge", "spin_kv_bytes": "gauge", "spin_metadata_bytes": "gauge",
     "spin_attention_rank_seconds": "counter", "spin_attention_bubble_seconds": "counter",
     "spin_head_placement_imbalance": "gauge", "spin_engine_requests": "counter",
 }
@@ -55,7 +56,7 @@ def test_every_series_is_exported_with_model_name(spin_app):
     assert value["spin_buffer_lookups_total"] >= value["spin_buffer_hits_total"] > 0  # Quest over the buffer
     assert value["spin_prompt_tokens_total"] > 0 and value["spin_generation_tokens_total"] > 0
     tiers = {(s.labels["tier"], s.labels["state"]) for s in fams["spin_kv_pages"].samples}
-    assert tiers == {(t, s) for t in ("gpu", "host") for s in ("free", "used")}
+    assert tiers == {(t, s) for t in ("gpu", "host", "gpu_buffer") for s in ("free", "used")}
 
 
 def test_engine_gauges_follow_a_state_change_within_a_second(spin_app):
