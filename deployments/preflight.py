@@ -93,7 +93,7 @@ def _check_memory(config: AppConfig, mc: ModelConfig) -> None:
 def _host_tier_bytes(config: AppConfig, mc: ModelConfig) -> int:
     import torch
 
-    from spin_cluster.engine.cache_builder import host_tier_segments
+    from spin_cluster.engine.cache_builder import host_dtype, host_tier_segments
     from spin_cluster.kvcache.host_tier import HostTier
 
     spin = config.spin
@@ -103,7 +103,8 @@ def _host_tier_bytes(config: AppConfig, mc: ModelConfig) -> int:
     dtype = getattr(torch, dtype_name)
     context = spin.model.max_model_len or mc.max_position_embeddings
     segments = host_tier_segments(spin, mc, dtype, context)
-    return segments * HostTier.bytes_per_segment(spin.cache.segment_pages, spin.cache.page_size, mc.head_dim, dtype)
+    return segments * HostTier.bytes_per_segment(spin.cache.segment_pages, spin.cache.page_size, mc.head_dim,
+                                                 host_dtype(spin, dtype))
 
 
 def memory_bytes() -> tuple[int, int]:

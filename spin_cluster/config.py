@@ -74,6 +74,10 @@ class CacheConfig(ConfigSection):
         "Host tier size in GiB (offload), >= 0; null: 8 GiB; 0: no host tier (every page on the "
         "GPU, which needs gpu_home_fraction > 0). It must fit the memory of the machine that runs "
         "the engine (pinned pages are never swapped out)."))
+    host_kv_dtype: Literal["auto", "fp8"] = Field("auto", description=(
+        'Offload: how host pages hold K and V. "auto": the model\'s dtype; "fp8": e4m3 with a '
+        "float32 scale per token row, half the host bytes (twice the pages in host_kv_gib) and "
+        "half the PCIe bytes of a retrieved page, dequantised on the way to the GPU."))
     gpu_home_fraction: float | None = Field(None, ge=0, lt=1, description=(
         "Offload: the share of the GPU KV memory, in [0, 1), that holds pages at home; the rest "
         "is the buffer's slots, which cache the host pages Select picks. A page is born on the GPU "

@@ -22,6 +22,7 @@ import torch
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.backend import BackendParts, backend_class
 from spin_cluster.engine.spin_attention import max_middle_pages
+from spin_cluster.kernels.fp8_pages import FP8_DTYPE
 from spin_cluster.kvcache.host_tier import HostTier
 from spin_cluster.kvcache.manager import KVCacheManager
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
@@ -104,12 +105,17 @@ def _algorithm_options(cls: type[SparseAlgorithm]) -> set[str]:
     return options
 
 
+def host_dtype(config: SpinConfig, dtype: torch.dtype) -> torch.dtype:
+    """The host pages' dtype: ``cache.host_kv_dtype`` (fp8: e4m3, "auto": the model's)."""
+    return FP8_DTYPE if config.cache.host_kv_dtype == "fp8" else dtype
+
+
 def host_tier_segments(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, max_model_len: int) -> int:
-    """Segments of the offloaded cache's host tier: ``cache.host_kv_gib`` (null: 8 GiB), never
-    more than every request row could use at full length."""
+    """Segments of the offloaded cache's host tier: ``cache.host_kv_gib`` (null: 8 GiB) of
+    pages in ``host_dtype``, never more than every request row could use at full length."""
     cc, S = config.cache, config.cache.page_size
     host_gib = _DEFAULT_HOST_KV_GIB if cc.host_kv_gib is None else cc.host_kv_gib
-    seg_bytes = HostTier.bytes_per_segment(cc.segment_pages, S, mc.head_dim, dtype)
+    seg_bytes = HostTier.bytes_per_segment(cc.segment_pages, S, mc.head_dim, host_dtype(config, dtype))
     max_pages = -(-max_model_len // S)
     most_segments = config.scheduler.max_num_seqs * -(-max_pages // cc.segment_pages) * mc.num_layers * mc.num_kv_heads
     return min(int(host_gib * 2**30 // seg_bytes), most_segments)
@@ -171,7 +177,7 @@ def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_c
                          "(cache.gpu_home_fraction > 0) or the host tier some GiB")
     kv = OffloadedKVManager(
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=S,
-        segment_pages=cc.segment_pages, num_gpu_segments=num_gpu_segments,
+        segment_pages=cc.segment_pages, num_gpu_segments=num_gpu_segments, host_dtype=host_dtype(config, dtype),
         num_host_segments=num_host_segments,
         num_buffer_slots=num_slots, buffer_pages_per_head=share, mandatory_pages_per_head=mandatory,
         max_seqs=sc.max_num_seqs, max_model_len=max_model_len, dtype=dtype, device=device,

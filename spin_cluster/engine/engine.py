@@ -299,7 +299,7 @@ class Engine:
             "buffer_hits_total": hits,
             "buffer_misses_total": misses,
             "evicted_pages_total": evicted,
-            "retrieved_bytes_total": misses * buffer.page_bytes,
+            "retrieved_bytes_total": misses * self.kv.host.page_bytes,  # what crossed PCIe
             "spilled_pages_total": self.kv.num_spilled_segments * self.kv.host.segment_pages,
             "preemptions_total": self.num_preemptions_total,
             "metadata_gpu_bytes": meta["gpu"] + meta["gpu_buffer"],

@@ -9,6 +9,11 @@ Allocating by segment is what lets the page table's second level be implicit (a
 segment's pages are contiguous, so one id per segment locates all of them; see
 ``directory.py``) and lets the GPU gather kernel read the host pages directly through
 unified addressing.
+
+With ``dtype`` float8_e4m3fn (``cache.host_kv_dtype: fp8``) the pages hold FP8 K and V with
+a float32 scale per token row beside them (``kernels/fp8_pages.py``): half the host bytes
+and half the PCIe bytes of a miss. ``write`` and ``read`` quantise and dequantise on the way
+in and out, so that callers see the model's dtype either way.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import weakref
 
 import torch
 
+from spin_cluster.kernels.fp8_pages import FP8_DTYPE, retrieve_pages_fp8, write_tokens_fp8
+from spin_cluster.kernels.offload import write_tokens
+from spin_cluster.kernels.retrieve import retrieve_pages
 from spin_cluster.kvcache.free_list import FreeList
 
 
@@ -64,17 +72,39 @@ class HostTier:
         self.segment_pages = segment_pages
         self.page_size = page_size
         n = num_segments * segment_pages
+        zeros = pinned_zeros if pin_memory else (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
         # [N_host, S, D] each
         shape = (n, page_size, head_dim)
-        if pin_memory:
-            self.k_pages, self.v_pages = pinned_zeros(shape, dtype), pinned_zeros(shape, dtype)
-        else:
-            self.k_pages, self.v_pages = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        self.k_pages, self.v_pages = zeros(shape, dtype), zeros(shape, dtype)
+        self.fp8 = dtype == FP8_DTYPE
+        # [N_host, S] float32 each: the FP8 rows' scales (None for pages in the model's dtype)
+        self.k_scale = self.v_scale = None
+        if self.fp8:
+            self.k_scale, self.v_scale = zeros(shape[:2], torch.float32), zeros(shape[:2], torch.float32)
         self.free_list = FreeList(num_segments)
+        self.page_bytes = self.bytes_per_segment(1, page_size, head_dim, dtype)
 
     @staticmethod
     def bytes_per_segment(segment_pages: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
-        return segment_pages * 2 * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
+        """K and V bytes of a segment in host memory (FP8: with their per-row scales)."""
+        row = head_dim * torch.empty((), dtype=dtype).element_size() + (4 if dtype == FP8_DTYPE else 0)
+        return segment_pages * 2 * page_size * row
+
+    # ---- moving K/V in and out, in the model's dtype ----------------------------------------
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [M, D] rows into flat token slots [M] (page * S + offset; < 0 skips)."""
+        if self.fp8:
+            write_tokens_fp8(self.k_pages, self.v_pages, self.k_scale, self.v_scale, k, v, slots)
+        else:
+            write_tokens(self.k_pages, self.v_pages, k, v, slots)
+
+    def read(self, pages: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor) -> None:
+        """Host pages [M] (< 0 skips) -> pages dst_ids [M] of dst_k / dst_v [N, S, D]."""
+        if self.fp8:
+            retrieve_pages_fp8(self.k_pages, self.v_pages, self.k_scale, self.v_scale, dst_k, dst_v, pages, dst_ids)
+        else:
+            retrieve_pages(self.k_pages, self.v_pages, dst_k, dst_v, pages, dst_ids)
 
     @property
     def num_free_segments(self) -> int:

@@ -24,7 +24,6 @@ import torch
 from spin_cluster.kvcache.base import NO_PREFIX, KVCache, PrefixHit
 from spin_cluster.kvcache.buffer import GpuBuffer, InstallPlan
 from spin_cluster.kvcache.directory import SegmentDirectory
-from spin_cluster.kernels import offload
 from spin_cluster.kvcache.homes import PageHomes
 from spin_cluster.kvcache.host_tier import HostTier
 
@@ -54,11 +53,13 @@ class OffloadedKVManager(KVCache):
         head_widths: list[list[int]] | None = None,
         head_mandatory: list[list[int]] | None = None,
         num_gpu_segments: int = 0,
+        host_dtype: torch.dtype | None = None,
     ) -> None:
         """head_widths, head_mandatory: per-head share widths of the GPU buffer (see
         ``GpuBuffer``); buffer_pages_per_head and mandatory_pages_per_head are then the
         widest head's. num_gpu_segments: GPU home segments of segment_pages pages each, in the
-        buffer's page array after its slots (0: the host is every page's home)."""
+        buffer's page array after its slots (0: the host is every page's home). host_dtype: the
+        host pages' dtype (float8_e4m3fn: FP8 with per-row scales); None: ``dtype``."""
         device = torch.device(device)
         if buffer_pages_per_head < mandatory_pages_per_head:
             raise ValueError(
@@ -72,7 +73,7 @@ class OffloadedKVManager(KVCache):
         self.mandatory_pages_per_head = mandatory_pages_per_head
         self.elastic_shares = elastic_shares
         self.host = HostTier(
-            num_host_segments, segment_pages, page_size, head_dim, dtype, pin_memory=device.type == "cuda",
+            num_host_segments, segment_pages, page_size, head_dim, host_dtype or dtype, pin_memory=device.type == "cuda",
             allow_empty=num_gpu_segments > 0,
         )
         self.homes = PageHomes(self.host, num_gpu_segments, num_buffer_slots, device)
@@ -184,7 +185,7 @@ class OffloadedKVManager(KVCache):
         flat = (dst[:, None] * S + tok).flatten()  # [n * E * S] host token slots
         k = buf.k_slots.index_select(0, slots).reshape(-1, D)
         v = buf.v_slots.index_select(0, slots).reshape(-1, D)
-        offload.write_tokens(self.host.k_pages, self.host.v_pages, k, v, flat)
+        self.host.write(k, v, flat)
 
     def free(self, request_id: str) -> None:
         if request_id in self.directory:

@@ -51,11 +51,11 @@ class Transfer:
             self.write(self.buffer.k_slots, self.buffer.v_slots, k, v, gpu_slots)
         host = self.host
         if self._side is None or torch.cuda.is_current_stream_capturing():
-            self.write(host.k_pages, host.v_pages, k, v, slots)
+            host.write(k, v, slots)
             return
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
-            self.write(host.k_pages, host.v_pages, k, v, slots)
+            host.write(k, v, slots)
         for t in (k, v, slots):
             t.record_stream(self._side)
 
@@ -94,12 +94,12 @@ class Transfer:
         host pages over PCIe, GPU home pages from the GPU page array (``host_only``: the
         caller knows no page is a GPU one)."""
         if host_only or not self.gpu_homes:
-            retrieve.retrieve_pages(self.host.k_pages, self.host.v_pages, dst_k, dst_v, pages, dst_ids)
+            self.host.read(pages, dst_k, dst_v, dst_ids)
             return
         at_home = self.homes.gpu_slots(pages)
         on_host = torch.where(at_home >= 0, -1, pages)
         if self.host.num_segments:
-            retrieve.retrieve_pages(self.host.k_pages, self.host.v_pages, dst_k, dst_v, on_host, dst_ids)
+            self.host.read(on_host, dst_k, dst_v, dst_ids)
         retrieve.retrieve_pages(self.buffer.k_slots, self.buffer.v_slots, dst_k, dst_v, at_home, dst_ids)
 
     def wait_offload(self) -> None:

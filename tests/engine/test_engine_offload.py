@@ -266,3 +266,17 @@ def test_a_cache_with_no_host_tier_holds_what_the_gpu_holds(smollm2_path, gpu_on
     assert _run(eng) == gpu_only_tokens
     with pytest.raises(ValueError, match="no page a home"):
         _engine(smollm2_path, cache={"offload": True, "host_kv_gib": 0})
+
+
+def test_fp8_host_pages_quarter_the_bytes_of_fp32_ones_and_keep_the_greedy_tokens(smollm2_path, gpu_only_tokens):
+    """Every page's home on the host, as FP8 with per-row scales: a retrieved page moves
+    2 x 4 x (64 + 4) bytes where float32 moves 2 x 4 x 64 x 4, and greedy decoding over the
+    dequantised pages keeps the float32 tokens on all but a few positions."""
+    eng = _engine(smollm2_path, cache={"offload": True, "segment_pages": 4, "host_kv_dtype": "fp8"},
+                  sparse={"algorithm": "dense"})
+    assert eng.kv.host.k_pages.dtype == torch.float8_e4m3fn and eng.kv.host.page_bytes == 2 * 4 * (64 + 4)
+    tokens = _run(eng)
+    st = eng.last_stats
+    assert st.buffer_misses_total > 0 and st.retrieved_bytes_total == st.buffer_misses_total * 2 * 4 * 68
+    same = sum(a == b for x, y in zip(tokens, gpu_only_tokens) for a, b in zip(x, y))
+    assert same >= 0.9 * sum(map(len, gpu_only_tokens)), (same, tokens, gpu_only_tokens)

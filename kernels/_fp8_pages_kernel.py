@@ -1,0 +1,53 @@
+"""Triton bodies of the FP8 host page kernels (launchers and contract: ``fp8_pages.py``).
+
+``_write_tokens_fp8``: grid (M,), one program per K/V row: its scale (max |x| / 448), the
+row quantised to e4m3 and stored as bytes, the scale beside it. ``_retrieve_pages_fp8``:
+grid (M,), one program per page pair: the FP8 page and its scales read (from pinned host
+memory where the source is there), the page dequantised into the destination's dtype.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _quantise_row(src, dst, dst_scale, slot, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < D
+    x = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    q = tl.clamp(x / scale, -448.0, 448.0).to(tl.float8e4nv)
+    tl.store(dst + slot * D + offs, q.to(tl.uint8, bitcast=True), mask=m)
+    tl.store(dst_scale + slot, scale)
+
+@triton.jit
+def _write_tokens_fp8(dk, dv, dks, dvs, k, v, slots, stride_k, stride_v, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    i = tl.program_id(0)
+    slot = tl.load(slots + i).to(tl.int64)
+    if slot >= 0:
+        _quantise_row(k + i * stride_k, dk, dks, slot, D, BLOCK_D)
+        _quantise_row(v + i * stride_v, dv, dvs, slot, D, BLOCK_D)
+
+@triton.jit
+def _dequantise_page(pages, scales, out, src, dst, S: tl.constexpr, D: tl.constexpr,
+                     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, BLOCK_D)
+    m = (rows < S)[:, None] & (cols < D)[None, :]
+    at = rows[:, None] * D + cols[None, :]
+    q = tl.load(pages + src * S * D + at, mask=m, other=0).to(tl.float8e4nv, bitcast=True)
+    scale = tl.load(scales + src * S + rows, mask=rows < S, other=0.0)
+    x = q.to(tl.float32) * scale[:, None]
+    tl.store(out + dst * S * D + at, x.to(out.dtype.element_ty), mask=m)
+
+@triton.jit
+def _retrieve_pages_fp8(sk, sv, sks, svs, dk, dv, src_ids, dst_ids, S: tl.constexpr, D: tl.constexpr,
+              BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    i = tl.program_id(0)
+    src = tl.load(src_ids + i).to(tl.int64)
+    dst = tl.load(dst_ids + i).to(tl.int64)
+    if (src >= 0) & (dst >= 0):
+        _dequantise_page(sk, sks, dk, src, dst, S, D, BLOCK_S, BLOCK_D)
+        _dequantise_page(sv, svs, dv, src, dst, S, D, BLOCK_S, BLOCK_D)
+
