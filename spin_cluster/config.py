@@ -252,6 +252,11 @@ class SchedulerConfig(ConfigSection):
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Most requests running at once (decode batch size), 1..4096.")
     max_num_batched_tokens: int = Field(2048, ge=1, description=(
         "Most tokens (prefill chunks + decode tokens) in one step, >= 1."))
+    max_prefill_tokens: int = Field(0, ge=0, description=(
+        "Most prompt tokens (prefill chunks) in one step, after its decode tokens, >= 0; 0: "
+        "whatever max_num_batched_tokens leaves. A bound keeps a step with a long prompt's chunk "
+        "short, so that running requests' next tokens do not wait behind it (TPOT), at the cost "
+        "of more steps per prompt (TTFT)."))
     enable_chunked_prefill: StrictBool = Field(True, description=(
         "Split long prompts into chunks of at most the step's leftover token budget. When off, a "
         "prompt is prefilled in one step, so max_num_batched_tokens must cover max_model_len."))
@@ -297,6 +302,11 @@ class SpinConfig(ConfigSection):
             raise ValueError(
                 f"without chunked prefill, scheduler.max_num_batched_tokens ({sc.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({context})"
+            )
+        if not sc.enable_chunked_prefill and 0 < sc.max_prefill_tokens < context:
+            raise ValueError(
+                f"without chunked prefill, scheduler.max_prefill_tokens ({sc.max_prefill_tokens}) must be 0 "
+                f"or >= max_model_len ({context}): a longer prompt could never be scheduled"
             )
         for name, rows in (("sparse.per_head_budgets", self.sparse.per_head_budgets),
                            ("sparse.prefill.per_head_budgets", self.sparse.prefill.per_head_budgets)):

@@ -1,9 +1,11 @@
 """Continuous batching with chunked prefill and preemption by recomputation.
 
-Each step gets a token budget (``max_num_batched_tokens``). Running requests go first, in
-arrival order: a decoding request takes one token, a request still prefilling takes the
-next chunk of its prompt. Then waiting requests are admitted, oldest first, while the
-budget, the request limit and the KV pages allow. When a running request cannot get the
+Each step gets a token budget (``max_num_batched_tokens``). Running requests go first:
+decoding requests take one token each, in arrival order, then requests still prefilling take
+the next chunk of their prompt, in arrival order. Then waiting requests are admitted, oldest
+first, while the budget, the request limit and the KV pages allow. Prompt chunks share at
+most ``max_prefill_tokens`` of a step (when set), so that a long prompt's chunks do not make
+the decoding requests' steps long. When a running request cannot get the
 page it needs, the newest running request is preempted: its pages are freed and it goes
 back to the front of the queue, to be prefilled again (prompt and tokens so far) later.
 
@@ -88,12 +90,18 @@ class Scheduler:
         decode: list[ScheduledChunk] = []
         prefill: list[ScheduledChunk] = []
         preempted: list[Request] = []
-        for req in list(self.running):
+        # Decoding requests first, then the prompts' chunks, each group in arrival order.
+        running = sorted(self.running, key=lambda r: not self._decoding(r))
+        for req in running:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(req.num_uncomputed_tokens, budget)
+            if not self._decoding(req):
+                n = min(n, self._prefill_room(prefill))
+                if n == 0:
+                    continue
             if not self._make_room(req, n, preempted):
                 continue
             chunk = self._take(req, n)
@@ -102,6 +110,16 @@ class Scheduler:
         if not preempted:
             budget = self._admit(budget, decode, prefill)
         return SchedulerOutput(chunks=decode + prefill, preempted=preempted)
+
+    @staticmethod
+    def _decoding(req: Request) -> bool:
+        """Past its prompt, with only its last sampled token to compute."""
+        return req.num_computed_tokens >= len(req.prompt_token_ids) and req.num_uncomputed_tokens == 1
+
+    def _prefill_room(self, prefill: list[ScheduledChunk]) -> int:
+        """Prompt tokens this step may still take (``max_prefill_tokens``; 0: no bound)."""
+        cap = self.config.max_prefill_tokens
+        return cap - sum(c.num_tokens for c in prefill) if cap else self.config.max_num_batched_tokens
 
     def advance(self, chunks: list[ScheduledChunk]) -> None:
         """The model ran ``chunks``: their tokens' K/V are in the cache. Only now may the cache
@@ -138,10 +156,13 @@ class Scheduler:
             # Nothing of a waiting request is computed (new, or preempted and recomputed).
             prefix = self._cached_prefix(req)
             n = req.num_tokens - prefix.num_tokens
-            if n > budget:
+            room = min(budget, self._prefill_room(prefill) if n > 1 else budget)
+            if room <= 0:
+                break
+            if n > room:
                 if not self.config.enable_chunked_prefill:
                     break
-                n = budget
+                n = room
             queued = len(self.waiting) - 1  # behind this one: they will want buffer shares too
             if not self.kv.can_allocate(req.request_id, prefix.num_tokens + n, queued, prefix):
                 break
