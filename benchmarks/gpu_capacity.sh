@@ -10,6 +10,9 @@
 #           buffer plus 88 GiB of host for Spin), --max-num-seqs 64, dense and Spin [7.5]
 #           (Spin with per-head buffer shares and block-sparse prefill, PREFILL=0.125 of the blocks)
 #   cap64s  the same, Spin alone and 256 output tokens (a quick look at its peak batch) [4]
+#   fp8     the FP8 host page kernels against their reference, from pinned host memory [1]
+#   128k    4 x 128K prompts, 100 GiB each mode, dense prefill in both: TTFT and whole-batch
+#           throughput of Spin (pages born on the GPU) beside dense [4.5]
 # Results in $OUT: capacity.log, e2e-<run>.{json,md}, check_spin_tokens.json.
 set -o pipefail
 source benchmarks/gpu_setup.sh
@@ -34,5 +37,10 @@ for r in ${RUNS:-check}; do
         2>&1 | tail -8 | tee -a "$LOG" ;;
     cap64) run cap64 480 --modes dense spin "${CAP[@]}" --output-tokens 1024 --per-head-shares --sparse-prefill "${PREFILL:-0.125}" ;;
     cap64s) run cap64s 240 --modes spin "${CAP[@]}" --output-tokens 256 ;;
+    fp8)
+      (cd /tmp && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$REPO/tests/kernels/test_fp8_pages.py" \
+        2>&1 | tail -6) | tee -a "$LOG" ;;
+    128k) run 128k 230 --modes dense spin --workloads offline-128K --offline-lengths 131072 --offline-batch 4 \
+            --gpu-kv-gib 100 --host-kv-gib 72 ;;
   esac
 done
