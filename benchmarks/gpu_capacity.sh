@@ -12,7 +12,9 @@
 #   cap64s  the same, Spin alone and 256 output tokens (a quick look at its peak batch) [4]
 #   fp8     the FP8 host page kernels against their reference, from pinned host memory [1]
 #   128k    4 x 128K prompts, 100 GiB each mode, dense prefill in both: TTFT and whole-batch
-#           throughput of Spin (pages born on the GPU) beside dense [4.5]
+#           throughput of Spin (pages born on the GPU; per-head buffer shares, so that the
+#           buffer reserves each head its own selection and the rest of the 100 GiB are home
+#           pages) beside dense [4.5]
 # Results in $OUT: capacity.log, e2e-<run>.{json,md}, check_spin_tokens.json.
 set -o pipefail
 source benchmarks/gpu_setup.sh
@@ -41,6 +43,6 @@ for r in ${RUNS:-check}; do
       (cd /tmp && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$REPO/tests/kernels/test_fp8_pages.py" \
         2>&1 | tail -6) | tee -a "$LOG" ;;
     128k) run 128k 230 --modes dense spin --workloads offline-128K --offline-lengths 131072 --offline-batch 4 \
-            --gpu-kv-gib 100 --host-kv-gib 72 ;;
+            --gpu-kv-gib 100 --host-kv-gib 72 --per-head-shares ;;
   esac
 done

@@ -16,8 +16,10 @@ def _quantise_row(src, dst, dst_scale, slot, D: tl.constexpr, BLOCK_D: tl.conste
     m = offs < D
     x = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    q = tl.clamp(x / scale, -448.0, 448.0).to(tl.float8e4nv)
+    # Correctly rounded divisions (Triton's fp32 '/' is approximate): the reference's scale
+    # and bytes exactly.
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0).to(tl.float8e4nv)
     tl.store(dst + slot * D + offs, q.to(tl.uint8, bitcast=True), mask=m)
     tl.store(dst_scale + slot, scale)
 
