@@ -243,13 +243,20 @@ def summarize(times: list[RequestTimes], steps, wall_s: float, truncated: bool, 
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
         "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
         "buffer_hits_total": stats.buffer_hits_total, "buffer_misses_total": stats.buffer_misses_total,
-        "spilled_pages_total": stats.spilled_pages_total, "preemptions_total": stats.preemptions_total,
+        "spilled_pages_total": getattr(stats, "spilled_pages_total", 0),
+        "preemptions_total": getattr(engine, "num_preemptions_total", 0),
         # Home pages per tier (used, total) as the run ended, for the offloaded cache.
-        "tier_pages": engine.kv.tier_pages() if hasattr(engine.kv, "tier_pages") else None,
+        "tier_pages": _tier_pages(engine),
         # Decode steps that replayed a CUDA graph, and graphs captured, since the engine started.
         "graph_replays": getattr(engine.runner.graphs, "replays", None),
         "graph_captures": getattr(engine.runner.graphs, "captures", None),
     }
+
+
+def _tier_pages(engine) -> dict | None:
+    """Home pages per tier, (used, total), of an offloaded cache; None for dense's."""
+    tiers = getattr(getattr(engine, "kv", None), "tier_pages", None)
+    return tiers() if tiers else None
 
 
 def _pct(xs: list[float], p: float) -> float | None:

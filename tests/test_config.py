@@ -8,7 +8,9 @@ from spin_cluster.config import CacheConfig, SpinConfig
 @pytest.mark.parametrize("data, message", [
     ({"cache": {"page_size": 3}}, "cache.page_size=3: use a power of two in 1..256"),
     ({"cache": {"lru_buckets": 1}}, "cache.lru_buckets=1: must be >= 2"),
-    ({"cache": {"host_kv_gib": 0}}, "cache.host_kv_gib=0: must be > 0"),
+    ({"cache": {"host_kv_gib": -1}}, "cache.host_kv_gib=-1: must be >= 0"),
+    ({"cache": {"gpu_home_fraction": 1}}, "cache.gpu_home_fraction=1: must be < 1"),
+    ({"cache": {"host_kv_dtype": "int4"}}, "cache.host_kv_dtype='int4': choose one of 'auto' or 'fp8'"),
     ({"cache": {"offload": "yes"}}, "cache.offload='yes': use true or false"),
     ({"cache": ["page_size"]}, "cache=['page_size']: must be a mapping, got list"),
     ({"model": {"dtype": "int8"}}, "model.dtype='int8': choose one of 'auto', 'float32', 'bfloat16' or 'float16'"),
@@ -22,8 +24,8 @@ from spin_cluster.config import CacheConfig, SpinConfig
     ({"sparse": {"prefill": {"profile": "p.json", "budget": 2}}},
      "sparse.prefill.budget=2.0: with a profile give the mean as a fraction in (0, 1)"),
     ({"cache": {"segment": 4}}, "cache.segment: unknown key; known: buffer_pages_per_head, buffer_reuse, "
-     "buffer_share, elastic_shares, enable_prefix_caching, host_kv_gib, kv_cache_gib, lru_buckets, offload, "
-     "page_size, per_head_shares, segment_pages"),
+     "buffer_share, elastic_shares, enable_prefix_caching, gpu_home_fraction, host_kv_dtype, host_kv_gib, "
+     "kv_cache_gib, lru_buckets, offload, page_size, per_head_shares, segment_pages"),
     ({"caches": {}}, "caches: unknown config section; known: cache, model, scheduler, sparse"),
 ])
 def test_a_bad_value_is_one_line_naming_the_field(data, message):

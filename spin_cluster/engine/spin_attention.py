@@ -278,7 +278,7 @@ class SpinAttention(PlannedCapture):
             return
         sel, rows, buf = plan.select[layer], plan.decode_rows, kv.buffer
         margin = self.sparse.resident_margin if buf.reuse and not self.algorithm.selects_all else 0.0
-        held = self.kv.resident(rows, layer, sel.max_pages) if margin else None  # pages on the GPU
+        held = self._resident(rows, layer, sel.max_pages) if margin else None
         want, num_selected = select_layer(self.algorithm, layer, q, rows, sel, held, margin)  # [Bd, Hkv, K]
         # No wait for this layer's host write: Retrieve may copy the tail page without the new
         # token, and writes it through into the slot after the gather, on this stream. Earlier
@@ -287,6 +287,14 @@ class SpinAttention(PlannedCapture):
         slots, lens = self.transfer.retrieve(rows, layer, want, num_selected, sel.tail_len, self.now,
                                              k.reshape(-1, D), v.reshape(-1, D))
         self._decode(q, buf.k_slots, buf.v_slots, slots, lens, out=out)
+
+    def _resident(self, rows: torch.Tensor, layer: int, num_pages: int) -> torch.Tensor:
+        """[B, Hkv, num_pages] bool: pages a step reads without a transfer (at home on the GPU,
+        or held by the buffer): Select's hysteresis leans towards them. No host sync."""
+        held = self.kv.buffer.resident(rows, layer, num_pages)
+        if self.transfer.gpu_homes:
+            held = held | self.kv.homes.on_gpu(self.kv.directory.directory[rows, layer], num_pages)
+        return held
 
     def _prefill(self, layer: int, seg: SpinPrefill, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, H, D]; k, v [n, Hkv, D] -> [n, H, D]."""

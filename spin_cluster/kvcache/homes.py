@@ -94,6 +94,12 @@ class PageHomes:
         and padding."""
         return torch.where(pages >= self.first_gpu_page, pages + self.gpu_slot_offset, -1)
 
+    def on_gpu(self, table: torch.Tensor, num_pages: int) -> torch.Tensor:
+        """Directory entries [..., n_seg] (``directory.py``) -> [..., num_pages] bool: which of
+        pages 0 .. num_pages - 1 live at home on the GPU. No host sync."""
+        logical = torch.arange(num_pages, device=table.device) // self.segment_pages
+        return table[..., logical] >= self.num_host_segments
+
     def split_token_slots(self, flat: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat token slots (page id * S + offset, any shape) -> (GPU array flat slots, host
         flat slots), each -1 where the token's page lives in the other tier."""

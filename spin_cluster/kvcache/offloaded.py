@@ -206,22 +206,6 @@ class OffloadedKVManager(KVCache):
 
     # ---- the GPU tier, as decode and prefill read it ----------------------------------------
 
-    def _gpu_home(self, rows: torch.Tensor, num_pages: int, layer: int | None = None) -> torch.Tensor:
-        """[B, L, Hkv, num_pages] (or [B, Hkv, num_pages] for one ``layer``) bool: which of
-        pages 0 .. num_pages - 1 live at home on the GPU."""
-        E = self.host.segment_pages
-        table = self.directory.directory[rows] if layer is None else self.directory.directory[rows, layer]
-        logical = torch.arange(num_pages, device=table.device) // E
-        return table[..., logical] >= self.homes.num_host_segments
-
-    def resident(self, rows: torch.Tensor, layer: int, num_pages: int) -> torch.Tensor:
-        """[B, Hkv, num_pages] bool: pages a step reads without a transfer (at home on the GPU,
-        or held by the buffer): Select's hysteresis leans towards them. No host sync."""
-        held = self.buffer.resident(rows, layer, num_pages)
-        if self.homes.num_gpu_segments:
-            held = held | self._gpu_home(rows, num_pages, layer)
-        return held
-
     def install_plan(self, request_id: str, first_token: int, num_tokens: int) -> InstallPlan | None:
         """The buffer's plan for a prefill chunk's pages (``GpuBuffer.install_plan``) less
         the pages whose home is the GPU: those are read in place and need no copy."""
@@ -231,7 +215,7 @@ class OffloadedKVManager(KVCache):
             return plan
         want = plan.want  # [L, 1, Hkv, Kc]
         pages = want.clamp(min=0)
-        at_home = self._gpu_home(plan.row, int(pages.max()) + 1)[0]  # [L, Hkv, P]
+        at_home = self.homes.on_gpu(self.directory.directory[row], int(pages.max()) + 1)  # [L, Hkv, P]
         at_home = at_home.gather(-1, pages[:, 0])[:, None]  # [L, 1, Hkv, Kc]
         return dataclasses.replace(plan, want=torch.where(at_home, -1, want))
 

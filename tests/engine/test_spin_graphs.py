@@ -22,7 +22,8 @@ def _engine(path, device="cpu", graphs=False, budget=24, buffer_pages=10, max_le
     cfg = {
         "model": {"path": path, "device": device, "dtype": "float32", "max_model_len": max_len,
                   "cuda_graphs": graphs},
-        "cache": {"page_size": 4, "offload": True, "buffer_pages_per_head": buffer_pages},
+        # Every page's home on the host: the buffer's lookups and evictions are what is compared.
+        "cache": {"page_size": 4, "offload": True, "buffer_pages_per_head": buffer_pages, "gpu_home_fraction": 0.0},
         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
         "sparse": {"algorithm": algorithm, "budget": budget, "sink_tokens": 4, "local_tokens": 8},
     }

@@ -112,3 +112,12 @@ def test_no_host_tier_is_the_same_cache_with_zero_host_segments():
 def test_an_empty_host_tier_needs_gpu_homes():
     with pytest.raises(ValueError, match="host_kv_gib"):
         _manager(num_host=0, num_gpu=0)
+
+
+def test_on_gpu_names_the_pages_at_home_on_the_gpu():
+    kv = _manager(num_gpu=3)
+    kv.allocate("a", 6)
+    kv.homes.touch(torch.tensor([8, 10]), torch.tensor([5]))
+    kv.allocate("b", 2)  # page 1 of a spills
+    table = kv.directory.directory[kv.row("a"), 0]  # [Hkv, n_seg]
+    assert kv.homes.on_gpu(table, 4).tolist() == [[True, False, True, False]]  # page 3: not allocated

@@ -113,10 +113,11 @@ needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="re
 @needs_proc
 def test_leader_and_follower_on_the_spin_cache(four_kv_head_llama):
     """Spin's offloaded cache with Quest selecting (sink 1 page + 2 middle + local 1 of up to
-    10 pages) behind a server: the same script, the same tokens and abort as one engine."""
+    10 pages) behind a server: the same script, the same tokens and abort as one engine. A GPU
+    home of a few segments sends most pages to the host, so the buffer works too."""
     cfg = SpinConfig.from_dict({
         "model": {"path": four_kv_head_llama, "device": "cpu", "dtype": "float32", "max_model_len": 128},
-        "cache": {"offload": True, "page_size": 4, "kv_cache_gib": 0.01, "host_kv_gib": 0.01},
+        "cache": {"offload": True, "page_size": 4, "kv_cache_gib": 0.01, "host_kv_gib": 0.01, "gpu_home_fraction": 0.02},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 8},
         "sparse": {"algorithm": "quest", "budget": 8, "sink_tokens": 4, "local_tokens": 4},
     })
