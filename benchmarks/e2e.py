@@ -205,20 +205,28 @@ def run_workload(engine, prompts: list[list[int]], arrivals_s: list[float], max_
             capture_s.append(seconds)
             tokens = 0
         steps.append((seconds, tokens, 0 < tokens == ready, engine.last_stats.num_running))
-        t = time.monotonic()
-        for out in outputs:
-            rt = times[out.request_id]
-            rt.num_output += len(out.new_token_ids)
-            rt.first_token_s = rt.first_token_s or t
-            if out.new_token_ids:
-                rt.last_token_s = t
-            if out.finished:
-                rt.finished_s = t
+        record_outputs(times, outputs, time.monotonic())
     for rid, rt in times.items():
         if rt.finished_s is None:
             engine.abort(rid)
     return {**summarize(list(times.values()), steps, time.monotonic() - start, truncated, engine),
             "capture_steps": len(capture_s), "capture_s": sum(capture_s)}
+
+
+def record_outputs(times: dict[str, RequestTimes], outputs, t: float) -> int:
+    """A step's outputs into their requests' times (request id -> RequestTimes), at ``t``;
+    returns how many requests finished."""
+    finished = 0
+    for out in outputs:
+        rt = times[out.request_id]
+        rt.num_output += len(out.new_token_ids)
+        rt.first_token_s = rt.first_token_s or t
+        if out.new_token_ids:
+            rt.last_token_s = t
+        if out.finished:
+            rt.finished_s = t
+            finished += 1
+    return finished
 
 
 def summarize(times: list[RequestTimes], steps, wall_s: float, truncated: bool, engine) -> dict:
@@ -244,7 +252,7 @@ def summarize(times: list[RequestTimes], steps, wall_s: float, truncated: bool, 
         "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
         "buffer_hits_total": stats.buffer_hits_total, "buffer_misses_total": stats.buffer_misses_total,
         "spilled_pages_total": getattr(stats, "spilled_pages_total", 0),
-        "preemptions_total": getattr(engine, "num_preemptions_total", 0),
+        "preemptions_total": getattr(stats, "preemptions_total", 0),
         # Home pages per tier (used, total) as the run ended, for the offloaded cache.
         "tier_pages": _tier_pages(engine),
         # Decode steps that replayed a CUDA graph, and graphs captured, since the engine started.

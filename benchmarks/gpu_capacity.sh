@@ -15,7 +15,10 @@
 #           throughput of Spin (pages born on the GPU; per-head buffer shares, so that the
 #           buffer reserves each head its own selection and the rest of the 100 GiB are home
 #           pages) beside dense [4.5]
-# Results in $OUT: capacity.log, e2e-<run>.{json,md}, check_spin_tokens.json.
+#   sweep   the request stream (spin-cluster bench serve) at one rate per call (RATE, default
+#           inf; PROMPTS, default 128): log-uniform 8K-128K prompts, 256-2048 output tokens,
+#           dense beside Spin, each mode within DEADLINE s (default 250) [10]
+# Results in $OUT: capacity.log, e2e-<run>.{json,md}, check_spin_tokens.json, serve-<rate>.*.
 set -o pipefail
 source benchmarks/gpu_setup.sh
 LOG="$OUT/capacity.log"
@@ -42,6 +45,13 @@ for r in ${RUNS:-check}; do
     fp8)
       (cd /tmp && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$REPO/tests/kernels/test_fp8_pages.py" \
         2>&1 | tail -6) | tee -a "$LOG" ;;
+    sweep)
+      mkdir -p /tmp/serve
+      timeout 590 python3 -P -m spin_cluster.bench serve --modes dense spin --request-rate "${RATE:-inf}" \
+        --num-prompts "${PROMPTS:-128}" --input-len-dist log-uniform:8192:131072 --output-len-dist uniform:256:2048 \
+        --goodput ttft:60000 tpot:150 --gpu-kv-gib 108 --host-kv-gib 88 --max-num-seqs 64 --max-batched-tokens 32768 \
+        --per-head-shares --deadline-s "${DEADLINE:-250}" "${TOK[@]}" --out /tmp/serve 2>&1 | grep -v "^\[" | tee -a "$LOG"
+      for f in serve.json serve.md serve.png; do cp "/tmp/serve/$f" "$OUT/serve-${RATE:-inf}.${f#serve.}" 2>/dev/null; done ;;
     128k) run 128k 230 --modes dense spin --workloads offline-128K --offline-lengths 131072 --offline-batch 4 \
             --gpu-kv-gib 100 --host-kv-gib 72 --per-head-shares ;;
   esac

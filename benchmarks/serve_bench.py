@@ -151,7 +151,7 @@ def drive(engine, prompts: list[list[int]], arrivals_s: list[float], output_lens
 
     start = time.monotonic()
     times = [e2e.RequestTimes(arrival_s=start + at) for at in arrivals_s]
-    index: dict[str, int] = {}  # request id -> its place in times
+    by_id: dict[str, e2e.RequestTimes] = {}  # request id -> its times
     steps: list[tuple[float, int, bool, int]] = []
     admitted, in_flight, truncated = 0, 0, False
     while admitted < len(times) or engine.has_unfinished():
@@ -159,11 +159,11 @@ def drive(engine, prompts: list[list[int]], arrivals_s: list[float], output_lens
         if now > deadline:
             truncated = True
             break
-        # Arrival order is index order; an arrived request over the cap waits, its clock running.
+        # Requests are added in arrival order; one over the cap waits, its clock running.
         while (admitted < len(times) and times[admitted].arrival_s <= now
                and (max_concurrency is None or in_flight < max_concurrency)):
             params = SamplingParams(temperature=0, max_tokens=output_lens[admitted], ignore_eos=True)
-            index[engine.add_request(prompts[admitted], params)] = admitted
+            by_id[engine.add_request(prompts[admitted], params)] = times[admitted]
             admitted, in_flight = admitted + 1, in_flight + 1
         if not engine.has_unfinished():
             time.sleep(max(0.0, min(times[admitted].arrival_s, deadline) - now))
@@ -177,37 +177,21 @@ def drive(engine, prompts: list[list[int]], arrivals_s: list[float], output_lens
         stats = engine.last_stats
         steps.append((time.perf_counter() - t0, stats.num_batched_tokens,
                       0 < stats.num_batched_tokens == ready, stats.num_running))
-        in_flight -= _record(times, index, outputs, time.monotonic())
-    for rid, i in index.items():
-        if times[i].finished_s is None:
+        in_flight -= e2e.record_outputs(by_id, outputs, time.monotonic())
+    for rid, rt in by_id.items():
+        if rt.finished_s is None:
             engine.abort(rid)
     return times, steps, time.monotonic() - start, truncated
-
-
-def _record(times: list, index: dict[str, int], outputs, t: float) -> int:
-    """A step's outputs into ``times``; the number of requests that finished."""
-    finished = 0
-    for out in outputs:
-        rt = times[index[out.request_id]]
-        rt.num_output += len(out.new_token_ids)
-        rt.first_token_s = rt.first_token_s or t
-        if out.new_token_ids:
-            rt.last_token_s = t
-        if out.finished:
-            rt.finished_s = t
-            finished += 1
-    return finished
 
 
 # ---- metrics ------------------------------------------------------------------------------------
 
 
 def counters(engine) -> dict[str, int]:
-    """The engine's cumulative counters a run reports the change of. Preemptions from the
-    engine's own total: ``last_stats.preemptions_total`` is filled by the offloaded cache only."""
+    """The engine's cumulative counters a run reports the change of."""
     s = engine.last_stats
     return {"hits": s.buffer_hits_total, "misses": s.buffer_misses_total, "spilled": s.spilled_pages_total,
-            "preemptions": engine.num_preemptions_total}
+            "preemptions": s.preemptions_total}
 
 
 def meets_slo(r, slo: dict[str, float]) -> bool:

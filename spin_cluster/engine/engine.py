@@ -279,6 +279,7 @@ class Engine:
             num_waiting=self.scheduler.num_waiting(),
             num_batched_tokens=num_tokens,
             num_preempted=num_preempted,
+            preemptions_total=self.num_preemptions_total,
             num_free_pages=self.kv.num_free_pages,
             num_total_pages=self.kv.num_total_pages,
             step_s=time.perf_counter() - t0,
@@ -301,7 +302,6 @@ class Engine:
             "evicted_pages_total": evicted,
             "retrieved_bytes_total": misses * self.kv.host.page_bytes,  # what crossed PCIe
             "spilled_pages_total": self.kv.num_spilled_segments * self.kv.host.segment_pages,
-            "preemptions_total": self.num_preemptions_total,
             "metadata_gpu_bytes": meta["gpu"] + meta["gpu_buffer"],
             "metadata_host_bytes": meta["host"],
             "metadata_flat_gpu_bytes": meta["flat_gpu"],

@@ -25,9 +25,9 @@ class StepStats:
     buffer_misses_total: int = 0
     evicted_pages_total: int = 0
     retrieved_bytes_total: int = 0
-    # Offloaded cache (cumulative): pages moved GPU -> host to make room (spills); requests
-    # preempted (their pages freed, recomputed later).
+    # Offloaded cache (cumulative): pages moved GPU -> host to make room (spills).
     spilled_pages_total: int = 0
+    # Requests preempted since start (their pages freed, recomputed later).
     preemptions_total: int = 0
     # Page-table bytes: GPU directory, host level 2, and a flat GPU table's for comparison.
     metadata_gpu_bytes: int = 0
