@@ -217,7 +217,10 @@ class OffloadedKVManager(KVCache):
         pages = want.clamp(min=0)
         at_home = self.homes.on_gpu(self.directory.directory[row], int(pages.max()) + 1)  # [L, Hkv, P]
         at_home = at_home.gather(-1, pages[:, 0])[:, None]  # [L, 1, Hkv, Kc]
-        return dataclasses.replace(plan, want=torch.where(at_home, -1, want))
+        want = torch.where(at_home, -1, want)
+        if not bool((want >= 0).any()):  # every page of the chunk is on the GPU: nothing to install
+            return None if plan.straddle < 0 else dataclasses.replace(plan, want=want[..., :0])
+        return dataclasses.replace(plan, want=want)
 
     # ---- stats --------------------------------------------------------------------------------
 
