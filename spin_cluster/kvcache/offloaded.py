@@ -140,28 +140,27 @@ class OffloadedKVManager(KVCache):
 
     def spill(self, num_segments: int) -> list[tuple[str, int, int, int, int]]:
         """Move the ``num_segments`` coldest GPU segments (at most what the host has free) to
-        host segments (least recently
-        selected first; ties: the lower row, layer, head, segment). Device work in stream order
-        (the copies follow every step already issued) and one read of the chosen segments.
-        Returns the moves: (request, layer, KV head, logical segment, new host segment)."""
+        host segments: least recently selected first, ties by (row, layer, head, segment).
+        Device work in stream order (the copies follow every step already issued) and one
+        read of the chosen segments. Returns the moves: (request, layer, KV head, logical
+        segment, new host segment)."""
         homes, d = self.homes, self.directory
         if num_segments <= 0 or not homes.num_gpu_segments:
             return []
-        table = d.directory  # [R, L, Hkv, n_seg]
+        table = d.directory.flatten()  # [R * L * Hkv * n_seg]
         on_gpu = table >= homes.num_host_segments
-        stamp = homes.gpu_last_use[(table - homes.num_host_segments).clamp(min=0).long()]
-        key = torch.where(on_gpu, stamp.long(), torch.iinfo(torch.int64).max).flatten()
         n = min(num_segments, int(on_gpu.sum()), self.host.num_free_segments)
         if n == 0:
             return []
-        # Stable order of (stamp, flat position): the coldest, then the lowest position.
-        order = torch.sort(key, stable=True).indices[:n].cpu()
-        R, L, H, N = table.shape
-        gpu_segs = table.flatten()[order.to(table.device)].cpu().tolist()
+        stamp = homes.gpu_last_use[(table - homes.num_host_segments).clamp(min=0).long()]
+        key = torch.where(on_gpu, stamp.long(), torch.iinfo(torch.int64).max)
+        chosen = torch.sort(key, stable=True).indices[:n]  # a stable sort: ties by flat position
+        gpu_segs, flat_ids = table[chosen].tolist(), chosen.tolist()
         host_segs = self.host.allocate(n)
+        _, L, H, N = d.directory.shape
         row_to_request = {d.row(r): r for r in d.request_ids()}
         moves = []
-        for flat, seg in zip(order.tolist(), host_segs):
+        for flat, seg in zip(flat_ids, host_segs):
             row, rest = divmod(flat, L * H * N)
             layer, rest = divmod(rest, H * N)
             head, logical = divmod(rest, N)

@@ -6,9 +6,9 @@
                need no overlap, and a graph must not wait on work outside it)
     write      K/V rows -> GPU buffer slots (prefill's installed pages), on the compute stream
     Retrieve   a decode layer's selected pages -> their GPU buffer slots, whole (``retrieve``):
-               GPU home pages read in place (their slot is arithmetic: ``homes.py``), for the
-               host pages the buffer's lookup (hits, and slots for the misses by the bucketed LRU), the
-               epilogue (the misses' host pages from the directory, each head's attended
+               GPU home pages read in place (their slot is arithmetic: ``homes.py``); for
+               host pages the buffer's lookup (hits, and slots for the misses by the bucketed
+               LRU), the epilogue (the misses' host pages from the directory, each head's attended
                length, its newest token's slot), one zero-copy gather launch of the misses
                from pinned host memory, and the new token's write-through into its tail slot
     gather     home pages -> a gather buffer (a prefill chunk's context): one launch per tier
@@ -50,6 +50,8 @@ class Transfer:
         if gpu_slots is not None:
             self.write(self.buffer.k_slots, self.buffer.v_slots, k, v, gpu_slots)
         host = self.host
+        if not host.num_segments:  # no host tier: every page lives on the GPU
+            return
         if self._side is None or torch.cuda.is_current_stream_capturing():
             host.write(k, v, slots)
             return
