@@ -53,7 +53,8 @@ def serve_port():
     import ray
     from ray import serve
 
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    # address="local": always a cluster of its own, never one whose address a killed run left behind
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

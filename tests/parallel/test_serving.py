@@ -74,7 +74,8 @@ def _script(engine) -> tuple[dict, list]:
 def local_ray():
     """A Ray instance on 127.0.0.1 for this module: the followers' actors and placement groups."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    # address="local": always a cluster of its own, never one whose address a killed run left behind
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
