@@ -109,6 +109,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gpu-home-fraction", type=float, default=None,
                     help="spin: cache.gpu_home_fraction, the share of --gpu-kv-gib holding pages at home "
                          "(default: the cache's own split; 0: the host is every page's home)")
+    ap.add_argument("--host-kv-dtype", choices=["auto", "fp8"], default="auto",
+                    help="spin: cache.host_kv_dtype (fp8: e4m3 host pages with a scale per token row, "
+                         "0.52x the host and PCIe bytes of bf16)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=0,
+                    help="scheduler.max_prefill_tokens, every mode: prompt tokens per step at most "
+                         "(decodes are scheduled first; 0: the whole --max-batched-tokens)")
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=65536,
@@ -133,7 +139,8 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
         "model": {"path": folder, "load_format": "dummy", "max_model_len": max_len, **device},
         "cache": {"page_size": args.page_size, "kv_cache_gib": args.gpu_kv_gib},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens,
-                      "async_decode": {"auto": None, "on": True, "off": False}[getattr(args, "async_decode", "auto")]},
+                      "async_decode": {"auto": None, "on": True, "off": False}[getattr(args, "async_decode", "auto")],
+                      "max_prefill_tokens": getattr(args, "max_prefill_tokens", 0)},
         "sparse": {},
     }
     if mode == "dense":
@@ -156,7 +163,8 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
         from spin_cluster.hplb.budget import synthetic_maxmin_budgets
 
         cfg["sparse"]["resident_margin"] = args.resident_margin
-        cfg["cache"].update(per_head_shares=args.per_head_shares, buffer_share=args.buffer_share)
+        cfg["cache"].update(per_head_shares=args.per_head_shares, buffer_share=args.buffer_share,
+                            host_kv_dtype=getattr(args, "host_kv_dtype", "auto"))
 
         cfg["sparse"]["per_head_budgets"] = synthetic_maxmin_budgets(
             shape["num_hidden_layers"], shape["num_key_value_heads"], args.budget, args.page_size)
