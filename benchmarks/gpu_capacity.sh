@@ -9,7 +9,8 @@
 #           holds), the whole GPU (108 GiB of KV pages for dense; 108 GiB of home pages and
 #           buffer plus 88 GiB of host for Spin), --max-num-seqs 64, dense and Spin [7.5]
 #           (Spin with per-head buffer shares and block-sparse prefill, PREFILL=0.125 of the blocks)
-#   cap64f  cap64 with FP8 host pages (cache.host_kv_dtype fp8: half the host and PCIe bytes) [9.5]
+#   cap64f  cap64 with FP8 host pages (cache.host_kv_dtype fp8: half the host and PCIe bytes), and
+#           Select's hysteresis MARGIN nats (default 0) toward pages already on the GPU [9.5]
 #   cap64s  the same, Spin alone and 256 output tokens (a quick look at its peak batch) [4]
 #   fp8     the FP8 host page kernels against their reference, from pinned host memory [1]
 #   128k    4 x 128K prompts, 100 GiB each mode, dense prefill in both: TTFT and whole-batch
@@ -43,7 +44,7 @@ for r in ${RUNS:-check}; do
         2>&1 | tail -8 | tee -a "$LOG" ;;
     cap64) run cap64 480 --modes dense spin "${CAP[@]}" --output-tokens 1024 --per-head-shares --sparse-prefill "${PREFILL:-0.125}" ;;
     cap64f) run cap64f 520 --modes dense spin "${CAP[@]}" --output-tokens 1024 --per-head-shares \
-              --sparse-prefill "${PREFILL:-0.125}" --host-kv-dtype fp8 ;;
+              --sparse-prefill "${PREFILL:-0.125}" --host-kv-dtype fp8 --resident-margin "${MARGIN:-0}" ;;
     cap64s) run cap64s 240 --modes spin "${CAP[@]}" --output-tokens 256 ;;
     fp8)
       (cd /tmp && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$REPO/tests/kernels/test_fp8_pages.py" \
