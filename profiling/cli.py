@@ -60,6 +60,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--resident-margin", type=float, default=d.resident_margin,
                    help="offloaded sparse methods: Select's hysteresis for pages the GPU buffer holds, in nats "
                         "(sparse.resident_margin; default: %(default)s, off)")
+    p.add_argument("--host-kv-dtype", choices=["auto", "fp8"], default=d.host_kv_dtype,
+                   help="offloaded methods: cache.host_kv_dtype; their pages all live on the host, so fp8 "
+                        "touches every page they read (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="greedy tokens per answer")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests running at once per engine")
     p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
@@ -90,7 +93,7 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         page_size=args.page_size, max_tokens=args.max_tokens,
         max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens, device=args.device, dtype=args.dtype,
         dense_threshold=args.dense_threshold, seed=args.seed, algorithm_options=_options(args.option),
-        buffer_share=args.buffer_share, resident_margin=args.resident_margin,
+        buffer_share=args.buffer_share, resident_margin=args.resident_margin, host_kv_dtype=args.host_kv_dtype,
     )
 
 

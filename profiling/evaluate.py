@@ -86,6 +86,10 @@ class EvalConfig:
     buffer_share: float = 2.0
     # sparse.resident_margin of the offloaded sparse methods (nats, >= 0; 0: off).
     resident_margin: float = 0.0
+    # cache.host_kv_dtype of the offloaded methods: "auto" (the model's dtype) or "fp8" (e4m3
+    # with a scale per token row). Every page of those methods lives on the host (see
+    # spin_config), so every page they read went through it.
+    host_kv_dtype: str = "auto"
     # Dense accuracy below this (0..1) marks a task as failed densely at that length.
     dense_threshold: float = 0.2
     # Samples are seeds seed, seed + 1, ...
@@ -108,6 +112,8 @@ class EvalConfig:
             )
         if not (self.buffer_share >= 1 or self.buffer_share == 0):
             raise ValueError(f"buffer_share={self.buffer_share}: must be >= 1, or 0 for no cap")
+        if self.host_kv_dtype not in ("auto", "fp8"):
+            raise ValueError(f"host_kv_dtype={self.host_kv_dtype!r}: use auto or fp8")
         if not self.resident_margin >= 0:
             raise ValueError(f"resident_margin={self.resident_margin}: must be >= 0")
         if not 0 <= self.dense_threshold <= 1:
@@ -324,8 +330,10 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
     if method.offloaded:
         # The sizes below give the buffer the whole GPU budget and the host every page, as the
         # published runs had it: the hit ratio the table reports is the buffer's. Where a page
-        # lives does not change what attention computes (bf16 pages either way).
+        # lives does not change what attention computes unless host_kv_dtype is fp8, and then
+        # every page read went through the host's FP8 (the worst case for its accuracy).
         cache["gpu_home_fraction"] = 0.0
+        cache["host_kv_dtype"] = config.host_kv_dtype
     cache.update(_cache_sizes(config, model_path, max_len))
     return SpinConfig.from_dict({
         "model": {"path": model_path, "device": config.device, "dtype": config.dtype, "max_model_len": max_len},

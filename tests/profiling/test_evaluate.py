@@ -41,6 +41,7 @@ def test_one_engine_per_method_and_one_per_length_for_streaming_fractions(smollm
     assert kinds == [("dense", False, 64, 8), ("streaming", True, 64 + 150, 4), ("streaming", True, 64 + 175, 4),
                      ("quest", True, 64, 8)]
     assert all(e.config.model.max_model_len == 700 and e.config.scheduler.max_num_seqs == 3 for e in built)
+    assert all(e.config.cache.host_kv_dtype == "auto" for e in built)
     assert len(res.samples) == 3 * 8 and all(s.score == 0.0 for s in res.samples)
     assert res.dense_failures(600) == ["niah_single", "vt"] and res.average(600, "quest 1/4") is None
     prompt_lens = sorted({len(p) for p in built[0].prompts})
@@ -80,3 +81,16 @@ def test_config_errors_say_what_to_change():
         EvalConfig(lengths=(32,), max_tokens=48)
     with pytest.raises(ValueError, match="unknown sparse algorithm 'nope'"):
         EvalConfig(algorithms=("nope",))
+    with pytest.raises(ValueError, match="host_kv_dtype='fp16': use auto or fp8"):
+        EvalConfig(host_kv_dtype="fp16")
+
+
+def test_fp8_host_pages_reach_the_offloaded_methods_only(smollm2_path):
+    """--host-kv-dtype fp8: every offloaded method's pages live on the host as FP8; dense keeps
+    its GPU-only cache."""
+    cfg = EvalConfig(model_path=smollm2_path, tasks=("niah_single",), lengths=(600,), samples_per_task=1,
+                     algorithms=("quest",), budgets=(0.25,), max_tokens=8, max_batch=2, host_kv_dtype="fp8")
+    built = []
+    evaluate(cfg, engine_factory=lambda spin: built.append(_EchoEngine(spin, "x")) or built[-1], progress=False)
+    caches = [(e.config.cache.offload, e.config.cache.host_kv_dtype, e.config.cache.gpu_home_fraction) for e in built]
+    assert caches == [(False, "auto", None), (True, "fp8", 0.0)]
