@@ -13,6 +13,10 @@ fresh engine and fresh prompts:
   the backend dense used before; ``--ref-runs`` prompts.
 * ``block-sparse``: sparse prefill (``sparse.prefill``), whole prompt, seeded heterogeneous
   per-head budgets of mean ``--budget`` (random weights have no profile to take them from).
+* with ``--spin-chunk N``: ``dense-<N>`` (dense, N-token chunks) beside ``spin-<N>`` (Spin's
+  cache: pages born on the GPU, a host tier behind them, Quest's index built as pages fill,
+  per-head decode budgets; the dense prefill kernel), the same N-token chunks: what Spin's
+  cache adds to a prefill, the e2e runs' 128K setting (two 64K chunks) when N is 65536.
 
 Reported: median, min and max seconds per variant and length; the speed-up of block-sparse
 against the fastest dense variant. ``--profile`` then runs one prompt of the longest length
@@ -34,19 +38,30 @@ from bench_sparse_prefill import D, H, HKV, _import_package, _sync, _tokens
 from spin_cluster.bench.args import add_out, add_tokenizer, save
 
 
-def _engine(folder: str, longest: int, layers: int, prefill: dict, chunk: int | None, on_gpu: bool):
+def _engine(folder: str, longest: int, layers: int, prefill: dict, chunk: int | None, on_gpu: bool,
+            spin: bool = False):
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import Engine
+    from spin_cluster.hplb.budget import synthetic_maxmin_budgets
 
     scheduler = {"max_num_seqs": 1, "max_num_batched_tokens": longest + 16}
     if chunk:
         scheduler = {"max_num_seqs": 1, "max_num_batched_tokens": chunk, "enable_chunked_prefill": True}
+    kv_gib = 2 * layers * HKV * D * 2 * (longest + 256) / 2**30 + 1
+    cache, sparse = {"kv_cache_gib": kv_gib}, {"prefill": prefill}
+    if spin:  # e2e.py's spin mode: home pages and the buffer in the same GPU bytes, a host tier
+        page = 32
+        cache = {"kv_cache_gib": kv_gib, "page_size": page, "offload": True, "host_kv_gib": kv_gib,
+                 "buffer_reuse": True, "per_head_shares": True}
+        sparse = {"algorithm": "quest", "budget": 2048, "local_tokens": 2 * page, "sink_tokens": page,
+                  "options": {"index_dtype": "bfloat16"},
+                  "per_head_budgets": synthetic_maxmin_budgets(layers, HKV, 2048, page)}
     cfg = SpinConfig.from_dict({
         "model": {"path": folder, "load_format": "dummy", "dtype": "bfloat16" if on_gpu else "float32",
                   "max_model_len": longest + 16},
-        "cache": {"kv_cache_gib": 2 * layers * HKV * D * 2 * (longest + 256) / 2**30 + 1},
+        "cache": cache,
         "scheduler": scheduler,
-        "sparse": {"prefill": prefill},
+        "sparse": sparse,
     })
     return Engine(cfg, progress=False)
 
@@ -102,20 +117,23 @@ def run(args) -> dict:
     on_gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if on_gpu else "cpu")
     chosen = device_backend(dev, torch.bfloat16 if on_gpu else torch.float32, H, HKV, D).name
-    # (label, sparse prefill config, forced dense kernel, chunk tokens, timed prompts)
-    variants = [("dense", {}, None, None, args.runs), ("block-sparse", sparse, None, None, args.runs)]
+    # (label, sparse prefill config, forced dense kernel, chunk tokens, timed prompts, Spin's cache)
+    variants = [("dense", {}, None, None, args.runs, False), ("block-sparse", sparse, None, None, args.runs, False)]
     if args.ref_runs:
-        variants.insert(1, ("dense-chunked", {}, None, args.chunk, args.ref_runs))
+        variants.insert(1, ("dense-chunked", {}, None, args.chunk, args.ref_runs, False))
         if chosen != "flash" and on_gpu:
-            variants.insert(0, ("dense-flash", {}, "flash", None, args.ref_runs))
+            variants.insert(0, ("dense-flash", {}, "flash", None, args.ref_runs, False))
+    if args.spin_chunk:
+        n = args.spin_chunk
+        variants = [(f"dense-{n}", {}, None, n, args.runs, False), (f"spin-{n}", {}, None, n, args.runs, True)]
     results = {"budget": args.budget, "per_head_budgets": sparse["per_head_budgets"], "dense_backend": chosen,
-               "chunk": args.chunk, "estimator": args.estimator, "stride": args.stride, "ttft_s": {}, "profile": {}}
+               "chunk": args.chunk, "spin_chunk": args.spin_chunk, "estimator": args.estimator, "stride": args.stride, "ttft_s": {}, "profile": {}}
     print(f"dense prefill backend of the engine: {chosen}", flush=True)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    for label, prefill, force, chunk, runs in variants:
+    for label, prefill, force, chunk, runs, spin in variants:
         if force:
             os.environ["SPIN_DENSE_PREFILL"] = force
-        engine = _engine(folder, longest, args.layers, prefill, chunk, on_gpu)
+        engine = _engine(folder, longest, args.layers, prefill, chunk, on_gpu, spin)
         try:
             # Warm-up: compile, and tune the sparse kernel for every size class timed below.
             engine.generate([_prompt(min(2048, min(args.lengths)), 1)], params)
@@ -135,7 +153,7 @@ def run(args) -> dict:
                 results["ttft_s"].setdefault(str(T), {})[label] = stats
                 print(f"TTFT {label:>13} T={T:>6}: {stats['median']:.3f} s (min {stats['min']:.3f}, "
                       f"max {stats['max']:.3f}, {runs} runs)", flush=True)
-            if args.profile and label in ("dense", "block-sparse"):
+            if args.profile and (label in ("dense", "block-sparse") or args.spin_chunk):
                 prof = _profile(engine, _prompt(longest, 7), params)
                 results["profile"][label] = prof
                 _print_profile(label, longest, prof)
@@ -161,6 +179,15 @@ def _print_profile(label: str, T: int, prof: dict) -> None:
 
 def _print_table(results: dict) -> None:
     chosen = results["dense_backend"]
+    if results.get("spin_chunk"):
+        n = results["spin_chunk"]
+        print(f"\n| prompt tokens | dense, {n}-token chunks s (min-max) | Spin's cache, same chunks s (min-max) "
+              f"| Spin / dense |\n|---:|---:|---:|---:|")
+        for T, row in results["ttft_s"].items():
+            d, p = row[f"dense-{n}"], row[f"spin-{n}"]
+            print(f"| {_tokens(T)} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {p['median']:.2f} "
+                  f"({p['min']:.2f}-{p['max']:.2f}) | {p['median'] / d['median']:.3f}x |")
+        return
     print(f"\n| prompt tokens | dense {chosen} whole TTFT s (min-max) | dense {chosen} {results['chunk']}-token chunks s "
           f"| dense flash s | block-sparse TTFT s (min-max) | sparse vs fastest dense |\n|---:|---:|---:|---:|---:|---:|")
     for T, row in results["ttft_s"].items():
@@ -190,6 +217,8 @@ def main() -> None:
     ap.add_argument("--warm-lengths", action=argparse.BooleanOptionalAction, default=True,
                     help="one untimed sparse prompt per length first (the kernel tunes once per size class)")
     ap.add_argument("--profile", action="store_true", help="kernel time of one longest prompt, dense and sparse")
+    ap.add_argument("--spin-chunk", type=int, default=0, metavar="N",
+                    help="instead of the variants above: dense beside Spin's cache, both in N-token chunks")
     add_out(ap)
     args = ap.parse_args()
     _import_package()
