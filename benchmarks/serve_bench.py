@@ -316,10 +316,10 @@ def main(argv=None) -> dict:
     e2e._import_package()
     import torch
 
-    from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
+    from spin_cluster.models.shapes import SHAPES, shape_folder
     from spin_cluster.provenance import write_json
 
-    shape = {**LLAMA_31_8B, **e2e.TINY} if args.tiny else LLAMA_31_8B
+    shape = {**SHAPES[args.shape], **e2e.TINY} if args.tiny else SHAPES[args.shape]
     max_len = args.input_len_dist.hi + args.output_len_dist.hi + args.page_size
     folder = shape_folder(shape, max_len, args.tokenizer, prefix="serve-model-")
     labels = [f"{rate:g}" for rate in args.request_rate]
