@@ -17,6 +17,9 @@
 #           throughput of Spin (pages born on the GPU; per-head buffer shares, so that the
 #           buffer reserves each head its own selection and the rest of the 100 GiB are home
 #           pages) beside dense [4.5]
+#   q32     Qwen2.5-32B shapes (64 GB of weights): N32 (default 4) x 128K prompts, 256 output tokens,
+#           60 GiB of GPU KV for each mode (dense holds one or two), Spin with 88 GiB of FP8 host
+#           pages behind its 60 GiB [9.5]
 #   sweep   the request stream (spin-cluster bench serve) at one rate per call (RATE, default
 #           inf; PROMPTS, default 128): log-uniform 8K-128K prompts, 256-2048 output tokens,
 #           dense beside Spin, each mode within DEADLINE s (default 250) [10]
@@ -56,6 +59,9 @@ for r in ${RUNS:-check}; do
         --goodput ttft:60000 tpot:150 --gpu-kv-gib 108 --host-kv-gib 88 --max-num-seqs 64 --max-batched-tokens 32768 \
         --per-head-shares --deadline-s "${DEADLINE:-250}" "${TOK[@]}" --out /tmp/serve 2>&1 | grep -v "^\[" | tee -a "$LOG"
       for f in serve.json serve.md serve.png; do cp "/tmp/serve/$f" "$OUT/serve-${RATE:-inf}.${f#serve.}" 2>/dev/null; done ;;
+    q32) run q32 500 --modes dense spin --shape qwen2.5-32b --workloads offline-128K --offline-lengths 131072 \
+           --offline-batch "${N32:-4}" --max-num-seqs "${N32:-4}" --output-tokens 256 --max-batched-tokens 32768 \
+           --gpu-kv-gib 60 --host-kv-dtype fp8 --per-head-shares ;;
     128k) run 128k 230 --modes dense spin --workloads offline-128K --offline-lengths 131072 --offline-batch 4 \
             --gpu-kv-gib 100 --host-kv-gib 72 --per-head-shares ;;
   esac
