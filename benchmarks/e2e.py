@@ -245,6 +245,7 @@ def summarize(times: list[RequestTimes], steps, wall_s: float, truncated: bool, 
     # (its TPOT so far), so that a mode too slow to finish inside its slice still has one.
     tpot = [(r.last_token_s - r.first_token_s) / (r.num_output - 1) for r in times if r.num_output > 1]
     decode = [(s, n) for s, n, only, _ in steps if only]
+    prompt_steps = [(s, n) for s, n, only, _ in steps if n and not only]
     stats = engine.last_stats
     return {
         "requests": len(times), "finished": sum(r.finished_s is not None for r in times), "truncated": truncated,
@@ -253,6 +254,11 @@ def summarize(times: list[RequestTimes], steps, wall_s: float, truncated: bool, 
         "decode_tok_s": sum(n for _, n in decode) / sum(s for s, _ in decode) if decode else None,
         "batch1_decode_step_s": _median([s for s, n in decode if n == 1]),
         "decode_steps": sum(1 for _, n, _, _ in steps if n),
+        # Steps that ran prompt tokens (with the decodes that rode along): their seconds and
+        # tokens per second, the prefill side of the whole-batch time.
+        "prompt_steps_s": sum(s for s, _ in prompt_steps),
+        "prompt_step_tok_s": (sum(n for _, n in prompt_steps) / sum(s for s, _ in prompt_steps)
+                              if prompt_steps else None),
         "peak_running": max((r for *_, r in steps), default=0),
         "peak_decode_batch": max((n for _, n in decode), default=0),
         # Decode-only steps at the largest batch: median and spread (10th / 90th percentile).
