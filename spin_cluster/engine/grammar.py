@@ -53,6 +53,7 @@ class Grammars:
         self._compiled: dict[StructuredOutput, Any] = {}
         self._matchers: dict[str, Any] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32, grown on demand
+        self.refused = 0  # sampled tokens a grammar refused (each ended its request): 0 unless a mask failed
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -116,6 +117,7 @@ class Grammars:
         output that does not match (it can only happen past a ban the mask did not see)."""
         matcher = self._matchers[request_id]
         if not matcher.accept_token(token_id):
+            self.refused += 1
             return True
         return matcher.is_terminated()
 
