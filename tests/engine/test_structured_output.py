@@ -108,10 +108,16 @@ def _every_output_validates(engine):
                 final[out.request_id] = out
     unfinished = [(schema, final[rid].text) for rid, (schema, _) in zip(rids, cases) if final[rid].finish_reason != "stop"]
     assert not unfinished
+    assert engine.grammars.refused == 0  # every sampled token was one its grammar allowed
+    failed = []
     for rid, (schema, greedy) in zip(rids, cases):
         out = final[rid]
         assert streamed[rid] == out.text
-        jsonschema.validate(json.loads(out.text), schema)
+        try:
+            jsonschema.validate(json.loads(out.text), schema)
+        except (ValueError, jsonschema.ValidationError) as e:
+            failed.append(("greedy" if greedy else "sampled", out.text, out.token_ids, str(e).splitlines()[0]))
+    assert not failed, failed
     engine.check_integrity()
 
 
