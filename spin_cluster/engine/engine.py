@@ -85,10 +85,10 @@ class Engine:
         self.runner = ModelRunner(self.model, attention, self.device, progress=progress,
                                   cuda_graph_max_batch=sc.max_num_seqs if config.model.cuda_graphs else 0)
         self.sampler = Sampler(self.device)
-        self.grammars = Grammars(self.tokenizer.hf_tokenizer, mc.vocab_size)
         self._eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self._eos_ids.add(self.tokenizer.eos_token_id)
+        self.grammars = Grammars(self.tokenizer.hf_tokenizer, mc.vocab_size, sorted(self._eos_ids))
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_stats = StepStats()

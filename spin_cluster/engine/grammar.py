@@ -46,9 +46,15 @@ class Grammars:
     """Compiled grammars for one tokenizer (cached by ``StructuredOutput``) and the live
     matchers of the constrained requests."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's
+        # The engine's end-of-sequence ids (the model config's and the tokenizer's). The
+        # grammar allows them only where its output is complete. Left to xgrammar, the stop
+        # set is the tokenizer's alone, and any other id the engine stops on (a config's
+        # second EOS, say) is an ordinary token that a string may hold: the engine then ends
+        # the request mid-string, with text that does not parse.
+        self.stop_token_ids = list(stop_token_ids)
         self._compiler = None
         self._compiled: dict[StructuredOutput, Any] = {}
         self._matchers: dict[str, Any] = {}
@@ -86,7 +92,8 @@ class Grammars:
         if self._compiler is None:
             import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size)
+            info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids or None)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 

@@ -143,3 +143,28 @@ def test_compiled_grammars_are_cached(engine):
 def test_min_tokens_cannot_be_combined_with_a_grammar():
     with pytest.raises(ValueError, match="min_tokens=3: cannot be combined with response_format"):
         SamplingParams(min_tokens=3, structured_output=StructuredOutput("json_object"))
+
+
+def test_the_engines_stop_ids_end_only_a_complete_output(engine):
+    """Every id the engine stops on is a stop id of the grammar: masked where the output is
+    not complete (inside a string here), allowed where it is. An id the grammar took for an
+    ordinary token would let a string hold it, and the engine would end the request there."""
+    from spin_cluster.engine.grammar import Grammars
+
+    tok = engine.tokenizer.hf_tokenizer
+    a, b = (tok.encode(t, add_special_tokens=False)[0] for t in ("a", "b"))
+    V = engine.grammars.vocab_size
+    grammars = Grammars(tok, V, [2, a])  # "a" stands in for a second EOS of a model's config
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}}, "required": ["s"]}
+    grammars.start("r", StructuredOutput.from_schema(schema))
+    for t in tok.encode('{"s": "', add_special_tokens=False):
+        assert not grammars.accept("r", t)
+    logits = torch.zeros(1, V)
+    grammars.mask(logits, ["r"])
+    assert logits[0, a] == float("-inf") and logits[0, 2] == float("-inf") and logits[0, b] == 0
+    for t in tok.encode('b"}', add_special_tokens=False):
+        assert not grammars.accept("r", t)
+    logits = torch.zeros(1, V)
+    grammars.mask(logits, ["r"])
+    assert logits[0, a] == 0 and logits[0, 2] == 0  # complete: either stop id may end it
+    assert grammars.accept("r", a) and grammars.refused == 0
