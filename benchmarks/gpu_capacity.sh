@@ -20,6 +20,9 @@
 #   q32     Qwen2.5-32B shapes (64 GB of weights): N32 (default 4) x 128K prompts, 256 output tokens,
 #           60 GiB of GPU KV for each mode (dense holds one or two), Spin with 88 GiB of FP8 host
 #           pages behind its 60 GiB [9.5]
+#   mixed   what one more 32K prompt costs a loaded server: dense decoding 25 x 32K (its GPU holds 26),
+#           Spin 59 x 32K (GPU full, FP8 host pages, spills; cap64f peaked at 60), each then prefills a
+#           32K prompt beside its batch, timed and profiled (bench decode-step --mixed) [5]
 #   sweep   the request stream (spin-cluster bench serve) at one rate per call (RATE, default
 #           inf; PROMPTS, default 128): log-uniform 8K-128K prompts, 256-2048 output tokens,
 #           dense beside Spin, each mode within DEADLINE s (default 250) [10]
@@ -59,6 +62,13 @@ for r in ${RUNS:-check}; do
         --goodput ttft:60000 tpot:150 --gpu-kv-gib 108 --host-kv-gib 88 --max-num-seqs 64 --max-batched-tokens 32768 \
         --per-head-shares --deadline-s "${DEADLINE:-250}" "${TOK[@]}" --out /tmp/serve 2>&1 | grep -v "^\[" | tee -a "$LOG"
       for f in serve.json serve.md serve.png; do cp "/tmp/serve/$f" "$OUT/serve-${RATE:-inf}.${f#serve.}" 2>/dev/null; done ;;
+    mixed)
+      for pair in dense:25 spin:59; do
+        timeout 280 python3 -P -m spin_cluster.bench decode-step --mode "${pair%%:*}" --batch "${pair##*:}" --context 32768 \
+          --mixed 32768 --steps 5 --gpu-kv-gib 108 --host-kv-gib 88 --host-kv-dtype fp8 --per-head-shares \
+          --resident-margin 0.5 --sparse-prefill 0.125 --max-num-seqs 64 --max-batched-tokens 32768 "${TOK[@]}" \
+          --out "$OUT" 2>&1 | grep -v "^\[" | tail -45 | tee -a "$LOG"
+      done ;;
     q32) run q32 500 --modes dense spin --shape qwen2.5-32b --workloads offline-128K --offline-lengths 131072 \
            --offline-batch "${N32:-4}" --max-num-seqs "${N32:-4}" --output-tokens 256 --max-batched-tokens 32768 \
            --gpu-kv-gib 60 --host-kv-dtype fp8 --per-head-shares ;;

@@ -8,7 +8,10 @@ host time around the model (scheduling, sampling, stats).
 The engine is ``benchmarks/e2e.py``'s for the mode (Llama-3.1-8B shapes, random weights); the
 batch's prompts are prefilled, then ``--warmup`` decode steps capture the graphs, then
 ``--steps`` decode steps are timed as served and one more runs eagerly under
-``torch.profiler``. Output: a table on stdout and ``profile-<mode>-<context>.json`` in --out.
+``torch.profiler``. With ``--mixed N``, one more prompt of N tokens then arrives and the steps
+that prefill it beside the running batch (mixed steps, always eager) are timed and profiled:
+what a prompt costs a loaded server, spills included when the GPU is full. Output: a table on
+stdout and ``profile-<mode>-<context>.json`` in --out.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=25, help="kernels listed")
+    ap.add_argument("--mixed", type=int, default=0, metavar="N",
+                    help="then prefill one more prompt of N tokens beside the batch, timed and profiled")
     ap.add_argument("--tiny", action="store_true")
     add_out_folder(ap)
     e2e.add_engine_args(ap)  # the engine's settings, as e2e.py
@@ -41,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.gpu_kv_gib, args.host_kv_gib, args.context, args.batch = 0.002, 0.05, 256, 2
         args.budget, args.page_size, args.max_num_seqs, args.max_batched_tokens = 64, 16, 4, 256
         args.steps, args.warmup = 3, 1
+        args.mixed = min(args.mixed, 128)
     return args
 
 
@@ -55,7 +61,7 @@ def main(argv=None) -> dict:
     from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
 
     shape = {**LLAMA_31_8B, **e2e.TINY} if args.tiny else LLAMA_31_8B
-    total = args.warmup + args.steps + 4  # the profiled and the eager step still decode
+    total = args.warmup + args.steps + 4 + (8 if args.mixed else 0)  # the profiled, eager and mixed steps still decode
     max_len = args.context + total + args.page_size
     folder = shape_folder(shape, max_len, args.tokenizer, prefix="profile-model-")
     engine = Engine(SpinConfig.from_dict(e2e.mode_config(args.mode, args, folder, max_len, shape)), progress=False)
@@ -177,6 +183,9 @@ def main(argv=None) -> dict:
         "hit_ratio": (engine.last_stats.buffer_hits_total / engine.last_stats.buffer_lookups_total
                       if engine.last_stats.buffer_lookups_total else None),
     }
+    if args.mixed:
+        result["mixed"] = mixed_prompt(engine, args.mixed, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                                       sync, cuda, layers)
     write_result(os.path.join(args.out, f"profile-{args.mode}-{args.context}.json"), result)
     print(f"{args.mode} context {args.context} batch {batch} on {result['gpu']}: step {1e3 * result['step_s_median']:.2f} ms "
           f"as served (runner {1e3 * result['runner_s_median']:.2f} ms{', launch only: pipelined' if piped else ''}, graphs: {result['graphs']}), "
@@ -193,10 +202,57 @@ def main(argv=None) -> dict:
     print("| kernel | ms per step | calls |\n|---|---:|---:|")
     for r in result["top"]:
         print(f"| {r['name'][:90]} | {1e3 * r['s']:.3f} | {r['calls']} |")
+    if args.mixed:
+        m = result["mixed"]
+        print(f"mixed: a {args.mixed}-token prompt beside {batch} decoding requests took {m['steps']} steps, "
+              f"{1e3 * m['wall_s']:.1f} ms of wall time; kernels {1e3 * m['kernel_s']:.1f} ms; "
+              f"{m['spilled_pages']} pages spilled")
+        print("| part | ms |\n|---|---:|")
+        for name, ms in sorted(m["parts_ms"].items(), key=lambda kv: -kv[1]):
+            print(f"| {name} | {ms:.1f} |")
+        for r in m["top"]:
+            print(f"| {r['name'][:90]} | {1e3 * r['s']:.1f} ms | {r['calls']} calls |")
     import shutil
 
     shutil.rmtree(folder, ignore_errors=True)
     return result
+
+
+def mixed_prompt(engine, n: int, params, sync, cuda: bool, layers: int) -> dict:
+    """One new prompt of n tokens prefilled beside the running batch: the steps until its first
+    token, their wall time, and their kernels (one profiled pass; the GPU's kernels by part)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    spilled0 = getattr(engine.kv, "num_spilled_segments", 0)
+    rid = engine.add_request([2000 + (11 * j) % 30000 for j in range(n)], params)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    steps, t0 = 0, time.perf_counter()
+    with profile(activities=activities) as prof:
+        while True:
+            outs = engine.step()
+            steps += 1
+            if any(o.request_id == rid for o in outs) or steps > 64:
+                break
+        sync()
+    wall = time.perf_counter() - t0
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        dev_us = getattr(ev, "device_time", None) if cuda else None
+        if cuda and ev.device_type.name == "CUDA" and dev_us:
+            kernels.setdefault(ev.name, []).append(dev_us / 1e6)
+        elif not cuda and ev.cpu_parent is None:
+            kernels.setdefault(ev.name, []).append(ev.cpu_time_total / 1e6)
+    rows = sorted(((name, sum(ts), len(ts)) for name, ts in kernels.items()), key=lambda r: -r[1])
+    parts: dict[str, float] = {}
+    for name, t, _ in rows:
+        parts[kernel_part(name)] = parts.get(kernel_part(name), 0.0) + 1e3 * t
+    segs = getattr(engine.kv, "num_spilled_segments", 0) - spilled0
+    seg_pages = getattr(getattr(engine.kv, "host", None), "segment_pages", 0)
+    return {"prompt_tokens": n, "steps": steps, "wall_s": wall, "kernel_s": sum(t for _, t, _ in rows),
+            "parts_ms": parts, "spilled_pages": segs * seg_pages,
+            "top": [{"name": n_[:120], "s": t, "calls": c} for n_, t, c in rows[:15]]}
 
 
 # Kernel name fragments -> the part of the step they belong to (first match wins); the

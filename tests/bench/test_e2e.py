@@ -90,3 +90,14 @@ def test_e2e_qwen_shape_fp8_host_and_prefill_share(tmp_path):
     assert saved["shape"]["architectures"] == ["Qwen2ForCausalLM"] and saved["shape"]["hidden_size"] == 64
     for r in saved["workloads"]["offline-384"].values():
         assert r["finished"] == r["requests"] == 3 and not r["truncated"]
+
+
+@pytest.mark.slow
+def test_profile_step_prices_a_prompt_beside_a_decoding_batch(tmp_path):
+    """spin-cluster bench decode-step --mixed N: a prompt prefilled beside the running batch,
+    its steps timed and profiled; the toy cache is full, so the prompt's pages spill others."""
+    assert run("decode-step", ["--tiny", "--mode", "spin", "--mixed", "100", "--out", str(tmp_path)]) == 0
+    mixed = json.loads((tmp_path / "profile-spin-256.json").read_text())["mixed"]
+    assert mixed["prompt_tokens"] == 100 and 1 <= mixed["steps"] <= 64
+    assert mixed["wall_s"] > 0 and mixed["kernel_s"] > 0 and mixed["parts_ms"]
+    assert mixed["spilled_pages"] > 0
