@@ -22,7 +22,8 @@
 #           pages behind its 60 GiB [9.5]
 #   mixed   what one more 32K prompt costs a loaded server: dense decoding 25 x 32K (its GPU holds 26),
 #           Spin 59 x 32K (GPU full, FP8 host pages, spills; cap64f peaked at 60), each then prefills a
-#           32K prompt beside its batch, timed and profiled (bench decode-step --mixed) [5]
+#           32K prompt beside its batch, timed and profiled (bench decode-step --mixed) [5];
+#           CTX=131072 MIXED="dense:3 spin:3" GPU_KV=100 for the 4 x 128K case
 #   sweep   the request stream (spin-cluster bench serve) at one rate per call (RATE, default
 #           inf; PROMPTS, default 128): log-uniform 8K-128K prompts, 256-2048 output tokens,
 #           dense beside Spin, each mode within DEADLINE s (default 250) [10]
@@ -63,9 +64,9 @@ for r in ${RUNS:-check}; do
         --per-head-shares --deadline-s "${DEADLINE:-250}" "${TOK[@]}" --out /tmp/serve 2>&1 | grep -v "^\[" | tee -a "$LOG"
       for f in serve.json serve.md serve.png; do cp "/tmp/serve/$f" "$OUT/serve-${RATE:-inf}.${f#serve.}" 2>/dev/null; done ;;
     mixed)
-      for pair in dense:25 spin:59; do
-        timeout 280 python3 -P -m spin_cluster.bench decode-step --mode "${pair%%:*}" --batch "${pair##*:}" --context 32768 \
-          --mixed 32768 --steps 5 --gpu-kv-gib 108 --host-kv-gib 88 --host-kv-dtype fp8 --per-head-shares \
+      for pair in ${MIXED:-dense:25 spin:59}; do
+        timeout 280 python3 -P -m spin_cluster.bench decode-step --mode "${pair%%:*}" --batch "${pair##*:}" \
+          --context "${CTX:-32768}" --mixed "${CTX:-32768}" --steps 5 --gpu-kv-gib "${GPU_KV:-108}" --host-kv-gib 88 --host-kv-dtype fp8 --per-head-shares \
           --resident-margin 0.5 --sparse-prefill 0.125 --max-num-seqs 64 --max-batched-tokens 32768 "${TOK[@]}" \
           --out "$OUT" 2>&1 | grep -v "^\[" | tail -45 | tee -a "$LOG"
       done ;;
