@@ -64,4 +64,6 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
               "engine"),
     Benchmark("check-spin-tokens", "check_spin_tokens.py", "Spin gives dense's tokens when Select keeps every page",
               "checks"),
+    Benchmark("check-grammar-mask", "check_grammar_mask.py", "the grammar's token mask on a device matches the CPU's; "
+              "a constrained batch there samples only allowed tokens", "checks"),
 ]}
