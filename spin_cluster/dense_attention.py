@@ -299,7 +299,8 @@ def decode_impl(name: str, device: torch.device):
 
 
 def prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, context_start: int,
-                      sparse: SparsePrefill | None = None, layer: int = 0) -> torch.Tensor:
+                      sparse: SparsePrefill | None = None, layer: int = 0,
+                      window: int | None = None) -> torch.Tensor:
     """Causal SDPA of a prefill chunk against its request's context, on the device's fastest
     SDPA kernel (``choose_backend`` above: cuDNN on Hopper, else flash, the
     math kernel on the CPU).
@@ -307,10 +308,43 @@ def prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
     q: [n, H, D] at positions context_start .. context_start + n - 1;
     k_ctx, v_ctx: [Hkv, context_start + n, D] (positions 0 ..). Returns [n, H, D].
     ``sparse``: block-sparse prefill instead (``sparse.prefill``), with ``layer``'s budgets.
+    ``window``: a sliding-window layer's (``sliding_window_attention``).
     """
+    if window is not None:
+        if sparse is not None:
+            raise ValueError("block-sparse prefill does not mask a sliding window; "
+                             "turn sparse prefill off for sliding-window models (Gemma 3)")
+        return sliding_window_attention(q, k_ctx, v_ctx, context_start, window)
     if sparse is not None:
         return sparse(layer, q, k_ctx, v_ctx, context_start)
     return dense_causal_attention(q, k_ctx, v_ctx, context_start)
+
+
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_start: int,
+                             window: int) -> torch.Tensor:
+    """Causal attention of a chunk in which the query at position p sees keys p - window + 1
+    .. p only. q [n, H, D] at cs .. cs + n - 1; k, v [Hkv, cs + n, D] -> [n, H, D].
+
+    The queries go in blocks of ``window``; a block's keys start window - 1 before its first
+    query, so each block's boolean mask is at most [window, 2 * window - 1]::
+
+        keys    first ............ a ............ b - 1     (positions)
+        query a  x x x x x x x x x x                         sees first .. a
+        query b-1          x x x x x x x x x x x x x x x    sees b - window .. b - 1
+    """
+    n = q.shape[0]
+    out = torch.empty_like(q)
+    for a in range(0, n, window):
+        b = min(n, a + window)
+        start, end = context_start + a, context_start + b  # the block's query positions
+        first = max(0, start - window + 1)
+        q_pos = torch.arange(start, end, device=q.device)[:, None]
+        k_pos = torch.arange(first, end, device=q.device)[None, :]
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # [b - a, end - first]
+        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[None, :, first:end],
+                                           v[None, :, first:end], attn_mask=mask, enable_gqa=True)
+        out[a:b] = o[0].transpose(0, 1)
+    return out
 
 
 def chunk_causal_mask(n: int, context_start: int, device: torch.device):

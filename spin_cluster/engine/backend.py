@@ -65,8 +65,10 @@ class AttentionBackend(ABC):
         """Plan the step: chunks in the runner's order, [T] positions and token rows."""
 
     @abstractmethod
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], the step's new k, v [T, Hkv, D] -> [T, H, D]."""
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
+        """q [T, H, D], the step's new k, v [T, Hkv, D] -> [T, H, D]; ``window``: a
+        sliding-window layer's (``LayerAttention``)."""
 
     @abstractmethod
     def end_step(self) -> None: ...

@@ -244,7 +244,11 @@ class SpinAttention(PlannedCapture):
 
     # ---- per layer ----------------------------------------------------------------------------
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
+        if window is not None:
+            raise ValueError("sliding-window layers (Gemma 3) need the paged KV cache; the spin "
+                             "cache does not mask a window yet")
         plan = self.plan
         T, H, D = q.shape
         self.transfer.offload(plan.host_slots[layer_id], k.reshape(-1, D), v.reshape(-1, D),

@@ -19,12 +19,15 @@ import torch
 
 class LayerAttention(Protocol):
     def forward(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None
     ) -> torch.Tensor:
         """Store k/v for this step's tokens and attend.
 
         q: [T, H, D], k: [T, Hkv, D], v: [T, Hkv, D], all after RoPE (and q/k norm).
         Returns [T, H, D] in q's dtype. Softmax scale is D ** -0.5.
+        window: a sliding-window layer's (Gemma 3): a query at position p sees only keys at
+        p - window + 1 .. p. Models pass it only for such layers, so a backend that cannot
+        mask a window fails on them rather than attending to every key.
         The backend knows, from its own per-step plan, which request and position each of
         the T tokens belongs to; the model passes no such metadata.
         """

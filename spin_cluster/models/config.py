@@ -9,9 +9,14 @@ parameters arrive in one layout whichever transformers wrote them:
 * transformers 5: one ``rope_parameters`` dict holding ``rope_theta``, ``rope_type`` and, for
   scaled RoPE, the scaling fields. transformers 5 may also write ``architectures: null``.
 
+Gemma 3 (``gemma3_text``) keeps one RoPE parameter dict per layer type, ``full_attention``
+and ``sliding_attention``, in either version (transformers 4's ``rope_theta`` and
+``rope_local_base_freq`` become those two).
+
 Before that, what the file says is checked here: anything the model code could not run
-faithfully (another architecture, another activation, sliding-window layers, a RoPE type other
-than default/llama3) is refused with a ``ValueError`` rather than silently computed wrong.
+faithfully (another architecture, another activation, Llama/Qwen sliding-window layers, a RoPE
+type other than default/llama3, Gemma's attention softcapping or bidirectional attention) is
+refused with a ``ValueError`` rather than silently computed wrong.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 # Used when ``architectures`` is missing or null (transformers 5 writes null for bare configs).
@@ -32,6 +38,7 @@ _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 _MODEL_TYPE_BY_ARCH = {arch: model_type for model_type, arch in _ARCH_BY_MODEL_TYPE.items()}
@@ -48,7 +55,7 @@ _LLAMA3_FIELDS = (
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # one of SUPPORTED_ARCHITECTURES
-    model_type: str  # "llama" | "qwen2" | "qwen3"
+    model_type: str  # "llama" | "qwen2" | "qwen3" | "gemma3_text"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -70,6 +77,14 @@ class ModelConfig:
     o_proj_bias: bool = False  # Llama/Qwen3 `attention_bias` also covers o_proj; Qwen2's does not
     mlp_bias: bool = False  # Llama's `mlp_bias`
     checkpoint_dtype: str | None = None  # `dtype` / `torch_dtype` as written, for dtype="auto"
+    # Gemma 3 (all at their no-op values for the other models):
+    hidden_act: str = "silu"  # the MLP gate's activation: "silu" | "gelu_pytorch_tanh"
+    # Per layer, the sliding window in tokens (a query at p sees keys p - w + 1 .. p), or None
+    # for full attention; empty: every layer full.
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of the sliding-window layers
+    query_pre_attn_scalar: float | None = None  # softmax scale is its ** -0.5 (None: D ** -0.5)
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
 
     @property
     def num_kv_groups(self) -> int:
@@ -103,6 +118,8 @@ class ModelConfig:
         having passed ``_refuse_unsupported``."""
         arch = _architecture(d)
         model_type = _MODEL_TYPE_BY_ARCH[arch]
+        if model_type == "gemma3_text":
+            return cls._from_gemma3(hf, d)
         hidden_size, num_heads = hf.hidden_size, hf.num_attention_heads
         # transformers 4 leaves head_dim unset where it is hidden_size / heads (Qwen2 always).
         head_dim = getattr(hf, "head_dim", None) or hidden_size // num_heads
@@ -142,6 +159,45 @@ class ModelConfig:
             checkpoint_dtype=dtype_str if isinstance(dtype_str, str) else None,
         )
 
+    @classmethod
+    def _from_gemma3(cls, hf: Any, d: dict[str, Any]) -> ModelConfig:
+        """Gemma 3 text: the Llama fields, plus per-layer windows, two RoPE bases, GELU-tanh,
+        the query scale and the final softcapping (its norms and embedding scale are fixed
+        by the architecture, not configured)."""
+        params = _gemma3_rope_layout(hf)
+        rope_theta, _ = _rope(params["full_attention"])
+        local_theta, _ = _rope(params["sliding_attention"])
+        windows = tuple(hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types)
+        eos = hf.eos_token_id
+        dtype_str = d.get("dtype") or d.get("torch_dtype")
+        return cls(
+            architecture="Gemma3ForCausalLM",
+            model_type="gemma3_text",
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
+            head_dim=hf.head_dim,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            rope_theta=rope_theta,
+            rope_scaling=None,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            attention_bias=bool(hf.attention_bias),
+            qk_norm=True,
+            bos_token_id=hf.bos_token_id,
+            eos_token_ids=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
+            o_proj_bias=bool(hf.attention_bias),
+            checkpoint_dtype=dtype_str if isinstance(dtype_str, str) else None,
+            hidden_act=hf.hidden_activation,
+            layer_windows=windows,
+            local_rope_theta=local_theta,
+            query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
+            final_logit_softcapping=_float_or_none(hf.final_logit_softcapping),
+        )
+
 
 def _read_config_json(path: Path) -> dict[str, Any]:
     if not path.is_dir():
@@ -168,7 +224,8 @@ def _read_config_json(path: Path) -> dict[str, Any]:
 def _refuse_unsupported(d: dict[str, Any]) -> str:
     """The architecture of the ``config.json`` contents ``d``, once what the file states is
     something the model code runs: the shape keys it must give, heads that group, an even
-    head_dim, silu, no sliding window, full rotary default or llama3 RoPE, integer token ids."""
+    head_dim, silu, no sliding window, full rotary default or llama3 RoPE, integer token ids
+    (Gemma 3: ``_refuse_unsupported_gemma3`` instead of the activation, window and RoPE)."""
     arch = _architecture(d)
     model_type = _MODEL_TYPE_BY_ARCH[arch]
     hidden_size = _req_int(d, "hidden_size")
@@ -182,21 +239,24 @@ def _refuse_unsupported(d: dict[str, Any]) -> str:
             f"num_key_value_heads ({num_kv_heads})"
         )
     head_dim = _opt_int(d, "head_dim")
-    if head_dim is None and model_type != "qwen3" and hidden_size % num_heads != 0:
+    if head_dim is None and model_type not in ("qwen3", "gemma3_text") and hidden_size % num_heads != 0:
         raise ValueError(
             f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads "
             f"({num_heads}) and config.json gives no head_dim"
         )
     if head_dim is not None and head_dim % 2 != 0:
         raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
-    act = d.get("hidden_act") or "silu"
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
-    if model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
-        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
     if (d.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1.0 is not supported")
-    _rope(d)
+    if model_type == "gemma3_text":
+        _refuse_unsupported_gemma3(d)
+    else:
+        act = d.get("hidden_act") or "silu"
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        if model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+            raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+        _rope(d)
     eos = d.get("eos_token_id")
     if not (eos is None or isinstance(eos, int) or (isinstance(eos, list) and all(isinstance(e, int) for e in eos))):
         raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
@@ -204,6 +264,48 @@ def _refuse_unsupported(d: dict[str, Any]) -> str:
     if bos is not None and not isinstance(bos, int):
         raise ValueError(f"bos_token_id must be an int, got {bos!r}")
     return arch
+
+
+_GEMMA3_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _refuse_unsupported_gemma3(d: dict[str, Any]) -> None:
+    """What Gemma 3 text may state: GELU-tanh, no attention softcapping, causal attention,
+    known layer types with a positive window, plain RoPE per layer type."""
+    act = d.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {act!r} is not supported for Gemma 3 (only 'gelu_pytorch_tanh')")
+    if d.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not supported; set it to null")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=true is not supported (causal attention only)")
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != d["num_hidden_layers"]:
+            raise ValueError("layer_types must list one type per layer (num_hidden_layers)")
+        unknown = sorted(set(layer_types) - set(_GEMMA3_LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types {unknown} are not supported; use {', '.join(_GEMMA3_LAYER_TYPES)}")
+    if d.get("sliding_window") is not None:
+        _req_int(d, "sliding_window")
+    params = d.get("rope_parameters") or {}
+    if isinstance(params, dict) and set(params) <= set(_GEMMA3_LAYER_TYPES):
+        for layer_type, p in params.items():
+            if p is not None:
+                _rope({"rope_parameters": p}, ("default",))
+    else:  # transformers 4's layout: one dict for the full-attention layers
+        _rope({"rope_scaling": d.get("rope_scaling"), "rope_theta": d.get("rope_theta")}, ("default",))
+
+
+def _gemma3_rope_layout(hf: Any) -> dict[str, dict[str, Any]]:
+    """Gemma 3's RoPE as one config.json-like dict per layer type, from either transformers."""
+    params = getattr(hf, "rope_parameters", None)
+    if isinstance(params, dict) and set(params) == set(_GEMMA3_LAYER_TYPES):
+        return {t: {"rope_parameters": p} for t, p in params.items()}
+    return {
+        "full_attention": {"rope_theta": hf.rope_theta, "rope_scaling": getattr(hf, "rope_scaling", None)},
+        "sliding_attention": {"rope_theta": hf.rope_local_base_freq},
+    }
 
 
 def _rope_layout(hf: Any) -> dict[str, Any]:
@@ -240,9 +342,11 @@ def _architecture(d: dict[str, Any]) -> str:
     )
 
 
-def _rope(d: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
+def _rope(d: dict[str, Any], supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES
+          ) -> tuple[float | None, dict[str, Any] | None]:
     """(rope_theta, normalized scaling dict or None) from either config.json layout; theta
-    None where ``d`` gives none (transformers' config of the file always does)."""
+    None where ``d`` gives none (transformers' config of the file always does). ``supported``:
+    the RoPE types the model runs."""
     # transformers 4 wrote `rope_scaling`; 5 writes `rope_parameters`. Like transformers 5,
     # a non-empty `rope_scaling` wins when both are present.
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
@@ -255,10 +359,10 @@ def _rope(d: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
         theta = d.get("rope_theta")  # None only in a file that leaves it to transformers
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if rope_type not in supported:
         raise ValueError(
             f"RoPE type {rope_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"supported: {', '.join(supported)}"
         )
     if (params.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1.0 is not supported")

@@ -18,6 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from spin_cluster.models.config import ModelConfig
+from spin_cluster.models.gemma3 import Gemma3CausalLM
 from spin_cluster.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,9 @@ _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "hal
 # safetensors header dtype names, for dtype="auto" when config.json names none.
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
+# The module of each architecture (``ModelConfig.model_type``); Llama's serves the rest.
+_MODEL_CLASSES: dict[str, type[nn.Module]] = {"gemma3_text": Gemma3CausalLM}
+
 _INDEX_FILE = "model.safetensors.index.json"
 # Present in some older checkpoints; recomputed by the model, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -42,7 +46,7 @@ def load_model(
     device: torch.device | str = "cpu",
     *,
     progress: bool = True,
-) -> CausalLM:
+) -> CausalLM | Gemma3CausalLM:
     """Build the model that ``path``'s config.json describes and load its safetensors weights.
 
     dtype: torch.float32 / bfloat16 / float16, their names, or "auto" (the checkpoint's own
@@ -58,7 +62,7 @@ def load_model(
     device = torch.device(device)
 
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = model_class(config)(config)
     expected = {name: p.shape for name, p in model.named_parameters()}  # tied lm_head: absent
     tied = config.tie_word_embeddings
 
@@ -111,12 +115,12 @@ def load_model(
     return model.eval()
 
 
-def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> CausalLM:
+def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> CausalLM | Gemma3CausalLM:
     """The model ``config`` describes with random weights (N(0, 0.02) matrices, unit norms),
     drawn on ``device``: for measuring the system at a checkpoint's shapes without it."""
     device = torch.device(device)
     with torch.device("meta"):
-        model = CausalLM(config).to(dtype)
+        model = model_class(config)(config).to(dtype)
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -124,6 +128,11 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device |
             p.normal_(0.0, 0.02, generator=gen) if p.dim() > 1 else p.fill_(1.0)
     model.tie_weights()
     return model.eval()
+
+
+def model_class(config: ModelConfig) -> type[CausalLM] | type[Gemma3CausalLM]:
+    """The module that runs ``config``'s architecture."""
+    return _MODEL_CLASSES.get(config.model_type, CausalLM)
 
 
 def resolve_dtype(

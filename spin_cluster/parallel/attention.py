@@ -67,8 +67,11 @@ class _RankBackend(AttentionBackend):
         self._after_begin()
         self.timer.reset()
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
         # q: [T, H_r, D], k/v: [T, Hkv_r, D] for this rank's heads of the layer -> [T, H_r, D]
+        if window is not None:
+            raise ValueError("sliding-window layers (Gemma 3) do not run head-parallel yet; use one rank")
         if k.shape[1] == 0:
             return torch.empty_like(q)
         self.timer.start(layer_id)
