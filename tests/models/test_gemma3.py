@@ -86,6 +86,34 @@ def _ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 49000) for _ in range(n)]
 
 
+def test_gemma3_config_reads_windows_and_rope_bases():
+    from spin_cluster.models import ModelConfig
+
+    d = {**_tiny_config().to_dict(), "architectures": ["Gemma3ForCausalLM"]}
+    mc = ModelConfig.from_json_dict(d)
+    assert mc.layer_windows == (WINDOW, WINDOW, None, WINDOW)
+    assert (mc.rope_theta, mc.local_rope_theta) == (1e6, 1e4)
+    assert (mc.head_dim, mc.query_pre_attn_scalar, mc.final_logit_softcapping) == (32, 24.0, 30.0)
+    assert mc.hidden_act == "gelu_pytorch_tanh" and mc.qk_norm
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"hidden_activation": "gelu"}, "hidden_activation"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"layer_types": ["chunked_attention"] * 4}, "layer_types"),
+    ({"sliding_window": 0}, "sliding_window"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "linear"),
+])
+def test_gemma3_config_refuses_what_the_model_does_not_run(change, field):
+    from spin_cluster.models import ModelConfig
+
+    d = {**_tiny_config().to_dict(), "architectures": ["Gemma3ForCausalLM"], **change}
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_json_dict(d)
+
+
 def test_tiny_gemma3_greedy_tokens_match_transformers(tiny_gemma3_path):
     # 5 tokens: inside the window; 40 and 70: past it in prefill, and in decode for all three
     prompts = [_ids(5, 1), _ids(40, 2), _ids(70, 3)]
