@@ -154,14 +154,7 @@ def main(argv=None) -> dict:
     engine.step()  # eager again, without the profiler's overhead
     sync()
     eager_s = time.perf_counter() - t0
-    kernels: dict[str, list[float]] = {}
-    for ev in prof.events():
-        dev_us = getattr(ev, "device_time", None) if cuda else None
-        if cuda and ev.device_type.name == "CUDA" and dev_us:
-            kernels.setdefault(ev.name, []).append(dev_us / 1e6)
-        elif not cuda and ev.cpu_parent is None:
-            kernels.setdefault(ev.name, []).append(ev.cpu_time_total / 1e6)
-    rows = sorted(((name, sum(ts), len(ts)) for name, ts in kernels.items()), key=lambda r: -r[1])
+    rows = kernel_rows(prof, cuda)
     gpu_s = sum(t for _, t, _ in rows)
     layers = engine.kv.num_layers
     parts = {}
@@ -218,6 +211,19 @@ def main(argv=None) -> dict:
     return result
 
 
+def kernel_rows(prof, cuda: bool) -> list[tuple[str, float, int]]:
+    """(name, seconds, calls) of a profile, most time first: the GPU's kernels on CUDA, the
+    top-level operators on the CPU."""
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        dev_us = getattr(ev, "device_time", None) if cuda else None
+        if cuda and ev.device_type.name == "CUDA" and dev_us:
+            kernels.setdefault(ev.name, []).append(dev_us / 1e6)
+        elif not cuda and ev.cpu_parent is None:
+            kernels.setdefault(ev.name, []).append(ev.cpu_time_total / 1e6)
+    return sorted(((name, sum(ts), len(ts)) for name, ts in kernels.items()), key=lambda r: -r[1])
+
+
 def mixed_prompt(engine, n: int, params, sync, cuda: bool, layers: int) -> dict:
     """One new prompt of n tokens prefilled beside the running batch: the steps until its first
     token, their wall time, and their kernels (one profiled pass; the GPU's kernels by part)."""
@@ -237,14 +243,7 @@ def mixed_prompt(engine, n: int, params, sync, cuda: bool, layers: int) -> dict:
                 break
         sync()
     wall = time.perf_counter() - t0
-    kernels: dict[str, list[float]] = {}
-    for ev in prof.events():
-        dev_us = getattr(ev, "device_time", None) if cuda else None
-        if cuda and ev.device_type.name == "CUDA" and dev_us:
-            kernels.setdefault(ev.name, []).append(dev_us / 1e6)
-        elif not cuda and ev.cpu_parent is None:
-            kernels.setdefault(ev.name, []).append(ev.cpu_time_total / 1e6)
-    rows = sorted(((name, sum(ts), len(ts)) for name, ts in kernels.items()), key=lambda r: -r[1])
+    rows = kernel_rows(prof, cuda)
     parts: dict[str, float] = {}
     for name, t, _ in rows:
         parts[kernel_part(name)] = parts.get(kernel_part(name), 0.0) + 1e3 * t

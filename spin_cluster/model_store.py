@@ -58,15 +58,25 @@ def prepare_default_model(force: bool = False) -> Path:
     if is_prepared(out) and not force:
         return out
     gguf = find_gguf()
+
+    def build(tmp: Path) -> Path:
+        _convert(gguf, tmp)
+        return tmp
+
+    return _prepare_into(out, build)
+
+
+def _prepare_into(out: Path, build) -> Path:
+    """``build(tmp)`` writes a prepared folder under the temporary sibling ``tmp`` of ``out``
+    and returns it; it is then renamed to ``out``, so an interrupted conversion leaves
+    nothing that looks prepared."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Write into a temporary sibling and rename, so an interrupted conversion leaves nothing
-    # that looks prepared.
     tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out.parent))
     try:
-        _convert(gguf, tmp)
+        folder = build(tmp)
         if out.exists():
             shutil.rmtree(out)
-        os.replace(tmp, out)
+        os.replace(folder, out)
         out.chmod(0o755)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -114,21 +124,16 @@ def prepare_model(name: str, force: bool = False) -> Path:
     if is_prepared(out) and not force:
         return out
     package = _gemma3_270m_package()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out.parent))
-    try:
+
+    def build(tmp: Path) -> Path:
         # The package assembles its parts into one GGUF; it lives only while we convert.
         gguf = Path(package.assemble(tmp / "gguf" / package.MODEL_NAME))
         folder = tmp / "model"
         folder.mkdir()
         _convert(gguf, folder, GEMMA3_270M)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(folder, out)
-        out.chmod(0o755)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        return folder
+
+    return _prepare_into(out, build)
 
 
 def _gemma3_270m_package():

@@ -29,7 +29,8 @@ from torch import nn
 from spin_cluster.models import cpu_linear
 from spin_cluster.models.base import LayerAttention
 from spin_cluster.models.config import ModelConfig
-from spin_cluster.models.layers import FusedLinears, RotaryEmbedding, apply_rope
+from spin_cluster.models.layers import MLP, FusedLinears, RotaryEmbedding, apply_rope
+from spin_cluster.models.llama import DecoderLM
 
 
 class GemmaRMSNorm(nn.Module):
@@ -48,29 +49,6 @@ class GemmaRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
-
-
-class GemmaMLP(nn.Module):
-    """GELU(tanh)-gated MLP: down(gelu_tanh(gate(x)) * up(x))."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        e, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(e, f, bias=False)  # [E] -> [F]
-        self.up_proj = nn.Linear(e, f, bias=False)  # [E] -> [F]
-        self.down_proj = nn.Linear(f, e, bias=False)  # [F] -> [E]
-        self.gate_up: FusedLinears | None = None
-
-    def fuse(self) -> None:
-        self.gate_up = FusedLinears([self.gate_proj, self.up_proj])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, E] -> [T, E]
-        fused = self.gate_up(x) if self.gate_up is not None else None
-        if fused is None:
-            fused = (cpu_linear.linear(self.gate_proj, x), cpu_linear.linear(self.up_proj, x))
-        gate, up = fused  # [T, F] each
-        return cpu_linear.linear(self.down_proj, nn.functional.gelu(gate, approximate="tanh") * up)
 
 
 class GemmaAttention(nn.Module):
@@ -129,7 +107,7 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn = GemmaAttention(config, layer_id)
         self.post_attention_layernorm = GemmaRMSNorm(e, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(e, eps)
-        self.mlp = GemmaMLP(config)
+        self.mlp = MLP(config)  # the GELU-tanh gate (config.hidden_act)
         self.post_feedforward_layernorm = GemmaRMSNorm(e, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: LayerAttention) -> torch.Tensor:
@@ -138,7 +116,7 @@ class GemmaDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3CausalLM(nn.Module):
+class Gemma3CausalLM(DecoderLM):
     """Same interface as ``CausalLM``: forward(input_ids, positions, attn) -> [T, E] hidden,
     compute_logits(hidden) -> [N, V] float32."""
 
@@ -155,36 +133,6 @@ class Gemma3CausalLM(nn.Module):
         self.local_rotary = RotaryEmbedding(local)  # sliding-window layers
         if config.tie_word_embeddings:
             self.tie_weights()
-
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def fuse_projections(self) -> Gemma3CausalLM:
-        for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
-        return self
-
-    def pack_for_cpu(self) -> int:
-        """As ``CausalLM.pack_for_cpu``: float32 CPU GEMM weights prepacked for oneDNN."""
-        n = int(cpu_linear.pack(self.lm_head))
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            n += attn.qkv.pack_for_cpu() if attn.qkv is not None else sum(
-                cpu_linear.pack(lin) for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
-            n += mlp.gate_up.pack_for_cpu() if mlp.gate_up is not None else sum(
-                cpu_linear.pack(lin) for lin in (mlp.gate_proj, mlp.up_proj))
-            n += cpu_linear.pack(attn.o_proj) + cpu_linear.pack(mlp.down_proj)
-        return n
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: LayerAttention) -> torch.Tensor:
         """input_ids: [T] int64, positions: [T] int64 -> hidden states [T, E] after the final norm."""

@@ -166,10 +166,12 @@ class FusedLinears:
 
 
 class MLP(nn.Module):
-    """SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)), act SiLU (Llama, Qwen) or GELU-tanh (Gemma 3),
+    as ``config.hidden_act`` says."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.gelu_tanh = config.hidden_act == "gelu_pytorch_tanh"
         e, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(e, f, bias=bias)  # [E] -> [F]
         self.up_proj = nn.Linear(e, f, bias=bias)  # [E] -> [F]
@@ -186,7 +188,9 @@ class MLP(nn.Module):
         if fused is None:
             fused = (cpu_linear.linear(self.gate_proj, x), cpu_linear.linear(self.up_proj, x))
         gate, up = fused  # [T, F] each
-        if layer_ops.fits(gate):
+        if self.gelu_tanh:
+            h = nn.functional.gelu(gate, approximate="tanh") * up
+        elif layer_ops.fits(gate):
             h = layer_ops.silu_mul(gate, up)
         elif cpu_native.fits(gate, up):
             h = cpu_native.silu_mul(gate, up)

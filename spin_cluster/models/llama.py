@@ -20,24 +20,19 @@ from spin_cluster.models.config import ModelConfig
 from spin_cluster.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 
 
-class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)  # [V, E]
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # [E] -> [V]
-        self.rotary = RotaryEmbedding(config)
-        if config.tie_word_embeddings:
-            self.tie_weights()
+class DecoderLM(nn.Module):
+    """What every causal LM module here shares: embed_tokens [V, E], a stack of ``layers``
+    (each with ``self_attn`` and ``mlp`` that can ``fuse``), lm_head [E] -> [V] and its
+    tying, the fused and CPU-packed GEMMs, dtype and device."""
+
+    config: ModelConfig
 
     def tie_weights(self) -> None:
         """lm_head shares embed_tokens' [V, E] matrix (a no-op when the config does not tie)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def fuse_projections(self) -> "CausalLM":
+    def fuse_projections(self) -> "DecoderLM":
         """Every layer's q/k/v and gate/up projections as one GEMM each (``FusedLinears``).
         Call once the weights are final (after loading and any sharding)."""
         for layer in self.layers:
@@ -67,6 +62,18 @@ class CausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
+
+class CausalLM(DecoderLM):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)  # [V, E]
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # [E] -> [V]
+        self.rotary = RotaryEmbedding(config)
+        if config.tie_word_embeddings:
+            self.tie_weights()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: LayerAttention
