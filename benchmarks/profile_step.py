@@ -61,7 +61,12 @@ def main(argv=None) -> dict:
     from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
 
     shape = {**LLAMA_31_8B, **e2e.TINY} if args.tiny else LLAMA_31_8B
-    total = args.warmup + args.steps + 4 + (8 if args.mixed else 0)  # the profiled, eager and mixed steps still decode
+    # Every request still decodes in the profiled, eager and mixed steps, and the first ones to
+    # be prefilled decode through the rest of the batch's prefill (a prompt takes up to
+    # ceil(context / max_batched_tokens) + 1 steps beside the decode rows): none may finish
+    # before the timed steps, or the batch measured is smaller than the one asked for.
+    prefill_steps = args.batch * (-(-args.context // args.max_batched_tokens) + 1)
+    total = prefill_steps + args.warmup + args.steps + 4 + (8 if args.mixed else 0)
     max_len = args.context + total + args.page_size
     folder = shape_folder(shape, max_len, args.tokenizer, prefix="profile-model-")
     engine = Engine(SpinConfig.from_dict(e2e.mode_config(args.mode, args, folder, max_len, shape)), progress=False)
@@ -151,8 +156,9 @@ def main(argv=None) -> dict:
     runner.graphs = graphs
     sync()
     t0 = time.perf_counter()
-    engine.step()  # eager again, without the profiler's overhead
-    sync()
+    with host_profile() as py:
+        engine.step()  # eager again, without torch.profiler's overhead (cProfile's is small)
+        sync()
     eager_s = time.perf_counter() - t0
     rows = kernel_rows(prof, cuda)
     gpu_s = sum(t for _, t, _ in rows)
@@ -173,6 +179,7 @@ def main(argv=None) -> dict:
         "kernel_s_sum": gpu_s, "num_kernels": sum(n for *_, n in rows),
         "kernels_per_layer": sum(n for *_, n in rows) / layers, "parts": parts,
         "top": [{"name": n[:120], "s": t, "calls": c} for n, t, c in rows[: args.top]],
+        "host_ops": host_rows(prof), "eager_python": py.text,
         "hit_ratio": (engine.last_stats.buffer_hits_total / engine.last_stats.buffer_lookups_total
                       if engine.last_stats.buffer_lookups_total else None),
     }
@@ -189,6 +196,7 @@ def main(argv=None) -> dict:
     if replay:
         print(f"graph replay: {replay['kernels']} kernels taking {1e3 * replay['kernel_s']:.2f} ms over a GPU span of "
               f"{1e3 * replay['span_s']:.2f} ms")
+    print_host(result["host_ops"], result["eager_python"], "one eager step")
     print("| part | ms per step | kernels per layer |\n|---|---:|---:|")
     for name, part in sorted(parts.items(), key=lambda kv: -kv[1]["ms_per_step"]):
         print(f"| {name} | {part['ms_per_step']:.3f} | {part['kernels_per_layer']:.1f} |")
@@ -205,6 +213,7 @@ def main(argv=None) -> dict:
             print(f"| {name} | {ms:.1f} |")
         for r in m["top"]:
             print(f"| {r['name'][:90]} | {1e3 * r['s']:.1f} ms | {r['calls']} calls |")
+        print_host(m["host_ops"], m["python"], "the mixed steps")
     import shutil
 
     shutil.rmtree(folder, ignore_errors=True)
@@ -224,6 +233,44 @@ def kernel_rows(prof, cuda: bool) -> list[tuple[str, float, int]]:
     return sorted(((name, sum(ts), len(ts)) for name, ts in kernels.items()), key=lambda r: -r[1])
 
 
+class host_profile:
+    """cProfile around a block: where the host's time goes, by Python function (the
+    cumulative top 30 as text in ``.text``)."""
+
+    def __enter__(self):
+        import cProfile
+
+        self.prof = cProfile.Profile()
+        self.prof.enable()
+        return self
+
+    def __exit__(self, *exc):
+        import io
+        import pstats
+
+        self.prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(self.prof, stream=buf).sort_stats("cumulative").print_stats(30)
+        self.text = buf.getvalue()
+        return False
+
+
+def host_rows(prof, top: int = 25) -> list[dict]:
+    """The host side of a torch.profiler run: operators and CUDA runtime calls by their own
+    CPU time (a synchronising copy or an event wait shows here, not among the kernels)."""
+    rows = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:top]
+    return [{"name": a.key[:120], "self_cpu_s": a.self_cpu_time_total / 1e6, "calls": a.count} for a in rows]
+
+
+def print_host(rows: list[dict], python: str, what: str) -> None:
+    print(f"host side of {what}: operators and runtime calls by own CPU time (torch.profiler)")
+    print("| op | own CPU ms | calls |\n|---|---:|---:|")
+    for r in rows:
+        print(f"| {r['name'][:90]} | {1e3 * r['self_cpu_s']:.2f} | {r['calls']} |")
+    print(f"host side of {what}: Python functions by cumulative time (cProfile)")
+    print("\n".join(line for line in python.splitlines()[:45] if line.strip()))
+
+
 def mixed_prompt(engine, n: int, params, sync, cuda: bool, layers: int) -> dict:
     """One new prompt of n tokens prefilled beside the running batch: the steps until its first
     token, their wall time, and their kernels (one profiled pass; the GPU's kernels by part)."""
@@ -235,7 +282,7 @@ def mixed_prompt(engine, n: int, params, sync, cuda: bool, layers: int) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync()
     steps, t0 = 0, time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, host_profile() as py:
         while True:
             outs = engine.step()
             steps += 1
@@ -250,7 +297,7 @@ def mixed_prompt(engine, n: int, params, sync, cuda: bool, layers: int) -> dict:
     segs = getattr(engine.kv, "num_spilled_segments", 0) - spilled0
     seg_pages = getattr(getattr(engine.kv, "host", None), "segment_pages", 0)
     return {"prompt_tokens": n, "steps": steps, "wall_s": wall, "kernel_s": sum(t for _, t, _ in rows),
-            "parts_ms": parts, "spilled_pages": segs * seg_pages,
+            "parts_ms": parts, "spilled_pages": segs * seg_pages, "host_ops": host_rows(prof), "python": py.text,
             "top": [{"name": n_[:120], "s": t, "calls": c} for n_, t, c in rows[:15]]}
 
 

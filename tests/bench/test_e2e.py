@@ -97,7 +97,11 @@ def test_profile_step_prices_a_prompt_beside_a_decoding_batch(tmp_path):
     """spin-cluster bench decode-step --mixed N: a prompt prefilled beside the running batch,
     its steps timed and profiled; the toy cache is full, so the prompt's pages spill others."""
     assert run("decode-step", ["--tiny", "--mode", "spin", "--mixed", "100", "--out", str(tmp_path)]) == 0
-    mixed = json.loads((tmp_path / "profile-spin-256.json").read_text())["mixed"]
+    result = json.loads((tmp_path / "profile-spin-256.json").read_text())
+    assert result["batch"] == 2  # every request still running: none finished during the others' prefill
+    assert result["host_ops"] and "engine.py" in result["eager_python"]
+    mixed = result["mixed"]
+    assert mixed["host_ops"] and "step" in mixed["python"]
     assert mixed["prompt_tokens"] == 100 and 1 <= mixed["steps"] <= 64
     assert mixed["wall_s"] > 0 and mixed["kernel_s"] > 0 and mixed["parts_ms"]
     assert mixed["spilled_pages"] > 0
