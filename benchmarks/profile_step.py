@@ -206,8 +206,14 @@ def main(argv=None) -> dict:
     if args.mixed:
         m = result["mixed"]
         print(f"mixed: a {args.mixed}-token prompt beside {batch} decoding requests took {m['steps']} steps, "
-              f"{1e3 * m['wall_s']:.1f} ms of wall time; kernels {1e3 * m['kernel_s']:.1f} ms; "
-              f"{m['spilled_pages']} pages spilled")
+              f"{1e3 * m['wall_s']:.1f} ms of wall time ({1e3 * m['profiled_wall_s']:.1f} ms profiled); kernels "
+              f"{1e3 * m['kernel_s']:.1f} ms; {m['spilled_pages']} pages spilled per prompt")
+        if m["gaps"]:
+            g = m["gaps"]
+            print(f"GPU idle {g['idle_ms']:.1f} of {g['span_ms']:.1f} ms (profiled); gaps >= 0.5 ms by host region: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(g["idle_in_gaps_ms_by_region"].items(), key=lambda kv: -kv[1])))
+            for r in g["longest"][:12]:
+                print(f"  gap {r['ms']:.2f} ms in {r['region']} ({r['host_op']}) after {r['after_kernel'][:40]}")
         print("| part | ms |\n|---|---:|")
         for name, ms in sorted(m["parts_ms"].items(), key=lambda kv: -kv[1]):
             print(f"| {name} | {ms:.1f} |")
@@ -273,32 +279,115 @@ def print_host(rows: list[dict], python: str, what: str) -> None:
 
 def mixed_prompt(engine, n: int, params, sync, cuda: bool, layers: int) -> dict:
     """One new prompt of n tokens prefilled beside the running batch: the steps until its first
-    token, their wall time, and their kernels (one profiled pass; the GPU's kernels by part)."""
+    token and their wall time as served (no profiler), then a second such prompt under the
+    profiler: its kernels by part, the host side, and the GPU's idle gaps, each named by the
+    host region that ran while the GPU waited."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    spilled0 = getattr(engine.kv, "num_spilled_segments", 0)
-    rid = engine.add_request([2000 + (11 * j) % 30000 for j in range(n)], params)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sync()
-    steps, t0 = 0, time.perf_counter()
-    with profile(activities=activities) as prof, host_profile() as py:
+    def one_prompt(seed: int) -> tuple[int, float]:
+        rid = engine.add_request([seed + (11 * j) % 30000 for j in range(n)], params)
+        sync()
+        steps, t0 = 0, time.perf_counter()
         while True:
             outs = engine.step()
             steps += 1
             if any(o.request_id == rid for o in outs) or steps > 64:
                 break
         sync()
-    wall = time.perf_counter() - t0
+        return steps, time.perf_counter() - t0
+
+    spilled0 = getattr(engine.kv, "num_spilled_segments", 0)
+    steps, wall = one_prompt(2000)  # as served
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with labelled(engine), profile(activities=activities) as prof, host_profile() as py:
+        _, profiled_wall = one_prompt(3000)
     rows = kernel_rows(prof, cuda)
     parts: dict[str, float] = {}
     for name, t, _ in rows:
         parts[kernel_part(name)] = parts.get(kernel_part(name), 0.0) + 1e3 * t
     segs = getattr(engine.kv, "num_spilled_segments", 0) - spilled0
     seg_pages = getattr(getattr(engine.kv, "host", None), "segment_pages", 0)
-    return {"prompt_tokens": n, "steps": steps, "wall_s": wall, "kernel_s": sum(t for _, t, _ in rows),
-            "parts_ms": parts, "spilled_pages": segs * seg_pages, "host_ops": host_rows(prof), "python": py.text,
+    return {"prompt_tokens": n, "steps": steps, "wall_s": wall, "profiled_wall_s": profiled_wall,
+            "kernel_s": sum(t for _, t, _ in rows), "parts_ms": parts, "spilled_pages": segs * seg_pages // 2,
+            "host_ops": host_rows(prof), "python": py.text, "gaps": gpu_gaps(prof) if cuda else None,
             "top": [{"name": n_[:120], "s": t, "calls": c} for n_, t, c in rows[:15]]}
+
+
+# Host regions a mixed step's GPU idle time is charged to: (object path from the engine, method).
+_LABELS = (("scheduler", "schedule"), ("kv", "allocate"), ("kv", "spill"), ("runner", "execute"),
+           ("runner.attention", "begin_step"), ("runner.attention", "end_step"), ("sampler", "sample"),
+           ("", "_stats"), ("", "_append_token"))
+
+
+class labelled:
+    """Wraps the engine's main host regions (``_LABELS``) in ``torch.profiler.record_function``
+    while it is entered, so that a profile names where the host was when the GPU waited."""
+
+    def __init__(self, engine) -> None:
+        self.patched = []
+        for path, name in _LABELS:
+            obj = engine
+            for part in filter(None, path.split(".")):
+                obj = getattr(obj, part, None)
+            if obj is not None and hasattr(obj, name):
+                self.patched.append((obj, name, getattr(obj, name), name in vars(obj)))
+
+    def __enter__(self):
+        import torch
+
+        for obj, name, fn, _ in self.patched:
+            def wrapped(*a, _fn=fn, _label=f"host:{type(obj).__name__}.{name}", **kw):
+                with torch.profiler.record_function(_label):
+                    return _fn(*a, **kw)
+            setattr(obj, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, fn, own in self.patched:
+            if own:  # an instance attribute before: put it back
+                setattr(obj, name, fn)
+            else:  # the class's method again
+                delattr(obj, name)
+        return False
+
+
+def gpu_gaps(prof, min_ms: float = 0.5, top: int = 30) -> dict:
+    """The GPU's idle time between its first and last kernel: the total, and the longest gaps
+    with the kernels around them and the innermost labelled host region (``labelled``) open at
+    the gap's start, else the longest host operator overlapping it."""
+    kernels, regions, ops = [], [], []
+    for ev in prof.events():
+        tr = ev.time_range
+        if ev.device_type.name == "CUDA" and getattr(ev, "device_time", 0):
+            kernels.append((tr.start, tr.end, ev.name))
+        elif ev.name.startswith("host:"):
+            regions.append((tr.start, tr.end, ev.name[5:]))
+        elif ev.device_type.name == "CPU":
+            ops.append((tr.start, tr.end, ev.name))
+    kernels.sort()
+    gaps, idle, end = [], 0.0, None
+    for i, (b, e, name) in enumerate(kernels):
+        if end is not None and b > end:
+            idle += b - end
+            if b - end >= 1e3 * min_ms:
+                gaps.append((b - end, end, b, kernels[i - 1][2], name))
+        end = e if end is None else max(end, e)
+    out = []
+    for length, b, e, before, after in sorted(gaps, reverse=True)[:top]:
+        open_ = [r for r in regions if r[0] <= b < r[1]]
+        region = min(open_, key=lambda r: r[1] - r[0])[2] if open_ else None
+        over = [(min(e, o[1]) - max(b, o[0]), o[2]) for o in ops if o[0] < e and o[1] > b]
+        op = max(over)[1] if over else None
+        out.append({"ms": length / 1e3, "region": region, "host_op": op, "after_kernel": before[:80],
+                    "before_kernel": after[:80]})
+    by_region: dict[str, float] = {}
+    for length, b, *_ in gaps:
+        open_ = [r for r in regions if r[0] <= b < r[1]]
+        key = min(open_, key=lambda r: r[1] - r[0])[2] if open_ else "(none)"
+        by_region[key] = by_region.get(key, 0.0) + length / 1e3
+    span = (kernels[-1][1] - kernels[0][0]) / 1e3 if kernels else 0.0
+    return {"span_ms": span, "idle_ms": idle / 1e3, "idle_in_gaps_ms_by_region": by_region, "longest": out}
 
 
 # Kernel name fragments -> the part of the step they belong to (first match wins); the

@@ -2,6 +2,7 @@
 (its figures are GPU ones)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -102,6 +103,30 @@ def test_profile_step_prices_a_prompt_beside_a_decoding_batch(tmp_path):
     assert result["host_ops"] and "engine.py" in result["eager_python"]
     mixed = result["mixed"]
     assert mixed["host_ops"] and "step" in mixed["python"]
+    assert 0 < mixed["profiled_wall_s"] and mixed["gaps"] is None  # GPU gaps: CUDA only
     assert mixed["prompt_tokens"] == 100 and 1 <= mixed["steps"] <= 64
     assert mixed["wall_s"] > 0 and mixed["kernel_s"] > 0 and mixed["parts_ms"]
     assert mixed["spilled_pages"] > 0
+
+
+def test_gpu_gaps_charges_idle_time_to_the_open_host_region():
+    """profile_step.gpu_gaps: idle time between kernels, the longest gaps named by the
+    innermost labelled host region open when the GPU went idle."""
+    import sys
+    from types import SimpleNamespace as NS
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import profile_step
+
+    def ev(name, start, end, device):
+        return NS(name=name, time_range=NS(start=start, end=end), device_type=NS(name=device),
+                  device_time=end - start if device == "CUDA" else 0)
+
+    events = [ev("k1", 0, 1000, "CUDA"), ev("k2", 3000, 4000, "CUDA"), ev("k3", 4100, 5000, "CUDA"),
+              ev("host:Engine.step", 0, 6000, "CPU"), ev("host:Kv.spill", 900, 2900, "CPU"),
+              ev("aten::sort", 1000, 2500, "CPU")]
+    gaps = profile_step.gpu_gaps(NS(events=lambda: events), min_ms=0.5)
+    assert gaps["span_ms"] == 5.0 and abs(gaps["idle_ms"] - 2.1) < 1e-9
+    assert gaps["idle_in_gaps_ms_by_region"] == {"Kv.spill": 2.0}  # the 0.1 ms gap is under min_ms
+    (longest,) = gaps["longest"]
+    assert longest["region"] == "Kv.spill" and longest["host_op"] == "aten::sort" and longest["after_kernel"] == "k1"
