@@ -220,7 +220,9 @@ def run_workload(engine, prompts: list[list[int]], arrivals_s: list[float], max_
         if rt.finished_s is None:
             engine.abort(rid)
     return {**summarize(list(times.values()), steps, time.monotonic() - start, truncated, engine),
-            "capture_steps": len(capture_s), "capture_s": sum(capture_s)}
+            "capture_steps": len(capture_s), "capture_s": sum(capture_s),
+            # Every step, for a timeline: [ms, tokens run, decode only, running requests].
+            "step_log": [[round(1e3 * s, 2), n, int(only), r] for s, n, only, r in steps]}
 
 
 def record_outputs(times: dict[str, RequestTimes], outputs, t: float) -> int:
