@@ -69,7 +69,8 @@ class CacheConfig(ConfigSection):
         "GPU-only cache: requests whose leading tokens equal an earlier request's (a chat "
         "template, a system prompt, a repeated prompt) reuse the K/V of its full pages and "
         "prefill from there. Idle cached pages count as free and are evicted least recently used "
-        "first. Ignored with offload (Spin's cache shares no pages)."))
+        "first. Ignored with offload (Spin's cache shares no pages), and off for models with "
+        "sliding-window layers (Gemma 3), whose pages behind the window are freed."))
     host_kv_gib: float | None = Field(None, ge=0, description=(
         "Host tier size in GiB (offload), >= 0; null: 8 GiB; 0: no host tier (every page on the "
         "GPU, which needs gpu_home_fraction > 0). It must fit the memory of the machine that runs "

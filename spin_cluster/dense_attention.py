@@ -300,30 +300,35 @@ def decode_impl(name: str, device: torch.device):
 
 def prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, context_start: int,
                       sparse: SparsePrefill | None = None, layer: int = 0,
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None, key_start: int = 0) -> torch.Tensor:
     """Causal SDPA of a prefill chunk against its request's context, on the device's fastest
     SDPA kernel (``choose_backend`` above: cuDNN on Hopper, else flash, the
     math kernel on the CPU).
 
     q: [n, H, D] at positions context_start .. context_start + n - 1;
-    k_ctx, v_ctx: [Hkv, context_start + n, D] (positions 0 ..). Returns [n, H, D].
-    ``sparse``: block-sparse prefill instead (``sparse.prefill``), with ``layer``'s budgets.
-    ``window``: a sliding-window layer's (``sliding_window_attention``).
+    k_ctx, v_ctx: [Hkv, context_start + n - key_start, D] (positions key_start ..). Returns
+    [n, H, D]. ``sparse``: block-sparse prefill instead (``sparse.prefill``), with ``layer``'s
+    budgets. ``window``: a sliding-window layer's (``sliding_window_attention``), whose keys
+    may start at ``key_start`` > 0 (no later than the first query's window); else it is 0.
     """
     if window is not None:
         if sparse is not None:
             raise ValueError("block-sparse prefill does not mask a sliding window; "
                              "turn sparse prefill off for sliding-window models (Gemma 3)")
-        return sliding_window_attention(q, k_ctx, v_ctx, context_start, window)
+        return sliding_window_attention(q, k_ctx, v_ctx, context_start, window, key_start)
+    if key_start:
+        raise ValueError(f"key_start={key_start}: only a sliding-window layer's keys may start after position 0")
     if sparse is not None:
         return sparse(layer, q, k_ctx, v_ctx, context_start)
     return dense_causal_attention(q, k_ctx, v_ctx, context_start)
 
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_start: int,
-                             window: int) -> torch.Tensor:
+                             window: int, key_start: int = 0) -> torch.Tensor:
     """Causal attention of a chunk in which the query at position p sees keys p - window + 1
-    .. p only. q [n, H, D] at cs .. cs + n - 1; k, v [Hkv, cs + n, D] -> [n, H, D].
+    .. p only. q [n, H, D] at cs .. cs + n - 1; k, v [Hkv, cs + n - key_start, D] at
+    positions key_start .. (key_start <= max(0, cs - window + 1): every key a query sees)
+    -> [n, H, D].
 
     The queries go in blocks of ``window``; a block's keys start window - 1 before its first
     query, so each block's boolean mask is at most [window, 2 * window - 1]::
@@ -333,6 +338,9 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         query b-1          x x x x x x x x x x x x x x x    sees b - window .. b - 1
     """
     n = q.shape[0]
+    if key_start > max(0, context_start - window + 1):
+        raise ValueError(f"keys start at {key_start}, after the first key ({context_start - window + 1}) "
+                         f"that the query at {context_start} sees")
     out = torch.empty_like(q)
     for a in range(0, n, window):
         b = min(n, a + window)
@@ -341,8 +349,9 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         q_pos = torch.arange(start, end, device=q.device)[:, None]
         k_pos = torch.arange(first, end, device=q.device)[None, :]
         mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # [b - a, end - first]
-        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[None, :, first:end],
-                                           v[None, :, first:end], attn_mask=mask, enable_gqa=True)
+        keys = slice(first - key_start, end - key_start)  # positions first .. end-1 of k, v
+        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[None, :, keys],
+                                           v[None, :, keys], attn_mask=mask, enable_gqa=True)
         out[a:b] = o[0].transpose(0, 1)
     return out
 

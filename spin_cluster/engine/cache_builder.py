@@ -6,6 +6,7 @@ the cache names its backend (``KVCache.attention_backend``), which ``backend_cla
     kind       cache.offload  cache (its backend)                 notes
     paged      false          KVCacheManager (PagedAttention)     dense only; prefix caching
                                                                   with cache.enable_prefix_caching
+                                                                  (off for sliding-window models)
     offloaded  true           OffloadedKVManager (SpinAttention)  Spin: GPU home pages + host
                                                                   tier + GPU buffer, any
                                                                   registered sparse algorithm
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import math
 
 import torch
@@ -27,9 +29,12 @@ from spin_cluster.kvcache.host_tier import HostTier
 from spin_cluster.kvcache.manager import KVCacheManager
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.kvcache.page_pool import PagePool
+from spin_cluster.kvcache.window import LayerWindows
 from spin_cluster.models.config import ModelConfig
 from spin_cluster.sparse import SparseAlgorithm, get_algorithm
 from spin_cluster.sparse.prefill import BlockSparsePrefill
+
+log = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_GIB = 2.0
 _DEFAULT_HOST_KV_GIB = 8.0
@@ -126,9 +131,18 @@ def _build_paged(config, mc, dtype, device, parts: BackendParts, algorithm_cls):
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
         page_size=config.cache.page_size, num_pages=num_gpu_pages(config, mc, dtype, device, parts.max_model_len),
         max_seqs=config.scheduler.max_num_seqs, max_model_len=parts.max_model_len, dtype=dtype, device=device,
-        enable_prefix_caching=config.cache.enable_prefix_caching,
+        enable_prefix_caching=_prefix_caching(config, mc), layer_windows=mc.layer_windows,
     )
     return kv, parts
+
+
+def _prefix_caching(config: SpinConfig, mc: ModelConfig) -> bool:
+    """``cache.enable_prefix_caching``, except for a model with sliding-window layers: the
+    cache frees their pages behind the window, so no request's full pages stay whole to share."""
+    if config.cache.enable_prefix_caching and any(w is not None for w in mc.layer_windows):
+        log.info("prefix caching is off: the model's sliding-window layers keep only their window's pages")
+        return False
+    return config.cache.enable_prefix_caching
 
 
 def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_cls):
@@ -264,6 +278,8 @@ def gpu_budget_bytes(config: SpinConfig, device: torch.device) -> float:
 def num_gpu_pages(config: SpinConfig, mc: ModelConfig, dtype, device, max_model_len: int) -> int:
     page_bytes = PagePool.bytes_per_page(config.cache.page_size, mc.head_dim, dtype)
     per_token_page = mc.num_layers * mc.num_kv_heads
-    # Never more than every request slot could use at full length.
-    most = config.scheduler.max_num_seqs * -(-max_model_len // config.cache.page_size) * per_token_page
+    # Never more than every request slot could use at full length (a sliding-window layer
+    # only its window's pages).
+    windows = LayerWindows.of(mc.layer_windows, mc.num_layers, config.cache.page_size)
+    most = config.scheduler.max_num_seqs * windows.most_pages(max_model_len) * mc.num_kv_heads
     return max(per_token_page, min(int(gpu_budget_bytes(config, device) // page_bytes), most))

@@ -13,7 +13,11 @@ attends with torch SDPA to its request's earlier pages plus itself.
 
 A sliding-window layer (Gemma 3; ``forward``'s ``window``) masks keys older than its window:
 prefill through ``dense_attention.sliding_window_attention``, decode by gathering only the
-pages a window can touch (``_decode_window``). Pages that fell out of every window are kept.
+pages a window can touch (``_decode_window``). The cache holds no page of such a layer behind
+its window (``kvcache/window.py``): the table lists the scratch page there, K/V written there
+are dropped, and both paths read only from the page of the window's first key on. A prompt
+chunk reads its own K/V from this step's tensors, not from pages, since the cache keeps only
+the chunk's last window.
 """
 
 from __future__ import annotations
@@ -223,10 +227,10 @@ class PagedAttention(PaddedCapture):
         starts = (lens - window).clamp(min=0)  # [Bd, 1] the window's first key
         W = min(P, (window - 1) // S + 2)  # pages a window can touch
         page_idx = starts // S + torch.arange(W, device=tables.device)  # [Bd, W]
-        page_ok = page_idx * S < lens  # pages past a row's end hold no key of it
+        page_ok = page_idx * S < lens  # pages past a row's end hold no key of it: read the scratch page
         page_idx = torch.where(page_ok, page_idx, 0)
         ids = tables.long().gather(2, page_idx[:, None, :].expand(Bd, Hkv, W))  # [Bd, Hkv, W]
-        ids = torch.where(page_ok[:, None, :], ids, 0)
+        ids = torch.where(page_ok[:, None, :], ids, self.pool.scratch_page_id)
         pos = (page_idx[:, :, None] * S + torch.arange(S, device=tables.device)).view(Bd, W * S)
         keep = page_ok.repeat_interleave(S, dim=1) & (pos >= starts) & (pos < lens)  # [Bd, W*S]
         D = q.shape[-1]
@@ -244,10 +248,30 @@ class PagedAttention(PaddedCapture):
         if seg.context_start == 0:  # the whole context is this chunk: no gather
             return prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, self.sparse_prefill, layer_id,
                                      window)
+        if window is not None:
+            return self._prefill_window(layer_id, seg, q, k, v, window)
         end = seg.context_start + seg.num_tokens
         k_ctx = self._gather(self.pool.k_pages, seg.pages[layer_id], end)  # [Hkv, end, D]
         v_ctx = self._gather(self.pool.v_pages, seg.pages[layer_id], end)
         return prefill_attention(q, k_ctx, v_ctx, seg.context_start, self.sparse_prefill, layer_id, window)
+
+    def _prefill_window(self, layer_id: int, seg: PrefillSegment, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, window: int) -> torch.Tensor:
+        """A later chunk of a sliding-window layer: its keys are the earlier ones its first
+        query reads, from their pages, then the chunk's own (``k``, ``v``)::
+
+            positions  first .......... c-1 | c ........ c+n-1
+            keys       pages p0 .. ceil(c/S)-1 | this step's k, v
+                       (first = p0 * S, p0 the page of key c - window + 1)
+        """
+        S, c = self.kv.page_size, seg.context_start
+        p0 = max(0, c - window + 1) // S
+        pages = seg.pages[layer_id][:, p0 : -(-c // S)]  # [Hkv, P'']
+        first = p0 * S
+        k_ctx = torch.cat([self._gather(self.pool.k_pages, pages, c - first).to(k.dtype), k.transpose(0, 1)], 1)
+        v_ctx = torch.cat([self._gather(self.pool.v_pages, pages, c - first).to(v.dtype), v.transpose(0, 1)], 1)
+        # k_ctx, v_ctx: [Hkv, c + n - first, D], positions first ..
+        return prefill_attention(q, k_ctx, v_ctx, c, self.sparse_prefill, layer_id, window, key_start=first)
 
     @staticmethod
     def _gather(pages: torch.Tensor, page_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ With prefix caching, an admitted request starts after the cached pages of its le
 (a chat template, a system prompt, its own tokens before a preemption): its first chunk is
 a prefill chunk from there. The last known token is always computed, since its logits give
 the next token. Once the model has run a step, ``advance`` lets the cache publish the pages
-that step filled.
+that step filled, and free the pages of sliding-window layers that fell behind their window.
 
 The scheduler sees the KV cache only through ``can_allocate`` / ``allocate`` / ``free`` and
 ``match_prefix`` / ``commit``.
@@ -123,8 +123,9 @@ class Scheduler:
 
     def advance(self, chunks: list[ScheduledChunk]) -> None:
         """The model ran ``chunks``: their tokens' K/V are in the cache. Only now may the cache
-        share the pages they filled (a request admitted later reads them). A pipelined step's
-        pending token is computed before the host knows it: pages wait for known tokens."""
+        share the pages they filled (a request admitted later reads them), or free a window
+        layer's pages that only these chunks read. A pipelined step's pending token is computed
+        before the host knows it: pages wait for known tokens."""
         for chunk in chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_tokens

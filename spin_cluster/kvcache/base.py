@@ -72,7 +72,10 @@ class KVCache(ABC):
 
     def commit(self, request_id: str, num_tokens: int, token_ids: Callable[[int, int], list[int]]) -> None:
         """Tokens 0 .. num_tokens-1 of ``request_id`` have their K/V written: its full pages
-        among them may be shared from now on. ``token_ids(start, stop)`` reads its tokens."""
+        among them may be shared from now on. ``token_ids(start, stop)`` reads its tokens.
+        No later query of the request is at a position before ``num_tokens`` (a preempted
+        request starts over in a new row), so a cache may free the pages that no such query
+        reads: a sliding-window layer's behind its window."""
 
     @abstractmethod
     def free(self, request_id: str) -> None:

