@@ -143,10 +143,10 @@ def test_tiny_gemma3_greedy_tokens_match_transformers(tiny_gemma3_path):
 
 
 def test_window_layers_hold_only_their_window_over_a_16k_generation(long_tiny_gemma3_path):
-    """A 16K context: a prompt of 16128 tokens in chunks of 2048, then 256 decoded tokens. After
-    every step each window layer holds at most ceil(16 / 4) + 1 pages per head, the full
-    layer one page per 4 tokens of context."""
-    S, prompt_len, max_new = 4, LONG - 256, 256
+    """A 16K context: a prompt of 16256 tokens in chunks of 2048, then 128 decoded tokens. After
+    every step each window layer holds the pages from the next query's first key on, at most
+    ceil(16 / 4) + 1 per head, the full layer one page per 4 tokens of context."""
+    S, prompt_len, max_new = 4, LONG - 128, 128
     engine = _engine(long_tiny_gemma3_path, LONG, page_size=S, batched_tokens=2048)
     windows = engine.model.config.layer_windows
     rid = engine.add_request(_ids(prompt_len, 5), SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True))
@@ -155,20 +155,25 @@ def test_window_layers_hold_only_their_window_over_a_16k_generation(long_tiny_ge
     most = [0] * len(windows)
     while engine.has_unfinished():
         engine.step()
-        if not engine.kv.has(rid):
-            break
-        pages = engine.kv.num_layer_pages(rid)
-        context = req.num_computed_tokens
-        for layer, window in enumerate(windows):
-            if window is None:
-                assert pages[layer] == -(-context // S)
-            else:
-                assert pages[layer] <= bound, f"layer {layer} holds {pages[layer]} pages at {context} tokens"
-            most[layer] = max(most[layer], pages[layer])
+        _check_layer_pages(engine)
+        if engine.kv.has(rid):
+            most = [max(m, n) for m, n in zip(most, engine.kv.num_layer_pages(rid))]
     assert req.num_tokens == LONG and len(req.output_token_ids) == max_new
     assert most == [bound if w else LONG // S for w in windows]
     engine.check_integrity()
     assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+def _check_layer_pages(engine: Engine) -> None:
+    """After a synchronous step, each running request holds in each window layer the pages from
+    the page of its next query's first key (c - window + 1, c tokens computed) on, at most
+    ceil(window / S) + 1; in each full layer every page of its c tokens."""
+    S = engine.kv.page_size
+    for req in engine.scheduler.running:
+        c = req.num_computed_tokens
+        want = [-(-c // S) - (max(0, c - w + 1) // S if w else 0) for w in engine.model.config.layer_windows]
+        assert engine.kv.num_layer_pages(req.request_id) == want, f"{req.request_id} at {c} tokens"
+        assert all(n <= -(-w // S) + 1 for n, w in zip(want, engine.model.config.layer_windows) if w)
 
 
 _CROWD_PROMPTS = [_ids(60, 10 + i) for i in range(3)]
@@ -183,13 +188,15 @@ def roomy_crowd_tokens(tiny_gemma3_path):
 
 @pytest.mark.parametrize("async_decode", [False, True])
 def test_preemption_with_window_layers_gives_every_page_back(tiny_gemma3_path, roomy_crowd_tokens, async_decode):
-    """Three requests in a cache of 160 pages (each ends holding 76): some are preempted and
-    recomputed, their tokens are those of a roomy cache, and every page comes back."""
+    """Three requests in a cache of 120 pages: each holds at most 78 (the full layer's 46 at
+    the end, the window layers' 30; 142 if they kept every page they wrote, which would
+    never fit), so some are preempted and recomputed. Their tokens are those of a roomy
+    cache, and every page comes back."""
     prompts, params = _CROWD_PROMPTS, _CROWD_PARAMS
     page_bytes = 2 * 4 * 32 * 4  # K and V of 4 float32 tokens of head dim 32
-    small = _engine(tiny_gemma3_path, 256, page_size=4, batched_tokens=32, kv_cache_gib=160 * page_bytes / 2**30,
+    small = _engine(tiny_gemma3_path, 256, page_size=4, batched_tokens=32, kv_cache_gib=120 * page_bytes / 2**30,
                     async_decode=async_decode)
-    assert small.kv.num_total_pages == 160
+    assert small.kv.num_total_pages == 120
     ids = [small.add_request(p, params) for p in prompts]
     got: dict[str, list[int]] = {rid: [] for rid in ids}
     for _ in range(500):
@@ -198,6 +205,8 @@ def test_preemption_with_window_layers_gives_every_page_back(tiny_gemma3_path, r
         for out in small.step():
             got[out.request_id] += out.new_token_ids
         small.check_integrity()
+        if not async_decode:  # (a pipelined step's pages run one token ahead)
+            _check_layer_pages(small)
     assert not small.has_unfinished()
     assert small.num_preemptions_total > 0
     assert [got[rid] for rid in ids] == roomy_crowd_tokens
