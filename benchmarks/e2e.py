@@ -19,7 +19,8 @@ Workloads, per mode on one engine: offline batches (``--offline-lengths`` prompt
 ``--offline-batch`` requests, ``--output-tokens`` each, all arriving at once) and online
 Poisson arrivals at each of ``--rates`` requests/s. Each (mode, workload) gets an equal share
 of ``--deadline-s``; one that runs out is stopped and marked ``truncated`` (its figures
-cover the tokens produced). Outputs (in --out): e2e.json, e2e.md (table), e2e.png (plot; both from e2e_report.py).
+cover the tokens produced). Outputs (in --out): e2e.json, e2e.md (table), e2e.png (plot), e2e-timeline.png (every step
+over the run, by kind; all three from e2e_report.py).
 The dense batch-1 decode step at the longest prompt is compared with its roofline: weight
 and KV bytes over the HBM bandwidth measured here.
 """
@@ -490,6 +491,7 @@ def main(argv=None) -> dict:
     with open(os.path.join(args.out, "e2e.md"), "w") as f:
         f.write(table)
     e2e_report.plot(results, os.path.join(args.out, "e2e.png"))
+    e2e_report.timeline(results, os.path.join(args.out, "e2e-timeline.png"))
     print(table)
     return results
 

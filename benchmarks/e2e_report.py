@@ -37,12 +37,78 @@ def markdown(results: dict) -> str:
             lines.append(f"| {name} | {mode} | {rl['batch']} | {1e3 * rl['measured_step_s']:.2f} "
                          f"| {1e3 * rl['bound_step_s']:.2f} ({rl['hbm_bytes'] / 1e9:.1f} + {rl['pcie_bytes'] / 1e9:.2f}) "
                          f"| {rl['x_roofline']:.2f} | {f(vs, fmt='{:.2f}x')} |")
+    split = [(name, mode, time_split(r["step_log"])) for name, by_mode in results["workloads"].items()
+             for mode, r in by_mode.items() if r.get("step_log")]
+    if split:
+        lines += ["", "Where the time went (seconds in steps, and the steps' count):", "",
+                  "| workload | mode | prompt steps | decode-only steps | graph captures | idle |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for name, mode, t in split:
+            lines.append(f"| {name} | {mode} | " + " | ".join(f"{t[k][0]:.1f} ({t[k][1]})" for k in STEP_KINDS) + " |")
     rf = results.get("roofline")
     if rf and rf.get("fraction_of_roofline"):
         lines += ["", f"Dense batch-1 decode at {rf['context']} tokens: {1e3 * rf['measured_step_s']:.2f} ms/step, "
                   f"roofline {1e3 * rf['bound_step_s']:.2f} ms ({(rf['weight_bytes'] + rf['kv_bytes']) / 1e9:.1f} GB "
                   f"at {rf['hbm_bytes_s'] / 1e12:.2f} TB/s): {100 * rf['fraction_of_roofline']:.0f}% of roofline"]
     return "\n".join(lines) + "\n"
+
+
+# A step of ``e2e.run_workload``'s log ([ms, tokens, decode only, running]) is one of these:
+# a step that ran prompt tokens (with the decodes riding along), a decode-only step, a step
+# whose new decode shape was captured as a CUDA graph (logged with 0 tokens), or an idle one.
+STEP_KINDS = ("prompt", "decode", "capture", "idle")
+
+
+def step_kind(step: list) -> str:
+    _, tokens, decode_only, running = step
+    if tokens:
+        return "decode" if decode_only else "prompt"
+    return "capture" if running else "idle"
+
+
+def time_split(step_log: list[list]) -> dict[str, tuple[float, int]]:
+    """Seconds and count of the steps of each kind (``STEP_KINDS``)."""
+    out = {k: (0.0, 0) for k in STEP_KINDS}
+    for step in step_log:
+        s, n = out[step_kind(step)]
+        out[step_kind(step)] = (s + step[0] / 1e3, n + 1)
+    return out
+
+
+def timeline(results: dict, path: str) -> None:
+    """Each mode's steps over the run (one panel per offline workload): step time against
+    wall time, by kind, with the running batch on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(name, mode, r["step_log"]) for name, by_mode in results["workloads"].items()
+            for mode, r in by_mode.items() if r.get("step_log")]
+    if not runs:
+        return
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 3.2 * len(runs)), squeeze=False, sharex=True)
+    colors = {"prompt": "tab:orange", "decode": "tab:blue", "capture": "tab:red", "idle": "tab:gray"}
+    for ax, (name, mode, log) in zip(axes[:, 0], runs):
+        t, ends = 0.0, []
+        for step in log:
+            t += step[0] / 1e3
+            ends.append(t)
+        for kind in STEP_KINDS:
+            pts = [(end, step[0]) for end, step in zip(ends, log) if step_kind(step) == kind]
+            if pts:
+                ax.scatter(*zip(*pts), s=4, color=colors[kind], label=kind)
+        ax.set_yscale("log")
+        ax.set_ylabel("step ms")
+        ax.set_title(f"{name}, {mode}", fontsize=9)
+        batch = ax.twinx()
+        batch.plot(ends, [step[3] for step in log], color="black", linewidth=0.8)
+        batch.set_ylabel("running")
+        ax.legend(loc="upper left", fontsize=7, markerscale=3)
+    axes[-1, 0].set_xlabel("seconds into the run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(results: dict, path: str) -> None:

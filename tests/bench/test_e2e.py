@@ -73,7 +73,13 @@ def test_e2e_sparse_prefill_runs_the_sparse_modes_block_sparse(tmp_path):
                        "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "e2e.json").read_text())["workloads"]["offline-384"]["spin"]
     assert r["finished"] == r["requests"] == 3 and not r["truncated"]
-    assert "prefill block-sparse (0.25 of the blocks)" in (tmp_path / "e2e.md").read_text()
+    report = (tmp_path / "e2e.md").read_text()
+    assert "prefill block-sparse (0.25 of the blocks)" in report
+    # Every step is logged: the split of the run's time adds up to its wall time, and the timeline is drawn.
+    split = bench["e2e_report"].time_split(r["step_log"])
+    assert split["prompt"][1] >= 1 and split["decode"][1] >= 1 and "Where the time went" in report
+    assert abs(sum(s for s, _ in split.values()) - r["wall_s"]) < 0.1 * r["wall_s"] + 0.05
+    assert (tmp_path / "e2e-timeline.png").stat().st_size > 0
 
 
 def test_e2e_qwen_shape_fp8_host_and_prefill_share(tmp_path):
