@@ -122,7 +122,12 @@ AUTOTUNE_CONFIGS = [
 ]
 
 
-@triton.jit(do_not_specialize=["size_class"])  # a key of the autotuner, not a compile variant
+# Not specialised: the chunk's length and position, its query-block count and the strides of
+# its block lists change from one prompt step to the next; Triton would otherwise compile a
+# variant for each pattern of (== 1, divisible by 16) among them, seconds each, in the middle
+# of a served step. size_class is a key of the autotuner, not a compile variant.
+@triton.jit(do_not_specialize=["num_tokens", "context_start", "num_q_blocks", "size_class",
+                               "stride_ih", "stride_im", "stride_ch", "stride_cm"])
 def _block_sparse_prefill_fwd(
     q_ptr, k_ptr, v_ptr, ids_ptr, cnt_ptr, out_ptr,
     k_desc, v_desc,  # USE_DESC: [Hkv, num_keys, D] tensor descriptors of k and v (else unused)

@@ -13,7 +13,7 @@ import triton.language as tl
 from ._layer_ops_kernel import _round_to
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # the step's token count: one compile for every step
 def _bounds_append(
     kmin_ptr, kmax_ptr, k_ptr, block_ptr, pos_ptr, T,
     stride_kt, stride_kh, stride_ib, stride_ih,

@@ -69,7 +69,7 @@ def _rope_qk(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out, k_out, v_out,
     tl.store(dst + d, (a + b).to(DT, fp_downcast_rounding="rtne"), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # the step's rows: one compile for every step
 def _silu_mul(g_ptr, u_ptr, out_ptr, N, F, stride_in, BLOCK: tl.constexpr, DT: tl.constexpr):
     """out[t, f] = silu(gate[t, f]) * up[t, f] for N = T * F outputs; gate and up rows are
     ``stride_in`` apart (F when separate, 2F when both are halves of one fused GEMM's row)."""

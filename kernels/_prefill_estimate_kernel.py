@@ -37,7 +37,9 @@ def _tile_logits(q, km_base, stride_kj, t, diag, offs_j, offs_d, d_ok, scale_log
     return tl.where(visible[None, :], s, float("-inf")), j, visible
 
 
-@triton.jit
+# The chunk's length and position and the output's strides change every prompt step: not
+# specialised (one compile, not one per divisibility pattern; see _block_sparse_prefill_fwd).
+@triton.jit(do_not_specialize=["num_tokens", "context_start", "stride_oh", "stride_om"])
 def _strided_mass_fwd(
     q_ptr, km_ptr, out_ptr,
     scale_log2,  # D ** -0.5 * log2(e)

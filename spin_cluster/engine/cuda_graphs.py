@@ -185,21 +185,25 @@ class SpinDecodeGraphs(DecodeGraphRunner):
     touch a real row's shares), so a graph serves one exact batch size; P comes in eighths of
     a power of two, so a request growing from 32K to 128K tokens meets about 16 widths.
 
-    The first step of a new shape runs eagerly, which compiles its kernels (nothing may
-    compile during a capture), then its graph is captured; capturing records the launches
-    without running them, so state is not touched twice. At most ``max_graphs`` graphs are
-    kept: past that, new shapes run eagerly. All graphs share one memory pool (they replay one
+    A shape's steps run eagerly until it has run ``capture_after`` steps in a row (the first
+    compiles its kernels: nothing may compile during a capture), then its graph is captured;
+    capturing records the launches without running them, so state is not touched twice. A
+    capture costs several eager steps, so a batch that changes every step (a draining batch,
+    its requests finishing one by one) is not captured at every size it passes. At most
+    ``max_graphs`` graphs are kept: past that, new shapes run eagerly. All graphs share one memory pool (they replay one
     at a time, and a graph's output is read before the next replay).
     """
 
     def __init__(self, model: torch.nn.Module, attention: PlannedCapture, max_batch: int,
-                 max_graphs: int = 256, capture: bool = True) -> None:
+                 max_graphs: int = 256, capture: bool = True, capture_after: int = 2) -> None:
         self.model = model
         self.attention = attention
         self.max_batch = max_batch
         self.max_graphs = max_graphs
         # capture=False runs the same static path eagerly (tests of the path on the CPU).
         self.capture = capture
+        self.capture_after = capture_after
+        self._streak: tuple[tuple[int, int] | None, int] = (None, 0)  # (last eager shape, steps in a row)
         dev = attention.device
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
@@ -238,9 +242,17 @@ class SpinDecodeGraphs(DecodeGraphRunner):
             self.attention.replayed()
             return self._hidden[key]
         hidden = self._forward(*key)
-        if self.capture and len(self._graphs) < self.max_graphs:
+        if self._should_capture(key):
             self._capture(key)
         return hidden
+
+    def _should_capture(self, key: tuple[int, int]) -> bool:
+        """After an eager step of ``key``: whether to capture it now (``capture_after`` eager
+        steps of it in a row, room for one more graph)."""
+        last, streak = self._streak
+        streak = streak + 1 if key == last else 1
+        self._streak = (key, streak)
+        return self.capture and streak >= self.capture_after and len(self._graphs) < self.max_graphs
 
     def _forward(self, B: int, pages: int) -> torch.Tensor:
         """The decode step of the first B buffered tokens, from device tensors only."""

@@ -81,8 +81,22 @@ def test_spin_decode_graphs_give_the_eager_tokens(smollm2_path, algorithm):
     tokens, counters = _generate(eng)
     assert tokens == want_tokens
     assert counters == want_counters
-    # 43 decode steps at 4 batch sizes and two Select widths: all but the first of each shape
-    # replayed a graph.
-    assert graphs.captures >= 4 and graphs.replays >= 43 - graphs.captures - 2, (graphs.captures, graphs.replays)
+    # 43 decode steps at 4 batch sizes and two Select widths: all but the first two of each
+    # captured shape replayed a graph (capture_after=2).
+    assert graphs.captures >= 4 and graphs.replays >= 43 - 2 * graphs.captures - 4, (graphs.captures, graphs.replays)
     # Finished requests left nothing behind in the host tier or the buffer.
     assert eng.kv.buffer.num_free_slots == eng.kv.buffer.num_slots
+
+
+def test_spin_graphs_capture_a_shape_only_once_it_repeats(smollm2_path):
+    """A shape is captured after capture_after eager steps of it in a row: a batch that changes
+    every step (a draining batch) runs eagerly instead of paying a capture at every size."""
+    eng = _engine(smollm2_path, device="cpu", graphs=False)
+    graphs = SpinDecodeGraphs(eng.model, eng.runner.attention, max_batch=8, capture_after=2)
+    steady = [graphs._should_capture((4, 16)) for _ in range(3)]
+    assert steady == [False, True, True]  # (run() replays once captured, and asks no more)
+    drain = [graphs._should_capture((b, 16)) for b in (7, 6, 5, 4, 3)]
+    assert drain == [False] * 5
+    assert [graphs._should_capture((3, 32)) for _ in range(2)] == [False, True]  # a new width: its own streak
+    graphs.max_graphs = 0
+    assert not graphs._should_capture((3, 32))
