@@ -46,6 +46,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="JSON", help="head profile of maxmin mode (`spin-cluster profile`)")
     p.add_argument("--floor-fraction", type=float, default=d.floor_fraction,
                    help="maxmin: each head keeps at least this share of the uniform budget (default: %(default)s)")
+    p.add_argument("--budget-floor", type=int, default=d.budget_floor_tokens, metavar="TOKENS",
+                   help="sparse methods' sparse.budget_floor_tokens: a context at or under it runs dense, a "
+                        "fractional budget takes this many tokens at least; 2048: as the bundled spin config "
+                        "(default: %(default)s, off)")
     p.add_argument("--sink-tokens", type=int, default=d.sink_tokens)
     p.add_argument("--local-tokens", type=int, default=d.local_tokens)
     p.add_argument("--dense-layers", type=int, default=d.dense_layers,
@@ -88,7 +92,7 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         model_path=args.model, tasks=tuple(args.tasks), lengths=tuple(args.lengths),
         samples_per_task=args.samples, algorithms=tuple(args.algorithms), budgets=tuple(args.budgets),
         budget_modes=tuple(args.budget_modes), top_p=args.top_p, profile_path=args.profile,
-        floor_fraction=args.floor_fraction,
+        floor_fraction=args.floor_fraction, budget_floor_tokens=args.budget_floor,
         sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, dense_layers=args.dense_layers,
         page_size=args.page_size, max_tokens=args.max_tokens,
         max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens, device=args.device, dtype=args.dtype,

@@ -337,8 +337,9 @@ def run(args: argparse.Namespace) -> Diagnosis:
     if args.length < 64 or args.page_size < 1:
         raise ValueError("--length must be >= 64 and --page-size >= 1")
     specs = [SelectSpec.parse(s) for s in (args.select or ["quest", "labels"])]
-    sparse = parse_config(SparseConfig, {"algorithm": "quest", "budget": args.budget, "sink_tokens": args.sink_tokens,
-                                         "local_tokens": args.local_tokens}, ("sparse",))
+    # No budget floor: the diagnosis ranks pages against the budget itself.
+    sparse = parse_config(SparseConfig, {"algorithm": "quest", "budget": args.budget, "budget_floor_tokens": 0,
+                                         "sink_tokens": args.sink_tokens, "local_tokens": args.local_tokens}, ("sparse",))
     tok = Tokenizer(path)
     sample = ruler.make_sample(args.task, tok, args.length, args.seed)
     if len(sample.answers) != 1:

@@ -61,6 +61,10 @@ class EvalConfig:
     top_p: float = 0.9
     profile_path: str | None = None
     floor_fraction: float = 0.25
+    # sparse.budget_floor_tokens of every sparse method, >= 0: a context at or under it runs
+    # dense, a fractional budget takes this many tokens at least. 0 (off): each Select is
+    # measured at its own budget; 2048: as the bundled `spin` config runs.
+    budget_floor_tokens: int = 0
     # Always-kept first / last tokens of every sparse method, >= 0.
     sink_tokens: int = 16
     local_tokens: int = 64
@@ -118,8 +122,8 @@ class EvalConfig:
             raise ValueError(f"resident_margin={self.resident_margin}: must be >= 0")
         if not 0 <= self.dense_threshold <= 1:
             raise ValueError(f"dense_threshold={self.dense_threshold}: use 0..1")
-        if self.sink_tokens < 0 or self.local_tokens < 0 or self.dense_layers < 0:
-            raise ValueError("sink_tokens, local_tokens and dense_layers must be >= 0")
+        if min(self.sink_tokens, self.local_tokens, self.dense_layers, self.budget_floor_tokens) < 0:
+            raise ValueError("sink_tokens, local_tokens, dense_layers and budget_floor_tokens must be >= 0")
         if not 0 < self.top_p <= 1 or not 0 <= self.floor_fraction <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] and floor_fraction={self.floor_fraction} in 0..1")
         if "maxmin" in self.budget_modes and not self.profile_path:
@@ -313,7 +317,7 @@ def _generate(engine, prompts: list[list[int]], params, bar) -> list[str]:
 def spin_config(config: EvalConfig, model_path: str, method: Method, length: int, calibration=None) -> SpinConfig:
     """The engine config of ``method`` for prompts of up to ``length`` tokens (with answer);
     ``calibration`` (length -> ``sparse.prefill.PrefillCalibration``) for sparse-prefill methods."""
-    sparse = method.sparse_options(length, config.sink_tokens, config.local_tokens)
+    sparse = method.sparse_options(length, config.sink_tokens, config.local_tokens, config.budget_floor_tokens)
     if method.offloaded and config.dense_layers:
         sparse["dense_layers"] = config.dense_layers
     if method.offloaded and not method.is_dense and config.algorithm_options:
@@ -324,7 +328,8 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
         sparse["prefill"] = _prefill_options(config, method, calibration and calibration[length])
     profile = _head_profile(config.profile_path, model_path) if method.budget_mode == "maxmin" else None
     sparse.update(budget_mode_options(method, length, page_size=config.page_size, top_p=config.top_p,
-                                      profile=profile, floor_fraction=config.floor_fraction))
+                                      profile=profile, floor_fraction=config.floor_fraction,
+                                      floor_tokens=config.budget_floor_tokens))
     max_len = max(config.lengths)
     cache = {"page_size": config.page_size, "offload": method.offloaded, "buffer_share": config.buffer_share}
     if method.offloaded:

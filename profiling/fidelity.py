@@ -87,6 +87,7 @@ def selected_tokens(method: Method, sparse: SparseConfig, layers: list[LayerCapt
         budget_pages=torch.full((1, Hkv), budget, dtype=torch.long, device=device),
         max_pages=num_pages,
         max_budget=budget,
+        dense_rows=torch.tensor([T <= sparse.floor_tokens], device=device) if sparse.floor_tokens else None,
     )
     rows = torch.zeros(1, dtype=torch.long, device=device)
     token_page = torch.arange(T, device=device) // S  # [T]
@@ -119,13 +120,15 @@ def compare(layers: list[LayerCapture], mask: torch.Tensor) -> tuple[torch.Tenso
 
 
 def attention_fidelity(model: torch.nn.Module, prompts: Iterable[tuple[int, Sequence[int]]], methods: Sequence[Method],
-                       *, sink_tokens: int, local_tokens: int, page_size: int) -> list[FidelityRow]:
-    """``prompts``: (context length, prompt ids). One row per (method, length)."""
+                       *, sink_tokens: int, local_tokens: int, page_size: int,
+                       floor_tokens: int = 0) -> list[FidelityRow]:
+    """``prompts``: (context length, prompt ids). One row per (method, length); ``floor_tokens``:
+    the methods' budget floor (0: off)."""
     sums: dict[tuple[str, int], list[float]] = {}
     for length, ids in prompts:
         layers = capture(model, ids)
         for method in methods:
-            opts = method.sparse_options(length, sink_tokens, local_tokens)
+            opts = method.sparse_options(length, sink_tokens, local_tokens, floor_tokens)
             sparse = SparseConfig(**opts)
             err, rec = compare(layers, selected_tokens(method, sparse, layers, page_size))
             acc = sums.setdefault((method.label, length), [0.0, 0.0, 0])
@@ -153,4 +156,5 @@ def measure(config, *, progress: bool = True) -> list[FidelityRow]:
     work = build_samples(dataclasses.replace(config, samples_per_task=1), Tokenizer(path))
     prompts = tqdm([(n, s.prompt_ids) for n, s in work], desc="fidelity", unit="prompt", disable=not progress)
     return attention_fidelity(model, prompts, config.methods(), sink_tokens=config.sink_tokens,
-                              local_tokens=config.local_tokens, page_size=config.page_size)
+                              local_tokens=config.local_tokens, page_size=config.page_size,
+                              floor_tokens=config.budget_floor_tokens)

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from spin_cluster.config import SparseConfig
+
 # Algorithms whose Select keeps only sink and local pages (see the module docstring).
 WINDOW_ONLY = frozenset({"streaming"})
 PREFILL_MODES = ("uniform", "threshold", "hplb")
@@ -78,19 +80,22 @@ class Method:
             label += f" + prefill {self.prefill} {budget_label(self.prefill_budget)}"
         return label
 
-    def budget_tokens(self, context_tokens: int) -> int:
-        """Middle tokens per head at this context length (the engine's rounding)."""
+    def budget_tokens(self, context_tokens: int, floor_tokens: int = 0) -> int:
+        """Middle tokens per head at this context length under a budget floor of
+        ``floor_tokens`` (``sparse.budget_floor_tokens``; 0: off), as the engine counts them."""
         if self.budget is None:
             return context_tokens
-        return int(self.budget) if self.budget >= 1 else max(1, int(self.budget * context_tokens))
+        sparse = SparseConfig(budget=self.budget, budget_floor_tokens=floor_tokens)
+        return sparse.budget_tokens(context_tokens)
 
-    def sparse_options(self, context_tokens: int, sink_tokens: int, local_tokens: int) -> dict:
-        """The ``sparse`` config section for prompts of about ``context_tokens`` tokens."""
+    def sparse_options(self, context_tokens: int, sink_tokens: int, local_tokens: int, floor_tokens: int = 0) -> dict:
+        """The ``sparse`` config section for prompts of about ``context_tokens`` tokens, with
+        the budget floor ``floor_tokens`` (0: off, each Select measured at its own budget)."""
         if self.is_dense:
             return {"algorithm": self.algorithm}
         if self.algorithm in WINDOW_ONLY:
-            local_tokens += self.budget_tokens(context_tokens)
-        return {"algorithm": self.algorithm, "budget": self.budget,
+            local_tokens += self.budget_tokens(context_tokens, floor_tokens)
+        return {"algorithm": self.algorithm, "budget": self.budget, "budget_floor_tokens": floor_tokens,
                 "sink_tokens": sink_tokens, "local_tokens": local_tokens}
 
     def depends_on_length(self) -> bool:
@@ -135,7 +140,7 @@ def make_methods(algorithms: Sequence[str], budgets: Sequence[float], prefill_mo
 
 
 def budget_mode_options(method: Method, context_tokens: int, *, page_size: int, top_p: float,
-                        profile=None, floor_fraction: float = 0.25) -> dict:
+                        profile=None, floor_fraction: float = 0.25, floor_tokens: int = 0) -> dict:
     """``sparse`` options that spread ``method``'s budget in its mode at ``context_tokens``:
     {} (uniform), ``top_p``, or ``per_head_budgets`` from ``profile`` (a ``HeadProfile``) whose
     total is the uniform budget in whole pages times the heads, each head at least
@@ -153,7 +158,7 @@ def budget_mode_options(method: Method, context_tokens: int, *, page_size: int, 
                          f"profile again with the run's page size")
     # The uniform budget in whole pages, rounded up as Select takes them; read at this length.
     config = PlanConfig(num_layers=profile.num_layers, num_kv_heads=profile.num_kv_heads,
-                        context_tokens=context_tokens, budget_tokens=method.budget_tokens(context_tokens),
+                        context_tokens=context_tokens, budget_tokens=method.budget_tokens(context_tokens, floor_tokens),
                         unit_tokens=page_size, floor_fraction=floor_fraction, profile_context_tokens=context_tokens)
     return plan_heads(profile, config).sparse_options()
 

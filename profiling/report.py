@@ -69,12 +69,12 @@ def plot(results: EvalResults, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lengths = results.config.lengths
+    lengths, floor = results.config.lengths, results.config.budget_floor_tokens
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
     for ax, n in zip(axes[0], lengths):
         for series in dict.fromkeys(m.series for m in results.methods if not m.is_dense):
             points = sorted(
-                (m.budget_tokens(n) / n, results.average(n, m.label))
+                (m.budget_tokens(n, floor) / n, results.average(n, m.label))
                 for m in results.methods if m.series == series
             )
             points = [(x, 100 * y) for x, y in points if y is not None]
@@ -83,7 +83,7 @@ def plot(results: EvalResults, path: str | Path) -> None:
         if dense is not None:
             ax.axhline(100 * dense, linestyle="--", color="black", label="dense")
         ax.set_xscale("log", base=2)
-        ticks = sorted({m.budget_tokens(n) / n for m in results.methods if not m.is_dense})
+        ticks = sorted({m.budget_tokens(n, floor) / n for m in results.methods if not m.is_dense})
         ax.set_xticks(ticks, [budget_label(x) for x in ticks])
         ax.minorticks_off()
         ax.set_xlabel("budget (fraction of the context, + sink + local)")

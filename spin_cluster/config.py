@@ -199,12 +199,24 @@ class SparsePrefillConfig(ConfigSection):
         return self
 
 
+DEFAULT_BUDGET_FLOOR_TOKENS = 2048
+
+
 class SparseConfig(ConfigSection):
     algorithm: str = Field("dense", description=(
         "Registered algorithm: dense, streaming, ... (`spin_cluster.sparse.registered_algorithms()`; "
         "the serving config checks the name before it starts anything)."))
     budget: float = Field(2048, gt=0, description=(
-        "Middle pages' budget per head: tokens if >= 1, else a fraction (0, 1) of the context; > 0."))
+        "Middle pages' budget per head: tokens if >= 1, else a fraction (0, 1) of the context "
+        "(never under budget_floor_tokens); > 0."))
+    # Under a few thousand tokens sparse attention saves little and a fraction of the context
+    # is too few tokens to keep a needle: Quest and ShadowKV budget 2048 tokens at least.
+    budget_floor_tokens: int | None = Field(None, ge=0, description=(
+        "The floor of the budget, in tokens, >= 0 (0: off). A request whose context is at or "
+        "under it attends densely (every page); above it a fractional budget takes "
+        "max(floor, budget x context) tokens per head, while a budget in tokens and "
+        "per_head_budgets apply as they are (the floor never raises them). null: "
+        f"{DEFAULT_BUDGET_FLOOR_TOKENS} with a fractional budget, 0 with a budget in tokens."))
     sink_tokens: int = Field(16, ge=0, description="Always-kept first tokens (attention sinks), >= 0.")
     local_tokens: int = Field(64, ge=0, description="Always-kept last tokens (local window), >= 0.")
     # Quest and ShadowKV leave the first layers, whose attention is the least sparse, dense.
@@ -245,8 +257,23 @@ class SparseConfig(ConfigSection):
         _check_budget_rows(self.per_head_budgets, "sparse.per_head_budgets")
         return self
 
+    @property
+    def floor_tokens(self) -> int:
+        """``budget_floor_tokens`` resolved: its default depends on the budget's form."""
+        if self.budget_floor_tokens is not None:
+            return self.budget_floor_tokens
+        return DEFAULT_BUDGET_FLOOR_TOKENS if self.budget < 1 else 0
+
     def budget_tokens(self, context_tokens: int) -> int:
-        return int(self.budget) if self.budget >= 1 else max(1, int(self.budget * context_tokens))
+        """Middle tokens per head at ``context_tokens``: at or under the floor the context
+        itself (every page: dense). ``SpinAttention._budget_tokens`` computes the same on the
+        device."""
+        floor = self.floor_tokens
+        if floor and context_tokens <= floor:
+            return context_tokens
+        if self.budget >= 1:
+            return int(self.budget)
+        return max(1, floor, int(self.budget * context_tokens))
 
 
 class SchedulerConfig(ConfigSection):

@@ -23,7 +23,7 @@ import torch
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.backend import BackendParts, backend_class
-from spin_cluster.engine.spin_attention import max_middle_pages
+from spin_cluster.engine.spin_attention import floor_pages, max_middle_pages
 from spin_cluster.kernels.fp8_pages import FP8_DTYPE
 from spin_cluster.kvcache.host_tier import HostTier
 from spin_cluster.kvcache.manager import KVCacheManager
@@ -245,12 +245,13 @@ def _make_algorithm(cls, config: SpinConfig, **shape):
 
 def _head_mandatory_pages(config: SpinConfig, num_layers: int, max_pages: int) -> list[list[int]]:
     """[L][Hkv] pages each head selects per step under ``sparse.per_head_budgets`` (top-k):
-    sink + its own budget + local, as ``_mandatory_pages`` counts the widest head's."""
+    sink + its own budget (every page of a context at the budget floor, at least) + local,
+    as ``_mandatory_pages`` counts the widest head's."""
     S, sp = config.cache.page_size, config.sparse
     if len(sp.per_head_budgets) != num_layers:
         raise ValueError(f"sparse.per_head_budgets has {len(sp.per_head_budgets)} layers, the model {num_layers}")
-    edge = _edge_pages(config)
-    return [[min(max_pages, edge + -(-int(b) // S)) for b in row] for row in sp.per_head_budgets]
+    edge, dense = _edge_pages(config), floor_pages(sp, S, max_pages * S)
+    return [[min(max_pages, edge + max(dense, -(-int(b) // S))) for b in row] for row in sp.per_head_budgets]
 
 
 def _mandatory_pages(config: SpinConfig, algorithm, max_model_len: int) -> int:

@@ -190,11 +190,9 @@ class SpinAttention(PlannedCapture):
     def _decode_select(self, positions: torch.Tensor, pages: int) -> SelectPlan:
         """The step's Select plan from the decode tokens' positions [Bd] (context = position + 1)."""
         S, hkv = self.kv.page_size, self.kv.num_kv_heads
-        budget = self.sparse.budget
-        if budget >= 1:  # SparseConfig.budget_tokens on the device
-            tokens = torch.full_like(positions, int(budget))
-        else:
-            tokens = ((positions + 1).double() * budget).long().clamp_(min=1)
+        context = positions + 1  # [Bd]
+        tokens = self._budget_tokens(context)
+        floor = self.sparse.floor_tokens
         return SelectPlan(
             num_pages=positions // S + 1,
             tail_len=(positions % S + 1).int(),
@@ -204,15 +202,28 @@ class SpinAttention(PlannedCapture):
             max_pages=pages,
             max_budget=self._max_budget_pages(pages * S),
             top_p=self.sparse.top_p,
+            dense_rows=context <= floor if floor else None,
         )
 
+    def _budget_tokens(self, context: torch.Tensor) -> torch.Tensor:
+        """``SparseConfig.budget_tokens`` on the device, with no host sync: [Bd] -> [Bd] int64."""
+        budget, floor = self.sparse.budget, self.sparse.floor_tokens
+        if budget >= 1:
+            tokens = torch.full_like(context, int(budget))
+        else:
+            tokens = (context.double() * budget).long().clamp_(min=max(1, floor))
+        return torch.where(context <= floor, context, tokens) if floor else tokens
+
     def _layer_select_plans(self, sel: SelectPlan) -> tuple[SelectPlan, ...]:
-        """One SelectPlan per layer: the step's, with the layer's per-head budgets if any."""
+        """One SelectPlan per layer: the step's, with the layer's per-head budgets if any (the
+        step's own, every page, in rows at or under the budget floor)."""
         if self._layer_budgets is None:
             return (sel,) * self.kv.num_layers
+        budgets = self._layer_budgets[:, None, :].expand(-1, *sel.budget_pages.shape)  # [L, Bd, Hkv]
+        if sel.dense_rows is not None:
+            budgets = torch.where(sel.dense_rows[None, :, None], sel.budget_pages[None], budgets)
         # One copy per step, so that no layer's Select copies its expanded view again.
-        budgets = self._layer_budgets[:, None, :].expand(-1, *sel.budget_pages.shape).contiguous().unbind(0)  # L x [Bd, Hkv]
-        return tuple(dataclasses.replace(sel, budget_pages=b) for b in budgets)
+        return tuple(dataclasses.replace(sel, budget_pages=b) for b in budgets.contiguous().unbind(0))
 
     def _prefill_plan(self, chunk: ScheduledChunk, token_start: int) -> SpinPrefill:
         if not chunk.start:
@@ -317,22 +328,32 @@ class SpinAttention(PlannedCapture):
 
 
 def max_middle_pages(sparse: SparseConfig, page_size: int, num_kv_heads: int, context_tokens: int) -> int:
-    """Most middle pages one KV head may select per step at ``context_tokens``: its budget, the
-    largest per-head budget, or under top-p the largest total of a layer's heads."""
+    """Most middle pages one KV head may select per step in contexts of up to ``context_tokens``:
+    its budget, the largest per-head budget, or under top-p the largest total of a layer's
+    heads; and every page of a context at or under the budget floor (dense)."""
     rows = _per_head_budget_pages(sparse, page_size)
     if rows is not None:
-        return max(sum(row) for row in rows) if sparse.top_p is not None else max(max(row) for row in rows)
-    pages = -(-sparse.budget_tokens(context_tokens) // page_size)
-    return pages * num_kv_heads if sparse.top_p is not None else pages
+        most = max(sum(row) for row in rows) if sparse.top_p is not None else max(max(row) for row in rows)
+    else:
+        pages = -(-sparse.budget_tokens(context_tokens) // page_size)
+        most = pages * num_kv_heads if sparse.top_p is not None else pages
+    return max(most, floor_pages(sparse, page_size, context_tokens))
 
 
 def mean_middle_pages(sparse: SparseConfig, page_size: int, context_tokens: int) -> float:
-    """Middle pages one KV head selects per step on average: its budget, or the mean of the
-    per-head budgets (under top-p, a layer's heads share their total: the same mean)."""
+    """Middle pages one KV head selects per step on average at ``context_tokens``: its budget,
+    or the mean of the per-head budgets (under top-p, a layer's heads share their total: the
+    same mean); at or under the budget floor, the context's every page."""
     rows = _per_head_budget_pages(sparse, page_size)
-    if rows is not None:
+    if rows is not None and context_tokens > sparse.floor_tokens:
         return sum(map(sum, rows)) / sum(map(len, rows))
     return float(-(-sparse.budget_tokens(context_tokens) // page_size))
+
+
+def floor_pages(sparse: SparseConfig, page_size: int, context_tokens: int) -> int:
+    """Pages of the longest context, of up to ``context_tokens``, that attends densely under
+    the budget floor (0 with the floor off)."""
+    return -(-min(context_tokens, sparse.floor_tokens) // page_size)
 
 
 def _per_head_budget_pages(sparse: SparseConfig, page_size: int) -> list[list[int]] | None:

@@ -20,6 +20,9 @@ Two rules pick the middle pages:
             ``sum(budget_pages[b])`` pages in all (the same total as top-k), the least massive
             wanted pages dropped first. A head may take up to that whole total, so
             ``max_budget`` must allow for it.
+
+Under the budget floor (``dense_rows``) a request takes every middle page, whatever the rule
+and whether the algorithm scores pages at all: a short context runs dense.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ class SelectPlan:
     # mass (up to a constant per head), e.g. 1 / (G sqrt(D)) for q.k summed over G query heads.
     top_p: float | None = None
     score_scale: float = 1.0
+    # [B] bool: requests at or under the budget floor (``sparse.budget_floor_tokens``), which
+    # take every middle page whatever the rule (their budget_pages cover them too); None: off.
+    dense_rows: torch.Tensor | None = None
 
 
 def select_layer(algorithm: SparseAlgorithm, layer: int, q: torch.Tensor, rows: torch.Tensor, plan: SelectPlan,
@@ -102,6 +108,9 @@ def select_pages(scores: torch.Tensor | None, select_all: bool, plan: SelectPlan
         width = min(P, plan.sink_pages + plan.max_budget + plan.local_pages)
     else:
         mid = _top_middle(scores, is_mid, plan)
+        width = min(P, plan.sink_pages + plan.max_budget + plan.local_pages)
+    if plan.dense_rows is not None and not select_all:
+        mid = mid | (is_mid & plan.dense_rows[:, None, None])
         width = min(P, plan.sink_pages + plan.max_budget + plan.local_pages)
     keep = (in_ctx & (is_sink | is_local)) | mid  # [B, Hkv, P]
     pos = keep.cumsum(-1) - 1  # [B, Hkv, P] position in the compacted list

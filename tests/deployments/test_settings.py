@@ -36,11 +36,12 @@ def test_bundled_configs_serve_the_models_own_context(name, smollm2_path):
     assert mine.with_model_context() is mine  # a length that is set stays
 
 
-def test_spin_config_selects_by_labels_at_a_16th_of_the_context():
+def test_spin_config_selects_by_labels_at_a_16th_of_the_context_and_2048_tokens_at_least():
     cfg = load_app_config({"config": "spin"})
     sparse = cfg.spin.sparse
     assert cfg.spin.cache.offload and sparse.algorithm == "labels" and sparse.budget == 1 / 16
-    assert sparse.budget_tokens(8192) == 512 and sparse.resident_margin == 0.5
+    assert sparse.budget_floor_tokens == 2048 and sparse.resident_margin == 0.5
+    assert [sparse.budget_tokens(n) for n in (2048, 8192, 65536)] == [2048, 2048, 4096]
 
 
 def test_overrides_replace_single_keys_of_a_section():

@@ -3,14 +3,12 @@
 import pytest
 import torch
 
-from spin_cluster.config import SpinConfig
-from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.engine import SamplingParams
 from spin_cluster.sparse import select as sparse_select
 from spin_cluster.sparse.contract import SparseAlgorithm, register
 
 PROMPT = list(range(1000, 1060))  # 60 tokens: 15 pages of 4
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-SPARSE = {"sink_tokens": 4, "local_tokens": 8}  # 1 sink page, 2 local pages
 
 
 @register
@@ -23,16 +21,6 @@ class _Peaked(SparseAlgorithm):
         scores = torch.zeros(q.shape[0], self.num_kv_heads, num_pages, device=q.device)
         scores[:, 0, 1] = 1000.0
         return scores
-
-
-def _engine(path, sparse):
-    cfg = {
-        "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": 128},
-        "cache": {"page_size": 4, "offload": True},
-        "scheduler": {"max_num_seqs": 2, "max_num_batched_tokens": 64},
-        "sparse": {**SPARSE, **sparse},
-    }
-    return Engine(SpinConfig.from_dict(cfg), progress=False)
 
 
 @pytest.fixture
@@ -56,38 +44,38 @@ def _run(engine):
     return out
 
 
-def test_per_head_budgets_set_each_heads_middle_pages(tiny_llama_path, selections):
+def test_per_head_budgets_set_each_heads_middle_pages(offload_engine, selections):
     # tokens -> pages of 4: layer 0 heads take 2 and 0 middle pages, layer 1 heads 1 and 3
-    _run(_engine(tiny_llama_path, {"algorithm": "quest", "per_head_budgets": [[8, 0], [4, 12]]}))
+    _run(offload_engine({"algorithm": "quest", "per_head_budgets": [[8, 0], [4, 12]]}))
     assert len(selections) == 2 * (PARAMS.max_tokens - 1)  # decode steps x layers
     assert selections[0::2] == [[1 + 2 + 2, 1 + 0 + 2]] * (PARAMS.max_tokens - 1)
     assert selections[1::2] == [[1 + 1 + 2, 1 + 3 + 2]] * (PARAMS.max_tokens - 1)
 
 
-def test_equal_per_head_budgets_are_uniform_top_k(tiny_llama_path):
-    uniform = _run(_engine(tiny_llama_path, {"algorithm": "quest", "budget": 8}))
-    per_head = _run(_engine(tiny_llama_path, {"algorithm": "quest", "per_head_budgets": [[8, 8], [8, 8]]}))
+def test_equal_per_head_budgets_are_uniform_top_k(offload_engine):
+    uniform = _run(offload_engine({"algorithm": "quest", "budget": 8}))
+    per_head = _run(offload_engine({"algorithm": "quest", "per_head_budgets": [[8, 8], [8, 8]]}))
     assert per_head == uniform
 
 
-def test_top_p_lets_a_layers_heads_share_their_total(tiny_llama_path, selections):
+def test_top_p_lets_a_layers_heads_share_their_total(offload_engine, selections):
     # budget 8 tokens = 2 pages per head, 4 per layer: the peaked head needs 1, the flat head
     # would take 90% of ~12 middle pages but gets the other 3
-    _run(_engine(tiny_llama_path, {"algorithm": "_test_peaked", "budget": 8, "top_p": 0.9}))
+    _run(offload_engine({"algorithm": "_test_peaked", "budget": 8, "top_p": 0.9}))
     assert selections and all(s == [1 + 1 + 2, 1 + 3 + 2] for s in selections)
 
 
-def test_top_p_reserves_the_layer_total_per_head_in_the_buffer(tiny_llama_path):
-    top_p = _engine(tiny_llama_path, {"algorithm": "quest", "budget": 8, "top_p": 0.9})
-    top_k = _engine(tiny_llama_path, {"algorithm": "quest", "budget": 8})
+def test_top_p_reserves_the_layer_total_per_head_in_the_buffer(offload_engine):
+    top_p = offload_engine({"algorithm": "quest", "budget": 8, "top_p": 0.9})
+    top_k = offload_engine({"algorithm": "quest", "budget": 8})
     pages = top_p.runner.attention.mandatory_pages(64), top_k.runner.attention.mandatory_pages(64)
     assert pages == (1 + 4 + 2, 1 + 2 + 2)
 
 
-def test_mean_attended_pages_follow_each_heads_own_budget(tiny_llama_path):
+def test_mean_attended_pages_follow_each_heads_own_budget(offload_engine):
     # pages of 4 per head: 2, 0, 1, 3 middle pages (mean 1.5); the widest head sizes the buffer
-    attn = _engine(tiny_llama_path, {"algorithm": "quest", "per_head_budgets": [[8, 0], [4, 12]]}).runner.attention
+    attn = offload_engine({"algorithm": "quest", "per_head_budgets": [[8, 0], [4, 12]]}).runner.attention
     assert attn.mandatory_pages(64) == 1 + 3 + 2
     assert attn.mean_attended_pages(64) == 1 + 1.5 + 2
-    uniform = _engine(tiny_llama_path, {"algorithm": "quest", "budget": 8}).runner.attention
+    uniform = offload_engine({"algorithm": "quest", "budget": 8}).runner.attention
     assert uniform.mean_attended_pages(64) == uniform.mandatory_pages(64) == 1 + 2 + 2

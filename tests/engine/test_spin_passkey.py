@@ -1,5 +1,6 @@
-"""The bundled `spin` config keeps the needle: on real SmolLM2 at 2K tokens, every pass key
-that dense attention finds, `spin` (labels at 1/16 of the context) finds too."""
+"""The bundled `spin` config's Select keeps the needle: on real SmolLM2 at 2K tokens, every
+pass key that dense attention finds, `spin` (labels at 1/16 of the context) finds too. Its
+budget floor is off here: at 2048 tokens or fewer the bundled config attends densely."""
 
 import pytest
 
@@ -40,4 +41,4 @@ def misses_of(path, config_name, **sections) -> list[str]:
 @pytest.mark.slow
 def test_spin_finds_every_2k_pass_key_that_dense_finds(smollm2_path):
     assert load_app_config({"config": "spin"}).spin.sparse.algorithm == "labels"
-    assert misses_of(smollm2_path, "spin") == []
+    assert misses_of(smollm2_path, "spin", sparse={"budget_floor_tokens": 0}) == []

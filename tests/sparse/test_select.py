@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,6 +47,27 @@ def test_streaming_takes_only_sink_and_local_and_dense_takes_all():
     assert want.tolist() == [[[0, 4, 5], [0, 4, 5]]]
     want, n = select_pages(None, True, plan, 2)
     assert want.tolist() == [[[0, 1, 2, 3, 4, 5]] * 2] and n.tolist() == [[6, 6]]
+
+
+def test_a_budget_covering_the_middle_pages_selects_them_all():
+    scores = torch.randn(2, 2, 12, generator=torch.Generator().manual_seed(0))
+    plan = _plan([12, 7], budget=[[9, 9], [4, 4]])  # middle: 9 and 4 pages
+    want, n = select_pages(scores, False, plan, 2)
+    assert n.tolist() == [[12, 12], [7, 7]]
+    assert want[0].tolist() == [list(range(12))] * 2 and want[1, :, :7].tolist() == [list(range(7))] * 2
+
+
+def test_rows_under_the_budget_floor_take_every_middle_page_whatever_the_rule():
+    dense_rows = torch.tensor([True, False])
+    plan = dataclasses.replace(_plan([6, 6], budget=4), dense_rows=dense_rows)
+    want, n = select_pages(None, False, plan, 2)  # a window-only algorithm: no scores
+    assert n.tolist() == [[6, 6], [3, 3]]
+    assert want[0].tolist() == [list(range(6))] * 2 and want[1, :, :3].tolist() == [[0, 4, 5]] * 2
+    peaked = torch.zeros(2, 2, 6)
+    peaked[:, :, 2] = 50.0  # top-p 0.5 wants page 2 alone
+    plan = dataclasses.replace(plan, top_p=0.5, max_budget=8)
+    want, n = select_pages(peaked, False, plan, 2)
+    assert n.tolist() == [[6, 6], [4, 4]]
 
 
 def test_registry_and_unknown_algorithm():
