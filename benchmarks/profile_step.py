@@ -232,9 +232,11 @@ def kernel_rows(prof, cuda: bool) -> list[tuple[str, float, int]]:
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():
         dev_us = getattr(ev, "device_time", None) if cuda else None
+        if ev.name.startswith(_HOST_LABEL):  # a labelled host region (``labelled``), mirrored on the GPU's timeline
+            continue
         if cuda and ev.device_type.name == "CUDA" and dev_us:
             kernels.setdefault(ev.name, []).append(dev_us / 1e6)
-        elif not cuda and ev.cpu_parent is None:
+        elif not cuda and _top_level(ev):
             kernels.setdefault(ev.name, []).append(ev.cpu_time_total / 1e6)
     return sorted(((name, sum(ts), len(ts)) for name, ts in kernels.items()), key=lambda r: -r[1])
 
@@ -277,6 +279,14 @@ def print_host(rows: list[dict], python: str, what: str) -> None:
     print("\n".join(line for line in python.splitlines()[:45] if line.strip()))
 
 
+def _top_level(ev) -> bool:
+    """A CPU operator under no other operator (labelled host regions do not count)."""
+    parent = ev.cpu_parent
+    while parent is not None and parent.name.startswith(_HOST_LABEL):
+        parent = parent.cpu_parent
+    return parent is None
+
+
 def mixed_prompt(engine, n: int, params, sync, cuda: bool, layers: int) -> dict:
     """One new prompt of n tokens prefilled beside the running batch: the steps until its first
     token and their wall time as served (no profiler), then a second such prompt under the
@@ -314,6 +324,8 @@ def mixed_prompt(engine, n: int, params, sync, cuda: bool, layers: int) -> dict:
             "top": [{"name": n_[:120], "s": t, "calls": c} for n_, t, c in rows[:15]]}
 
 
+_HOST_LABEL = "host:"  # the prefix of the labelled host regions' profiler events
+
 # Host regions a mixed step's GPU idle time is charged to: (object path from the engine, method).
 _LABELS = (("scheduler", "schedule"), ("kv", "allocate"), ("kv", "spill"), ("runner", "execute"),
            ("runner.attention", "begin_step"), ("runner.attention", "end_step"), ("sampler", "sample"),
@@ -337,7 +349,7 @@ class labelled:
         import torch
 
         for obj, name, fn, _ in self.patched:
-            def wrapped(*a, _fn=fn, _label=f"host:{type(obj).__name__}.{name}", **kw):
+            def wrapped(*a, _fn=fn, _label=f"{_HOST_LABEL}{type(obj).__name__}.{name}", **kw):
                 with torch.profiler.record_function(_label):
                     return _fn(*a, **kw)
             setattr(obj, name, wrapped)
@@ -359,10 +371,11 @@ def gpu_gaps(prof, min_ms: float = 0.5, top: int = 30) -> dict:
     kernels, regions, ops = [], [], []
     for ev in prof.events():
         tr = ev.time_range
-        if ev.device_type.name == "CUDA" and getattr(ev, "device_time", 0):
+        if ev.name.startswith(_HOST_LABEL):  # on the CPU, and mirrored on the GPU's timeline: not a kernel
+            if ev.device_type.name == "CPU":
+                regions.append((tr.start, tr.end, ev.name[len(_HOST_LABEL):]))
+        elif ev.device_type.name == "CUDA" and getattr(ev, "device_time", 0):
             kernels.append((tr.start, tr.end, ev.name))
-        elif ev.name.startswith("host:"):
-            regions.append((tr.start, tr.end, ev.name[5:]))
         elif ev.device_type.name == "CPU":
             ops.append((tr.start, tr.end, ev.name))
     kernels.sort()

@@ -130,6 +130,7 @@ def test_gpu_gaps_charges_idle_time_to_the_open_host_region():
 
     events = [ev("k1", 0, 1000, "CUDA"), ev("k2", 3000, 4000, "CUDA"), ev("k3", 4100, 5000, "CUDA"),
               ev("host:Engine.step", 0, 6000, "CPU"), ev("host:Kv.spill", 900, 2900, "CPU"),
+              ev("host:Engine.step", 0, 6000, "CUDA"),  # a region's mirror on the GPU's timeline: not busy time
               ev("aten::sort", 1000, 2500, "CPU")]
     gaps = profile_step.gpu_gaps(NS(events=lambda: events), min_ms=0.5)
     assert gaps["span_ms"] == 5.0 and abs(gaps["idle_ms"] - 2.1) < 1e-9
