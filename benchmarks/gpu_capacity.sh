@@ -23,7 +23,12 @@
 #   mixed   what one more 32K prompt costs a loaded server: dense decoding 25 x 32K (its GPU holds 26),
 #           Spin 59 x 32K (GPU full, FP8 host pages, spills; cap64f peaked at 60), each then prefills a
 #           32K prompt beside its batch, timed and profiled (bench decode-step --mixed) [5];
-#           CTX=131072 MIXED="dense:3 spin:3" GPU_KV=100 for the 4 x 128K case
+#           CTX=131072 MIXED="dense:3 spin:3" GPU_KV=100 MAXSEQS=4 for the 4 x 128K case (MAXSEQS, default
+#           64: Quest's index is sized max_num_seqs x max_model_len, 34 GiB at 64 x 128K)
+#   m1      one request of 1M tokens (128 GiB of bf16 KV: more than the free HBM or the pinnable host
+#           memory), Spin alone: 90 GiB of GPU KV, FP8 host pages, block-sparse prefill in chunks of
+#           M1_CHUNK tokens (default 131072: each later chunk gathers its context, so few and large),
+#           256 output tokens [<= 10]
 #   sweep   the request stream (spin-cluster bench serve) at one rate per call (RATE, default
 #           inf; PROMPTS, default 128): log-uniform 8K-128K prompts, 256-2048 output tokens,
 #           dense beside Spin (FP8 host pages, hysteresis MARGIN, default 0.5, block-sparse prefill
@@ -69,12 +74,15 @@ for r in ${RUNS:-check}; do
       for pair in ${MIXED:-dense:25 spin:59}; do
         timeout 280 python3 -P -m spin_cluster.bench decode-step --mode "${pair%%:*}" --batch "${pair##*:}" \
           --context "${CTX:-32768}" --mixed "${CTX:-32768}" --steps 5 --gpu-kv-gib "${GPU_KV:-108}" --host-kv-gib 88 --host-kv-dtype fp8 --per-head-shares \
-          --resident-margin 0.5 --sparse-prefill 0.125 --max-num-seqs 64 --max-batched-tokens 32768 "${TOK[@]}" \
+          --resident-margin 0.5 --sparse-prefill 0.125 --max-num-seqs "${MAXSEQS:-64}" --max-batched-tokens 32768 "${TOK[@]}" \
           --out "$OUT" 2>&1 | grep -v "^\[" | tail -45 | tee -a "$LOG"
       done ;;
     q32) run q32 500 --modes dense spin --shape qwen2.5-32b --workloads offline-128K --offline-lengths 131072 \
            --offline-batch "${N32:-4}" --max-num-seqs "${N32:-4}" --output-tokens 256 --max-batched-tokens 32768 \
            --gpu-kv-gib 60 --host-kv-dtype fp8 --per-head-shares ;;
+    m1) run m1 480 --modes spin --workloads offline-1024K --offline-lengths 1048576 --offline-batch 1 --max-num-seqs 1 \
+          --output-tokens 256 --max-batched-tokens "${M1_CHUNK:-131072}" --gpu-kv-gib 90 --host-kv-dtype fp8 \
+          --per-head-shares --sparse-prefill "${PREFILL:-0.125}" --resident-margin 0.5 ;;
     128k) run 128k 230 --modes dense spin --workloads offline-128K --offline-lengths 131072 --offline-batch 4 \
             --gpu-kv-gib 100 --host-kv-gib 72 --per-head-shares ;;
   esac
