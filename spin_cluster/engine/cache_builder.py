@@ -268,12 +268,23 @@ def _edge_pages(config: SpinConfig) -> int:
 
 
 def gpu_budget_bytes(config: SpinConfig, device: torch.device) -> float:
-    if config.cache.kv_cache_gib is not None:
-        return config.cache.kv_cache_gib * 2**30
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
+    """The KV pages' bytes on ``device``: cache.kv_cache_gib, else a share of the GPU's free
+    memory (a fixed size on the CPU). A size the GPU cannot hold is refused here, with what
+    holds the rest, rather than by an out-of-memory error in the middle of the allocation."""
+    gib = config.cache.kv_cache_gib
+    if device.type != "cuda":
+        return (_CPU_DEFAULT_KV_GIB if gib is None else gib) * 2**30
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's cache is reusable
+    if gib is None:
         return free * _GPU_KV_FRACTION
-    return _CPU_DEFAULT_KV_GIB * 2**30
+    if gib * 2**30 > free:
+        raise ValueError(
+            f"cache.kv_cache_gib={gib:g} GiB does not fit: {free / 2**30:.1f} GiB of the GPU is free after "
+            f"the model's weights and the sparse algorithm's index ({torch.cuda.memory_allocated(device) / 2**30:.1f} "
+            "GiB allocated; the index is sized scheduler.max_num_seqs x model.max_model_len); lower "
+            "cache.kv_cache_gib, scheduler.max_num_seqs or model.max_model_len")
+    return gib * 2**30
 
 
 def num_gpu_pages(config: SpinConfig, mc: ModelConfig, dtype, device, max_model_len: int) -> int:

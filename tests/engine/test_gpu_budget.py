@@ -1,0 +1,42 @@
+"""The KV pages' GPU budget: a cache.kv_cache_gib the GPU cannot hold is refused with what
+holds the rest, not left to an out-of-memory error mid-allocation (CUDA's memory queries
+stand in for a GPU here)."""
+
+import pytest
+import torch
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.engine import cache_builder
+
+GIB = 2**30
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A GPU with 40 GiB free and 2 GiB more in torch's cache (reserved, not allocated)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * GIB, 141 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 60 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 58 * GIB)
+    return torch.device("cuda")
+
+
+def budget(gib, device):
+    cfg = SpinConfig.from_dict({"cache": {"kv_cache_gib": gib}} if gib is not None else {})
+    return cache_builder.gpu_budget_bytes(cfg, device)
+
+
+def test_a_kv_size_that_fits_is_taken_as_given(gpu):
+    assert budget(42, gpu) == 42 * GIB  # free plus torch's reusable cache
+    assert budget(None, gpu) == pytest.approx(42 * GIB * cache_builder._GPU_KV_FRACTION)
+
+
+def test_a_kv_size_over_the_free_memory_is_refused_with_the_settings_to_change(gpu):
+    with pytest.raises(ValueError) as err:
+        budget(100, gpu)
+    msg = str(err.value)
+    assert "cache.kv_cache_gib=100 GiB does not fit: 42.0 GiB of the GPU is free" in msg
+    assert "58.0 GiB allocated" in msg and "scheduler.max_num_seqs" in msg
+
+
+def test_the_cpu_budget_is_not_checked_against_a_gpu():
+    assert budget(100, torch.device("cpu")) == 100 * GIB
