@@ -70,8 +70,9 @@ def time_split(step_log: list[list]) -> dict[str, tuple[float, int]]:
     """Seconds and count of the steps of each kind (``STEP_KINDS``)."""
     out = {k: (0.0, 0) for k in STEP_KINDS}
     for step in step_log:
-        s, n = out[step_kind(step)]
-        out[step_kind(step)] = (s + step[0] / 1e3, n + 1)
+        kind = step_kind(step)
+        s, n = out[kind]
+        out[kind] = (s + step[0] / 1e3, n + 1)
     return out
 
 

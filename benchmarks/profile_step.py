@@ -386,18 +386,20 @@ def gpu_gaps(prof, min_ms: float = 0.5, top: int = 30) -> dict:
             if b - end >= 1e3 * min_ms:
                 gaps.append((b - end, end, b, kernels[i - 1][2], name))
         end = e if end is None else max(end, e)
+    def region_at(t: float) -> str | None:  # the innermost labelled region open at t
+        open_ = [r for r in regions if r[0] <= t < r[1]]
+        return min(open_, key=lambda r: r[1] - r[0])[2] if open_ else None
+
     out = []
     for length, b, e, before, after in sorted(gaps, reverse=True)[:top]:
-        open_ = [r for r in regions if r[0] <= b < r[1]]
-        region = min(open_, key=lambda r: r[1] - r[0])[2] if open_ else None
+        region = region_at(b)
         over = [(min(e, o[1]) - max(b, o[0]), o[2]) for o in ops if o[0] < e and o[1] > b]
         op = max(over)[1] if over else None
         out.append({"ms": length / 1e3, "region": region, "host_op": op, "after_kernel": before[:80],
                     "before_kernel": after[:80]})
     by_region: dict[str, float] = {}
     for length, b, *_ in gaps:
-        open_ = [r for r in regions if r[0] <= b < r[1]]
-        key = min(open_, key=lambda r: r[1] - r[0])[2] if open_ else "(none)"
+        key = region_at(b) or "(none)"
         by_region[key] = by_region.get(key, 0.0) + length / 1e3
     span = (kernels[-1][1] - kernels[0][0]) / 1e3 if kernels else 0.0
     return {"span_ms": span, "idle_ms": idle / 1e3, "idle_in_gaps_ms_by_region": by_region, "longest": out}

@@ -190,8 +190,9 @@ class SpinDecodeGraphs(DecodeGraphRunner):
     capturing records the launches without running them, so state is not touched twice. A
     capture costs several eager steps, so a batch that changes every step (a draining batch,
     its requests finishing one by one) is not captured at every size it passes. At most
-    ``max_graphs`` graphs are kept: past that, new shapes run eagerly. All graphs share one memory pool (they replay one
-    at a time, and a graph's output is read before the next replay).
+    ``max_graphs`` graphs are kept: past that, new shapes run eagerly. All graphs share one
+    memory pool (they replay one at a time, and a graph's output is read before the next
+    replay).
     """
 
     def __init__(self, model: torch.nn.Module, attention: PlannedCapture, max_batch: int,

@@ -85,11 +85,12 @@ def select_pages(scores: torch.Tensor | None, select_all: bool, plan: SelectPlan
     scores: [B, Hkv, P] from the algorithm, or None (no middle pages unless select_all).
     """
     B, P = plan.num_pages.shape[0], plan.max_pages
+    budget_width = min(P, plan.sink_pages + plan.max_budget + plan.local_pages)  # a head's most pages under a budget
     if (scores is not None and scores.is_cuda and not select_all and plan.max_budget > 0
             and plan.top_p is None and P <= MAX_ROW_PAGES):
         # The top-k rule below, fused into one Triton launch (same result, tested equal).
-        width = min(P, plan.sink_pages + plan.max_budget + plan.local_pages)
-        return select_ragged(scores, plan.num_pages, plan.sink_pages, plan.local_pages, plan.budget_pages, width)
+        return select_ragged(scores, plan.num_pages, plan.sink_pages, plan.local_pages, plan.budget_pages,
+                             budget_width)
     dev = plan.num_pages.device
     p = torch.arange(P, device=dev)  # [P]
     n = plan.num_pages[:, None, None]  # [B, 1, 1]
@@ -104,14 +105,11 @@ def select_pages(scores: torch.Tensor | None, select_all: bool, plan: SelectPlan
         mid = torch.zeros(B, num_kv_heads, P, dtype=torch.bool, device=dev)
         width = min(P, plan.sink_pages + plan.local_pages)
     elif plan.top_p is not None:
-        mid = _top_p_middle(scores, is_mid, plan)
-        width = min(P, plan.sink_pages + plan.max_budget + plan.local_pages)
+        mid, width = _top_p_middle(scores, is_mid, plan), budget_width
     else:
-        mid = _top_middle(scores, is_mid, plan)
-        width = min(P, plan.sink_pages + plan.max_budget + plan.local_pages)
+        mid, width = _top_middle(scores, is_mid, plan), budget_width
     if plan.dense_rows is not None and not select_all:
-        mid = mid | (is_mid & plan.dense_rows[:, None, None])
-        width = min(P, plan.sink_pages + plan.max_budget + plan.local_pages)
+        mid, width = mid | (is_mid & plan.dense_rows[:, None, None]), budget_width
     keep = (in_ctx & (is_sink | is_local)) | mid  # [B, Hkv, P]
     pos = keep.cumsum(-1) - 1  # [B, Hkv, P] position in the compacted list
     want = torch.full((B, num_kv_heads, width + 1), -1, dtype=torch.long, device=dev)
