@@ -82,7 +82,7 @@ for r in ${RUNS:-check}; do
            --gpu-kv-gib 60 --host-kv-dtype fp8 --per-head-shares ;;
     m1) run m1 480 --modes spin --workloads offline-1024K --offline-lengths 1048576 --offline-batch 1 --max-num-seqs 1 \
           --output-tokens 256 --max-batched-tokens "${M1_CHUNK:-131072}" --gpu-kv-gib 90 --host-kv-dtype fp8 \
-          --per-head-shares --sparse-prefill "${PREFILL:-0.125}" --resident-margin 0.5 ;;
+          --per-head-shares --buffer-share 8 --sparse-prefill "${PREFILL:-0.125}" --resident-margin 0.5 ;;
     128k) run 128k 230 --modes dense spin --workloads offline-128K --offline-lengths 131072 --offline-batch 4 \
             --gpu-kv-gib 100 --host-kv-gib 72 --per-head-shares ;;
   esac

@@ -25,7 +25,8 @@ def _quantise_row(src, dst, dst_scale, slot, D: tl.constexpr, BLOCK_D: tl.conste
 
 @triton.jit
 def _write_tokens_fp8(dk, dv, dks, dvs, k, v, slots, stride_k, stride_v, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    i = tl.program_id(0)
+    # int64: a spill of a long chunk writes over 2^31 / D rows, and i * stride_k must not wrap.
+    i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + i).to(tl.int64)
     if slot >= 0:
         _quantise_row(k + i * stride_k, dk, dks, slot, D, BLOCK_D)

@@ -171,20 +171,28 @@ class OffloadedKVManager(KVCache):
         self.num_spilled_segments += n
         return moves
 
+    # Pages per write launch of a spill: a long chunk's allocation may spill tens of millions
+    # of token rows, and their K/V gathered at once would need as many GiB of GPU scratch on a
+    # GPU that is full; 1/4 GiB of bf16 K (and as much V) at S=32, D=128.
+    SPILL_PAGES_PER_WRITE = 32768
+
     def _copy_segments(self, gpu_segs: list[int], host_segs: list[int]) -> None:
-        """K/V of GPU segments -> host segments, whole pages, one write launch."""
+        """K/V of GPU segments -> host segments, whole pages, a write launch per
+        ``SPILL_PAGES_PER_WRITE`` pages."""
         E, S, buf = self.host.segment_pages, self.page_size, self.buffer
         dev = buf.k_slots.device
         i = torch.arange(E, device=dev)
         src = (torch.tensor(gpu_segs, device=dev)[:, None] * E + i).flatten()  # [n * E] page ids
         dst = (torch.tensor(host_segs, device=dev)[:, None] * E + i).flatten()
-        slots = self.homes.gpu_slots(src)
         D = buf.k_slots.shape[-1]
         tok = torch.arange(S, device=dev)
-        flat = (dst[:, None] * S + tok).flatten()  # [n * E * S] host token slots
-        k = buf.k_slots.index_select(0, slots).reshape(-1, D)
-        v = buf.v_slots.index_select(0, slots).reshape(-1, D)
-        self.host.write(k, v, flat)
+        for at in range(0, src.numel(), self.SPILL_PAGES_PER_WRITE):
+            part = slice(at, at + self.SPILL_PAGES_PER_WRITE)
+            slots = self.homes.gpu_slots(src[part])
+            flat = (dst[part, None] * S + tok).flatten()  # host token slots
+            k = buf.k_slots.index_select(0, slots).reshape(-1, D)
+            v = buf.v_slots.index_select(0, slots).reshape(-1, D)
+            self.host.write(k, v, flat)
 
     def free(self, request_id: str) -> None:
         if request_id in self.directory:

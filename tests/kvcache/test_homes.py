@@ -90,6 +90,21 @@ def test_a_spilled_page_comes_back_through_the_buffer_and_gpu_pages_are_read_in_
     assert kv.homes.gpu_last_use[[0, 2]].tolist() == [6, 6]
 
 
+def test_a_spill_written_a_page_per_launch_moves_every_page(monkeypatch):
+    # A long chunk's allocation spills more pages than one write launch takes: each goes to
+    # its own host page all the same.
+    monkeypatch.setattr(OffloadedKVManager, "SPILL_PAGES_PER_WRITE", 1)
+    kv = _manager(num_gpu=3)
+    kv.allocate("a", 6)
+    _write_page_ids(kv, "a", 3)
+    kv.allocate("b", 6)  # GPU full: all three of a's pages spill, one launch each
+    assert _segments(kv, "a") == [0, 1, 2]
+    row = kv.row("a")
+    assert kv.host.k_pages[:3, 0, 0].tolist() == [100 * row + p for p in range(3)]
+    assert kv.host.v_pages[:3, 0, 0].tolist() == [-(100 * row + p) for p in range(3)]
+    kv.check_integrity()
+
+
 def test_spilling_stops_when_the_host_is_full_and_admission_counts_both_tiers():
     kv = _manager(num_host=1, num_gpu=2)
     assert kv.can_allocate("a", 6)  # 3 pages of 3
