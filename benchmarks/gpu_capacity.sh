@@ -31,8 +31,11 @@
 #           256 output tokens [<= 10]
 #   sweep   the request stream (spin-cluster bench serve) at one rate per call (RATE, default
 #           inf; PROMPTS, default 128): log-uniform 8K-128K prompts, 256-2048 output tokens,
-#           dense beside Spin (FP8 host pages, hysteresis MARGIN, default 0.5, block-sparse prefill
-#           PREFILL, default 0.125: the settings of cap64f), each mode within DEADLINE s (default 250) [10]
+#           dense and Spin (FP8 host pages, hysteresis MARGIN, default 0.5, block-sparse prefill
+#           PREFILL, default 0.125: the settings of cap64f). 128 such requests take a mode 5-8
+#           minutes, so one mode per call: MODES (default "dense spin"), each within DEADLINE s
+#           (default 500 for one mode, 250 for two) [10]; `spin-cluster bench serve --merge
+#           serve-inf-dense.json serve-inf-spin.json --out F` makes one report of calls made apart
 # Results in $OUT: capacity.log, e2e-<run>.{json,md}, check_spin_tokens.json, serve-<rate>.*.
 set -o pipefail
 source benchmarks/gpu_setup.sh
@@ -64,12 +67,13 @@ for r in ${RUNS:-check}; do
         2>&1 | tail -6) | tee -a "$LOG" ;;
     sweep)
       mkdir -p /tmp/serve
-      timeout 590 python3 -P -m spin_cluster.bench serve --modes dense spin --request-rate "${RATE:-inf}" \
+      modes=(${MODES:-dense spin}); tag="${RATE:-inf}${MODES:+-${MODES// /-}}"
+      timeout 590 python3 -P -m spin_cluster.bench serve --modes "${modes[@]}" --request-rate "${RATE:-inf}" \
         --num-prompts "${PROMPTS:-128}" --input-len-dist log-uniform:8192:131072 --output-len-dist uniform:256:2048 \
         --goodput ttft:60000 tpot:150 --gpu-kv-gib 108 --host-kv-gib 88 --max-num-seqs 64 --max-batched-tokens 32768 \
         --per-head-shares --sparse-prefill "${PREFILL:-0.125}" --host-kv-dtype fp8 --resident-margin "${MARGIN:-0.5}" \
-        --deadline-s "${DEADLINE:-250}" "${TOK[@]}" --out /tmp/serve 2>&1 | grep -v "^\[" | tee -a "$LOG"
-      for f in serve.json serve.md serve.png; do cp "/tmp/serve/$f" "$OUT/serve-${RATE:-inf}.${f#serve.}" 2>/dev/null; done ;;
+        --deadline-s "${DEADLINE:-$(( ${#modes[@]} > 1 ? 250 : 500 ))}" "${TOK[@]}" --out /tmp/serve 2>&1 | grep -v "^\[" | tee -a "$LOG"
+      for f in serve.json serve.md serve.png; do cp "/tmp/serve/$f" "$OUT/serve-$tag.${f#serve.}" 2>/dev/null; done ;;
     mixed)
       for pair in ${MIXED:-dense:25 spin:59}; do
         timeout 280 python3 -P -m spin_cluster.bench decode-step --mode "${pair%%:*}" --batch "${pair##*:}" \

@@ -21,6 +21,11 @@ A run past ``--deadline-s`` is stopped, its requests aborted, and marked truncat
 the saturated throughput is the highest output throughput over the rates.
 Outputs (in --out): serve.json, serve.md (table, also printed), serve.png (throughput and
 TTFT p99 against the rate).
+
+    python -m spin_cluster.bench serve --merge dense/serve.json spin/serve.json --out results/
+
+merges runs made apart (one mode or one rate per GPU call, when a call's time cannot hold
+them all) into one report, after checking that they served the same request stream.
 """
 
 from __future__ import annotations
@@ -114,6 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="SLO of goodput, vLLM's syntax: ttft:MS tpot:MS (a request counts within every bound)")
     ap.add_argument("--deadline-s", type=float, default=600.0,
                     help="wall time of each (mode, rate) run (default 600; 60 with --tiny)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="no run: merge these serve.json files (the same stream, made apart) into --out")
     add_out_folder(ap)
     # --tiny changes the defaults only: a flag given explicitly still holds.
     if ap.parse_known_args(argv)[0].tiny:
@@ -311,8 +318,60 @@ def build_engine(mode: str, args, folder: str, max_len: int, shape: dict):
     return engine
 
 
+# What makes two runs' requests the same: runs that differ here cannot share a table.
+STREAM_KEYS = ("num_prompts", "seed", "input_len_dist", "output_len_dist", "max_concurrency", "goodput", "shape",
+               "tiny")
+
+
+def merge(paths: list[str]) -> dict:
+    """One report of serve.json files made apart: every (mode, rate) run of each, the later
+    file's where two hold the same; an engine error kept only for a mode with no run."""
+    import json
+
+    loaded = [json.load(open(p)) for p in paths]
+    base = loaded[0]
+    for path, other in zip(paths[1:], loaded[1:]):
+        differ = [k for k in STREAM_KEYS if other["args"].get(k) != base["args"].get(k)]
+        if differ or other["shape"] != base["shape"]:
+            raise SystemExit(f"{path}: not the stream of {paths[0]} ({', '.join(differ) or 'shape'} differ)")
+    runs: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+    for results in loaded:
+        for mode, by_rate in results["runs"].items():
+            runs.setdefault(mode, {}).update(by_rate)
+        errors.update(results.get("errors", {}))
+    rates = sorted({r for by_rate in runs.values() for r in by_rate}, key=float)
+    merged = {**base, "modes": list(runs), "request_rates": rates,
+              "merged_from": [{"file": p, "provenance": r.get("provenance")} for p, r in zip(paths, loaded)],
+              "runs": {m: {r: by_rate[r] for r in rates if r in by_rate} for m, by_rate in runs.items()},
+              "saturated_output_throughput": {m: max(r["output_throughput"] for r in by_rate.values())
+                                              for m, by_rate in runs.items()}}
+    merged.pop("errors", None)
+    merged.pop("provenance", None)  # the merge's own is written; each run's is under merged_from
+    if errors := {m: e for m, e in errors.items() if m not in runs}:
+        merged["errors"] = errors
+    return merged
+
+
+def write_report(results: dict, folder: str) -> None:
+    """serve.json, serve.md and serve.png in ``folder``; the table also printed."""
+    from spin_cluster.provenance import write_json
+
+    write_json(os.path.join(folder, "serve.json"), results)
+    table = markdown(results)
+    with open(os.path.join(folder, "serve.md"), "w") as f:
+        f.write(table)
+    plot(results, os.path.join(folder, "serve.png"))
+    print(table)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.merge:
+        os.makedirs(args.out, exist_ok=True)
+        results = merge(args.merge)
+        write_report(results, args.out)
+        return results
     e2e._import_package()
     import torch
 
@@ -353,12 +412,7 @@ def main(argv=None) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     shutil.rmtree(folder, ignore_errors=True)
-    write_json(out, results)
-    table = markdown(results)
-    with open(os.path.join(args.out, "serve.md"), "w") as f:
-        f.write(table)
-    plot(results, os.path.join(args.out, "serve.png"))
-    print(table)
+    write_report(results, args.out)
     return results
 
 

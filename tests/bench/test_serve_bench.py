@@ -61,3 +61,46 @@ def test_tiny_changes_defaults_only():
     assert (args.num_prompts, args.max_num_seqs, args.page_size) == (2, 2, 16)
     assert str(args.input_len_dist) == "log-uniform:64:384" and args.request_rate == [8.0, float("inf")]
     assert str(args.output_len_dist) == "uniform:4:16"
+
+
+def _run(output_tok_s: float) -> dict:
+    """A (mode, rate) run's figures, as ``metrics`` writes them."""
+    return {"num_prompts": 4, "completed": 4, "truncated": False, "duration_s": 10.0, "input_tokens": 400,
+            "output_tokens": int(10 * output_tok_s), "request_throughput": 0.4, "output_throughput": output_tok_s,
+            "total_token_throughput": 40.0 + output_tok_s, "goodput": None, "ttft_p50_s": 1.0, "ttft_p99_s": 2.0,
+            "tpot_p50_s": 0.01, "tpot_p99_s": 0.02, "decode_tok_s": 50.0, "peak_running": 4, "mean_running": 3.0,
+            "preemptions": 0, "spilled_pages": 0, "buffer_hit_ratio": None}
+
+
+def _serve_json(path, runs: dict, seed=0, errors=None):
+    args = {"num_prompts": 4, "seed": seed, "input_len_dist": "fixed:100", "output_len_dist": "fixed:10",
+            "max_concurrency": None, "goodput": {}, "tiny": True, "gpu_kv_gib": 1, "host_kv_gib": 2, "budget": 64}
+    body = {"provenance": {"commit": f"c{len(runs)}"}, "modes": list(runs), "shape": {"layers": 2}, "args": args,
+            "request_rates": sorted({r for by in runs.values() for r in by}), "device": "cpu", "runs": runs,
+            "saturated_output_throughput": {}, **({"errors": errors} if errors else {})}
+    path.write_text(json.dumps(body))
+    return str(path)
+
+
+def test_runs_made_apart_merge_into_one_report(tmp_path):
+    dense = _serve_json(tmp_path / "dense.json", {"dense": {"inf": _run(100.0), "0.5": _run(60.0)}},
+                        errors={"spin": "ValueError: did not fit"})
+    spin = _serve_json(tmp_path / "spin.json", {"spin": {"inf": _run(250.0)}})
+    merged = load("serve")["main"](["--merge", dense, spin, "--out", str(tmp_path / "both")])
+    assert merged["request_rates"] == ["0.5", "inf"]  # by rate, not by file
+    assert list(merged["runs"]["dense"]) == ["0.5", "inf"] and list(merged["runs"]["spin"]) == ["inf"]
+    assert merged["saturated_output_throughput"] == {"dense": 100.0, "spin": 250.0}
+    assert "errors" not in merged  # spin's engine error is from a file whose run of it is elsewhere
+    assert [m["provenance"]["commit"] for m in merged["merged_from"]] == ["c1", "c1"]
+    saved = json.loads((tmp_path / "both" / "serve.json").read_text())
+    assert saved["runs"] == merged["runs"] and saved["provenance"]["commit"]
+    table = (tmp_path / "both" / "serve.md").read_text()
+    assert "| dense | 0.5 |" in table and "| spin | inf |" in table and "dense 100.0, spin 250.0" in table
+    assert (tmp_path / "both" / "serve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_runs_of_different_streams_do_not_merge(tmp_path):
+    a = _serve_json(tmp_path / "a.json", {"dense": {"inf": _run(100.0)}})
+    b = _serve_json(tmp_path / "b.json", {"spin": {"inf": _run(250.0)}}, seed=1)
+    with pytest.raises(SystemExit, match="seed differ"):
+        load("serve")["main"](["--merge", a, b, "--out", str(tmp_path / "both")])
