@@ -13,24 +13,39 @@ def _page_scores(q_ptr, kmin_ptr, kmax_ptr, pages_ptr, out_ptr,
     pid = tl.program_id(0)  # b * HKV + h
     b = pid // HKV
     h = pid % HKV
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < D
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=(offs_g < G)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [G_PAD, D_PAD]
-    qsum = tl.sum(q, 0)  # [D_PAD]
-    qabs = tl.sum(tl.abs(q), 0)
+    qsum, qabs = _quest_query(q_ptr, b, h, stride_qb, stride_qh, G, G_PAD, D, D_PAD)
     offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     p_ok = offs_p < P
     rows = tl.load(pages_ptr + b.to(tl.int64) * stride_pb + offs_p, mask=p_ok, other=0).to(tl.int64)
-    m = p_ok[:, None] & d_ok[None, :]
+    score = _quest_scores(kmin_ptr, kmax_ptr, rows, h, stride_mn, stride_mh, stride_xn, stride_xh, p_ok,
+                          qsum, qabs, D, D_PAD)
+    tl.store(out_ptr + pid.to(tl.int64) * P + offs_p, score, mask=p_ok)
+
+
+@triton.jit
+def _quest_query(q_ptr, b, h, stride_qb, stride_qh,
+                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """(qsum, qabs) [D_PAD] float32: the G query heads of KV head h of request b, summed
+    and summed in absolute value."""
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_g < G)[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)  # [G_PAD, D_PAD]
+    return tl.sum(q, 0), tl.sum(tl.abs(q), 0)
+
+
+@triton.jit
+def _quest_scores(kmin_ptr, kmax_ptr, rows, h, stride_mn, stride_mh, stride_xn, stride_xh, p_ok, qsum, qabs,
+                  D: tl.constexpr, D_PAD: tl.constexpr):
+    """[BLOCK_P] float32 Quest scores of KV head h at the index rows ``rows`` (where p_ok)."""
+    offs_d = tl.arange(0, D_PAD)
+    m = p_ok[:, None] & (offs_d < D)[None, :]
     lo = tl.load(kmin_ptr + rows[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
     hi = tl.load(kmax_ptr + rows[:, None] * stride_xn + h * stride_xh + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
     written = hi >= lo  # never-written pages hold +inf / -inf
     center = tl.where(written, (lo + hi) * 0.5, 0.0)
     radius = tl.where(written, (hi - lo) * 0.5, 0.0)
-    score = tl.sum(center * qsum[None, :] + radius * qabs[None, :], 1)  # [BLOCK_P]
-    tl.store(out_ptr + pid.to(tl.int64) * P + offs_p, score, mask=p_ok)
+    return tl.sum(center * qsum[None, :] + radius * qabs[None, :], 1)  # [BLOCK_P]
 
 
 @triton.jit
@@ -141,6 +156,16 @@ def _edges(n, SINK, LOCAL):
 
 
 @triton.jit
+def _row_budget(bud_ptr, dense_ptr, row, HKV: tl.constexpr, HAS_DENSE: tl.constexpr):
+    """Middle pages row (b * HKV + h) may take: its budget, or with HAS_DENSE every page when
+    request b is flagged in dense_ptr [B] (uint8)."""
+    budget = tl.load(bud_ptr + row).to(tl.int32)
+    if HAS_DENSE:
+        budget = tl.where(tl.load(dense_ptr + row // HKV) != 0, 2147483647, budget)
+    return budget
+
+
+@triton.jit
 def _select_local(s_ptr, n_ptr, bud_ptr, cs_ptr, ci_ptr, P, SINK, LOCAL, KC,
                   HKV: tl.constexpr, CHUNK: tl.constexpr, KC_PAD: tl.constexpr):
     """Split-row Select, first pass: one program per (row, chunk of CHUNK pages) keeps its
@@ -156,9 +181,16 @@ def _select_local(s_ptr, n_ptr, bud_ptr, cs_ptr, ci_ptr, P, SINK, LOCAL, KC,
     x = tl.load(s_ptr + row * P + offs, mask=offs < P, other=float("-inf"))
     valid = (offs >= s_end) & (offs < l_start) & (x > float("-inf"))
     budget = tl.minimum(tl.minimum(tl.load(bud_ptr + row).to(tl.int32), KC), tl.sum(valid.to(tl.int32), 0))
+    _chunk_candidates(x, valid, budget, offs, cs_ptr, ci_ptr, (row * tl.num_programs(1) + chunk) * KC, KC,
+                      CHUNK, KC_PAD)
+
+
+@triton.jit
+def _chunk_candidates(x, valid, budget, offs, cs_ptr, ci_ptr, base, KC, CHUNK: tl.constexpr, KC_PAD: tl.constexpr):
+    """The top ``budget`` valid entries of a chunk's scores x [CHUNK] (page ids offs), in page
+    order, at cs/ci [base, base + KC); -inf / -1 after them."""
     keep = _take_top(x, valid, budget, CHUNK)
     pos = tl.cumsum(keep.to(tl.int32), 0) - 1
-    base = (row * tl.num_programs(1) + chunk) * KC
     tl.store(cs_ptr + base + pos, x, mask=keep)
     tl.store(ci_ptr + base + pos, offs, mask=keep)
     offs_k = tl.arange(0, KC_PAD)
@@ -168,11 +200,12 @@ def _select_local(s_ptr, n_ptr, bud_ptr, cs_ptr, ci_ptr, P, SINK, LOCAL, KC,
 
 
 @triton.jit
-def _select_merge(cs_ptr, ci_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, C, W, SINK, LOCAL,
-                  HKV: tl.constexpr, C_PAD: tl.constexpr, W_PAD: tl.constexpr):
+def _select_merge(cs_ptr, ci_ptr, n_ptr, bud_ptr, dense_ptr, want_ptr, count_ptr, C, W, SINK, LOCAL,
+                  HKV: tl.constexpr, C_PAD: tl.constexpr, W_PAD: tl.constexpr, HAS_DENSE: tl.constexpr):
     """Split-row Select, second pass: per row, the top ``budget`` of its C candidates (in
     page order), then the row's pages in ascending order: sink pages, the selected middle
-    pages, local pages; -1 up to the width W. Same output as ``_select_ragged``."""
+    pages, local pages; -1 up to the width W. Same output as ``_select_ragged``. HAS_DENSE:
+    rows flagged in dense_ptr [B] take every valid candidate (``_row_budget``)."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.load(n_ptr + row // HKV)
     s_end, l_start = _edges(n, SINK, LOCAL)
@@ -180,7 +213,7 @@ def _select_merge(cs_ptr, ci_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, C, W, SIN
     x = tl.load(cs_ptr + row * C + offs, mask=offs < C, other=float("-inf"))
     ids = tl.load(ci_ptr + row * C + offs, mask=offs < C, other=-1)
     valid = (ids >= 0) & (x > float("-inf"))
-    budget = tl.minimum(tl.load(bud_ptr + row).to(tl.int32), tl.sum(valid.to(tl.int32), 0))
+    budget = tl.minimum(_row_budget(bud_ptr, dense_ptr, row, HKV, HAS_DENSE), tl.sum(valid.to(tl.int32), 0))
     keep = _take_top(x, valid, budget, C_PAD)
     pos = s_end + tl.cumsum(keep.to(tl.int32), 0) - 1
     tl.store(want_ptr + row * W + pos, ids.to(tl.int64), mask=keep & (pos < W))

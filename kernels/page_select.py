@@ -233,8 +233,8 @@ def select_ragged(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int
         c = chunks * kc
         c_pad, warps = _row_launch(c)
         k._select_merge[(B * hkv,)](
-            cand_s, cand_i, num_pages, budgets, want, count, c, width, sink_pages, local_pages,
-            HKV=hkv, C_PAD=c_pad, W_PAD=w_pad, num_warps=warps,
+            cand_s, cand_i, num_pages, budgets, budgets, want, count, c, width, sink_pages, local_pages,
+            HKV=hkv, C_PAD=c_pad, W_PAD=w_pad, HAS_DENSE=False, num_warps=warps,
         )
         return want, count
     p_pad, warps = _row_launch(P)

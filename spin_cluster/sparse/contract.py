@@ -78,6 +78,14 @@ class SparseAlgorithm(ABC):
         None to select no page beyond sink and local ones. Pages past a request's length
         are masked by the system."""
 
+    def select_top(self, layer: int, q: torch.Tensor, rows: torch.Tensor, plan,
+                   held: torch.Tensor | None, margin: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Select whole under the top-k rule, in the algorithm's own kernels: exactly what
+        ``score``, ``margin`` (score units) added to the ``held`` [B, Hkv, P] pages and
+        ``select_pages`` return for the layer's ``SelectPlan`` (want [B, Hkv, W],
+        num_selected [B, Hkv]), or None to leave it to them (the default)."""
+        return None
+
 
 _INDEX_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from spin_cluster.kernels.index_append import bounds_append_planned, plan_bounds_append
-from spin_cluster.kernels.page_select import page_scores
+from spin_cluster.kernels.page_select import MAX_ROW_PAGES, page_scores
+from spin_cluster.kernels.quest_select import quest_select
 from spin_cluster.sparse.contract import SparseAlgorithm, register
 
 
@@ -88,3 +89,12 @@ class Quest(SparseAlgorithm):
         # A page scores its best block. Blocks no token reached yet (in the tail page, or past
         # the context) have empty bounds (inf, -inf), whose score is NaN: they count as -inf.
         return scores.nan_to_num_(nan=float("-inf")).view(*scores.shape[:2], num_pages, nb).amax(-1)
+
+    def select_top(self, layer, q, rows, plan, held, margin):
+        # On CUDA, one page per scoring block: scores, margin and top-k in two launches
+        # (``kernels/quest_select.py``), else the separate steps.
+        if not q.is_cuda or self.blocks_per_page != 1 or plan.max_pages > MAX_ROW_PAGES:
+            return None
+        pages = self._score_blocks(rows, plan.max_pages)  # [B, P]
+        return quest_select(q, self.kmin[layer], self.kmax[layer], pages, plan.num_pages, plan.sink_pages,
+                            plan.local_pages, plan.budget_pages, plan.budget_width, held, margin, plan.dense_rows)

@@ -56,9 +56,15 @@ class SelectPlan:
     # take every middle page whatever the rule (their budget_pages cover them too); None: off.
     dense_rows: torch.Tensor | None = None
 
+    @property
+    def budget_width(self) -> int:
+        """W: a head's most pages under a budget (sink + widest middle + local, at most P)."""
+        return min(self.max_pages, self.sink_pages + self.max_budget + self.local_pages)
+
 
 def select_layer(algorithm: SparseAlgorithm, layer: int, q: torch.Tensor, rows: torch.Tensor, plan: SelectPlan,
-                 resident: torch.Tensor | None = None, resident_margin: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                 resident: torch.Tensor | None = None, resident_margin: float = 0.0,
+                 fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Select for one layer of a decode step, whole: the algorithm's page scores for the
     queries q [B, H, D] of table rows [B], the hysteresis, then ``select_pages``. Returns
     (want [B, Hkv, K] page ids with -1 padding, num_selected [B, Hkv]).
@@ -66,14 +72,23 @@ def select_layer(algorithm: SparseAlgorithm, layer: int, q: torch.Tensor, rows: 
     Hysteresis (``sparse.resident_margin`` > 0): pages the GPU buffer holds now (``resident``
     [B, Hkv, plan.max_pages] bool) score that many attention logits more, so that a page near
     the cut does not leave and come back step after step.
+
+    Under the top-k rule an algorithm may do all of it in its own kernels
+    (``SparseAlgorithm.select_top``: Quest on CUDA), with the same result; ``fused=False``
+    takes the separate steps (what the tests and ``benchmarks/bench_select.py`` compare with).
     """
     scores = None
     if not algorithm.selects_all:
-        scores = algorithm.score(layer, q, rows, plan.max_pages)
         # Scores are q.k summed over the G query heads of a KV head: a logit times G sqrt(D).
         logit_scale = algorithm.num_kv_heads / (q.shape[1] * q.shape[2] ** 0.5)
-        if resident_margin and resident is not None:  # in score units
-            scores = scores + (resident * (resident_margin / logit_scale)).to(scores.dtype)
+        margin = resident_margin / logit_scale if resident_margin and resident is not None else 0.0  # score units
+        if fused and plan.top_p is None and plan.max_budget > 0:
+            picked = algorithm.select_top(layer, q, rows, plan, resident if margin else None, margin)
+            if picked is not None:
+                return picked
+        scores = algorithm.score(layer, q, rows, plan.max_pages)
+        if margin:
+            scores = scores + (resident * margin).to(scores.dtype)
         if plan.top_p is not None:
             plan = dataclasses.replace(plan, score_scale=logit_scale)
     return select_pages(scores, algorithm.selects_all, plan, algorithm.num_kv_heads)
@@ -85,7 +100,7 @@ def select_pages(scores: torch.Tensor | None, select_all: bool, plan: SelectPlan
     scores: [B, Hkv, P] from the algorithm, or None (no middle pages unless select_all).
     """
     B, P = plan.num_pages.shape[0], plan.max_pages
-    budget_width = min(P, plan.sink_pages + plan.max_budget + plan.local_pages)  # a head's most pages under a budget
+    budget_width = plan.budget_width
     if (scores is not None and scores.is_cuda and not select_all and plan.max_budget > 0
             and plan.top_p is None and P <= MAX_ROW_PAGES):
         # The top-k rule below, fused into one Triton launch (same result, tested equal).
