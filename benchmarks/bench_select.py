@@ -1,17 +1,28 @@
 """Select's top-k kernel alone at a decode step's shape: where its time goes.
 
     python benchmarks/bench_select.py --context 131072 --batch 4     # CUDA
+    python benchmarks/bench_select.py --quest 4x131072 60x32768      # Quest's Select, old vs fused
 
 Times ``select_ragged`` (edge masks, radix-select top-k, compaction: one program per
 (request, KV head)) on random scores at Llama-3.1-8B's 8 KV heads and 32-token pages, with
 uniform budgets and with S-HPLB's max-min shifted ones (the widest heads take ~8x the mean),
 for several warps per program, and the split-row kernel (chunks of pages per program, then
 a merge per row). Median of ``triton.testing.do_bench`` in microseconds.
+
+``--quest BxCONTEXT ...``: Quest's whole Select of a decode step (``select_layer`` over 32
+layers at Llama-3.1-8B's 32 query heads, 8 KV heads, D 128, 32-token pages, a bf16 index,
+sink 1 and local 2 pages as ``e2e.py`` runs them) with the separate steps (``fused=False``:
+page scores, the margin, ``select_ragged``) and with ``kernels/quest_select.py``, eager and
+replayed in a CUDA graph, for uniform and S-HPLB budgets, without and with the hysteresis
+margin; each row checks that both give the same pages. Microseconds per step. ``--chunks``
+adds the fused kernel at other chunk sizes (``quest_select(chunk=...)``), to tune
+``select_chunk``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -34,9 +45,16 @@ def main(argv=None) -> dict:
     add_budget_tokens(ap)
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--quest", nargs="*", metavar="BxCONTEXT",
+                    help="time Quest's Select per step, old against fused, at these shapes (e.g. 4x131072)")
+    ap.add_argument("--layers", type=int, default=32, help="--quest: layers per step")
+    ap.add_argument("--chunks", type=int, nargs="*", default=[],
+                    help="--quest: also time the fused Select with these pages per pass-1 program (default: select_chunk's)")
     add_out_folder(ap)
     args = ap.parse_args(argv)
     e2e._import_package()
+    if args.quest is not None:
+        return quest_steps(args)
     import torch
     import triton
 
@@ -68,6 +86,78 @@ def main(argv=None) -> dict:
     out = {"context": args.context, "batch": B, "gpu": torch.cuda.get_device_name(), "rows": results}
     write_result(os.path.join(args.out, "bench_select.json"), out)
     return out
+
+
+def quest_steps(args) -> dict:
+    import torch
+    import triton
+
+    from spin_cluster.hplb.budget import synthetic_maxmin_budgets
+    from spin_cluster.sparse import SelectPlan, get_algorithm, select_layer
+
+    S, hkv, H, D, L = args.page_size, 8, 32, 128, args.layers
+    dev = torch.device("cuda")
+    hplb = torch.tensor(synthetic_maxmin_budgets(L, hkv, args.budget, S), device=dev)  # [L, Hkv] tokens
+    results = []
+    print("| batch x context | budgets | margin | old eager | fused eager | old graph | fused graph | same |\n"
+          "|---|---|---:|---:|---:|---:|---:|---|")
+    for shape in args.quest or ["4x131072", "60x32768"]:
+        B, context = map(int, shape.split("x"))
+        n = context // S + 8  # a few steps into decode
+        P = decode_width(n)
+        quest = get_algorithm("quest")(num_layers=L, num_kv_heads=hkv, head_dim=D, page_size=S, max_seqs=B,
+                                       max_pages_per_seq=P, device=dev, index_dtype="bfloat16")
+        g = torch.Generator(device=dev).manual_seed(0)
+        for layer in range(L):  # written bounds for every page in context, the rest empty
+            a = torch.randn(B, P, hkv, D, device=dev, generator=g)
+            b = a + torch.rand(B, P, hkv, D, device=dev, generator=g)
+            a[:, n:], b[:, n:] = float("inf"), float("-inf")
+            quest.kmin[layer, :-1], quest.kmax[layer, :-1] = a.flatten(0, 1), b.flatten(0, 1)
+        q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16, generator=g)
+        rows = torch.arange(B, device=dev)
+        held = torch.rand(B, hkv, P, device=dev, generator=g) < 0.1
+        budget_rows = {"uniform": torch.full((L, hkv), args.budget // S, device=dev), "s-hplb": -(-hplb // S)}
+        for name, per_layer in budget_rows.items():
+            plans = [SelectPlan(num_pages=torch.full((B,), n, device=dev), tail_len=torch.ones(B, dtype=torch.int32, device=dev),
+                                sink_pages=1, local_pages=2, budget_pages=per_layer[i].expand(B, -1).contiguous(),
+                                max_pages=P, max_budget=int(per_layer.max())) for i in range(L)]
+            for margin in (0.0, 0.5):
+                def step(fused):
+                    return [select_layer(quest, i, q, rows, plans[i], held, margin, fused=fused) for i in range(L)]
+                same = all(torch.equal(a, b) for x, y in zip(step(False), step(True)) for a, b in zip(x, y))
+                row = {"batch": B, "context": context, "pages": P, "budgets": name, "margin": margin, "same": same}
+                runs = {"old": lambda: step(False), "fused": lambda: step(True)}
+                for chunk in args.chunks:
+                    runs[f"chunk{chunk}"] = functools.partial(fused_at, quest, q, rows, plans, held, margin, chunk)
+                for key, fn in runs.items():
+                    row[f"{key}_eager_us"] = 1e3 * triton.testing.do_bench(fn, return_mode="median")
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        fn()
+                    row[f"{key}_graph_us"] = 1e3 * triton.testing.do_bench(graph.replay, return_mode="median")
+                    del graph
+                results.append(row)
+                print(f"| {B} x {context} | {name} | {margin} | {row['old_eager_us']:.0f} | {row['fused_eager_us']:.0f} | "
+                      f"{row['old_graph_us']:.0f} | {row['fused_graph_us']:.0f} | {same} |", flush=True)
+                for chunk in args.chunks:
+                    print(f"|   chunk {chunk} | | | | {row[f'chunk{chunk}_eager_us']:.0f} | | {row[f'chunk{chunk}_graph_us']:.0f} | |")
+        del quest
+        torch.cuda.empty_cache()
+    out = {"layers": L, "page_size": S, "chunks": args.chunks, "budget": args.budget, "gpu": torch.cuda.get_device_name(), "rows": results}
+    write_result(os.path.join(args.out, "bench_select_quest.json"), out)
+    return out
+
+
+def fused_at(quest, q, rows, plans, held, margin, chunk):
+    """``Quest.select_top`` over every layer, with ``chunk`` pages per pass-1 program."""
+    from spin_cluster.kernels.quest_select import quest_select
+
+    logit_scale = quest.num_kv_heads / (q.shape[1] * q.shape[2] ** 0.5)
+    score_margin = margin / logit_scale
+    pages = quest._score_blocks(rows, plans[0].max_pages)
+    return [quest_select(q, quest.kmin[i], quest.kmax[i], pages, p.num_pages, p.sink_pages, p.local_pages,
+                         p.budget_pages, p.budget_width, held if margin else None, score_margin, p.dense_rows,
+                         chunk=chunk) for i, p in enumerate(plans)]
 
 
 if __name__ == "__main__":
