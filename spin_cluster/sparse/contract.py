@@ -29,7 +29,7 @@ class SparseAlgorithm(ABC):
     name: ClassVar[str]
     # True when every page is selected (the dense oracle): no scoring, no budget.
     selects_all: ClassVar[bool] = False
-    # True when ``plan_append``, ``append`` and ``score`` are fixed-shape device work with no
+    # True when ``plan_append``, ``append``, ``score`` and ``select_top`` are fixed-shape device work with no
     # host sync and no per-step Python state, so that a CUDA graph of a decode step can
     # capture them (``model.cuda_graphs`` on the offloaded cache).
     graph_safe: ClassVar[bool] = False

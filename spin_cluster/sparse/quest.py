@@ -18,6 +18,10 @@ rows, pages and their nb blocks; the extra last row absorbs masked-off writes so
 updates keep fixed shapes), in ``index_dtype``. A 16-bit index rounds outward (kmin down, kmax up, by at most one ulp of
 slack) so that the bounds stay bounds; it halves the bytes Select reads, which at 128K tokens
 and 2K budgets are more than Attention reads.
+
+On CUDA, with one scoring block per page, Select runs whole in ``kernels/quest_select.py``
+(``select_top``: scores, the hysteresis margin and the per-head top-k in two launches, the
+same pages as the separate steps).
 """
 
 from __future__ import annotations
