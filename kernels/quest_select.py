@@ -106,7 +106,8 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages:
                                 margin, dense_rows)
     _check(q, kmin, kmax, pages, num_pages, budgets, held, dense_rows, sink_pages, local_pages, width)
     if q.device.type != "cuda" and not interpreter_requested():
-        raise ValueError("the Triton Quest Select kernel needs CUDA tensors (or TRITON_INTERPRET=1); use quest_select_ref")
+        raise ValueError("the Triton Quest Select kernel needs CUDA tensors (or TRITON_INTERPRET=1); "
+                         "use quest_select_ref")
     if P > MAX_ROW_PAGES:
         raise ValueError(f"quest_select handles up to {MAX_ROW_PAGES} pages per row, got {P}")
     if q.stride(-1) != 1 or kmin.stride(-1) != 1 or kmax.stride(-1) != 1 or pages.stride(-1) != 1:
@@ -143,7 +144,8 @@ def quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages:
     )
     c = chunks * kc
     c_pad, warps = _row_launch(c)
-    load_kernel_module("_page_select_kernel", "the Triton Select kernels", "their *_ref functions")._select_merge[(B * hkv,)](
+    merge = load_kernel_module("_page_select_kernel", "the Triton Select kernels", "their *_ref functions")._select_merge
+    merge[(B * hkv,)](
         cand_s, cand_i, num_pages, budgets, dense_u8, want, count, c, width, sink_pages, local_pages,
         HKV=hkv, C_PAD=c_pad, W_PAD=next_pow2(width), HAS_DENSE=dense_rows is not None, num_warps=warps,
     )

@@ -29,9 +29,9 @@ class SparseAlgorithm(ABC):
     name: ClassVar[str]
     # True when every page is selected (the dense oracle): no scoring, no budget.
     selects_all: ClassVar[bool] = False
-    # True when ``plan_append``, ``append``, ``score`` and ``select_top`` are fixed-shape device work with no
-    # host sync and no per-step Python state, so that a CUDA graph of a decode step can
-    # capture them (``model.cuda_graphs`` on the offloaded cache).
+    # True when ``plan_append``, ``append``, ``score`` and ``select_top`` are fixed-shape
+    # device work with no host sync and no per-step Python state, so that a CUDA graph of a
+    # decode step can capture them (``model.cuda_graphs`` on the offloaded cache).
     graph_safe: ClassVar[bool] = False
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
