@@ -61,8 +61,9 @@ class CacheConfig(ConfigSection):
     page_size: int = Field(16, description=(
         "Tokens per physical page; each page holds one (layer, KV head). Power of two, 1..256."))
     kv_cache_gib: float | None = Field(None, gt=0, description=(
-        "GPU-only cache: bytes of the K+V page pool in GiB, > 0; null: 85% of free GPU memory on "
-        "CUDA, 2 GiB on CPU. Not used when offload is on."))
+        "GPU memory of the KV cache in GiB, > 0: the K+V page pool; with offload, the GPU buffer, the "
+        "GPU home pages and the sparse algorithm's index (Select's page summaries) together; null: 85% "
+        "of free GPU memory on CUDA, 2 GiB on CPU."))
     offload: StrictBool = Field(False, description=(
         "Spin: every page's home is host memory (pinned), the GPU keeps a buffer of page slots."))
     enable_prefix_caching: StrictBool = Field(True, description=(

@@ -96,6 +96,10 @@ def check_sparse_algorithm(config: SpinConfig) -> type[SparseAlgorithm]:
     return algorithm_cls
 
 
+# Constructor arguments with defaults that the builder gives, not the user.
+_BUILDER_ARGS = frozenset({"index_pages"})
+
+
 def _algorithm_options(cls: type[SparseAlgorithm]) -> set[str]:
     """Keyword options an algorithm's constructors take, down the classes that pass ``**kw`` on
     (the shape, which the builder gives, has no default and is not an option)."""
@@ -104,7 +108,7 @@ def _algorithm_options(cls: type[SparseAlgorithm]) -> set[str]:
         if "__init__" not in vars(klass):
             continue
         parameters = inspect.signature(vars(klass)["__init__"]).parameters.values()
-        options |= {p.name for p in parameters if p.default is not inspect.Parameter.empty}
+        options |= {p.name for p in parameters if p.default is not inspect.Parameter.empty} - _BUILDER_ARGS
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
             break
     return options
@@ -149,11 +153,12 @@ def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_c
     max_model_len = parts.max_model_len
     cc, sc, S = config.cache, config.scheduler, config.cache.page_size
     max_pages = -(-max_model_len // S)
-    algorithm = _make_algorithm(
-        algorithm_cls, config,
-        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=S,
-        max_seqs=sc.max_num_seqs, max_pages_per_seq=max_pages, device=device,
-    )
+    shape = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=S,
+                 max_seqs=sc.max_num_seqs, max_pages_per_seq=max_pages, device=device)
+    # A paged index is built once the cache knows how many pages it holds (below); until
+    # then an empty one tells its bytes per page.
+    paged = algorithm_cls.paged_index
+    algorithm = _make_algorithm(algorithm_cls, config, **shape, **({"index_pages": 0} if paged else {}))
     mandatory = min(max_pages, _mandatory_pages(config, algorithm, max_model_len))
     # Without reuse a page never outlives its step: columns past the mandatory ones are idle.
     # buffer_share 0: no cap below the request's pages (the share grows while slots are free).
@@ -163,7 +168,9 @@ def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_c
         raise ValueError(f"a GPU buffer share of {share} pages per head is over {_MAX_SHARE} (the page -> "
                          f"column map is 16-bit): raise cache.page_size or set cache.buffer_share")
     slot_bytes = PagePool.bytes_per_page(S, mc.head_dim, dtype)
-    gpu_bytes = gpu_budget_bytes(config, device)
+    index_page_bytes = algorithm.index_bytes_per_token() * S  # one logical page, every layer and head
+    held = 0 if paged else index_page_bytes * sc.max_num_seqs * max_pages
+    gpu_bytes = gpu_budget_bytes(config, device, held) - held
     per_column = mc.num_layers * mc.num_kv_heads
     widths = head_mandatory = None
     # Per-head widths need each head's own selection bounded by its budget: top-k over
@@ -176,7 +183,13 @@ def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_c
         share = max(max(row) for row in widths)
     full_slots = sum(map(sum, widths)) if widths else share * per_column
     least_slots = sum(map(sum, head_mandatory)) if head_mandatory else mandatory * per_column
-    all_slots = int(gpu_bytes // slot_bytes)
+    num_host_segments = host_tier_segments(config, mc, dtype, max_model_len)
+    # The KV budget holds the pages and the index of every page either tier holds (Select
+    # reads it on the GPU): all_slots * slot_bytes + index_page_bytes * (all_slots + host
+    # pages) / per_column <= gpu_bytes, counting buffer slots as pages (a slight overcount).
+    index_per_slot = index_page_bytes / per_column if paged else 0.0
+    host_index = index_per_slot * num_host_segments * cc.segment_pages
+    all_slots = max(0, int((gpu_bytes - host_index) // (slot_bytes + index_per_slot)))
     num_slots, num_gpu_segments = split_gpu_pages(config, all_slots, least_slots, max_pages, per_column)
     num_slots = min(num_slots, sc.max_num_seqs * full_slots)
     if num_slots < least_slots:
@@ -185,7 +198,6 @@ def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_c
             f"({least_slots} over {per_column} heads); raise cache.kv_cache_gib, lower sparse.budget "
             "or lower cache.gpu_home_fraction"
         )
-    num_host_segments = host_tier_segments(config, mc, dtype, max_model_len)
     if num_host_segments == 0 and num_gpu_segments == 0:
         raise ValueError("cache.host_kv_gib=0 leaves no page a home: give the GPU home pages "
                          "(cache.gpu_home_fraction > 0) or the host tier some GiB")
@@ -198,6 +210,10 @@ def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_c
         num_buckets=cc.lru_buckets, elastic_shares=cc.elastic_shares, reuse=cc.buffer_reuse,
         head_widths=widths, head_mandatory=head_mandatory,
     )
+    if paged:
+        E = cc.segment_pages
+        algorithm = _make_algorithm(algorithm_cls, config, **shape, index_pages=kv.directory.num_logical_segments * E)
+        algorithm.bind_pages(kv.directory.logical_ids, E)
     return kv, dataclasses.replace(parts, algorithm=algorithm)
 
 
@@ -267,23 +283,29 @@ def _edge_pages(config: SpinConfig) -> int:
     return -(-sp.sink_tokens // S) + max(1, -(-sp.local_tokens // S))
 
 
-def gpu_budget_bytes(config: SpinConfig, device: torch.device) -> float:
-    """The KV pages' bytes on ``device``: cache.kv_cache_gib, else a share of the GPU's free
-    memory (a fixed size on the CPU). A size the GPU cannot hold is refused here, with what
-    holds the rest, rather than by an out-of-memory error in the middle of the allocation."""
+def gpu_budget_bytes(config: SpinConfig, device: torch.device, held_bytes: float = 0) -> float:
+    """The KV cache's bytes on ``device``: its pages and the sparse algorithm's index, of which
+    ``held_bytes`` are allocated already (an index sized by max_num_seqs x max_model_len).
+    cache.kv_cache_gib, else a share of the GPU's free memory (a fixed size on the CPU). A size
+    the GPU cannot hold is refused here, with what holds the rest, rather than by an
+    out-of-memory error in the middle of the allocation."""
     gib = config.cache.kv_cache_gib
     if device.type != "cuda":
         return (_CPU_DEFAULT_KV_GIB if gib is None else gib) * 2**30
     free, _ = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's cache is reusable
     if gib is None:
-        return free * _GPU_KV_FRACTION
-    if gib * 2**30 > free:
+        return free * _GPU_KV_FRACTION + held_bytes
+    if gib * 2**30 - held_bytes > free:
         raise ValueError(
-            f"cache.kv_cache_gib={gib:g} GiB does not fit: {free / 2**30:.1f} GiB of the GPU is free after "
-            f"the model's weights and the sparse algorithm's index ({torch.cuda.memory_allocated(device) / 2**30:.1f} "
-            "GiB allocated; the index is sized scheduler.max_num_seqs x model.max_model_len); lower "
-            "cache.kv_cache_gib, scheduler.max_num_seqs or model.max_model_len")
+            f"cache.kv_cache_gib={gib:g} GiB does not fit: {(free + held_bytes) / 2**30:.1f} GiB of the GPU is free "
+            f"after the model's weights ({(torch.cuda.memory_allocated(device) - held_bytes) / 2**30:.1f} GiB "
+            "allocated); lower cache.kv_cache_gib")
+    if gib * 2**30 < held_bytes:
+        raise ValueError(
+            f"cache.kv_cache_gib={gib:g} GiB cannot hold the sparse algorithm's index ({held_bytes / 2**30:.1f} GiB: "
+            "it is sized scheduler.max_num_seqs x model.max_model_len); raise cache.kv_cache_gib or lower "
+            "scheduler.max_num_seqs or model.max_model_len")
     return gib * 2**30
 
 

@@ -12,6 +12,15 @@ stores no entries at all::
 
     page(p) = directory[row, layer, kv_head, p // E] * E + p % E
 
+Each logical segment of a request (its L * Hkv segments together) also gets a *logical
+segment* id, for the sparse algorithm's per-page index (``SparseAlgorithm.bind_pages``)::
+
+    logical_ids[row, p // E] = g       index page(p) = g * E + p % E
+
+There are as many as the tiers hold logical segments (their segments / (L * Hkv)), so the
+index is sized by what the cache holds, not by max_seqs x max_model_len: at 64 rows of 128K
+tokens on GPU + host tiers that hold 2.3M tokens, a quarter of the bytes.
+
 Which pages are *in the GPU buffer* is the buffer's business (``buffer.py``): its metadata
 is sized by the buffer, not by the context. A flat table (one entry per logical page on the
 GPU) needs E times the directory's bytes; ``metadata_bytes`` reports both.
@@ -21,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from spin_cluster.kvcache.free_list import FreeList
+from spin_cluster.kvcache.free_list import FreeList, check_partition
 from spin_cluster.kvcache.homes import PageHomes
 from spin_cluster.kvcache.host_tier import HostTier
 
@@ -56,6 +65,12 @@ class SegmentDirectory:
         self._request_to_row: dict[str, int] = {}
         # Host mirror: request -> one list of L*Hkv segment ids per logical segment, [L, Hkv] order.
         self._request_to_segments: dict[str, list[list[int]]] = {}
+        # [R, n_seg] int32 logical segment ids (-1: none yet), and their free list: never
+        # empty while the tiers have segments for a logical segment.
+        self.num_logical_segments = host.num_segments // self.segments_per_logical_segment
+        self.logical_ids = torch.full((max_seqs, self.max_segments_per_seq), -1, dtype=torch.int32, device=device)
+        self._free_logical = FreeList(self.num_logical_segments)
+        self._request_to_logical: dict[str, list[int]] = {}
 
     @property
     def segments_per_logical_segment(self) -> int:
@@ -79,6 +94,7 @@ class SegmentDirectory:
         row = self._free_rows.take(1)[0]
         self._request_to_row[request_id] = row
         self._request_to_segments[request_id] = []
+        self._request_to_logical[request_id] = []
         return row
 
     def remove(self, request_id: str) -> list[int]:
@@ -86,6 +102,8 @@ class SegmentDirectory:
         row = self._request_to_row.pop(request_id)
         self._free_rows.give([row])
         self.directory[row] = -1
+        self.logical_ids[row] = -1
+        self._free_logical.give(self._request_to_logical.pop(request_id))
         segs = self._request_to_segments.pop(request_id)
         return [s for group in segs for s in group]
 
@@ -107,11 +125,14 @@ class SegmentDirectory:
             self.host.free(ids)
             raise ValueError(f"request {request_id!r} would exceed max_model_len")
         groups.extend(ids[i * per : (i + 1) * per] for i in range(n // per))
+        logical = self._free_logical.take(n // per)
+        self._request_to_logical[request_id].extend(logical)
+        row = self.row(request_id)
         # [n, L, Hkv] -> [L, Hkv, n]
         block = torch.tensor(ids, dtype=torch.int32).view(-1, self.num_layers, self.num_kv_heads)
-        self.directory[self.row(request_id), :, :, start : start + block.shape[0]] = block.permute(1, 2, 0).to(
-            self.directory.device
-        )
+        self.directory[row, :, :, start : start + block.shape[0]] = block.permute(1, 2, 0).to(self.directory.device)
+        self.logical_ids[row, start : start + len(logical)] = torch.tensor(logical, dtype=torch.int32).to(
+            self.logical_ids.device)
         return ids
 
     def rehome(self, moves: list[tuple[str, int, int, int, int]]) -> None:
@@ -168,6 +189,19 @@ class SegmentDirectory:
 
     def host_mirror(self, request_id: str) -> list[list[int]]:
         return self._request_to_segments[request_id]
+
+    def check_logical(self) -> None:
+        """Every logical segment id is a request's or free, once; each request row's table
+        entries are its ids, then -1."""
+        owned = [g for ids in self._request_to_logical.values() for g in ids]
+        check_partition(owned, self._free_logical, "logical segment")
+        for rid, ids in self._request_to_logical.items():
+            if len(ids) != len(self._request_to_segments[rid]):
+                raise AssertionError(f"request {rid!r} has {len(ids)} logical segment ids for "
+                                     f"{len(self._request_to_segments[rid])} logical segments")
+            row = self.logical_ids[self.row(rid)].tolist()
+            if row != ids + [-1] * (len(row) - len(ids)):
+                raise AssertionError(f"logical segment row of {rid!r} disagrees with its ids")
 
     def metadata_bytes(self) -> dict[str, int]:
         """GPU bytes of the directory, host bytes of allocated level-2 entries, and the GPU

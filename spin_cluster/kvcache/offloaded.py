@@ -243,6 +243,7 @@ class OffloadedKVManager(KVCache):
 
     def check_integrity(self) -> None:
         self.homes.check(self.directory.owned_segment_ids())
+        self.directory.check_logical()
         rows = set()
         for rid in self.directory.request_ids():
             row = self.directory.row(rid)

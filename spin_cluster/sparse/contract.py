@@ -33,10 +33,16 @@ class SparseAlgorithm(ABC):
     # device work with no host sync and no per-step Python state, so that a CUDA graph of a
     # decode step can capture them (``model.cuda_graphs`` on the offloaded cache).
     graph_safe: ClassVar[bool] = False
+    # True when the index is kept per logical page and addressed through ``index_page_ids``,
+    # so that it can be sized by the pages the cache holds (``index_pages``, ``bind_pages``)
+    # rather than by max_seqs x max_pages_per_seq.
+    paged_index: ClassVar[bool] = False
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                  max_seqs: int, max_pages_per_seq: int, device: torch.device,
-                 index_dtype: torch.dtype | str = torch.float32) -> None:
+                 index_dtype: torch.dtype | str = torch.float32, index_pages: int | None = None) -> None:
+        """index_pages: logical pages the index holds, for a ``paged_index`` algorithm whose
+        pages the cache hands out (``bind_pages``); None: one per (request row, page)."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -47,6 +53,29 @@ class SparseAlgorithm(ABC):
         # Floating dtype of the algorithm's index tensors (``sparse.options.index_dtype``):
         # 16-bit halves the bytes Select reads per step, which at long context is most of them.
         self.index_dtype = _index_dtype(index_dtype)
+        if index_pages is not None and not self.paged_index:
+            raise ValueError(f"sparse algorithm {self.name!r} keeps its index per request row: it takes no index_pages")
+        self.num_index_pages = max_seqs * max_pages_per_seq if index_pages is None else index_pages
+        self._logical_ids: torch.Tensor | None = None  # [R, n_seg] index segment of (row, segment); -1: none
+        self._segment_pages = 1
+
+    def bind_pages(self, logical_ids: torch.Tensor, segment_pages: int) -> None:
+        """The cache's map of (request row, segment of ``segment_pages`` logical pages) ->
+        index segment (-1: none yet), [R, n_seg] int on the device, updated in place as
+        requests grow and leave; index page = segment * segment_pages + page % segment_pages."""
+        if not self.paged_index:
+            raise ValueError(f"sparse algorithm {self.name!r} keeps its index per request row")
+        self._logical_ids, self._segment_pages = logical_ids, segment_pages
+
+    def index_page_ids(self, rows: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """Index page of logical page ``pages`` of request row ``rows`` (broadcast together;
+        int64, -1 where the cache gave the page none). Unbound: row * max_pages_per_seq + page.
+        No host sync, fixed shapes (CUDA graphs capture it)."""
+        if self._logical_ids is None:
+            return rows * self.max_pages_per_seq + pages
+        E = self._segment_pages
+        seg = self._logical_ids[rows, pages // E].long()
+        return torch.where(seg >= 0, seg * E + pages % E, -1)
 
     def on_append(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor) -> None:
         """Index: K of new tokens. rows [T] request rows, positions [T], k [T, Hkv, D].

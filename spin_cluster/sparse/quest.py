@@ -13,9 +13,10 @@ fewer keys is tighter (it is the same bound when the page is one block), while R
 still moves whole pages: smaller pages sharpen Select the same way, but at the cost of
 4x-smaller PCIe transfers.
 
-Index layout, per layer: ``kmin``/``kmax`` [R * P * nb + 1, Hkv, D] (row-major over request
-rows, pages and their nb blocks; the extra last row absorbs masked-off writes so that
-updates keep fixed shapes), in ``index_dtype``. A 16-bit index rounds outward (kmin down, kmax up, by at most one ulp of
+Index layout, per layer: ``kmin``/``kmax`` [N * nb + 1, Hkv, D] over N index pages and their
+nb blocks (``index_page_ids``: a request row's pages in turn, or on the offloaded cache the
+pages its directory hands out, N sized by what the cache holds; the extra last row absorbs
+writes and reads of pages that have none, so that updates keep fixed shapes), in ``index_dtype``. A 16-bit index rounds outward (kmin down, kmax up, by at most one ulp of
 slack) so that the bounds stay bounds; it halves the bytes Select reads, which at 128K tokens
 and 2K budgets are more than Attention reads.
 
@@ -38,6 +39,7 @@ from spin_cluster.sparse.contract import SparseAlgorithm, register
 class Quest(SparseAlgorithm):
     name = "quest"
     graph_safe = True
+    paged_index = True
 
     def __init__(self, score_block_tokens: int = 0, **kw) -> None:
         super().__init__(**kw)
@@ -47,7 +49,7 @@ class Quest(SparseAlgorithm):
                              f"page size {self.page_size}")
         self.block_tokens = block
         self.blocks_per_page = self.page_size // block
-        n = self.max_seqs * self.max_pages_per_seq * self.blocks_per_page + 1
+        n = self.num_index_pages * self.blocks_per_page + 1
         shape = (self.num_layers, n, self.num_kv_heads, self.head_dim)
         self.kmin = torch.full(shape, float("inf"), dtype=self.index_dtype, device=self.device)
         self.kmax = torch.full(shape, float("-inf"), dtype=self.index_dtype, device=self.device)
@@ -60,8 +62,12 @@ class Quest(SparseAlgorithm):
         cached = self._blocks
         if cached is not None and cached[0] is rows and cached[1] == n:
             return cached[2]
-        stride = self.max_pages_per_seq * self.blocks_per_page
-        blocks = rows[:, None] * stride + torch.arange(n, device=rows.device)
+        nb = self.blocks_per_page
+        pages = torch.arange(n // nb, device=rows.device)
+        ids = self.index_page_ids(rows[:, None], pages[None])[..., None]  # [B, P', 1]
+        # A page with no index page (past the context) reads the last row: Select masks it.
+        blocks = torch.where(ids >= 0, ids * nb + torch.arange(nb, device=rows.device), self.kmin.shape[1] - 1)
+        blocks = blocks.flatten(1)  # [B, P' * nb]
         self._blocks = (rows, n, blocks)
         return blocks
 
@@ -76,7 +82,10 @@ class Quest(SparseAlgorithm):
     def plan_append(self, rows, positions):
         """Once per step: [T] flat block row of each token and [T] positions (a token at a
         block's start resets it), planned for the append of every layer."""
-        blocks = rows * (self.max_pages_per_seq * self.blocks_per_page) + positions // self.block_tokens
+        S = self.page_size
+        pages = self.index_page_ids(rows, positions // S)
+        blocks = torch.where(pages >= 0, pages * self.blocks_per_page + (positions % S) // self.block_tokens,
+                             self.kmin.shape[1] - 1)
         return plan_bounds_append(blocks, positions, self.block_tokens, self.kmin.shape[1], self.kmin.shape[2:])
 
     def append(self, layer, plan, k):

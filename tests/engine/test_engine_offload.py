@@ -44,6 +44,14 @@ def _engine(path, cache=None, sparse=None, max_len=256):
     return Engine(SpinConfig.from_dict(cfg), progress=False)
 
 
+def _quest_kv_gib(slots: int) -> float:
+    """cache.kv_cache_gib of ``slots`` float32 buffer slots (pages of 4 tokens, D 64) with
+    Quest's index inside it: float32 bounds, 512 B per page and head, of every page the
+    tiers hold (the slots' and the host tier's: 8 rows x 64 pages x 90 heads)."""
+    host_pages = 8 * 64 * 30 * 3
+    return (slots * (2 * 4 * 64 * 4 + 512) + 512 * host_pages + 1024) / 2**30
+
+
 def _run(engine, prompts=PROMPTS):
     outs = engine.generate(prompts, PARAMS)
     engine.check_integrity()
@@ -186,7 +194,7 @@ def test_quest_with_the_whole_context_as_budget_equals_dense(smollm2_path, gpu_o
 def test_elastic_shares_run_more_requests_at_once(smollm2_path):
     sparse = {"algorithm": "quest", "budget": 16, "sink_tokens": 4, "local_tokens": 8}
     # mandatory 7 pages per head, max share 28; the buffer holds 4 x 28 columns per head
-    gib = 4 * 28 * 30 * 3 * (2 * 4 * 64 * 4) / 2**30
+    gib = _quest_kv_gib(4 * 28 * 30 * 3)
     peak = {}
     for elastic in (True, False):
         eng = _engine(smollm2_path, cache={"offload": True, "buffer_pages_per_head": 28, "kv_cache_gib": gib,
@@ -210,7 +218,7 @@ def test_per_head_shares_fit_more_requests_with_the_same_tokens(smollm2_path):
     sparse = {"algorithm": "quest", "budget": 16, "sink_tokens": 4, "local_tokens": 8,
               "per_head_budgets": [[8, 16, 40]] * 30}
     uniform_slots = 26 * 30 * 3
-    gib = 3 * uniform_slots * (2 * 4 * 64 * 4) / 2**30  # three uniform full shares
+    gib = _quest_kv_gib(3 * uniform_slots)  # three uniform full shares
     tokens, peak = {}, {}
     for per_head in (False, True):
         eng = _engine(smollm2_path, cache={"offload": True, "kv_cache_gib": gib, "per_head_shares": per_head,

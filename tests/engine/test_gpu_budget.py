@@ -20,9 +20,9 @@ def gpu(monkeypatch):
     return torch.device("cuda")
 
 
-def budget(gib, device):
+def budget(gib, device, held=0):
     cfg = SpinConfig.from_dict({"cache": {"kv_cache_gib": gib}} if gib is not None else {})
-    return cache_builder.gpu_budget_bytes(cfg, device)
+    return cache_builder.gpu_budget_bytes(cfg, device, held)
 
 
 def test_a_kv_size_that_fits_is_taken_as_given(gpu):
@@ -35,7 +35,17 @@ def test_a_kv_size_over_the_free_memory_is_refused_with_the_settings_to_change(g
         budget(100, gpu)
     msg = str(err.value)
     assert "cache.kv_cache_gib=100 GiB does not fit: 42.0 GiB of the GPU is free" in msg
-    assert "58.0 GiB allocated" in msg and "scheduler.max_num_seqs" in msg
+    assert "58.0 GiB allocated" in msg and "lower cache.kv_cache_gib" in msg
+
+
+def test_an_index_already_allocated_counts_inside_the_kv_size(gpu):
+    # 10 of the 58 GiB allocated are the algorithm's index: the KV size holds it and the pages.
+    assert budget(52, gpu, held=10 * GIB) == 52 * GIB
+    assert budget(None, gpu, held=10 * GIB) == pytest.approx(42 * GIB * cache_builder._GPU_KV_FRACTION + 10 * GIB)
+    with pytest.raises(ValueError, match="52.0 GiB of the GPU is free after the model's weights .48.0 GiB"):
+        budget(53, gpu, held=10 * GIB)
+    with pytest.raises(ValueError, match="cannot hold the sparse algorithm's index .10.0 GiB.*scheduler.max_num_seqs"):
+        budget(8, gpu, held=10 * GIB)
 
 
 def test_the_cpu_budget_is_not_checked_against_a_gpu():
