@@ -19,8 +19,10 @@ from spin_cluster.engine import Engine, SamplingParams
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = tuple(str((REPO / name).resolve()) + "/" for name in ("spin_cluster", "kernels"))
 # 8 files before pages could live at home on the GPU; kvcache/homes.py (which tier a page
-# lives in, and the recency that orders spills) is the ninth, called by the transfer alone.
-MAX_PACKAGE_FILES = 9
+# lives in, and the recency that orders spills) is the ninth, called by the transfer alone;
+# sparse/contract.py is the tenth, Quest's index page ids (``index_page_ids``: the index sized
+# by what the cache holds), called by the algorithm alone.
+MAX_PACKAGE_FILES = 10
 
 
 def _ours(filename: str) -> str | None:
