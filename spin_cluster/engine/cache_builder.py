@@ -259,8 +259,11 @@ def _build_hybrid(config, mc, dtype, device, parts: BackendParts, algorithm_cls)
     )
     rows = config.sparse.per_head_budgets
     sparse = {} if rows is None else {"per_head_budgets": [rows[layer] for layer in split.global_layers]}
+    # A GPU given no size: the Spin part measures what is free once the paged pages (and its
+    # algorithm's index) are allocated, as the offloaded cache does; else the size's rest.
     rest_gib = (gpu_bytes - num_pages * page_bytes) / 2**30
-    spin_config = config.replace(cache={"kv_cache_gib": rest_gib}, sparse=sparse)
+    given = config.cache.kv_cache_gib is not None or device.type != "cuda"
+    spin_config = config.replace(cache={"kv_cache_gib": rest_gib} if given else {}, sparse=sparse)
     spin_mc = dataclasses.replace(mc, num_layers=len(split.global_layers), layer_windows=())
     spin, parts = _build_offloaded(spin_config, spin_mc, dtype, device,
                                    dataclasses.replace(parts, sparse=spin_config.sparse), algorithm_cls,

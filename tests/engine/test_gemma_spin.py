@@ -23,6 +23,8 @@ import torch
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.engine.cache_builder import cache_kind
+from spin_cluster.models.config import ModelConfig
 from spin_cluster.profiling.evaluate import EvalConfig, evaluate
 from spin_cluster.sparse.sparq import weight_channels
 
@@ -84,6 +86,13 @@ def _check_all_pages_back(engine: Engine) -> None:
     assert kv.paged.num_free_pages == kv.paged.num_total_pages
     assert kv.spin.num_free_pages == kv.spin.num_total_pages
     assert kv.buffer.num_free_slots == kv.buffer.num_slots
+
+
+def test_only_models_with_window_layers_get_the_hybrid_cache(gemma_path, tiny_llama_path):
+    offload = SpinConfig.from_dict({"cache": {"offload": True}})
+    assert cache_kind(offload, ModelConfig.from_folder(gemma_path)) == "hybrid"
+    assert cache_kind(offload, ModelConfig.from_folder(tiny_llama_path)) == "offloaded"
+    assert cache_kind(SpinConfig(), ModelConfig.from_folder(gemma_path)) == "paged"
 
 
 @pytest.fixture(scope="module")
