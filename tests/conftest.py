@@ -1,4 +1,4 @@
-"""Shared fixtures: the default model, a tiny random Llama, and the gpu marker."""
+"""Shared fixtures: the default model, a tiny random Llama, a tiny random Gemma 3, and the gpu marker."""
 
 import os
 import shutil
@@ -50,3 +50,59 @@ def tiny_llama_path(tmp_path_factory, smollm2_path):
         if os.path.exists(src):
             shutil.copy(src, out / name)
     return str(out)
+
+
+class TinyGemma3:
+    """Tiny random-weight Gemma 3 checkpoints (window 16 unless told) with SmolLM2's tokenizer."""
+
+    WINDOW = 16
+    LAYER_TYPES = ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")
+
+    def __init__(self, tmp_path_factory, smollm2_path: str) -> None:
+        self._tmp = tmp_path_factory
+        self._tokenizer = smollm2_path
+
+    def config(self, max_position_embeddings: int = 512, layer_types=LAYER_TYPES, window: int = WINDOW):
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(
+            vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=max_position_embeddings,
+            sliding_window=window, layer_types=list(layer_types), rope_theta=1e6, rope_local_base_freq=1e4,
+            # 24 != head_dim: the query scale is not the backend's D ** -0.5
+            query_pre_attn_scalar=24, final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0, tie_word_embeddings=True,
+        )
+
+    def save(self, config, name: str = "tiny-gemma3") -> str:
+        """Random weights at toy size (norm weights away from 0, sharp logits); the engine is
+        fed token ids, so the tokenizer only has to load (its chat template serves the
+        evaluation's prompts). Returns the checkpoint's folder."""
+        from transformers import Gemma3ForCausalLM
+
+        out = self._tmp.mktemp(name)
+        torch.manual_seed(0)
+        model = Gemma3ForCausalLM(config)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "norm" in pname:
+                    p.copy_(0.3 * torch.randn_like(p))  # Gemma scales by 1 + weight
+                else:
+                    p.mul_(4.0)
+        model.config.architectures = ["Gemma3ForCausalLM"]
+        model.save_pretrained(out)
+        for fname in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if os.path.exists(f"{self._tokenizer}/{fname}"):
+                shutil.copy(f"{self._tokenizer}/{fname}", out / fname)
+        return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory, smollm2_path) -> TinyGemma3:
+    return TinyGemma3(tmp_path_factory, smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_path(tiny_gemma3) -> str:
+    """Four layers, the third full attention, the others a window of 16 tokens; 512 positions."""
+    return tiny_gemma3.save(tiny_gemma3.config())

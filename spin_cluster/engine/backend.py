@@ -8,6 +8,7 @@ graphs of decode-only steps when the backend's step can be captured::
     paged   GPU-only pages, dense attention (``paged_attention.PagedAttention``)
     spin    the offloaded cache: Offload, Index, Select, Retrieve, Attention
             (``spin_attention.SpinAttention``)
+    hybrid  sliding-window layers paged, the others Spin (``hybrid_attention.HybridAttention``)
 
 A KV cache names its backend (``KVCache.attention_backend``); ``backend_class`` resolves the
 name, importing the backend's module only when it is first chosen (no registration by import
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 _BACKENDS: dict[str, Any] = {
     "paged": "spin_cluster.engine.paged_attention:PagedAttention",
     "spin": "spin_cluster.engine.spin_attention:SpinAttention",
+    "hybrid": "spin_cluster.engine.hybrid_attention:HybridAttention",
 }
 
 

@@ -10,6 +10,9 @@ the cache names its backend (``KVCache.attention_backend``), which ``backend_cla
     offloaded  true           OffloadedKVManager (SpinAttention)  Spin: GPU home pages + host
                                                                   tier + GPU buffer, any
                                                                   registered sparse algorithm
+    hybrid     true, and the  HybridKVCache (HybridAttention)     sliding-window layers paged,
+               model has                                          the full-attention layers
+               window layers                                      offloaded (Spin) as above
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from spin_cluster.engine.backend import BackendParts, backend_class
 from spin_cluster.engine.spin_attention import floor_pages, max_middle_pages
 from spin_cluster.kernels.fp8_pages import FP8_DTYPE
 from spin_cluster.kvcache.host_tier import HostTier
+from spin_cluster.kvcache.hybrid import HybridKVCache, LayerSplit
 from spin_cluster.kvcache.manager import KVCacheManager
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.kvcache.page_pool import PagePool
@@ -47,11 +51,17 @@ _MAX_SHARE = 2**15 - 1
 # max_num_seqs requests select per step, and at most this part of the GPU KV memory.
 _BUFFER_MULTIPLE = 1.25
 _MOST_BUFFER_FRACTION = 0.5
+# The hybrid cache: at most this part of the GPU KV memory for the sliding-window layers'
+# pages (they need only their windows; the rest is the global layers' Spin cache).
+_MOST_WINDOW_FRACTION = 0.5
 
 
-def cache_kind(config: SpinConfig) -> str:
-    """The name of the KV cache the config asks for (a key of ``CACHE_KINDS``)."""
-    return "offloaded" if config.cache.offload else "paged"
+def cache_kind(config: SpinConfig, mc: ModelConfig | None = None) -> str:
+    """The name of the KV cache the config asks for (a key of ``CACHE_KINDS``) for the model
+    ``mc`` (None: one without sliding-window layers)."""
+    if not config.cache.offload:
+        return "paged"
+    return "hybrid" if mc is not None and any(w is not None for w in mc.layer_windows) else "offloaded"
 
 
 def build_cache(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -59,7 +69,7 @@ def build_cache(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, device:
     """Returns (kv manager, attention backend)."""
     algorithm_cls = check_cache_config(config, max_model_len)
     parts = BackendParts(config.sparse, max_model_len, decode_attention, prefill=_sparse_prefill(config, mc, device))
-    kv, parts = CACHE_KINDS[cache_kind(config)](config, mc, dtype, device, parts, algorithm_cls)
+    kv, parts = CACHE_KINDS[cache_kind(config, mc)](config, mc, dtype, device, parts, algorithm_cls)
     return kv, backend_class(kv.attention_backend).build(kv, parts)
 
 
@@ -97,12 +107,13 @@ def check_sparse_algorithm(config: SpinConfig) -> type[SparseAlgorithm]:
 
 
 # Constructor arguments with defaults that the builder gives, not the user.
-_BUILDER_ARGS = frozenset({"index_pages"})
+_BUILDER_ARGS = frozenset({"index_pages", "model_layers"})
 
 
 def _algorithm_options(cls: type[SparseAlgorithm]) -> set[str]:
     """Keyword options an algorithm's constructors take, down the classes that pass ``**kw`` on
-    (the shape, which the builder gives, has no default and is not an option)."""
+    (the shape, which the builder gives, is not an option: it has no default, but for
+    ``_BUILDER_ARGS``)."""
     options: set[str] = set()
     for klass in cls.__mro__:
         if "__init__" not in vars(klass):
@@ -149,12 +160,15 @@ def _prefix_caching(config: SpinConfig, mc: ModelConfig) -> bool:
     return config.cache.enable_prefix_caching
 
 
-def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_cls):
+def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_cls,
+                     model_layers: tuple[int, ...] | None = None):
+    """``model_layers``: the model's layer id of each of ``mc.num_layers`` layers (the hybrid
+    cache's global layers); None: all of them."""
     max_model_len = parts.max_model_len
     cc, sc, S = config.cache, config.scheduler, config.cache.page_size
     max_pages = -(-max_model_len // S)
     shape = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=S,
-                 max_seqs=sc.max_num_seqs, max_pages_per_seq=max_pages, device=device)
+                 max_seqs=sc.max_num_seqs, max_pages_per_seq=max_pages, device=device, model_layers=model_layers)
     # A paged index is built once the cache knows how many pages it holds (below); until
     # then an empty one tells its bytes per page.
     paged = algorithm_cls.paged_index
@@ -235,9 +249,47 @@ def split_gpu_pages(config: SpinConfig, all_slots: int, least_slots: int, max_pa
     return buffer, min((all_slots - buffer) // E, most_segments)
 
 
+def _build_hybrid(config, mc, dtype, device, parts: BackendParts, algorithm_cls):
+    """The window layers' paged cache first, sized for every request row's windows at full
+    length (at most ``_MOST_WINDOW_FRACTION`` of the GPU KV memory), then the Spin cache of
+    the global layers in the rest: the algorithm, its index, the buffer and the home pages
+    sized for those layers only, and per-head budgets their rows of ``sparse.per_head_budgets``."""
+    split = LayerSplit.of(mc.layer_windows)
+    if not split.global_layers:
+        raise ValueError("every layer of this model has a sliding window: Spin has nothing to serve; "
+                         "set cache.offload=false")
+    S, max_model_len = config.cache.page_size, parts.max_model_len
+    window_of = tuple(mc.layer_windows[layer] for layer in split.window_layers)
+    windows = LayerWindows.of(window_of, len(window_of), S)
+    page_bytes = PagePool.bytes_per_page(S, mc.head_dim, dtype)
+    gpu_bytes = gpu_budget_bytes(config, device)
+    most = config.scheduler.max_num_seqs * windows.most_pages(max_model_len) * mc.num_kv_heads
+    num_pages = min(most, int(gpu_bytes * _MOST_WINDOW_FRACTION // page_bytes))
+    if num_pages < windows.most_pages(max_model_len) * mc.num_kv_heads:
+        raise ValueError(f"the sliding-window layers' {num_pages} GPU pages cannot hold one request's windows; "
+                         "raise cache.kv_cache_gib")
+    paged = KVCacheManager(
+        num_layers=len(window_of), num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=S,
+        num_pages=num_pages, max_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len, dtype=dtype,
+        device=device, layer_windows=window_of,
+    )
+    rows = config.sparse.per_head_budgets
+    sparse = {} if rows is None else {"per_head_budgets": [rows[layer] for layer in split.global_layers]}
+    # A GPU given no size: the Spin part measures what is free once the paged pages (and its
+    # algorithm's index) are allocated, as the offloaded cache does; else the size's rest.
+    rest_gib = (gpu_bytes - num_pages * page_bytes) / 2**30
+    given = config.cache.kv_cache_gib is not None or device.type != "cuda"
+    spin_config = config.replace(cache={"kv_cache_gib": rest_gib} if given else {}, sparse=sparse)
+    spin_mc = dataclasses.replace(mc, num_layers=len(split.global_layers), layer_windows=())
+    spin, parts = _build_offloaded(spin_config, spin_mc, dtype, device,
+                                   dataclasses.replace(parts, sparse=spin_config.sparse), algorithm_cls,
+                                   model_layers=split.global_layers)
+    return HybridKVCache(split, paged, spin), parts
+
+
 # A cache kind's factory: (config, model shape, dtype, device, parts, algorithm class) ->
 # (the cache, the parts its backend is built from).
-CACHE_KINDS = {"paged": _build_paged, "offloaded": _build_offloaded}
+CACHE_KINDS = {"paged": _build_paged, "offloaded": _build_offloaded, "hybrid": _build_hybrid}
 
 
 def _sparse_prefill(config: SpinConfig, mc: ModelConfig, device: torch.device) -> BlockSparsePrefill | None:

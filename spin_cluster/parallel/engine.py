@@ -113,7 +113,11 @@ class HeadParallelEngine(Engine):
     def _build_cache(self, decode_attention: str):
         """The cache kind's rank wrapper sizes this rank's cache (the same capacity on every
         rank), the builder builds it and its backend, and the wrapper wraps that backend."""
-        rank_backend = RANK_BACKENDS[cache_kind(self.config)]
+        kind = cache_kind(self.config, self.model.config)
+        if kind not in RANK_BACKENDS:
+            raise ValueError(f"head-parallel ranks cannot run the {kind} cache (sliding-window layers on the "
+                             "offloaded cache) for now: run one rank, or set cache.offload=false")
+        rank_backend = RANK_BACKENDS[kind]
         config, rank_mc = rank_backend.rank_cache(self.config, self.model.config, self.placement, self.rank,
                                                   self.dtype, self.device, self.max_model_len, self.group)
         kv, inner = build_cache(config, rank_mc, self.dtype, self.device, self.max_model_len, decode_attention)

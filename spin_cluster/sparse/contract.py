@@ -18,6 +18,7 @@ Shapes: B decode requests, T tokens, H query heads, Hkv KV heads, D head dim, P 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -40,10 +41,17 @@ class SparseAlgorithm(ABC):
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                  max_seqs: int, max_pages_per_seq: int, device: torch.device,
-                 index_dtype: torch.dtype | str = torch.float32, index_pages: int | None = None) -> None:
+                 index_dtype: torch.dtype | str = torch.float32, index_pages: int | None = None,
+                 model_layers: Sequence[int] | None = None) -> None:
         """index_pages: logical pages the index holds, for a ``paged_index`` algorithm whose
-        pages the cache hands out (``bind_pages``); None: one per (request row, page)."""
+        pages the cache hands out (``bind_pages``); None: one per (request row, page).
+        ``model_layers``: the model's layer id of each of the ``num_layers`` layers this
+        index serves (where the cache serves some of them: the global layers of a model with
+        sliding-window ones); None: layers 0 .. num_layers - 1."""
         self.num_layers = num_layers
+        self.model_layers = tuple(range(num_layers)) if model_layers is None else tuple(model_layers)
+        if len(self.model_layers) != num_layers:
+            raise ValueError(f"{len(self.model_layers)} model layer ids for {num_layers} layers")
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.page_size = page_size

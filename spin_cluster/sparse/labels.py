@@ -46,7 +46,7 @@ class Labels(SparseAlgorithm):
             raise ValueError(f"sparse.options.channels={channels}: must be even and in 2..{D} (0: D/4)")
         self.channels = r
         if model_path and os.path.exists(os.path.join(model_path, "model.safetensors")):
-            ids = weight_channels(model_path, self.num_layers, self.num_kv_heads, D, r)
+            ids = weight_channels(model_path, self.model_layers, self.num_kv_heads, D, r)
         else:  # no weights to rank the channels by: evenly spaced RoPE pairs
             half = torch.arange(r // 2) * (D // 2) // (r // 2)
             ids = torch.cat([half, half + D // 2]).expand(self.num_layers, self.num_kv_heads, r)

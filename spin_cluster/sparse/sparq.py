@@ -18,6 +18,8 @@ token (Double Sparsity's "label cache").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from spin_cluster.sparse.contract import register
@@ -37,7 +39,7 @@ class SparQ(Oracle):
         if fixed_channels:
             if self.channels % 2 or model_path is None:
                 raise ValueError("sparse.options.fixed_channels needs an even channel count and the model's weights")
-            self.fixed = weight_channels(model_path, self.num_layers, self.num_kv_heads, self.head_dim,
+            self.fixed = weight_channels(model_path, self.model_layers, self.num_kv_heads, self.head_dim,
                                          self.channels).to(self.device)
 
     def score(self, layer, q, rows, num_pages):
@@ -60,14 +62,15 @@ class SparQ(Oracle):
         return s.view(B, Hkv, num_pages, S).amax(-1)
 
 
-def weight_channels(model_path: str, num_layers: int, num_kv_heads: int, head_dim: int, r: int) -> torch.Tensor:
-    """[L, Hkv, r] channels of each KV head with the largest q.k weight norms, in RoPE pairs."""
+def weight_channels(model_path: str, layers: Sequence[int], num_kv_heads: int, head_dim: int, r: int) -> torch.Tensor:
+    """[L, Hkv, r] channels of each KV head of the model's ``layers`` (L of them) with the
+    largest q.k weight norms, in RoPE pairs."""
     from safetensors import safe_open
 
     D, half = head_dim, head_dim // 2
-    out = torch.empty(num_layers, num_kv_heads, r, dtype=torch.long)
+    out = torch.empty(len(layers), num_kv_heads, r, dtype=torch.long)
     with safe_open(f"{model_path}/model.safetensors", "pt") as f:
-        for layer in range(num_layers):
+        for i, layer in enumerate(layers):
             wq = f.get_tensor(f"model.layers.{layer}.self_attn.q_proj.weight").float()  # [H*D, E]
             wk = f.get_tensor(f"model.layers.{layer}.self_attn.k_proj.weight").float()  # [Hkv*D, E]
             q_norm = wq.norm(dim=1).view(num_kv_heads, -1, D).sum(1)  # [Hkv, D] summed over G
@@ -75,5 +78,5 @@ def weight_channels(model_path: str, num_layers: int, num_kv_heads: int, head_di
             score = q_norm * k_norm  # [Hkv, D]
             pair = score[:, :half] + score[:, half:]  # [Hkv, D/2]
             top = pair.topk(r // 2, dim=-1).indices  # [Hkv, r/2]
-            out[layer] = torch.cat([top, top + half], dim=-1)
+            out[i] = torch.cat([top, top + half], dim=-1)
     return out

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import random
-import shutil
 
 import pytest
 import torch
@@ -24,53 +23,14 @@ import torch
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
 
-WINDOW = 16
+WINDOW = 16  # the tiny model's (``tests/conftest.py``)
 LONG = 16384
-TINY_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-
-
-def _tiny_config(max_position_embeddings: int = 512):
-    from transformers import Gemma3TextConfig
-
-    return Gemma3TextConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=len(TINY_LAYER_TYPES),
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=max_position_embeddings,
-        sliding_window=WINDOW, layer_types=TINY_LAYER_TYPES, rope_theta=1e6, rope_local_base_freq=1e4,
-        # 24 != head_dim: the query scale is not the backend's D ** -0.5
-        query_pre_attn_scalar=24, final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, tie_word_embeddings=True,
-    )
 
 
 @pytest.fixture(scope="module")
-def tiny_gemma3_path(tmp_path_factory, smollm2_path):
-    return _save_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), smollm2_path, _tiny_config())
-
-
-@pytest.fixture(scope="module")
-def long_tiny_gemma3_path(tmp_path_factory, smollm2_path):
+def long_tiny_gemma3_path(tiny_gemma3):
     """The tiny model with a 16K context."""
-    return _save_tiny_gemma3(tmp_path_factory.mktemp("long-tiny-gemma3"), smollm2_path, _tiny_config(LONG))
-
-
-def _save_tiny_gemma3(out, smollm2_path: str, config) -> str:
-    """Random weights at toy size (norm weights away from 0, sharp logits) with SmolLM2's
-    tokenizer; the engine is fed token ids, so the tokenizer only has to load."""
-    from transformers import Gemma3ForCausalLM
-
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(0.3 * torch.randn_like(p))  # Gemma scales by 1 + weight
-            else:
-                p.mul_(4.0)
-    model.config.architectures = ["Gemma3ForCausalLM"]
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{smollm2_path}/{name}", out / name)
-    return str(out)
+    return tiny_gemma3.save(tiny_gemma3.config(LONG), "long-tiny-gemma3")
 
 
 def _hf(path: str):
@@ -101,10 +61,10 @@ def _ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 49000) for _ in range(n)]
 
 
-def test_gemma3_config_reads_windows_and_rope_bases():
+def test_gemma3_config_reads_windows_and_rope_bases(tiny_gemma3):
     from spin_cluster.models import ModelConfig
 
-    d = {**_tiny_config().to_dict(), "architectures": ["Gemma3ForCausalLM"]}
+    d = {**tiny_gemma3.config().to_dict(), "architectures": ["Gemma3ForCausalLM"]}
     mc = ModelConfig.from_json_dict(d)
     assert mc.layer_windows == (WINDOW, WINDOW, None, WINDOW)
     assert (mc.rope_theta, mc.local_rope_theta) == (1e6, 1e4)
@@ -121,10 +81,10 @@ def test_gemma3_config_reads_windows_and_rope_bases():
     ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "linear"),
 ])
-def test_gemma3_config_refuses_what_the_model_does_not_run(change, field):
+def test_gemma3_config_refuses_what_the_model_does_not_run(tiny_gemma3, change, field):
     from spin_cluster.models import ModelConfig
 
-    d = {**_tiny_config().to_dict(), "architectures": ["Gemma3ForCausalLM"], **change}
+    d = {**tiny_gemma3.config().to_dict(), "architectures": ["Gemma3ForCausalLM"], **change}
     with pytest.raises(ValueError, match=field):
         ModelConfig.from_json_dict(d)
 

@@ -53,7 +53,7 @@ def test_fixed_channels_are_the_rope_pairs_with_the_largest_weights(tmp_path, on
     wq[(1 * G + 1) * D + 6] *= 10  # head 1, its second query head: channel 6 (pair 2 = 2 and 6)
     save_file({"model.layers.0.self_attn.q_proj.weight": wq, "model.layers.0.self_attn.k_proj.weight": wk},
               str(tmp_path / "model.safetensors"))
-    got = weight_channels(str(tmp_path), 1, Hkv, D, 2)  # one pair per head
+    got = weight_channels(str(tmp_path), [0], Hkv, D, 2)  # one pair per head
     assert got[0, 0].tolist() == [1, 5] and got[0, 1].tolist() == [2, 6]
     alg = get_algorithm("sparq")(num_layers=1, num_kv_heads=Hkv, head_dim=D, page_size=4, max_seqs=2,
                                  max_pages_per_seq=4, device=torch.device("cpu"), channels=2,

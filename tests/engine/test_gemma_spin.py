@@ -1,0 +1,197 @@
+"""Gemma 3 on the offloaded cache: the hybrid cache (``kvcache/hybrid.py``) serves the
+sliding-window layers from paged GPU pages and only the full-attention layers through Spin.
+
+A tiny random Gemma 3 of six layers, two of them full attention (layers 2 and 5), window 16,
+pages of 4 tokens, on the CPU in float32:
+
+* with the dense oracle (every page selected) its greedy tokens equal the paged cache's, for
+  prompts shorter and longer than the window, in chunks and decoded together, with every
+  page at home on the host (the GPU buffer retrieves each) or on the GPU;
+* with Quest at a budget of 8 tokens it runs, its algorithm, index and buffer are sized for
+  the two global layers and its Select runs on them only, and per-head budgets take the
+  global layers' rows; Labels ranks the channels of those layers' weights; block-sparse
+  prefill runs on them only;
+* after requests finish, are aborted mid-prefill and mid-decode, both parts have every page back.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.engine.cache_builder import cache_kind
+from spin_cluster.models.config import ModelConfig
+from spin_cluster.profiling.evaluate import EvalConfig, evaluate
+from spin_cluster.sparse.sparq import weight_channels
+
+LAYER_TYPES = ("sliding_attention", "sliding_attention", "full_attention",
+               "sliding_attention", "sliding_attention", "full_attention")
+WINDOW = 16
+GLOBAL_LAYERS = (2, 5)
+PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gemma_path(tiny_gemma3):
+    return tiny_gemma3.save(tiny_gemma3.config(layer_types=LAYER_TYPES, window=WINDOW), "gemma-two-global")
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 49000) for _ in range(n)]
+
+
+# 5 tokens: inside the window; 40 and 70: past it in prefill (in chunks of 32), and in decode
+PROMPTS = [_ids(5, 1), _ids(40, 2), _ids(70, 3)]
+
+
+def _engine(path: str, cache: dict | None = None, sparse: dict | None = None) -> Engine:
+    cfg = {
+        "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": 256},
+        "cache": {"page_size": 4, "segment_pages": 4, **(cache or {})},
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 32},
+        "sparse": sparse or {},
+    }
+    return Engine(SpinConfig.from_dict(cfg), progress=False)
+
+
+def _generate(engine: Engine) -> list[list[int]]:
+    """Greedy tokens of PROMPTS, stepped one at a time with the cache checked after each step."""
+    ids = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    got: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+        engine.check_integrity()
+        _check_window_pages(engine)
+    _check_all_pages_back(engine)
+    return [got[rid] for rid in ids]
+
+
+def _check_window_pages(engine: Engine) -> None:
+    """The paged part holds at most a window's pages (+1 for the page edge) per window layer."""
+    paged = engine.kv.paged
+    for rid in paged.request_ids():
+        assert max(paged.num_layer_pages(rid)) <= 2 * (-(-WINDOW // 4) + 1)
+
+
+def _check_all_pages_back(engine: Engine) -> None:
+    kv = engine.kv
+    kv.check_integrity()
+    assert kv.request_ids() == [] and kv.paged.request_ids() == []
+    assert kv.paged.num_free_pages == kv.paged.num_total_pages
+    assert kv.spin.num_free_pages == kv.spin.num_total_pages
+    assert kv.buffer.num_free_slots == kv.buffer.num_slots
+
+
+def test_only_models_with_window_layers_get_the_hybrid_cache(gemma_path, tiny_llama_path):
+    offload = SpinConfig.from_dict({"cache": {"offload": True}})
+    assert cache_kind(offload, ModelConfig.from_folder(gemma_path)) == "hybrid"
+    assert cache_kind(offload, ModelConfig.from_folder(tiny_llama_path)) == "offloaded"
+    assert cache_kind(SpinConfig(), ModelConfig.from_folder(gemma_path)) == "paged"
+
+
+@pytest.fixture(scope="module")
+def paged_tokens(gemma_path):
+    return _generate_paged(_engine(gemma_path))
+
+
+def _generate_paged(engine: Engine) -> list[list[int]]:
+    outs = engine.generate(PROMPTS, PARAMS)
+    engine.check_integrity()
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("gpu_home_fraction", [0.0, None], ids=["host-homes", "gpu-homes"])
+def test_dense_on_the_offloaded_cache_gives_the_paged_cache_tokens(gemma_path, paged_tokens, gpu_home_fraction):
+    engine = _engine(gemma_path, cache={"offload": True, "gpu_home_fraction": gpu_home_fraction},
+                     sparse={"algorithm": "dense"})
+    assert engine.kv.attention_backend == "hybrid"
+    assert (engine.kv.split.window_layers, engine.kv.split.global_layers) == ((0, 1, 3, 4), GLOBAL_LAYERS)
+    assert all(len(t) == PARAMS.max_tokens for t in paged_tokens)
+    assert _generate(engine) == paged_tokens
+    if gpu_home_fraction == 0.0:  # every global page came from the host through the buffer
+        assert engine.kv.buffer.counters.tolist()[2] > 0
+
+
+def test_quest_runs_on_the_global_layers_only(gemma_path):
+    budgets = [[8 * (layer + 1), 4 * (layer + 1)] for layer in range(len(LAYER_TYPES))]
+    engine = _engine(gemma_path, cache={"offload": True, "gpu_home_fraction": 0.0},
+                     sparse={"algorithm": "quest", "budget": 8, "budget_floor_tokens": 0, "sink_tokens": 4,
+                             "local_tokens": 4, "per_head_budgets": budgets})
+    kv, attention = engine.kv, engine.runner.attention
+    assert kv.spin.num_layers == 2 and kv.paged.num_layers == 4 and kv.num_layers == len(LAYER_TYPES)
+    assert attention.algorithm.num_layers == 2 and attention.algorithm.kmin.shape[0] == 2
+    assert attention.algorithm.model_layers == GLOBAL_LAYERS
+    assert kv.spin.directory.directory.shape[1] == 2
+    # the global layers' rows of the per-head budgets, in pages of 4 tokens
+    assert attention.spin._layer_budgets.tolist() == [[6, 3], [12, 6]]
+    layers = []
+    append = attention.algorithm.append
+    attention.algorithm.append = lambda layer, *a: layers.append(layer) or append(layer, *a)
+    tokens = _generate(engine)
+    assert [len(t) for t in tokens] == [PARAMS.max_tokens] * len(PROMPTS)
+    assert set(layers) == {0, 1}
+    lookups, hits, misses, _ = kv.buffer.counters.tolist()
+    assert lookups > 0 and misses > 0
+
+
+def test_labels_rank_the_channels_of_the_global_layers_weights(gemma_path):
+    engine = _engine(gemma_path, cache={"offload": True}, sparse={"algorithm": "labels", "budget": 8,
+                                                                  "budget_floor_tokens": 0})
+    algorithm = engine.runner.attention.algorithm
+    want = weight_channels(gemma_path, GLOBAL_LAYERS, 2, 32, algorithm.channels)
+    assert torch.equal(algorithm.channel_ids.cpu(), want)
+    assert not torch.equal(want, weight_channels(gemma_path, (0, 1), 2, 32, algorithm.channels))
+    assert [len(t) for t in _generate(engine)] == [PARAMS.max_tokens] * len(PROMPTS)
+
+
+def test_block_sparse_prefill_runs_on_the_global_layers_only(gemma_path):
+    """Window layers prefill densely (block-sparse prefill cannot mask a window); the global
+    layers' prefill goes through the blocks, under the model's layer ids."""
+    engine = _engine(gemma_path, cache={"offload": True}, sparse={
+        "algorithm": "dense", "prefill": {"algorithm": "block", "block_size": 16, "budget": 0.5}})
+    prefill = engine.runner.attention.sparse_prefill
+    seen = []
+    call = prefill.inner.__call__
+    prefill.inner = lambda layer, *a: seen.append(layer) or call(layer, *a)
+    prefill.inner.density = call.__self__.density
+    assert [len(t) for t in _generate(engine)] == [PARAMS.max_tokens] * len(PROMPTS)
+    assert set(seen) == set(GLOBAL_LAYERS)
+    assert 0.0 < prefill.density() <= 1.0
+
+
+def test_aborts_give_every_page_back_in_both_parts(gemma_path):
+    engine = _engine(gemma_path, cache={"offload": True}, sparse={"algorithm": "quest", "budget": 8,
+                                                                  "budget_floor_tokens": 0})
+    kv = engine.kv
+    start = (kv.paged.num_free_pages, kv.spin.num_free_pages, kv.buffer.num_free_slots)
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)) for p in PROMPTS]
+    engine.step()  # the 70-token prompt is still in prefill: its first chunk is done
+    engine.abort(ids[2])
+    engine.check_integrity()
+    for _ in range(5):
+        engine.step()
+    engine.abort(ids[1])  # mid-decode
+    engine.check_integrity()
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    _check_all_pages_back(engine)
+    assert (kv.paged.num_free_pages, kv.spin.num_free_pages, kv.buffer.num_free_slots) == start
+
+
+def test_a_sparse_eval_runs_on_gemma(gemma_path):
+    """``spin-cluster eval``'s run: dense on the paged cache, Quest on the hybrid one."""
+    cfg = EvalConfig(model_path=gemma_path, tasks=("niah_single",), lengths=(160,), samples_per_task=1,
+                     algorithms=("dense", "quest"), budgets=(0.25,), max_tokens=8, device="cpu")
+    res = evaluate(cfg, progress=False)
+    assert [m.label for m in res.methods] == ["dense", "quest 1/4"]
+    assert len(res.samples) == 2 and all(0.0 <= s.score <= 1.0 for s in res.samples)
+    looked = res.buffer_lookups["quest 1/4@160"]
+    assert looked["hits"] + looked["misses"] > 0
