@@ -19,7 +19,8 @@ the chat-formatted prompt, answer prefix included, is as long as the target with
 passing it (binary search on the unit count, counting with the model's tokenizer).
 
 A prompt is the user turn (instructions, context, then the question) through the model's
-chat template, followed by the start of the assistant's answer, as RULER does. Score
+chat template (a base model without one: as plain text), followed by the start of the
+assistant's answer, as RULER does. Score
 (RULER's string match, case-insensitive): ``all`` is the fraction of expected answers found
 in the output, ``part`` is 1 when any is found; every task here uses ``all``.
 """
@@ -345,7 +346,11 @@ def _join(names: Sequence[str]) -> str:
 
 
 def prompt_ids(tokenizer, rendered: Rendered) -> list[int]:
-    """The user turn through the chat template, then the answer prefix as plain text."""
+    """The user turn through the chat template, then the answer prefix as plain text. A base
+    model (its folder has no chat template: Gemma-3-270M) is prompted as RULER prompts base
+    models: the user turn as plain text (with the tokenizer's BOS), a line break, the prefix."""
+    if not tokenizer.has_chat_template():
+        return tokenizer.encode(rendered.text + "\n") + plain_ids(tokenizer, rendered.answer_prefix)
     ids = tokenizer.chat_prompt_ids([{"role": "user", "content": rendered.text}])
     return ids + plain_ids(tokenizer, rendered.answer_prefix)
 
@@ -366,7 +371,7 @@ _SHORT_OF_TARGET = 0.95
 def make_sample(task: str, tokenizer, num_tokens: int, seed: int = 0) -> Sample:
     """A sample of ``task`` whose prompt has at most ``num_tokens`` tokens, as close to it as
     the task's unit allows. ``tokenizer``: ``spin_cluster.tokenizer.Tokenizer`` (or anything
-    with ``encode`` and ``chat_prompt_ids``)."""
+    with ``encode``, ``has_chat_template`` and ``chat_prompt_ids``)."""
     spec = get_task(task)
     key = f"{task}/{num_tokens}/{seed}"
 

@@ -100,3 +100,18 @@ def test_bad_task_and_too_short_target_say_what_to_change(tok):
         ruler.make_sample("niah", tok, 1000)
     with pytest.raises(ValueError, match="give a longer length"):
         ruler.make_sample("niah_single", tok, 50)
+
+
+def test_a_base_model_is_prompted_with_plain_text(smollm2_path, tmp_path):
+    """A folder without a chat template (a base model: Gemma-3-270M) gets the user turn as
+    plain text, a line break and the answer prefix, fitted to the target all the same."""
+    import shutil
+
+    shutil.copy(f"{smollm2_path}/tokenizer.json", tmp_path / "tokenizer.json")
+    base = Tokenizer(str(tmp_path))
+    assert not base.has_chat_template()
+    s = ruler.make_sample("passkey", base, 1000, seed=0)
+    assert 0.97 * 1000 <= s.num_tokens <= 1000
+    prefix = ruler.plain_ids(base, s.answer_prefix)
+    assert list(s.prompt_ids) == base.encode(s.text + "\n") + prefix
+    assert base.decode(list(s.prompt_ids)).endswith("\n" + s.answer_prefix)
