@@ -4,6 +4,7 @@ openai client, against the engine's own output for the same config."""
 import asyncio
 import json
 
+import re
 import time
 
 import httpx
@@ -16,6 +17,12 @@ from spin_cluster.deployments.settings import load_app_config
 from spin_cluster.engine import Engine, SamplingParams
 
 from .conftest import API_KEY, APP, RayLogs, engine_handle, wait_engine_idle
+
+# Ray's own log when a stream's result lands on a future its awaiter already cancelled (the
+# client left at that instant): raylet's callback, not this package's code, and harmless.
+RAY_CANCELLED_CALLBACK = re.compile(
+    r"failed to run async callback \(user func\)\s*Traceback \(most recent call last\):.*?"
+    r"InvalidStateError: CANCELLED: <Future at 0x[0-9a-f]+ state=cancelled>", re.S)
 
 # A real Serve cluster; the timeout (which includes starting it) stops a hang, not a slow run.
 pytestmark = [pytest.mark.serve, pytest.mark.timeout(600)]
@@ -283,6 +290,7 @@ def test_fifty_abandoned_streams_free_every_page_and_log_no_traceback(spin_app):
     assert _aborted_count(base) - aborted_before == 50
     time.sleep(1)  # log lines reach their files
     new = logs.new_text()
+    new = RAY_CANCELLED_CALLBACK.sub("", new)
     assert "Traceback" not in new, new[new.find("Traceback") - 2000:][:6000]
     assert logs.new_text(under="serve").count("client disconnected") == 50  # one line each
 
