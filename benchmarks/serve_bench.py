@@ -327,8 +327,9 @@ def merge(paths: list[str]) -> dict:
     """One report of serve.json files made apart: every (mode, rate) run of each, the later
     file's where two hold the same; an engine error kept only for a mode with no run."""
     import json
+    from pathlib import Path
 
-    loaded = [json.load(open(p)) for p in paths]
+    loaded = [json.loads(Path(p).read_text()) for p in paths]
     base = loaded[0]
     for path, other in zip(paths[1:], loaded[1:]):
         differ = [k for k in STREAM_KEYS if other["args"].get(k) != base["args"].get(k)]
