@@ -286,6 +286,12 @@ class SchedulerConfig(ConfigSection):
         "whatever max_num_batched_tokens leaves. A bound keeps a step with a long prompt's chunk "
         "short, so that running requests' next tokens do not wait behind it (TPOT), at the cost "
         "of more steps per prompt (TTFT)."))
+    admission_output_tokens: int = Field(2048, ge=0, description=(
+        "Output tokens of each running request (up to its max_tokens) that admission keeps room "
+        "for, beside the rest of every running prompt, >= 0. A request is admitted only when its "
+        "whole prompt and these fit beside them, so that prompts admitted together do not outgrow "
+        "the cache halfway and preempt each other (each preemption recomputes a whole context). "
+        "0: prompts only; a request that grows past this may still preempt the newest."))
     enable_chunked_prefill: StrictBool = Field(True, description=(
         "Split long prompts into chunks of at most the step's leftover token budget. When off, a "
         "prompt is prefilled in one step, so max_num_batched_tokens must cover max_model_len."))

@@ -3,7 +3,11 @@
 Each step gets a token budget (``max_num_batched_tokens``). Running requests go first:
 decoding requests take one token each, in arrival order, then requests still prefilling take
 the next chunk of their prompt, in arrival order. Then waiting requests are admitted, oldest
-first, while the budget, the request limit and the KV pages allow. Prompt chunks share at
+first, while the budget, the request limit and the KV pages allow: the pages a request will
+hold once its whole prompt and ``admission_output_tokens`` of its output are in, beside what
+the running requests will still take to get there. (Admitting on the first chunk alone lets
+many long prompts in at once; halfway through their prompts the cache is full and each
+preemption throws away a partly computed context.) Prompt chunks share at
 most ``max_prefill_tokens`` of a step (when set), so that a long prompt's chunks do not make
 the decoding requests' steps long. When a running request cannot get the
 page it needs, the newest running request is preempted: its pages are freed and it goes
@@ -108,7 +112,7 @@ class Scheduler:
             (decode if chunk.is_decode else prefill).append(chunk)
             budget -= n
         if not preempted:
-            budget = self._admit(budget, decode, prefill)
+            budget = self._admit(budget, decode, prefill, self._pages_owed(decode + prefill))
         return SchedulerOutput(chunks=decode + prefill, preempted=preempted)
 
     @staticmethod
@@ -151,12 +155,33 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _admit(self, budget: int, decode: list[ScheduledChunk], prefill: list[ScheduledChunk]) -> int:
+    def _reserved_tokens(self, req: Request) -> int:
+        """Tokens admission keeps room for: every known token, and ``admission_output_tokens``
+        more of output (those left of its max_tokens at most)."""
+        left = req.params.max_tokens - len(req.output_token_ids)
+        return req.num_tokens + max(0, min(self.config.admission_output_tokens, left))
+
+    def _pages_owed(self, chunks: list[ScheduledChunk]) -> int:
+        """Pages the running requests will still take to reach their reserved tokens, after
+        this step's chunks (allocated already)."""
+        held = {c.request.request_id: c.start + c.num_tokens for c in chunks}
+        pages = self.kv.pages_for_tokens
+        return sum(max(0, pages(self._reserved_tokens(r)) - pages(held.get(r.request_id, r.num_computed_tokens)))
+                   for r in self.running)
+
+    def _admit(self, budget: int, decode: list[ScheduledChunk], prefill: list[ScheduledChunk], owed: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             # Nothing of a waiting request is computed (new, or preempted and recomputed).
             prefix = self._cached_prefix(req)
             n = req.num_tokens - prefix.num_tokens
+            # Its own pages to come (past a cached prefix) and the running ones' must fit. With
+            # nothing running it goes in regardless: a request that can never fit was refused
+            # when it arrived, and one that needs the whole cache must not wait forever.
+            pages = self.kv.pages_for_tokens
+            own = pages(self._reserved_tokens(req)) - pages(prefix.num_tokens)
+            if self.running and own + owed > self.kv.num_free_pages:
+                break
             room = min(budget, self._prefill_room(prefill) if n > 1 else budget)
             if room <= 0:
                 break
@@ -178,6 +203,7 @@ class Scheduler:
             chunk = self._take(req, n, queued, prefix)
             (decode if chunk.is_decode else prefill).append(chunk)
             budget -= n
+            owed += max(0, own - (pages(prefix.num_tokens + n) - pages(prefix.num_tokens)))
         return budget
 
     def _cached_prefix(self, req: Request) -> PrefixHit:

@@ -74,7 +74,7 @@ def test_batch_invariance(smollm2_path, chunked):
 def test_preemption_under_a_tiny_cache_gives_the_same_tokens(smollm2_path, engine):
     params = SamplingParams(temperature=0, max_tokens=56, ignore_eos=True)
     prompts = [f"Story number {i}: the dragon" for i in range(4)]
-    small = _engine(smollm2_path, cache={"kv_cache_gib": 0.008})
+    small = _engine(smollm2_path, cache={"kv_cache_gib": 0.008}, scheduler={"admission_output_tokens": 0})
     # 11 logical pages of 16 tokens; four requests of ~64 tokens need 16.
     assert small.kv.num_total_pages < 4 * small.kv.pages_for_tokens(64)
     outs = small.generate(prompts, params)

@@ -9,12 +9,13 @@ from spin_cluster.engine.scheduler import Scheduler
 from spin_cluster.kvcache.manager import KVCacheManager
 
 
-def _sched(num_pages=64, budget=8, max_seqs=4, chunked=True, prefix_caching=False):
+def _sched(num_pages=64, budget=8, max_seqs=4, chunked=True, prefix_caching=False, output_reserve=0):
     kv = KVCacheManager(
         num_layers=1, num_kv_heads=1, head_dim=4, page_size=4, num_pages=num_pages,
         max_seqs=max_seqs, max_model_len=64, dtype=torch.float32, enable_prefix_caching=prefix_caching,
     )
-    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                          admission_output_tokens=output_reserve)
     return Scheduler(cfg, kv), kv
 
 
@@ -86,6 +87,47 @@ def test_newest_request_is_preempted_when_pages_run_out_and_recomputed_later():
     s.finish(s.running[0])
     out = _run(s)  # b comes back and prefills prompt + its sampled token
     assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [("b", 0, 9)]
+
+
+def test_admission_waits_until_the_running_prompts_and_its_own_fit_whole():
+    # 8 pages of 4 tokens. a (20 tokens: 5 pages) runs in chunks of 8; b (16 tokens: 4 pages)
+    # would fit beside a's first chunk, but not beside a's whole prompt: it waits, where
+    # admitting on its first chunk would have preempted it halfway through its prompt.
+    s, kv = _sched(num_pages=8, budget=12)
+    s.add(_req("a", 20))
+    s.add(_req("b", 16))
+    assert _shapes(_run(s)) == [("a", 0, 12, False)]
+    assert _shapes(_run(s)) == [("a", 12, 8, False)]
+    assert s.num_waiting() == 1 and kv.num_free_pages == 3
+    assert _shapes(_run(s)) == [("a", 20, 1, True)]  # still no room for b's 4 pages
+    s.finish(s.running[0])
+    assert _shapes(_run(s)) == [("b", 0, 12, False)]
+    # nothing is ever preempted on the way
+    assert all(r.num_preemptions == 0 for r in s.running)
+    kv.check_integrity()
+
+
+def test_admission_keeps_room_for_output_tokens_up_to_max_tokens():
+    # 8 pages of 4 tokens; prompts of 8 tokens (2 pages). Keeping 8 output tokens each, a
+    # request reserves 4 pages: two fit. Keeping none, four would, and grow into each other.
+    for reserve, admitted in ((8, "ab"), (0, "abcd")):
+        s, _ = _sched(num_pages=8, budget=64, output_reserve=reserve)
+        for rid in "abcd":
+            s.add(_req(rid, 8))
+        assert "".join(c.request.request_id for c in _run(s).chunks) == admitted
+    # max_tokens bounds the output kept: with max_tokens=4, 8 + 4 tokens are 3 pages each
+    s, _ = _sched(num_pages=8, budget=64, output_reserve=8)
+    for rid in "abcd":
+        s.add(Request(rid, list(range(1, 9)), SamplingParams(temperature=0, max_tokens=4)))
+    assert "".join(c.request.request_id for c in _run(s).chunks) == "ab"  # 3 + 3 of 8; c needs 3 more
+
+
+def test_a_request_larger_than_the_reservations_allow_still_runs_alone():
+    # 4 pages; a 12-token prompt with 8 output tokens kept needs 5: nothing runs, so it goes in
+    s, kv = _sched(num_pages=4, budget=64, output_reserve=8)
+    s.add(_req("a", 12))
+    assert _shapes(_run(s)) == [("a", 0, 12, False)]
+    kv.check_integrity()
 
 
 def test_max_num_seqs_caps_admission():

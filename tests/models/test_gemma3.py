@@ -51,7 +51,8 @@ def _engine(path: str, max_model_len: int, page_size: int, batched_tokens: int, 
     cfg = {
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": max_model_len},
         "cache": {"page_size": page_size, "kv_cache_gib": kv_cache_gib},
-        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": batched_tokens, "async_decode": async_decode},
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": batched_tokens, "async_decode": async_decode,
+                      "admission_output_tokens": 0},  # prompts only: a small cache preempts
     }
     return Engine(SpinConfig.from_dict(cfg), progress=False)
 
@@ -136,8 +137,10 @@ def _check_layer_pages(engine: Engine) -> None:
         assert all(n <= -(-w // S) + 1 for n, w in zip(want, engine.model.config.layer_windows) if w)
 
 
-_CROWD_PROMPTS = [_ids(60, 10 + i) for i in range(3)]
-_CROWD_PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+# Short prompts and long outputs: admission keeps room for the prompts, so the requests that
+# outgrow the cache do so while they decode.
+_CROWD_PROMPTS = [_ids(20, 10 + i) for i in range(3)]
+_CROWD_PARAMS = SamplingParams(temperature=0, max_tokens=72, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def _config(path: str) -> SpinConfig:
         # must also agree on preemptions.
         "cache": {"kv_cache_gib": 64 * PAGE_BYTES / 2**30, "page_size": 4},
         # A small step budget: prompts are prefilled in chunks, decodes batched with prefills.
-        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 8},
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 8, "admission_output_tokens": 0},
     })
 
 

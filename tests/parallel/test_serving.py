@@ -35,7 +35,7 @@ def _config(path: str, pages: int = 64) -> SpinConfig:
         "model": {"path": path, "device": "cpu", "dtype": "float32"},
         # Pages of 4 tokens, one per (layer, KV head): few enough that requests are preempted.
         "cache": {"kv_cache_gib": pages * PAGE_BYTES / 2**30, "page_size": 4},
-        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 8},
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 8, "admission_output_tokens": 0},
     })
 
 
