@@ -34,7 +34,7 @@
 #           dense and Spin (FP8 host pages, hysteresis MARGIN, default 0.5, block-sparse prefill
 #           PREFILL, default 0.125: the settings of cap64f). 128 such requests take a mode 5-8
 #           minutes, so one mode per call: MODES (default "dense spin"), each within DEADLINE s
-#           (default 500 for one mode, 250 for two) [10]; `spin-cluster bench serve --merge
+#           (default 500 for one mode, 250 for two; SWEEP_TIMEOUT s, default 590, bounds the run) [10]; `spin-cluster bench serve --merge
 #           serve-inf-dense.json serve-inf-spin.json --out F` makes one report of calls made apart
 # Results in $OUT: capacity.log, e2e-<run>.{json,md}, check_spin_tokens.json, serve-<rate>.*.
 set -o pipefail
@@ -68,7 +68,7 @@ for r in ${RUNS:-check}; do
     sweep)
       mkdir -p /tmp/serve
       modes=(${MODES:-dense spin}); tag="${RATE:-inf}${MODES:+-${MODES// /-}}"
-      timeout 590 python3 -P -m spin_cluster.bench serve --modes "${modes[@]}" --request-rate "${RATE:-inf}" \
+      timeout "${SWEEP_TIMEOUT:-590}" python3 -P -m spin_cluster.bench serve --modes "${modes[@]}" --request-rate "${RATE:-inf}" \
         --num-prompts "${PROMPTS:-128}" --input-len-dist log-uniform:8192:131072 --output-len-dist uniform:256:2048 \
         --goodput ttft:60000 tpot:150 --gpu-kv-gib 108 --host-kv-gib 88 --max-num-seqs 64 --max-batched-tokens 32768 \
         --per-head-shares --sparse-prefill "${PREFILL:-0.125}" --host-kv-dtype fp8 --resident-margin "${MARGIN:-0.5}" \
