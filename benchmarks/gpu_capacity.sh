@@ -34,8 +34,9 @@
 #           dense and Spin (FP8 host pages, hysteresis MARGIN, default 0.5, block-sparse prefill
 #           PREFILL, default 0.125: the settings of cap64f). 128 such requests take a mode 5-8
 #           minutes, so one mode per call: MODES (default "dense spin"), each within DEADLINE s
-#           (default 500 for one mode, 250 for two; SWEEP_TIMEOUT s, default 590, bounds the run) [10]; `spin-cluster bench serve --merge
-#           serve-inf-dense.json serve-inf-spin.json --out F` makes one report of calls made apart
+#           (default 500 for one mode, 250 for two; SWEEP_TIMEOUT s, default 590, bounds the
+#           run) [10]; `spin-cluster bench serve --merge serve-inf-dense.json serve-inf-spin.json
+#           --out F` makes one report of calls made apart
 # Results in $OUT: capacity.log, e2e-<run>.{json,md}, check_spin_tokens.json, serve-<rate>.*.
 set -o pipefail
 source benchmarks/gpu_setup.sh

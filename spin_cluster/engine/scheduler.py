@@ -112,7 +112,7 @@ class Scheduler:
             (decode if chunk.is_decode else prefill).append(chunk)
             budget -= n
         if not preempted:
-            budget = self._admit(budget, decode, prefill, self._pages_owed(decode + prefill))
+            budget = self._admit(budget, decode, prefill)
         return SchedulerOutput(chunks=decode + prefill, preempted=preempted)
 
     @staticmethod
@@ -169,7 +169,10 @@ class Scheduler:
         return sum(max(0, pages(self._reserved_tokens(r)) - pages(held.get(r.request_id, r.num_computed_tokens)))
                    for r in self.running)
 
-    def _admit(self, budget: int, decode: list[ScheduledChunk], prefill: list[ScheduledChunk], owed: int) -> int:
+    def _admit(self, budget: int, decode: list[ScheduledChunk], prefill: list[ScheduledChunk]) -> int:
+        if not self.waiting:
+            return budget  # (the pages owed are summed only when someone waits)
+        owed, pages = self._pages_owed(decode + prefill), self.kv.pages_for_tokens
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             # Nothing of a waiting request is computed (new, or preempted and recomputed).
@@ -178,7 +181,6 @@ class Scheduler:
             # Its own pages to come (past a cached prefix) and the running ones' must fit. With
             # nothing running it goes in regardless: a request that can never fit was refused
             # when it arrived, and one that needs the whole cache must not wait forever.
-            pages = self.kv.pages_for_tokens
             own = pages(self._reserved_tokens(req)) - pages(prefix.num_tokens)
             if self.running and own + owed > self.kv.num_free_pages:
                 break

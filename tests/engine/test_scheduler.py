@@ -90,7 +90,7 @@ def test_newest_request_is_preempted_when_pages_run_out_and_recomputed_later():
 
 
 def test_admission_waits_until_the_running_prompts_and_its_own_fit_whole():
-    # 8 pages of 4 tokens. a (20 tokens: 5 pages) runs in chunks of 8; b (16 tokens: 4 pages)
+    # 8 pages of 4 tokens. a (20 tokens: 5 pages) runs in chunks of 12 and 8; b (16 tokens: 4 pages)
     # would fit beside a's first chunk, but not beside a's whole prompt: it waits, where
     # admitting on its first chunk would have preempted it halfway through its prompt.
     s, kv = _sched(num_pages=8, budget=12)
