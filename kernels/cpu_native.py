@@ -2,7 +2,7 @@
 where it lies, and a decoder layer's element-wise ops fused.
 
 * :func:`paged_decode_attention_cpu`. The gather path
-  (``paged_decode.paged_decode_attention_planned``) copies each (request, KV head) row's pages
+  (``paged_decode_cpu.paged_decode_attention_planned``) copies each (request, KV head) row's pages
   into a contiguous block, then reads it again in two batched matmuls. At 16 rows of 512
   tokens that is three passes over ~13 MB a layer, and on a 2-core host it took half of a
   decode step, more than the GEMMs. This kernel makes one pass.

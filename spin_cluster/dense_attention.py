@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from spin_cluster import env
-from spin_cluster.kernels import paged_decode
+from spin_cluster.kernels import paged_decode, paged_decode_cpu
 
 # Block-sparse prefill (``spin_cluster.sparse.prefill.BlockSparsePrefill``) as this module sees it:
 # (layer, q, k_ctx, v_ctx, context_start) -> out. Named by shape, not imported: sparse builds
@@ -292,7 +292,7 @@ def decode_impl(name: str, device: torch.device):
     if name == "triton":
         return paged_decode.paged_decode_attention
     if name == "sdpa":
-        return paged_decode.paged_decode_attention_sdpa
+        return paged_decode_cpu.paged_decode_attention_sdpa
     if name == "torch":
         return paged_decode.paged_decode_attention_ref
     raise ValueError(f"decode attention {name!r}: choose auto, triton, sdpa or torch")

@@ -31,7 +31,7 @@ from spin_cluster.dense_attention import decode_impl, prefill_attention
 from spin_cluster.engine.backend import BackendParts
 from spin_cluster.engine.cuda_graphs import PaddedCapture
 from spin_cluster.engine.scheduler import ScheduledChunk
-from spin_cluster.kernels import cpu_native, paged_decode
+from spin_cluster.kernels import cpu_native, paged_decode_cpu
 from spin_cluster.kvcache.manager import KVCacheManager
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class StepPlan:
     decode_seq_lens: torch.Tensor | None  # [Bd] int32, including the token being decoded
     prefill: tuple[PrefillSegment, ...]
     # The CPU's decode path: every layer's page ids and the length masks, built once a step
-    gathered: paged_decode.GatheredDecodePlan | None = None
+    gathered: paged_decode_cpu.GatheredDecodePlan | None = None
 
 
 class DecodeBuffers:
@@ -149,7 +149,7 @@ class PagedAttention(PaddedCapture):
             block_tables = tables.unbind(1)  # L x [Bd, Hkv, P]
             seq_lens = (positions[:num_decode] + 1).to(torch.int32)  # [Bd]
             if self._planned:
-                gathered = paged_decode.plan_gathered_decode(tables, seq_lens, self.pool.k_pages)
+                gathered = paged_decode_cpu.plan_gathered_decode(tables, seq_lens, self.pool.k_pages)
         segments = []
         token_start = num_decode
         for chunk in chunks[num_decode:]:
@@ -201,7 +201,7 @@ class PagedAttention(PaddedCapture):
             o = self._decode_window(plan.decode_block_tables[layer_id], plan.decode_seq_lens, q, window)
             return o if out is None else out.copy_(o)
         if plan.gathered is not None:
-            return paged_decode.paged_decode_attention_planned(
+            return paged_decode_cpu.paged_decode_attention_planned(
                 q, self.pool.k_pages, self.pool.v_pages, plan.gathered, layer_id, out=out)
         tables = plan.decode_block_tables[layer_id]  # [Bd, Hkv, P]
         if self._in_place and cpu_native.supports(q, self.pool.k_pages, tables.shape[1]):

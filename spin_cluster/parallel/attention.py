@@ -29,7 +29,7 @@ from spin_cluster.engine.cuda_graphs import PlannedCapture
 from spin_cluster.engine.paged_attention import PagedAttention, StepPlan
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.hplb.placement import HeadPlacement
-from spin_cluster.kernels import paged_decode
+from spin_cluster.kernels import paged_decode_cpu
 from spin_cluster.kvcache.page_pool import PagePool
 from spin_cluster.models import ModelConfig
 from spin_cluster.parallel.group import all_gather_floats, all_reduce_min
@@ -153,7 +153,7 @@ def _columns_plan(inner: PagedAttention, cols: slice) -> StepPlan:
     layer_tables = None if tables is None else tables[0][:, cols].contiguous()  # [Bd, n, P]
     gathered = None
     if plan.gathered is not None and layer_tables.shape[1]:
-        gathered = paged_decode.plan_gathered_decode(layer_tables[:, None], plan.decode_seq_lens, inner.pool.k_pages)
+        gathered = paged_decode_cpu.plan_gathered_decode(layer_tables[:, None], plan.decode_seq_lens, inner.pool.k_pages)
     return dataclasses.replace(
         plan,
         slot_mapping=(plan.slot_mapping[0][:, cols].contiguous(),),  # [T, n]
