@@ -130,7 +130,7 @@ class OpenAIIngress:
         timeline = self._metrics.request()
         stream, admitted = await self._start(body.to_generate(request_id), timeline)
         if body.stream:
-            return StreamingResponse(self._sse(stream, admitted, fmt, body.include_usage, timeline),
+            return StreamingResponse(self._sse(stream, admitted, fmt, body.include_usage, body.continuous_usage, timeline),
                                      media_type="text/event-stream")
         return JSONResponse(await self._collect(stream, admitted, fmt, timeline))
 
@@ -175,20 +175,24 @@ class OpenAIIngress:
         return fmt.response("".join(texts), reason, usage(admitted.num_prompt_tokens, num_tokens))
 
     async def _sse(self, stream: DeploymentResponseGenerator, admitted: Admitted, fmt: CompletionFormat,
-                   include_usage: bool, timeline: RequestMetrics) -> AsyncIterator[str]:
+                   include_usage: bool, continuous_usage: bool, timeline: RequestMetrics) -> AsyncIterator[str]:
         num_tokens, reason = 0, None
+
+        def so_far() -> dict[str, int] | None:  # a chunk's usage under continuous_usage_stats
+            return usage(admitted.num_prompt_tokens, num_tokens) if continuous_usage else None
+
         try:
-            for chunk in fmt.start_chunks(include_usage):
+            for chunk in fmt.start_chunks(include_usage, so_far()):
                 yield sse(chunk)
             while reason is None:
                 item = await self._next_output(stream)
                 num_tokens += len(item.token_ids)
                 timeline.tokens(len(item.token_ids))
                 if item.text:  # empty while a multi-byte character is incomplete
-                    yield sse(fmt.chunk(item.text, None, include_usage))
+                    yield sse(fmt.chunk(item.text, None, include_usage, so_far()))
                 if item.finished:
                     reason = item.finish_reason or "stop"
-                    yield sse(fmt.chunk("", reason, include_usage))
+                    yield sse(fmt.chunk("", reason, include_usage, so_far()))
             timeline.finished(reason)
             if include_usage:
                 yield sse(fmt.usage_chunk(usage(admitted.num_prompt_tokens, num_tokens)))

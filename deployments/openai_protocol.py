@@ -27,6 +27,9 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (load tools such as
+    # guidellm ask for it to count tokens as they stream).
+    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
@@ -89,6 +92,11 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: ``continuous_usage_stats`` with ``include_usage``, as in vLLM."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Common):
@@ -254,12 +262,15 @@ class CompletionFormat:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": use}
 
-    def start_chunks(self, with_usage: bool) -> list[dict[str, Any]]:
+    # ``with_usage``: the request asked for usage (``include_usage``), so every chunk has a
+    # "usage" key: ``use`` (the usage so far, under ``continuous_usage_stats``) or null.
+    def start_chunks(self, with_usage: bool, use: dict[str, int] | None = None) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, text: str, finish_reason: str | None, with_usage: bool) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None, with_usage: bool,
+              use: dict[str, int] | None = None) -> dict[str, Any]:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], **({"usage": None} if with_usage else {})}
+        return {**self._head("text_completion"), "choices": [choice], **({"usage": use} if with_usage else {})}
 
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
         return {**self._head("text_completion"), "choices": [], "usage": use}
@@ -275,13 +286,14 @@ class ChatFormat(CompletionFormat):
                   "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("chat.completion"), "choices": [choice], "usage": use}
 
-    def start_chunks(self, with_usage: bool) -> list[dict[str, Any]]:
+    def start_chunks(self, with_usage: bool, use: dict[str, int] | None = None) -> list[dict[str, Any]]:
         body = self._chunk({"role": "assistant", "content": ""}, None)
-        return [{**body, **({"usage": None} if with_usage else {})}]
+        return [{**body, **({"usage": use} if with_usage else {})}]
 
-    def chunk(self, text: str, finish_reason: str | None, with_usage: bool) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None, with_usage: bool,
+              use: dict[str, int] | None = None) -> dict[str, Any]:
         body = self._chunk({"content": text} if text else {}, finish_reason)
-        return {**body, **({"usage": None} if with_usage else {})}
+        return {**body, **({"usage": use} if with_usage else {})}
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

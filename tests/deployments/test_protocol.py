@@ -100,6 +100,18 @@ def test_response_bodies():
     comp = CompletionFormat("cmpl-1", "m")
     assert comp.chunk("a", None, False)["choices"][0]["text"] == "a"
     assert "usage" not in comp.chunk("a", None, False) and comp.chunk("a", None, True)["usage"] is None
+    assert comp.chunk("a", None, True, use)["usage"] == use and chat.start_chunks(True, use)[0]["usage"] == use
+
+
+@pytest.mark.parametrize("options, include, continuous", [
+    ({"include_usage": True, "continuous_usage_stats": True}, True, True),
+    ({"include_usage": True}, True, False),
+    ({"continuous_usage_stats": True}, False, False),  # vLLM's: no usage asked for, none sent
+])
+def test_continuous_usage_needs_include_usage(options, include, continuous):
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": True, "stream_options": options}
+    req = _parse(ChatCompletionRequest, body)
+    assert (req.include_usage, req.continuous_usage) == (include, continuous)
 
 
 @pytest.mark.parametrize("raw, words", [

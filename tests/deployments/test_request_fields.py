@@ -31,7 +31,7 @@ EXAMPLES = {
     "min_tokens": (2, None),
     "n": (1, 2),
     "stream": (True, None),
-    "stream_options": ({"include_usage": True}, {"continuous_usage_stats": True}),
+    "stream_options": ({"include_usage": True, "continuous_usage_stats": True}, {"include_obfuscation": True}),
     "stop": (["\n"], None),
     "stop_token_ids": ([2], None),
     "seed": (7, None),

@@ -97,6 +97,19 @@ def test_streamed_chat_equals_the_plain_answer_and_ends_with_usage(client, engin
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_counts_the_tokens_as_they_stream(client, engine):
+    # vLLM's stream_options.continuous_usage_stats (guidellm sends it): usage in every chunk
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    chunks = list(stream)
+    counts = [c.usage.completion_tokens for c in chunks]
+    prompt = len(engine.tokenizer.chat_prompt_ids(MESSAGES))
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == len(engine.chat(MESSAGES, GREEDY).token_ids)
+    assert all(c.usage.prompt_tokens == prompt and c.usage.total_tokens == prompt + n for c, n in zip(chunks, counts))
+
+
 def test_streamed_completion_ends_with_done(spin_app):
     base, _ = spin_app
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "stream": True}
