@@ -67,7 +67,9 @@ def test_a_config_that_cannot_run_fails_in_seconds_naming_the_field(name, tmp_pa
     assert len(lines) == 1 and lines[0].startswith(first_words), proc.stderr
     assert proc.stdout == "False\n"  # Ray was not imported
     assert list(ray_tmp.iterdir()) == []
-    assert elapsed_s < 10, f"took {elapsed_s:.1f}s"
+    # Importing torch and transformers alone takes 8-12 s on a 2 GHz AVX2 2-core machine; a
+    # server that got as far as starting Ray takes 90 s or more there (to ready: 93 s).
+    assert elapsed_s < 30, f"took {elapsed_s:.1f}s"
 
 
 @pytest.mark.parametrize("name", ["default", "spin", "spin-quest"])
