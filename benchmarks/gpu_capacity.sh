@@ -19,7 +19,7 @@
 #           pages) beside dense [4.5]
 #   q32     Qwen2.5-32B shapes (64 GB of weights): N32 (default 4) x 128K prompts, 256 output tokens,
 #           60 GiB of GPU KV for each mode (dense holds one or two), Spin with 88 GiB of FP8 host
-#           pages behind its 60 GiB [9.5]
+#           pages behind its 60 GiB, block-sparse prefill PREFILL and hysteresis MARGIN (cap64f's) [9.5]
 #   mixed   what one more 32K prompt costs a loaded server: dense decoding 25 x 32K (its GPU holds 26),
 #           Spin 59 x 32K (GPU full, FP8 host pages, spills; cap64f peaked at 60), each then prefills a
 #           32K prompt beside its batch, timed and profiled (bench decode-step --mixed) [5];
@@ -84,7 +84,8 @@ for r in ${RUNS:-check}; do
       done ;;
     q32) run q32 500 --modes dense spin --shape qwen2.5-32b --workloads offline-128K --offline-lengths 131072 \
            --offline-batch "${N32:-4}" --max-num-seqs "${N32:-4}" --output-tokens 256 --max-batched-tokens 32768 \
-           --gpu-kv-gib 60 --host-kv-dtype fp8 --per-head-shares ;;
+           --gpu-kv-gib 60 --host-kv-dtype fp8 --per-head-shares --sparse-prefill "${PREFILL:-0.125}" \
+           --resident-margin "${MARGIN:-0.5}" ;;
     m1) run m1 480 --modes spin --workloads offline-1024K --offline-lengths 1048576 --offline-batch 1 --max-num-seqs 1 \
           --output-tokens 256 --max-batched-tokens "${M1_CHUNK:-131072}" --gpu-kv-gib 90 --host-kv-dtype fp8 \
           --per-head-shares --buffer-share 8 --sparse-prefill "${PREFILL:-0.125}" --resident-margin 0.5 ;;
