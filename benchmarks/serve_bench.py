@@ -244,13 +244,21 @@ def run_rate(engine, args, rate: float) -> dict:
 # ---- report -------------------------------------------------------------------------------------
 
 
+def prompts_per_rate(results: dict) -> str:
+    """"128 prompts per rate", or each rate's count where a merge joined rates of different counts."""
+    counts = {rate: r["num_prompts"] for by_rate in results["runs"].values() for rate, r in by_rate.items()}
+    if len(set(counts.values())) <= 1:
+        return f"{next(iter(counts.values()), results['args']['num_prompts'])} prompts per rate"
+    return "prompts per rate " + ", ".join(f"{rate}: {counts[rate]}" for rate in results["request_rates"])
+
+
 def markdown(results: dict) -> str:
     def f(x, scale=1.0, fmt="{:.2f}"):
         return "-" if x is None else fmt.format(x * scale)
 
     a = results["args"]
     slo = ", ".join(f"{k} <= {v:g} ms" for k, v in a["goodput"].items()) or "none"
-    lines = [f"{results['device']}; {a['num_prompts']} prompts per rate, input {a['input_len_dist']} tokens, "
+    lines = [f"{results['device']}; {prompts_per_rate(results)}, input {a['input_len_dist']} tokens, "
              f"output {a['output_len_dist']} tokens; max concurrency {a['max_concurrency'] or 'none'}; GPU KV "
              f"{a['gpu_kv_gib']} GiB, host tier {a['host_kv_gib']} GiB, sparse budget {a['budget']} tokens/head; "
              f"goodput SLO: {slo}", "",
@@ -294,7 +302,7 @@ def plot(results: dict, path: str) -> None:
         ax.set_xlabel("request rate (1/s)")
         ax.set_ylabel(ylabel)
         ax.legend()
-    fig.suptitle(f"{results['args']['num_prompts']} requests per rate, input {results['args']['input_len_dist']}, "
+    fig.suptitle(f"{prompts_per_rate(results)}, input {results['args']['input_len_dist']}, "
                  f"output {results['args']['output_len_dist']} tokens; {results['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -318,9 +326,10 @@ def build_engine(mode: str, args, folder: str, max_len: int, shape: dict):
     return engine
 
 
-# What makes two runs' requests the same: runs that differ here cannot share a table.
-STREAM_KEYS = ("num_prompts", "seed", "input_len_dist", "output_len_dist", "max_concurrency", "goodput", "shape",
-               "tiny")
+# What makes two runs' requests the same: runs that differ here cannot share a table. A rate's
+# requests are seeded by the seed and the rate alone, so the count may differ between rates (a
+# slow rate needs fewer requests to fill a device call), never between two runs of one rate.
+STREAM_KEYS = ("seed", "input_len_dist", "output_len_dist", "max_concurrency", "goodput", "shape", "tiny")
 
 
 def merge(paths: list[str]) -> dict:
@@ -342,6 +351,10 @@ def merge(paths: list[str]) -> dict:
             runs.setdefault(mode, {}).update(by_rate)
         errors.update(results.get("errors", {}))
     rates = sorted({r for by_rate in runs.values() for r in by_rate}, key=float)
+    for rate in rates:
+        counts = {m: by_rate[rate]["num_prompts"] for m, by_rate in runs.items() if rate in by_rate}
+        if len(set(counts.values())) > 1:
+            raise SystemExit(f"rate {rate}: not the same requests in every mode (prompts {counts})")
     merged = {**base, "modes": list(runs), "request_rates": rates,
               "merged_from": [{"file": p, "provenance": r.get("provenance")} for p, r in zip(paths, loaded)],
               "runs": {m: {r: by_rate[r] for r in rates if r in by_rate} for m, by_rate in runs.items()},

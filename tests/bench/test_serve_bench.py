@@ -63,9 +63,9 @@ def test_tiny_changes_defaults_only():
     assert str(args.output_len_dist) == "uniform:4:16"
 
 
-def _run(output_tok_s: float) -> dict:
+def _run(output_tok_s: float, prompts: int = 4) -> dict:
     """A (mode, rate) run's figures, as ``metrics`` writes them."""
-    return {"num_prompts": 4, "completed": 4, "truncated": False, "duration_s": 10.0, "input_tokens": 400,
+    return {"num_prompts": prompts, "completed": prompts, "truncated": False, "duration_s": 10.0, "input_tokens": 400,
             "output_tokens": int(10 * output_tok_s), "request_throughput": 0.4, "output_throughput": output_tok_s,
             "total_token_throughput": 40.0 + output_tok_s, "goodput": None, "ttft_p50_s": 1.0, "ttft_p99_s": 2.0,
             "tpot_p50_s": 0.01, "tpot_p99_s": 0.02, "decode_tok_s": 50.0, "peak_running": 4, "mean_running": 3.0,
@@ -73,7 +73,7 @@ def _run(output_tok_s: float) -> dict:
 
 
 def _serve_json(path, runs: dict, seed=0, errors=None):
-    args = {"num_prompts": 4, "seed": seed, "input_len_dist": "fixed:100", "output_len_dist": "fixed:10",
+    args = {"num_prompts": next(iter(next(iter(runs.values())).values()))["num_prompts"], "seed": seed, "input_len_dist": "fixed:100", "output_len_dist": "fixed:10",
             "max_concurrency": None, "goodput": {}, "tiny": True, "gpu_kv_gib": 1, "host_kv_gib": 2, "budget": 64}
     body = {"provenance": {"commit": f"c{len(runs)}"}, "modes": list(runs), "shape": {"layers": 2}, "args": args,
             "request_rates": sorted({r for by in runs.values() for r in by}), "device": "cpu", "runs": runs,
@@ -104,3 +104,15 @@ def test_runs_of_different_streams_do_not_merge(tmp_path):
     b = _serve_json(tmp_path / "b.json", {"spin": {"inf": _run(250.0)}}, seed=1)
     with pytest.raises(SystemExit, match="seed differ"):
         load("serve")["main"](["--merge", a, b, "--out", str(tmp_path / "both")])
+
+
+def test_rates_of_different_prompt_counts_merge_but_one_rate_never_differs(tmp_path):
+    # A slow rate fills a device call with fewer requests; every mode at that rate must see the same ones.
+    fast = _serve_json(tmp_path / "fast.json", {"dense": {"inf": _run(100.0, prompts=8)}})
+    slow = _serve_json(tmp_path / "slow.json", {"dense": {"0.5": _run(60.0, prompts=4)}})
+    merged = load("serve")["main"](["--merge", fast, slow, "--out", str(tmp_path / "both")])
+    assert {r: run["num_prompts"] for r, run in merged["runs"]["dense"].items()} == {"0.5": 4, "inf": 8}
+    assert "prompts per rate 0.5: 4, inf: 8" in (tmp_path / "both" / "serve.md").read_text()
+    other = _serve_json(tmp_path / "other.json", {"spin": {"0.5": _run(90.0, prompts=6)}})
+    with pytest.raises(SystemExit, match="rate 0.5: not the same requests"):
+        load("serve")["main"](["--merge", fast, slow, other, "--out", str(tmp_path / "three")])
