@@ -29,6 +29,9 @@
 #           memory), Spin alone: 90 GiB of GPU KV, FP8 host pages, block-sparse prefill in chunks of
 #           M1_CHUNK tokens (default 131072: each later chunk gathers its context, so few and large),
 #           256 output tokens [<= 10]
+#   pprof   where a 128K prompt's prefill goes in the stream's 32K chunks (benchmarks/prefill_ttft.py
+#           --spin-chunk 32768 --sparse-chunks --profile): dense and block-sparse prefill, each on the
+#           paged cache beside Spin's cache (pages born on the GPU, context read from its homes) [6]
 #   sweep   the request stream (spin-cluster bench serve) at one rate per call (RATE, default
 #           inf; PROMPTS, default 128): log-uniform 8K-128K prompts, 256-2048 output tokens,
 #           dense and Spin (FP8 host pages, hysteresis MARGIN, default 0.5, block-sparse prefill
@@ -75,6 +78,9 @@ for r in ${RUNS:-check}; do
         --per-head-shares --sparse-prefill "${PREFILL:-0.125}" --host-kv-dtype fp8 --resident-margin "${MARGIN:-0.5}" \
         --deadline-s "${DEADLINE:-$(( ${#modes[@]} > 1 ? 250 : 500 ))}" "${TOK[@]}" --out /tmp/serve 2>&1 | grep -v "^\[" | tee -a "$LOG"
       for f in serve.json serve.md serve.png; do cp "/tmp/serve/$f" "$OUT/serve-$tag.${f#serve.}" 2>/dev/null; done ;;
+    pprof)
+      timeout 560 python3 benchmarks/prefill_ttft.py --lengths 131072 --spin-chunk 32768 --sparse-chunks --runs 1 \
+        --profile "${TOK[@]}" --out "$OUT/prefill_ttft.json" 2>&1 | grep -v "^\[" | tee -a "$LOG" ;;
     mixed)
       for pair in ${MIXED:-dense:25 spin:59}; do
         timeout 280 python3 -P -m spin_cluster.bench decode-step --mode "${pair%%:*}" --batch "${pair##*:}" \

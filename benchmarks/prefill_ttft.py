@@ -16,7 +16,10 @@ fresh engine and fresh prompts:
 * with ``--spin-chunk N``: ``dense-<N>`` (dense, N-token chunks) beside ``spin-<N>`` (Spin's
   cache: pages born on the GPU, a host tier behind them, Quest's index built as pages fill,
   per-head decode budgets; the dense prefill kernel), the same N-token chunks: what Spin's
-  cache adds to a prefill, the e2e runs' 128K setting (two 64K chunks) when N is 65536.
+  cache adds to a prefill, the e2e runs' 128K setting (two 64K chunks) when N is 65536; with
+  ``--sparse-chunks`` also ``block-sparse-<N>`` beside ``spin-sparse-<N>``: both with sparse
+  prefill, the serving runs' path (the stream's 32K chunks when N is 32768), where each chunk
+  after the first reads its context from Spin's home pages.
 
 Reported: median, min and max seconds per variant and length; the speed-up of block-sparse
 against the fastest dense variant. ``--profile`` then runs one prompt of the longest length
@@ -54,7 +57,7 @@ def _engine(folder: str, longest: int, layers: int, prefill: dict, chunk: int | 
         cache = {"kv_cache_gib": kv_gib, "page_size": page, "offload": True, "host_kv_gib": kv_gib,
                  "buffer_reuse": True, "per_head_shares": True}
         sparse = {"algorithm": "quest", "budget": 2048, "local_tokens": 2 * page, "sink_tokens": page,
-                  "options": {"index_dtype": "bfloat16"},
+                  "options": {"index_dtype": "bfloat16"}, "prefill": prefill,
                   "per_head_budgets": synthetic_maxmin_budgets(layers, HKV, 2048, page)}
     cfg = SpinConfig.from_dict({
         "model": {"path": folder, "load_format": "dummy", "dtype": "bfloat16" if on_gpu else "float32",
@@ -126,6 +129,9 @@ def run(args) -> dict:
     if args.spin_chunk:
         n = args.spin_chunk
         variants = [(f"dense-{n}", {}, None, n, args.runs, False), (f"spin-{n}", {}, None, n, args.runs, True)]
+        if args.sparse_chunks:
+            variants += [(f"block-sparse-{n}", sparse, None, n, args.runs, False),
+                         (f"spin-sparse-{n}", sparse, None, n, args.runs, True)]
     results = {"budget": args.budget, "per_head_budgets": sparse["per_head_budgets"], "dense_backend": chosen,
                "chunk": args.chunk, "spin_chunk": args.spin_chunk, "estimator": args.estimator, "stride": args.stride, "ttft_s": {}, "profile": {}}
     print(f"dense prefill backend of the engine: {chosen}", flush=True)
@@ -181,12 +187,15 @@ def _print_table(results: dict) -> None:
     chosen = results["dense_backend"]
     if results.get("spin_chunk"):
         n = results["spin_chunk"]
-        print(f"\n| prompt tokens | dense, {n}-token chunks s (min-max) | Spin's cache, same chunks s (min-max) "
-              f"| Spin / dense |\n|---:|---:|---:|---:|")
+        print(f"\n| prompt tokens | prefill | {n}-token chunks, paged cache s (min-max) | Spin's cache, same chunks "
+              f"s (min-max) | Spin / paged |\n|---|---|---:|---:|---:|")
         for T, row in results["ttft_s"].items():
-            d, p = row[f"dense-{n}"], row[f"spin-{n}"]
-            print(f"| {_tokens(T)} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {p['median']:.2f} "
-                  f"({p['min']:.2f}-{p['max']:.2f}) | {p['median'] / d['median']:.3f}x |")
+            for kind, plain, spin in (("dense", f"dense-{n}", f"spin-{n}"),
+                                      ("block-sparse", f"block-sparse-{n}", f"spin-sparse-{n}")):
+                if plain in row and spin in row:
+                    d, p = row[plain], row[spin]
+                    print(f"| {_tokens(T)} | {kind} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | "
+                          f"{p['median']:.2f} ({p['min']:.2f}-{p['max']:.2f}) | {p['median'] / d['median']:.3f}x |")
         return
     print(f"\n| prompt tokens | dense {chosen} whole TTFT s (min-max) | dense {chosen} {results['chunk']}-token chunks s "
           f"| dense flash s | block-sparse TTFT s (min-max) | sparse vs fastest dense |\n|---:|---:|---:|---:|---:|---:|")
@@ -219,6 +228,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="kernel time of one longest prompt, dense and sparse")
     ap.add_argument("--spin-chunk", type=int, default=0, metavar="N",
                     help="instead of the variants above: dense beside Spin's cache, both in N-token chunks")
+    ap.add_argument("--sparse-chunks", action="store_true",
+                    help="with --spin-chunk: also block-sparse prefill beside Spin's cache with it, same chunks")
     add_out(ap)
     args = ap.parse_args()
     _import_package()
