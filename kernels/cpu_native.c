@@ -1,5 +1,6 @@
 /* The CPU's native kernels (built and called by cpu_native.py): paged decode attention that
- * reads each page where it lies, and a decoder layer's element-wise ops fused, one call each
+ * reads each page where it lies, a small-batch linear (decode's GEMVs), and a decoder layer's
+ * element-wise ops fused, one call each
  * where torch runs several operators (the CPU twins of layer_ops.py's Triton kernels).
  *
  * Paged decode attention: one decode token per request against per-head KV pages (the layout of paged_decode.py):
@@ -127,6 +128,24 @@ static void run_row(const job_t *a, int64_t r) {
     }
 }
 
+/* Runs fn on each of `threads` (<= 64) shares laid out `size` bytes apart from `jobs`: the
+ * first on the caller's thread, the others on POSIX threads (a share whose thread cannot be
+ * had runs on the caller's after the first). */
+static void run_shares(void *(*fn)(void *), void *jobs, size_t size, int64_t threads) {
+    pthread_t tids[64];
+    int started[64] = {0};
+    char *base = (char *)jobs;
+    for (int64_t i = 1; i < threads; i++)
+        started[i] = pthread_create(&tids[i], NULL, fn, base + i * size) == 0;
+    fn(base);
+    for (int64_t i = 1; i < threads; i++) {
+        if (started[i])
+            pthread_join(tids[i], NULL);
+        else
+            fn(base + i * size);
+    }
+}
+
 static void *run_rows(void *arg) {
     const job_t *a = (const job_t *)arg;
     for (int64_t r = a->row0; r < a->row1; r++) run_row(a, r);
@@ -154,22 +173,12 @@ int spin_paged_decode_f32(const float *q, const float *k, const float *v, const 
     if (threads > 64) threads = 64;
     if (threads < 1) threads = 1;
     job_t jobs[64];
-    pthread_t tids[64];
-    int started[64] = {0};
     for (int64_t i = 0; i < threads; i++) {
         job_t j = {q, k, v, tables, lens, out, H, Hkv, D, S, stride_b, stride_h, scale,
                    rows * i / threads, rows * (i + 1) / threads};
         jobs[i] = j;
     }
-    for (int64_t i = 1; i < threads; i++)
-        started[i] = pthread_create(&tids[i], NULL, run_rows, &jobs[i]) == 0;
-    run_rows(&jobs[0]);
-    for (int64_t i = 1; i < threads; i++) {
-        if (started[i])
-            pthread_join(tids[i], NULL);
-        else
-            run_rows(&jobs[i]); /* no thread to be had: run its share here */
-    }
+    run_shares(run_rows, jobs, sizeof(job_t), threads);
     return 0;
 }
 
@@ -240,4 +249,75 @@ void spin_silu_mul_f32(const float *gate, int64_t sg, const float *up, int64_t s
         for (int64_t f = 0; f < F; f++) /* clamped: no infinity under -ffast-math */
             o[f] = g[f] / (1.0f + expf(fminf(-g[f], 80.0f))) * u[f];
     }
+}
+
+/* ---- small-batch linear: out[t] = W x[t] (+ bias), a decode step's GEMMs ------------------- */
+
+/* Rows of x per call (a decode step at batch 1-4) and output features per pass: four weight
+ * rows at a time keep four independent FMA chains per x row, where one chain waits on the
+ * FMA's latency and reads the weight at a third of the memory's speed. */
+#define GEMV_MAX_T 4
+#define GEMV_ROWS 4
+
+typedef struct {
+    const float *x, *w, *bias;
+    float *out;
+    int64_t T, K, N, sx, n0, n1;
+} gemv_job_t;
+
+static void *gemv_run(void *arg) {
+    const gemv_job_t *a = (const gemv_job_t *)arg;
+    const int64_t K = a->K;
+    int64_t n = a->n0;
+    for (; n + GEMV_ROWS <= a->n1; n += GEMV_ROWS) {
+        const float *w0 = a->w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+        for (int64_t t = 0; t < a->T; t++) {
+            const float *x = a->x + t * a->sx;
+            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+            for (int64_t k = 0; k < K; k++) {
+                s0 += x[k] * w0[k];
+                s1 += x[k] * w1[k];
+                s2 += x[k] * w2[k];
+                s3 += x[k] * w3[k];
+            }
+            float *o = a->out + t * a->N + n;
+            o[0] = s0 + (a->bias ? a->bias[n] : 0.f);
+            o[1] = s1 + (a->bias ? a->bias[n + 1] : 0.f);
+            o[2] = s2 + (a->bias ? a->bias[n + 2] : 0.f);
+            o[3] = s3 + (a->bias ? a->bias[n + 3] : 0.f);
+        }
+    }
+    for (; n < a->n1; n++) {
+        const float *w0 = a->w + n * K;
+        for (int64_t t = 0; t < a->T; t++) {
+            const float *x = a->x + t * a->sx;
+            float s0 = 0.f;
+#pragma omp simd reduction(+ : s0)
+            for (int64_t k = 0; k < K; k++) s0 += x[k] * w0[k];
+            a->out[t * a->N + n] = s0 + (a->bias ? a->bias[n] : 0.f);
+        }
+    }
+    return NULL;
+}
+
+/* x [T, K] rows strided by sx (last dimension contiguous), w [N, K] contiguous, bias [N] or
+ * NULL, out [T, N] contiguous; T <= GEMV_MAX_T. The N outputs are split over `threads`
+ * POSIX threads, the caller's taking the first share. Returns 0, -1 for T past the limit. */
+int spin_linear_rows_f32(const float *x, int64_t sx, const float *w, const float *bias, float *out,
+                         int64_t T, int64_t K, int64_t N, int64_t threads) {
+    if (T < 1 || T > GEMV_MAX_T || K < 1 || N < 1) return -1;
+    if (threads > N / 256) threads = N / 256; /* a share under 256 rows is not worth a thread */
+    if (threads > 64) threads = 64;
+    if (threads < 1) threads = 1;
+    gemv_job_t jobs[64];
+    for (int64_t i = 0; i < threads; i++) {
+        /* shares on multiples of GEMV_ROWS, so that only the last one has a tail */
+        int64_t n0 = N * i / threads / GEMV_ROWS * GEMV_ROWS, n1 = N * (i + 1) / threads / GEMV_ROWS * GEMV_ROWS;
+        if (i == threads - 1) n1 = N;
+        gemv_job_t j = {x, w, bias, out, T, K, N, sx, n0, n1};
+        jobs[i] = j;
+    }
+    run_shares(gemv_run, jobs, sizeof(gemv_job_t), threads);
+    return 0;
 }

@@ -1,11 +1,14 @@
 """The CPU's native kernels (``cpu_native.c``): paged decode attention that reads every page
-where it lies, and a decoder layer's element-wise ops fused.
+where it lies, a small-batch linear, and a decoder layer's element-wise ops fused.
 
 * :func:`paged_decode_attention_cpu`. The gather path
   (``paged_decode_cpu.paged_decode_attention_planned``) copies each (request, KV head) row's pages
   into a contiguous block, then reads it again in two batched matmuls. At 16 rows of 512
   tokens that is three passes over ~13 MB a layer, and on a 2-core host it took half of a
   decode step, more than the GEMMs. This kernel makes one pass.
+* :func:`linear_rows`: a decode step's GEMMs at batch 1-2, each weight row read once for all
+  of the step's rows, where MKL's GEMV reads the weight once per row and at a lower rate
+  (``spin_cluster.models.cpu_linear`` says when it runs).
 * :func:`add_rms_norm`, :func:`rope_qkv`, :func:`silu_mul`: one call each where torch runs
   five, eight and two operators (the CPU twins of ``layer_ops``' Triton kernels, against whose
   ``*_ref`` functions they are tested). At decode's batch 1 a layer's small operators cost
@@ -44,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "fits", "paged_decode_attention_cpu", "supports", "add_rms_norm", "rope_qkv", "silu_mul"]
+__all__ = ["available", "fits", "paged_decode_attention_cpu", "supports", "add_rms_norm", "rope_qkv", "silu_mul",
+           "linear_rows", "LINEAR_MAX_ROWS"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,10 @@ def _cpu_key() -> str:
         return os.uname().machine
     lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(lines)))
+
+
+# linear_rows: the most rows of x per call (the kernel's GEMV_MAX_T).
+LINEAR_MAX_ROWS = 4
 
 
 def _compiler() -> str | None:
@@ -126,6 +134,8 @@ def _library() -> ctypes.CDLL | None:
     lib.spin_rope_qkv_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr,
                                       i64, i64, i64, i64]
     lib.spin_silu_mul_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64]
+    lib.spin_linear_rows_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.spin_linear_rows_f32.restype = ctypes.c_int
     for name in ("spin_add_rms_norm_f32", "spin_rope_qkv_f32", "spin_silu_mul_f32"):
         getattr(lib, name).restype = None
     return lib
@@ -252,4 +262,23 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     T, F = gate.shape
     out = torch.empty(T, F)
     _lib().spin_silu_mul_f32(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), T, F)
+    return out
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                threads: int | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a decode step's few rows: x [T, K] (T <= LINEAR_MAX_ROWS,
+    rows may be strided), weight [N, K] contiguous, bias [N] -> [T, N]; float32 on the CPU.
+    Each weight row is read once for all T rows, four at a time (four FMA chains per row of
+    x), the outputs split over ``threads`` threads (default: torch's count)."""
+    T, K = x.shape
+    if not 1 <= T <= LINEAR_MAX_ROWS or weight.dim() != 2 or weight.shape[1] != K or not weight.is_contiguous() \
+            or (bias is not None and bias.shape != (weight.shape[0],)) \
+            or not fits(x, weight, *(() if bias is None else (bias,))):
+        raise ValueError(f"linear_rows takes float32 CPU x [T <= {LINEAR_MAX_ROWS}, K] and a contiguous [N, K] weight")
+    N = weight.shape[0]
+    out = torch.empty(T, N)
+    bias = None if bias is None else bias.contiguous()
+    _lib().spin_linear_rows_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                out.data_ptr(), T, K, N, torch.get_num_threads() if threads is None else int(threads))
     return out

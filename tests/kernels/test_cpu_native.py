@@ -163,3 +163,26 @@ def test_silu_mul_matches_reference():
     torch.testing.assert_close(cpu_native.silu_mul(gate, up), silu_mul_ref(gate, up), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="one shape"):
         cpu_native.silu_mul(gate, up[:, :-1])
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+@pytest.mark.parametrize(("T", "K", "N", "threads"), [(1, 576, 960, 1), (2, 576, 1539, 2), (3, 40, 7, 2),
+                                                      (4, 96, 1026, 3), (1, 1, 4, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_rows_matches_f_linear(T, K, N, threads, with_bias):
+    # N past a multiple of four (the tail), shares of threads, rows of x strided (a wider buffer)
+    g = torch.Generator().manual_seed(T * 1000 + N)
+    x = torch.randn(T, K + 5, generator=g)[:, :K]
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if with_bias else None
+    torch.testing.assert_close(cpu_native.linear_rows(x, w, b, threads=threads), torch.nn.functional.linear(x, w, b),
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_linear_rows_refuses_what_it_cannot_take():
+    w = torch.randn(8, 16)
+    for x, weight in [(torch.randn(5, 16), w), (torch.randn(0, 16), w), (torch.randn(2, 15), w),
+                      (torch.randn(2, 16), w.T.contiguous().T), (torch.randn(2, 16, dtype=torch.float64), w.double())]:
+        with pytest.raises(ValueError, match="linear_rows takes"):
+            cpu_native.linear_rows(x, weight)

@@ -22,20 +22,26 @@ def test_a_pack_computes_f_linear(m):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_one_or_two_rows_take_mkl_over_the_plain_weight(monkeypatch):
-    # bitwise F.linear at M <= _MKL_MAX_ROWS; the pack (oneDNN) above it
-    calls = []
+def test_one_or_two_rows_take_the_plain_weight(monkeypatch):
+    # M <= _PLAIN_MAX_ROWS: the plain weight (the native kernel where built, else bitwise
+    # F.linear); the pack (oneDNN) above it
+    calls, native = [], []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise",
                         lambda *a: calls.append(a[0].shape[0]) or real(*a), raising=False)
+    real_rows = cpu_linear.cpu_native.linear_rows
+    monkeypatch.setattr(cpu_linear.cpu_native, "linear_rows", lambda x, *a: native.append(x.shape[0]) or real_rows(x, *a))
     lin = nn.Linear(96, 160)
     assert cpu_linear.pack(lin)
-    for m in range(1, cpu_linear._MKL_MAX_ROWS + 2):
+    for m in range(1, cpu_linear._PLAIN_MAX_ROWS + 2):
         x = torch.randn(m, 96)
         y = cpu_linear.linear(lin, x)
-        if m <= cpu_linear._MKL_MAX_ROWS:
-            assert torch.equal(y, nn.functional.linear(x, lin.weight, lin.bias))
-    assert calls == [cpu_linear._MKL_MAX_ROWS + 1]
+        want = nn.functional.linear(x, lin.weight, lin.bias)
+        if m <= cpu_linear._PLAIN_MAX_ROWS and not cpu_linear._native_rows():
+            assert torch.equal(y, want)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    assert calls == [cpu_linear._PLAIN_MAX_ROWS + 1]
+    assert native == (list(range(1, cpu_linear._PLAIN_MAX_ROWS + 1)) if cpu_linear._native_rows() else [])
 
 
 def test_a_replaced_or_changed_weight_is_never_served_from_a_stale_pack():
