@@ -255,7 +255,7 @@ void spin_silu_mul_f32(const float *gate, int64_t sg, const float *up, int64_t s
 
 /* Rows of x per call (a decode step at batch 1-4) and output features per pass: four weight
  * rows at a time keep four independent FMA chains per x row, where one chain waits on the
- * FMA's latency and reads the weight at a third of the memory's speed. */
+ * FMA's latency (eight rows a pass read no faster on the AVX2 EPYC: 8.1 GB/s either way). */
 #define GEMV_MAX_T 4
 #define GEMV_ROWS 4
 

@@ -73,7 +73,8 @@ def _run(output_tok_s: float, prompts: int = 4) -> dict:
 
 
 def _serve_json(path, runs: dict, seed=0, errors=None):
-    args = {"num_prompts": next(iter(next(iter(runs.values())).values()))["num_prompts"], "seed": seed, "input_len_dist": "fixed:100", "output_len_dist": "fixed:10",
+    first_run = next(iter(next(iter(runs.values())).values()))
+    args = {"num_prompts": first_run["num_prompts"], "seed": seed, "input_len_dist": "fixed:100", "output_len_dist": "fixed:10",
             "max_concurrency": None, "goodput": {}, "tiny": True, "gpu_kv_gib": 1, "host_kv_gib": 2, "budget": 64}
     body = {"provenance": {"commit": f"c{len(runs)}"}, "modes": list(runs), "shape": {"layers": 2}, "args": args,
             "request_rates": sorted({r for by in runs.values() for r in by}), "device": "cpu", "runs": runs,
