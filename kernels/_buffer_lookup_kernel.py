@@ -24,7 +24,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The layer (0, 1 and 16 were each a variant), the step's stamp and the selection's width are
+# runtime integers that change from call to call (``_page_select_kernel``'s note).
+@triton.jit(do_not_specialize=["now_val", "layer", "K", "C"])
 def _buffer_lookup(
     want_ptr, rows_ptr, res_page_ptr, res_slot_ptr, last_use_ptr, res_col_ptr,
     slots_out, miss_dst_out, miss_out, counters_ptr,

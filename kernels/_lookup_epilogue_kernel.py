@@ -4,7 +4,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The layer and the selection's width change from call to call (``_page_select_kernel``'s note).
+@triton.jit(do_not_specialize=["layer", "K"])
 def _lookup_epilogue(
     want_ptr, slots_ptr, miss_ptr, num_sel_ptr, rows_ptr, tail_ptr, dir_ptr,
     src_out, lens_out, tail_slot_out,

@@ -4,7 +4,11 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The Select kernels' page counts, widths and the strides that follow them change from step to
+# step (the batch's longest context, its widest selection): as runtime integers they leave one
+# compile per constexpr bucket, where each new value once compiled a variant (being 1 or a multiple
+# of 16) inside a served step: ~1 s each on the H200. The same below and in the lookup kernels.
+@triton.jit(do_not_specialize=["stride_pb", "P"])
 def _page_scores(q_ptr, kmin_ptr, kmax_ptr, pages_ptr, out_ptr,
                  stride_qb, stride_qh, stride_mn, stride_mh, stride_xn, stride_xh,
                  stride_pb, P,
@@ -86,7 +90,7 @@ def _take_top(x, valid, budget, P_PAD: tl.constexpr):
     return (above | (equal & (eq_rank <= budget - n_above))) & (budget > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "K"])
 def _topk_ragged(s_ptr, bud_ptr, out_ptr, P, K, P_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, P_PAD)
@@ -100,7 +104,7 @@ def _topk_ragged(s_ptr, bud_ptr, out_ptr, P, K, P_PAD: tl.constexpr):
     tl.store(out_ptr + row * K + pos, offs.to(tl.int64), mask=sel & (pos < K))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "W"])
 def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL,
                    HKV: tl.constexpr, P_PAD: tl.constexpr, W_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # b * HKV + h
@@ -120,7 +124,7 @@ def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL
     tl.store(count_ptr + row, count.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _label_scores(qr_ptr, labels_ptr, rows_ptr, lengths_ptr, out_ptr,
                   stride_qb, stride_qh, stride_ln, stride_lh, span, P,
                   HKV: tl.constexpr, RC: tl.constexpr, RC_PAD: tl.constexpr, S: tl.constexpr,
@@ -165,7 +169,7 @@ def _row_budget(bud_ptr, dense_ptr, row, HKV: tl.constexpr, HAS_DENSE: tl.conste
     return budget
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "KC"])
 def _select_local(s_ptr, n_ptr, bud_ptr, cs_ptr, ci_ptr, P, SINK, LOCAL, KC,
                   HKV: tl.constexpr, CHUNK: tl.constexpr, KC_PAD: tl.constexpr):
     """Split-row Select, first pass: one program per (row, chunk of CHUNK pages) keeps its
@@ -199,7 +203,7 @@ def _chunk_candidates(x, valid, budget, offs, cs_ptr, ci_ptr, base, KC, CHUNK: t
     tl.store(ci_ptr + base + offs_k, tl.full((KC_PAD,), -1, tl.int32), mask=rest)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C", "W"])
 def _select_merge(cs_ptr, ci_ptr, n_ptr, bud_ptr, dense_ptr, want_ptr, count_ptr, C, W, SINK, LOCAL,
                   HKV: tl.constexpr, C_PAD: tl.constexpr, W_PAD: tl.constexpr, HAS_DENSE: tl.constexpr):
     """Split-row Select, second pass: per row, the top ``budget`` of its C candidates (in

@@ -105,7 +105,11 @@ def _attend_block(
     return m_new, l_i, acc
 
 
-@triton.jit
+# The block tables' strides and width follow the step's widest selection and the split count its
+# batch: as runtime integers (not specialised on being 1 or a multiple of 16, nor the split count a
+# constexpr) they leave one compile for every step, where a new value once compiled a variant
+# inside a served step (about 0.7 s on the H200).
+@triton.jit(do_not_specialize=["stride_btb", "stride_bth", "max_pages"])
 def _paged_decode_fwd(
     q_ptr,
     k_ptr,
@@ -137,7 +141,7 @@ def _paged_decode_fwd(
     D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # more than one program along axis 1 (their count: tl.num_programs(1))
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
@@ -149,7 +153,8 @@ def _paged_decode_fwd(
 
     seq_len = tl.load(sl_ptr + b * stride_slb + kvh * stride_slh)
     n_blocks = tl.cdiv(seq_len, BLOCK_N)
-    blocks_per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+    num_splits = tl.num_programs(1)
+    blocks_per_split = tl.cdiv(n_blocks, num_splits)
     blk_start = split * blocks_per_split
     blk_end = tl.minimum(blk_start + blocks_per_split, n_blocks)
 
@@ -190,14 +195,14 @@ def _paged_decode_fwd(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out_ptrs = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(
             out_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :]
         )
     else:
-        # Scratch layout: part_o [B, H, NUM_SPLITS, D], part_lse [B, H, NUM_SPLITS], contiguous.
-        row = (b64 * (HKV * G) + heads) * NUM_SPLITS + split  # [G_PAD]
+        # Scratch layout: part_o [B, H, num_splits, D], part_lse [B, H, num_splits], contiguous.
+        row = (b64 * (HKV * G) + heads) * num_splits + split  # [G_PAD]
         tl.store(
             part_o_ptr + row[:, None] * D + offs_d[None, :],
             o,
@@ -207,17 +212,17 @@ def _paged_decode_fwd(
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])  # one compile per power-of-two SPLITS_PAD
 def _paged_decode_reduce(
     part_o_ptr,
     part_lse_ptr,
     out_ptr,
     stride_ob,
     stride_oh,
+    NUM_SPLITS,
     H: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     pid = tl.program_id(0)  # b * H + h

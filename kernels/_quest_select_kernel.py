@@ -7,7 +7,8 @@ import triton.language as tl
 from ._page_select_kernel import _chunk_candidates, _edges, _quest_query, _quest_scores, _row_budget
 
 
-@triton.jit
+# Runtime integers that change from step to step (``_page_select_kernel``'s note).
+@triton.jit(do_not_specialize=["stride_pb", "stride_hb", "stride_hh", "P", "KC"])
 def _quest_select_local(q_ptr, kmin_ptr, kmax_ptr, pages_ptr, n_ptr, bud_ptr, dense_ptr, held_ptr,
                         x_ptr, cs_ptr, ci_ptr,
                         stride_qb, stride_qh, stride_mn, stride_mh, stride_xn, stride_xh, stride_pb,
