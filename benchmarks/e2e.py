@@ -459,13 +459,16 @@ def main(argv=None) -> dict:
             weight_left -= sum(weights)
             continue
         engine.generate([[1000 + i for i in range(3 * args.page_size)]])  # warm-up: Triton compiles
-        if args.sparse_prefill and mode != "dense":
-            # The block-sparse kernel is autotuned per size class of its launch: one prompt of
-            # each workload's length first, so that no timed request pays for the tuning.
+        if not args.tiny:
+            # Every mode alike: one prompt of each workload's length, and a few decode steps
+            # after it, before the timed requests. Kernels compile a variant per size class of
+            # their launch (the block-sparse prefill is also autotuned per class), and a class
+            # first met in a timed step cost that step seconds (Spin's first 128K decode row:
+            # 3.5 s of compiles in a prompt step, benchmarks/trace_compiles.py).
             from spin_cluster.engine import SamplingParams
 
             for n in sorted({len(prompts[0]) for _, prompts, *_ in runs}):
-                engine.generate([[1000 + i % 30000 for i in range(n)]], SamplingParams(max_tokens=1))
+                engine.generate([[1000 + i % 30000 for i in range(n)]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         print(f"[{mode}] engine ready in {time.monotonic() - t0:.1f} s", flush=True)
         if mode == "dense" and not args.tiny:  # one request alone: batch-1 decode against the roofline
             n = max(args.offline_lengths)
