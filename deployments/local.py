@@ -100,15 +100,19 @@ def run_local(args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         serve.run(build_app(config), name=app_name, route_prefix="/")
         print(f"serving {config.model_name} on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
-        while not stop.wait(0.5):
+        while not stop.wait(0.1):
             pass
+        t0 = time.monotonic()
         print("shutting down", flush=True)
         end_streams(app_name)
+        print(f"streams ended in {time.monotonic() - t0:.2f} s", flush=True)
     finally:
         # Not serve.shutdown(): it waits out each replica's graceful shutdown in turn (~25 s).
         # The streams have ended above; stopping the cluster this process started stops every
         # process of it, replicas included.
+        t1 = time.monotonic()
         ray.shutdown()
+        print(f"cluster stopped in {time.monotonic() - t1:.2f} s", flush=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
