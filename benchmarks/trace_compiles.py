@@ -1,6 +1,7 @@
 """Which Triton kernels compile inside served steps (not a test).
 
-    python3 -P benchmarks/trace_compiles.py e2e --modes spin ...   # any `spin-cluster bench` command
+    spin-cluster bench trace-compiles e2e --modes spin ...   # any other `spin-cluster bench` command
+    python3 -P benchmarks/trace_compiles.py e2e --modes spin ...   # the same, on the GPU machine
 
 Runs the bench command with a Triton JIT hook and a wrapper around ``Engine.step``, and prints
 to stderr, as they happen, every kernel compile (its name and specialisation key) and every step

@@ -33,6 +33,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("e2e", "e2e.py", "end to end: dense, offload, sparse and Spin serving the same workload", "e2e"),
     Benchmark("decode-step", "profile_step.py", "where a decode step's time goes (graph replay, kernels)", "profiles"),
     Benchmark("profile-step", "profile_step.py", "alias of decode-step: a decode step's time by kernel", "profiles"),
+    Benchmark("trace-compiles", "trace_compiles.py",
+              "another bench command, naming every Triton compile and slow engine step in it", "profiles"),
     Benchmark("profile-engine", "profile_engine.py", "an engine step's wall time and the torch profiler's top ops",
               "profiles"),
     Benchmark("select", "bench_select.py", "Select's top-k kernel alone at a decode step's shape", "select"),
