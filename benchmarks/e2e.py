@@ -22,7 +22,7 @@ of ``--deadline-s``; one that runs out is stopped and marked ``truncated`` (its 
 cover the tokens produced). Outputs (in --out): e2e.json, e2e.md (table), e2e.png (plot), e2e-timeline.png (every step
 over the run, by kind; all three from e2e_report.py).
 The dense batch-1 decode step at the longest prompt is compared with its roofline: weight
-and KV bytes over the HBM bandwidth measured here.
+and KV bytes over the HBM bandwidth measured here (``e2e_roofline.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # a source checkout without the package installed: last, after an installed one
     sys.path.append(_ROOT)
 import e2e_report  # noqa: E402  (same folder: the tables and the plot)
+from e2e_roofline import hbm_bandwidth_bytes_s, roofline, step_roofline  # noqa: E402  (same folder)
 
 from spin_cluster.bench.args import add_algorithm, add_budget_tokens, add_out_folder, add_tokenizer  # noqa: E402
 MODES = ("dense", "dense-offload", "sparse-no-buffer", "spin")
@@ -321,89 +322,30 @@ def workloads(args, vocab: int) -> list[tuple[str, list[list[int]], list[float],
     return out
 
 
-# ---- roofline -----------------------------------------------------------------------------------
+def warm_up(engine, mode: str, lengths: list[int], args, bandwidth: float | None) -> dict | None:
+    """Every mode alike before its timed requests: one prompt of each workload's length and a
+    few decode steps after it. Kernels compile a variant per size class of their launch (the
+    block-sparse prefill is also autotuned per class), and a class first met in a timed step
+    cost that step seconds (Spin's first 128K decode row: 3.5 s of compiles in a prompt step,
+    benchmarks/trace_compiles.py). Dense's batch-1 request at the longest offline length (32
+    decode steps alone, against the roofline) is its warm-up of that length: its roofline is
+    returned (None for the other modes and at toy size)."""
+    from spin_cluster.engine import SamplingParams
 
-
-def hbm_bandwidth_bytes_s() -> float | None:
-    """Device copy bandwidth (read + write) of a 2 GiB bf16 copy, best of 5."""
-    import torch
-
-    if not torch.cuda.is_available():
+    engine.generate([[1000 + i for i in range(3 * args.page_size)]])  # the toy-size compiles
+    if args.tiny:
         return None
-    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    del src, dst
-    return 2 * 2**31 / best
-
-
-def decode_weight_bytes(model) -> int:
-    """Weight bytes a decode step reads: every parameter once, but the embedding table (a
-    step reads only its tokens' rows) unless it is tied to the LM head."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    if not model.config.tie_word_embeddings:
-        weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return weight_bytes
-
-
-def roofline(engine, context: int, step_s: float | None, bandwidth: float | None) -> dict:
-    """Batch-1 decode reads every weight but the embedding table once and the KV of
-    ``context`` tokens: that many bytes over the HBM bandwidth is the step's lower bound."""
-    model, mc = engine.model, engine.model.config
-    weight_bytes = decode_weight_bytes(model)
-    kv_bytes = 2 * context * mc.num_layers * mc.num_kv_heads * mc.head_dim * model.embed_tokens.weight.element_size()
-    bound_s = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None
-    return {"context": context, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "hbm_bytes_s": bandwidth,
-            "bound_step_s": bound_s, "measured_step_s": step_s,
-            "fraction_of_roofline": bound_s / step_s if bound_s and step_s else None}
-
-
-# PCIe host -> device bandwidth of the gather that Retrieve runs (measured on the H200 here,
-# shared/ARCHITECTURE.md: 50.5-51.2 GB/s zero-copy gather, 55 GB/s contiguous copy).
-PCIE_BYTES_S = 55e9
-
-
-def step_roofline(engine, r: dict, context: int, bandwidth: float | None) -> dict | None:
-    """The bytes a decode step of this mode must move at its decode batch B and ``context``
-    tokens per request, and the time they take (HBM at ``bandwidth``, misses and
-    dense-offload's KV over PCIe at ``PCIE_BYTES_S``), against the measured step:
-
-        dense            weights + B x every token's K and V
-        dense-offload    weights; B x every token's K and V over PCIe
-        sparse modes     weights + B x (Select's index + the attended pages' K and V);
-                         the measured misses per decode step over PCIe
-    """
-    if not bandwidth or not r.get("decode_tok_s") or not r.get("peak_decode_batch"):
-        return None
-    model, mc = engine.model, engine.model.config
-    weight_bytes = decode_weight_bytes(model)
-    B = r["peak_decode_batch"]
-    elem = model.embed_tokens.weight.element_size()
-    per_token_kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
-    attn = engine.runner.attention
-    kv = engine.kv
-    hbm, pcie = weight_bytes, 0.0
-    if kv.buffer is None:  # GPU-only pages
-        hbm += B * context * per_token_kv
-    elif attn.algorithm.selects_all:
-        pcie += B * context * per_token_kv
-    else:
-        S = kv.page_size
-        attended = attn.mean_attended_pages(context) * S  # sink + own budget + local, mean over heads
-        hbm += B * (context * attn.algorithm.index_bytes_per_token() + attended * per_token_kv)
-        steps = r.get("decode_steps") or 0
-        if steps:
-            pcie += r["buffer_misses_total"] / steps * kv.buffer.page_bytes
-    bound_s = hbm / bandwidth + pcie / PCIE_BYTES_S
-    step_s = B / r["decode_tok_s"]
-    return {"batch": B, "context": context, "hbm_bytes": hbm, "pcie_bytes": pcie, "bound_step_s": bound_s,
-            "measured_step_s": step_s, "x_roofline": step_s / bound_s}
+    measured = max(args.offline_lengths) if mode == "dense" else None
+    found = None
+    for n in sorted(set(lengths) | ({measured} if measured else set())):
+        prompt = [[1000 + i % 30000 for i in range(n)]]
+        if n == measured:
+            r = run_workload(engine, prompt, [0.0], 32, time.monotonic() + 60)
+            found = roofline(engine, n, r["batch1_decode_step_s"], bandwidth)
+            print(f"[dense] roofline: {json.dumps(found)}", flush=True)
+        else:
+            engine.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    return found
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -458,23 +400,10 @@ def main(argv=None) -> dict:
             results.setdefault("errors", {})[mode] = f"{type(e).__name__}: {e}"
             weight_left -= sum(weights)
             continue
-        engine.generate([[1000 + i for i in range(3 * args.page_size)]])  # warm-up: Triton compiles
-        if not args.tiny:
-            # Every mode alike: one prompt of each workload's length, and a few decode steps
-            # after it, before the timed requests. Kernels compile a variant per size class of
-            # their launch (the block-sparse prefill is also autotuned per class), and a class
-            # first met in a timed step cost that step seconds (Spin's first 128K decode row:
-            # 3.5 s of compiles in a prompt step, benchmarks/trace_compiles.py).
-            from spin_cluster.engine import SamplingParams
-
-            for n in sorted({len(prompts[0]) for _, prompts, *_ in runs}):
-                engine.generate([[1000 + i % 30000 for i in range(n)]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        measured = warm_up(engine, mode, sorted({len(p[0]) for _, p, *_ in runs}), args, bandwidth)
+        if measured:
+            results["roofline"] = measured
         print(f"[{mode}] engine ready in {time.monotonic() - t0:.1f} s", flush=True)
-        if mode == "dense" and not args.tiny:  # one request alone: batch-1 decode against the roofline
-            n = max(args.offline_lengths)
-            r = run_workload(engine, [[1000 + i % 30000 for i in range(n)]], [0.0], 32, time.monotonic() + 60)
-            results["roofline"] = roofline(engine, n, r["batch1_decode_step_s"], bandwidth)
-            print(f"[dense] roofline: {json.dumps(results['roofline'])}", flush=True)
         for (name, prompts, arrivals, max_tokens), weight in zip(runs, weights):
             deadline = time.monotonic() + (start + args.deadline_s - time.monotonic()) * weight / weight_left
             weight_left -= weight

@@ -17,9 +17,6 @@ import os
 import sys
 import time
 
-# Beside the benchmarks' modules; the bench harness itself comes from the installed package.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 
 def _diff(old: str, new: str) -> str:
     """What changed in a specialisation (an argument's, or the options' "a=1, b=2" string)."""
@@ -43,14 +40,13 @@ def _install() -> None:
         if not already_compiled:
             name = repr.split("[", 1)[0]
             pending.append(name)
-            spec = {p.name: f"{ty}" for p, ty in zip(fn.jit_function.params, key[0])}
+            spec = {p.name: str(ty) for p, ty in zip(fn.jit_function.params, key[0])}
             spec["options"] = key[1]
             last = seen.get(name)
             what = ({a: _diff(last.get(a, ""), t) for a, t in spec.items() if last.get(a) != t} if last
                     else "first")
             seen[name] = spec
-            print(f"[trace] {time.perf_counter() - t0:9.2f} s compile {name}: {what}".replace("\n", " "),
-                  file=sys.stderr, flush=True)
+            print(f"[trace] {time.perf_counter() - t0:9.2f} s compile {name}: {what}", file=sys.stderr, flush=True)
         return False
 
     knobs.runtime.jit_cache_hook = on_compile
