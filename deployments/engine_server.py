@@ -119,8 +119,11 @@ def _build_engine(spin: Any, plan: EnginePlan, timeout_s: float, torch_threads: 
 
         from spin_cluster.engine import Engine
 
-        if torch_threads is not None:
-            torch.set_num_threads(torch_threads)
+        # The engine times its small-row GEMMs at start on this thread's count: that of the
+        # small steps when step_threads picks per step.
+        threads = step_threads.small if step_threads is not None else torch_threads
+        if threads is not None:
+            torch.set_num_threads(threads)
         engine = Engine(spin, progress=False)
         if engine.device.type == "cpu":
             engine.runner.step_threads = step_threads

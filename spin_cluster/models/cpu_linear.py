@@ -8,25 +8,27 @@ at M = 4 and 3.84 ms at M = 16. oneDNN with the weight reordered once into its b
 inductor emits for frozen CPU linears, and what vLLM's CPU backend does with its own oneDNN)
 takes 1.5 and 2.75 ms there, and the same as MKL at M = 1 and at prefill's M = 512.
 
-One or two rows (a decode step at batch 1 or 2) are the exception: there the plain weight
-read straight through is faster than the pack. SmolLM2's 121 GEMMs of a step, one thread, on
-a 2-core Xeon with AVX-512: MKL over the plain weight 39.5 ms against 44.4 through the packs
-at M = 1, 41.7 against 44.7 at M = 2, but 72.6 against 46.5 at M = 4 and 105 against 68.5 at
-M = 16. So a pack hands up to ``_PLAIN_MAX_ROWS`` rows to a plain-weight kernel: the native
-``cpu_native.linear_rows`` where it is built, else ``F.linear``. ``linear_rows`` reads each
-weight row once for both rows with four FMA chains per row of x, where MKL's GEMV reads the
-weight once per row of x: sixty [M, 576] x [576, 3072] weights on the 2-vCPU AVX2 EPYC, one
-thread, 8.1 GB/s against MKL's 7.1 at M = 1 and 6.2 against 3.6 at M = 2 (2026-12-04).
-
-The packed copy doubles the memory of the weights it packs; the Linear keeps its own weight
-(checkpoint names, sharding, ``state_dict``). A pack is used only while the Linear still
-holds the weight it was made from (``current``), so a weight replaced or moved afterwards
-falls back to ``F.linear``, never to stale numbers.
+A step's few rows (a decode step at batch 1-3) are where CPUs differ. SmolLM2's 121 GEMMs of a
+step, one thread: on a 2-core Xeon with AVX-512, MKL over the plain weight took 39.5 ms against
+44.4 through the packs at M = 1, 41.7 against 44.7 at M = 2, but 72.6 against 46.5 at M = 4;
+on the 2-vCPU AVX2 EPYC (Zen 1) the native ``cpu_native.linear_rows`` (each weight row read
+once for all of the step's rows) read 8.1 GB/s against MKL's 7.1 at M = 1. On the 2-vCPU
+AVX-512 EPYC (Zen 4), oneDNN's pack is slowest at one and two rows and fastest at four: 38, 46
+and 33 ms at M = 1, 2 and 4 (the plain weight through ``linear_rows``: 38 and 44), so there
+one or two rows padded with zeros to four are 15-30% faster than either. So each of those
+row counts takes one of three ways, ``plain`` (``linear_rows`` where it is built, else
+``F.linear``), ``pack`` or ``pad`` (the pack, the rows padded to ``PAD_ROWS``), chosen once per
+process by timing all three over the model's own weights (:func:`plan_small_rows`, at engine
+start, about a second for SmolLM2): a rule keyed on the CPU's flags would have picked wrong on
+one of the three CPUs above. Until then ``DEFAULT_SMALL_ROWS`` holds (the plain weight at one
+and two rows).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import time
 
 import torch
 from torch import nn
@@ -36,14 +38,18 @@ from spin_cluster.kernels import cpu_native
 # The batch the weight's layout is tuned for (decode's range; prefill's large M is
 # compute-bound and runs at the same speed with any of them).
 _PACK_BATCH = 16
-# Rows up to which a plain-weight kernel beats the pack (see the top).
-_PLAIN_MAX_ROWS = 2
+# How a pack computes 1..PAD_ROWS-1 rows (see the top): "plain", "pack" or "pad".
+PAD_ROWS = 4
+SMALL_WAYS = ("plain", "pack", "pad")
+DEFAULT_SMALL_ROWS = {1: "plain", 2: "plain"}
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
 def _native_rows() -> bool:
     """``cpu_native.linear_rows`` is built here (and takes the plain weight's few rows)."""
-    return cpu_native.available() and _PLAIN_MAX_ROWS <= cpu_native.LINEAR_MAX_ROWS
+    return cpu_native.available() and PAD_ROWS - 1 <= cpu_native.LINEAR_MAX_ROWS
 
 
 @functools.cache
@@ -70,6 +76,7 @@ class PackedLinear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_BATCH)
         self.bias = None if bias is None else bias.detach()
         self._source = (weight, bias, weight.data_ptr(), weight._version)
+        self.small_rows: dict[int, str] = DEFAULT_SMALL_ROWS  # rows -> way (plan_small_rows sets it)
 
     def current(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether ``weight``/``bias`` are still the tensors (and values) this pack was made of."""
@@ -78,12 +85,67 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] float32 on the CPU -> [T, out]
-        if x.shape[0] <= _PLAIN_MAX_ROWS:  # the plain weight read straight through is faster (see the top)
+        return self.compute(x, self.small_rows.get(x.shape[0], "pack"))
+
+    def compute(self, x: torch.Tensor, way: str) -> torch.Tensor:
+        """``F.linear`` of ``x`` one of the ``SMALL_WAYS`` (``pad`` and ``plain`` only below
+        ``PAD_ROWS`` rows; ``pack`` at any count)."""
+        rows = x.shape[0]
+        if way == "plain":
             weight, bias = self._source[:2]
             if _native_rows() and weight.is_contiguous() and x.stride(-1) == 1:
                 return cpu_native.linear_rows(x, weight, bias)
             return nn.functional.linear(x, weight, bias)
+        if way == "pad" and rows < PAD_ROWS:
+            padded = x.new_zeros(PAD_ROWS, x.shape[1])
+            padded[:rows] = x
+            return torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")[:rows]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def packs_of(model: nn.Module) -> list[PackedLinear]:
+    """Every ``PackedLinear`` a model's modules hold: their own ``cpu_pack`` and that of the
+    fused projections they keep as plain attributes."""
+    found: dict[int, PackedLinear] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            pack = value if isinstance(value, PackedLinear) else getattr(value, "cpu_pack", None)
+            if isinstance(pack, PackedLinear):
+                found[id(pack)] = pack
+    return list(found.values())
+
+
+def plan_small_rows(packs: list[PackedLinear], reps: int = 2) -> dict[int, str]:
+    """Times each of the ``SMALL_WAYS`` at 1..PAD_ROWS-1 rows over ``packs`` (a pass over all
+    of them per try, the ways alternating, ``reps`` tries each), gives every pack the fastest
+    way per row count, and returns that plan. Call on the thread count the small steps run
+    on."""
+    if not packs:
+        return dict(DEFAULT_SMALL_ROWS)
+    t_start = time.perf_counter()
+    plan: dict[int, str] = {}
+    timings: dict[int, dict[str, float]] = {}
+    with torch.inference_mode():
+        for rows in range(1, PAD_ROWS):
+            xs = [torch.randn(rows, p._source[0].shape[1]) for p in packs]
+            best = {way: float("inf") for way in SMALL_WAYS}
+            for way in SMALL_WAYS:  # once untimed: first-call costs (oneDNN's primitive cache)
+                for p, x in zip(packs, xs):
+                    p.compute(x, way)
+            for _ in range(reps):
+                for way in SMALL_WAYS:
+                    t0 = time.perf_counter()
+                    for p, x in zip(packs, xs):
+                        p.compute(x, way)
+                    best[way] = min(best[way], time.perf_counter() - t0)
+            plan[rows] = min(best, key=best.__getitem__)
+            timings[rows] = best
+    for p in packs:
+        p.small_rows = plan
+    log.info("small-row GEMMs over %d packs: %s (%.2f s to choose; ms per pass: %s)", len(packs), plan,
+             time.perf_counter() - t_start,
+             {r: {w: round(1e3 * t, 1) for w, t in ts.items()} for r, ts in timings.items()})
+    return plan
 
 
 def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:

@@ -22,9 +22,9 @@ def test_a_pack_computes_f_linear(m):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_one_or_two_rows_take_the_plain_weight(monkeypatch):
-    # M <= _PLAIN_MAX_ROWS: the plain weight (the native kernel where built, else bitwise
-    # F.linear); the pack (oneDNN) above it
+def test_one_or_two_rows_take_the_plain_weight_until_a_plan_says_otherwise(monkeypatch):
+    # DEFAULT_SMALL_ROWS: 1-2 rows the plain weight (the native kernel where built, else
+    # bitwise F.linear); the pack (oneDNN) above it
     calls, native = [], []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise",
@@ -33,15 +33,53 @@ def test_one_or_two_rows_take_the_plain_weight(monkeypatch):
     monkeypatch.setattr(cpu_linear.cpu_native, "linear_rows", lambda x, *a: native.append(x.shape[0]) or real_rows(x, *a))
     lin = nn.Linear(96, 160)
     assert cpu_linear.pack(lin)
-    for m in range(1, cpu_linear._PLAIN_MAX_ROWS + 2):
+    for m in (1, 2, 3):
         x = torch.randn(m, 96)
         y = cpu_linear.linear(lin, x)
         want = nn.functional.linear(x, lin.weight, lin.bias)
-        if m <= cpu_linear._PLAIN_MAX_ROWS and not cpu_linear._native_rows():
+        if m <= 2 and not cpu_linear._native_rows():
             assert torch.equal(y, want)
         torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
-    assert calls == [cpu_linear._PLAIN_MAX_ROWS + 1]
-    assert native == (list(range(1, cpu_linear._PLAIN_MAX_ROWS + 1)) if cpu_linear._native_rows() else [])
+    assert calls == [3]
+    assert native == ([1, 2] if cpu_linear._native_rows() else [])
+    calls.clear()
+    lin.cpu_pack.small_rows = {1: "pad", 2: "pack"}  # a plan: 1 row padded to four, 2 on the pack
+    for m in (1, 2):
+        torch.testing.assert_close(cpu_linear.linear(lin, torch.randn(m, 96)).shape, torch.Size([m, 160]))
+    assert calls == [cpu_linear.PAD_ROWS, 2]
+
+
+@pytest.mark.parametrize("way", cpu_linear.SMALL_WAYS)
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_every_small_row_way_computes_f_linear(way, m):
+    g = torch.Generator().manual_seed(10 * m)
+    lin = nn.Linear(72, 40)
+    assert cpu_linear.pack(lin)
+    x = torch.randn(m + 2, 72, generator=g)[1 : m + 1]  # rows of a larger tensor, as the layers pass them
+    y = lin.cpu_pack.compute(x, way)
+    assert y.shape == (m, 40)
+    torch.testing.assert_close(y, nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_the_plan_gives_every_pack_the_fastest_way(monkeypatch, tiny_llama_path):
+    model = load_model(tiny_llama_path, progress=False).fuse_projections()
+    model.pack_for_cpu()
+    packs = cpu_linear.packs_of(model)
+    assert len(packs) == 1 + 4 * model.config.num_layers
+    # pretend costs: at 1 row padding wins, at 2 the pack, at 3 the plain weight
+    cost = {1: {"plain": 3, "pack": 2, "pad": 1}, 2: {"plain": 3, "pack": 1, "pad": 2},
+            3: {"plain": 1, "pack": 2, "pad": 3}}
+    clock = [0.0]
+    monkeypatch.setattr(cpu_linear.time, "perf_counter", lambda: clock[0])
+
+    def compute(self, x, way):
+        clock[0] += cost[x.shape[0]][way]
+        return x
+
+    monkeypatch.setattr(cpu_linear.PackedLinear, "compute", compute)
+    plan = cpu_linear.plan_small_rows(packs)
+    assert plan == {1: "pad", 2: "pack", 3: "plain"}
+    assert all(p.small_rows == plan for p in packs)
 
 
 def test_a_replaced_or_changed_weight_is_never_served_from_a_stale_pack():
