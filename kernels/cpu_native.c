@@ -53,6 +53,7 @@ typedef struct {
     int64_t H, Hkv, D, S, stride_b, stride_h;
     float scale;
     int64_t row0, row1;
+    int64_t *next; /* shared: the next row not yet taken (threads > 1), else NULL */
 } job_t;
 
 /* One (request, KV head) row. Inlined with D and G constant where run_row dispatches the common
@@ -169,9 +170,18 @@ static void run_row(const job_t *a, int64_t r) {
     run_row_shaped(a, r, D, G);
 }
 
+/* With a shared counter each thread takes the next row until none is left, so a thread that
+ * loses its core for a while (a served engine shares the cores with its server and clients)
+ * holds up only the row it is on, not a fixed share of them. */
 static void *run_rows(void *arg) {
     const job_t *a = (const job_t *)arg;
-    for (int64_t r = a->row0; r < a->row1; r++) run_row(a, r);
+    if (a->next == NULL) {
+        for (int64_t r = a->row0; r < a->row1; r++) run_row(a, r);
+        return NULL;
+    }
+    for (int64_t r = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED); r < a->row1;
+         r = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED))
+        run_row(a, r);
     return NULL;
 }
 
@@ -196,9 +206,10 @@ int spin_paged_decode_f32(const float *q, const float *k, const float *v, const 
     if (threads > 64) threads = 64;
     if (threads < 1) threads = 1;
     job_t jobs[64];
+    int64_t next = 0;
     for (int64_t i = 0; i < threads; i++) {
         job_t j = {q, k, v, tables, lens, out, H, Hkv, D, S, stride_b, stride_h, scale,
-                   rows * i / threads, rows * (i + 1) / threads};
+                   0, rows, threads > 1 ? &next : NULL};
         jobs[i] = j;
     }
     run_shares(run_rows, jobs, sizeof(job_t), threads);

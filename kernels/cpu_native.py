@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "fits", "paged_decode_attention_cpu", "supports", "add_rms_norm", "rope_qkv", "silu_mul",
+__all__ = ["available", "fits", "paged_decode_attention_cpu", "set_row_threads", "supports", "add_rms_norm", "rope_qkv", "silu_mul",
            "linear_rows", "LINEAR_MAX_ROWS"]
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,22 @@ def supports(q: torch.Tensor, k_pages: torch.Tensor, num_kv_heads: int) -> bool:
             and q.shape[2] <= _MAX_D)
 
 
+# Threads that split a decode attention call's rows when its caller names none; None: torch's
+# count. A served engine sets it to every CPU it may use (``StepThreads``) while its small
+# steps run torch on one thread: this kernel's rows are taken from a shared counter, so a
+# thread that loses its core holds up one row, where an OpenMP step's static shares wait for
+# it at each of ~400 operators.
+_row_threads: int | None = None
+
+
+def set_row_threads(threads: int | None) -> None:
+    """The decode attention's default thread count (None: torch's)."""
+    global _row_threads
+    if threads is not None and threads < 1:
+        raise ValueError(f"row threads must be >= 1, got {threads}")
+    _row_threads = threads
+
+
 def paged_decode_attention_cpu(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -167,8 +183,8 @@ def paged_decode_attention_cpu(
     each (request, KV head) row, any strides (a layer's slice of a step's [B, L, Hkv, P]
     tables), with a contiguous last dimension; seq_lens: [B] int32, tokens of each request
     (0: zeros) -> [B, H, D] (into ``out`` when given). All float32 on the CPU. ``threads``:
-    how many threads split the rows; by default torch's count, fewer when the rows are
-    short."""
+    how many threads split the rows, each taking the next row left; by default
+    :func:`set_row_threads`'s count, else torch's, fewer when the rows are short."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the CPU kernels are not available on this machine")
@@ -188,7 +204,7 @@ def paged_decode_attention_cpu(
         q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), tables.data_ptr(),
         tables.stride(0), tables.stride(1), tables.shape[2], seq_lens.data_ptr(), result.data_ptr(),
         B, H, Hkv, D, k_pages.shape[1], float(scale),
-        torch.get_num_threads() if threads is None else int(threads), per_thread)
+        (_row_threads or torch.get_num_threads()) if threads is None else int(threads), per_thread)
     if rc == -2:
         raise ValueError(f"seq_lens up to {int(seq_lens.max())} exceed the tables' "
                          f"{tables.shape[2]} pages of {k_pages.shape[1]} tokens")

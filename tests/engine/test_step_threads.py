@@ -8,6 +8,7 @@ import torch
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
 from spin_cluster.engine.step_threads import StepThreads
+from spin_cluster.kernels import cpu_native
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -28,6 +29,7 @@ def keep_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+    cpu_native.set_row_threads(None)
 
 
 def _run(path, step_threads=None):
@@ -56,11 +58,13 @@ def test_prefill_steps_take_the_large_count_and_decode_steps_the_small(tiny_llam
 
 
 def test_the_count_is_set_only_when_it_changes(monkeypatch):
-    calls = []
+    calls, rows = [], []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(cpu_native, "set_row_threads", rows.append)
     policy = StepThreads(1, 4, 128)
     assert [policy.apply(n) for n in (512, 300, 3, 1, 128, 127)] == [4, 4, 1, 1, 4, 1]
     assert calls == [4, 1, 4, 1]
+    assert set(rows) == {4}  # decode attention's rows: the large count in every step
 
 
 @pytest.mark.parametrize(("small", "large", "min_tokens"), [(0, 2, 8), (3, 2, 8), (1, 2, 0)])

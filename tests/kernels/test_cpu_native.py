@@ -39,10 +39,12 @@ def _case(B, Hkv, G, D, S, lens, layers=3, seed=0):
         (4, 2, 4, 40, 4, [1, 130, 128, 257]),  # D not a multiple of the vector width
         (3, 1, 1, 16, 1, [5, 0, 9]),  # one-token pages; an empty row gets zeros
         (2, 4, 16, 128, 8, [300, 17]),  # the kernel's largest group
+        (3, 2, 4, 128, 16, [200, 33, 129]),  # a shape the kernel inlines (D 128, G 4)
     ],
 )
-@pytest.mark.parametrize("threads", [1, 3])
-def test_matches_reference(B, Hkv, G, D, S, lens, threads):
+@pytest.mark.parametrize("threads", [1, 3, None])  # None: set_row_threads' count
+def test_matches_reference(B, Hkv, G, D, S, lens, threads, monkeypatch):
+    monkeypatch.setattr(cpu_native, "_row_threads", 2)
     q, k, v, tables, seq_lens = _case(B, Hkv, G, D, S, lens)
     for layer in range(tables.shape[1]):
         ref = paged_decode_attention_ref(q, k, v, tables[:, layer], seq_lens)
