@@ -157,7 +157,7 @@ def supports(q: torch.Tensor, k_pages: torch.Tensor, num_kv_heads: int) -> bool:
 # count. A served engine sets it to every CPU it may use (``StepThreads``) while its small
 # steps run torch on one thread: this kernel's rows are taken from a shared counter, so a
 # thread that loses its core holds up one row, where an OpenMP step's static shares wait for
-# it at each of ~400 operators.
+# it at each of the step's operators.
 _row_threads: int | None = None
 
 
