@@ -77,6 +77,7 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach()
         self._source = (weight, bias, weight.data_ptr(), weight._version)
         self.small_rows: dict[int, str] = DEFAULT_SMALL_ROWS  # rows -> way (plan_small_rows sets it)
+        self._pad: torch.Tensor | None = None  # [PAD_ROWS, in]: the "pad" way's rows
 
     def current(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether ``weight``/``bias`` are still the tensors (and values) this pack was made of."""
@@ -97,9 +98,12 @@ class PackedLinear:
                 return cpu_native.linear_rows(x, weight, bias)
             return nn.functional.linear(x, weight, bias)
         if way == "pad" and rows < PAD_ROWS:
-            padded = x.new_zeros(PAD_ROWS, x.shape[1])
-            padded[:rows] = x
-            return torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")[:rows]
+            # One buffer per pack (an engine steps on one thread); its rows past ``rows`` hold
+            # an earlier call's rows, which change no other row of the product and are dropped.
+            if self._pad is None or self._pad.shape[1] != x.shape[1]:
+                self._pad = x.new_zeros(PAD_ROWS, x.shape[1])
+            self._pad[:rows].copy_(x)
+            return torch.ops.mkldnn._linear_pointwise(self._pad, self.packed, self.bias, "none", [], "")[:rows]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

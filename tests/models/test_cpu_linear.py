@@ -61,6 +61,16 @@ def test_every_small_row_way_computes_f_linear(way, m):
     torch.testing.assert_close(y, nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_padding_reuses_one_buffer_whatever_an_earlier_call_left_in_it():
+    lin = nn.Linear(48, 24)
+    assert cpu_linear.pack(lin)
+    for m in (3, 1, 2, 1):  # fewer rows after more: the buffer's last rows hold older ones
+        x = torch.randn(m, 48)
+        torch.testing.assert_close(lin.cpu_pack.compute(x, "pad"), nn.functional.linear(x, lin.weight, lin.bias),
+                                   rtol=1e-5, atol=1e-5)
+    assert lin.cpu_pack._pad.shape == (cpu_linear.PAD_ROWS, 48)
+
+
 def test_the_plan_gives_every_pack_the_fastest_way(monkeypatch, tiny_llama_path):
     model = load_model(tiny_llama_path, progress=False).fuse_projections()
     model.pack_for_cpu()
