@@ -52,8 +52,8 @@ typedef struct {
     float *out;
     int64_t H, Hkv, D, S, stride_b, stride_h;
     float scale;
-    int64_t row0, row1;
-    int64_t *next; /* shared: the next row not yet taken (threads > 1), else NULL */
+    int64_t rows;
+    int64_t *next; /* shared by the threads of a call: the next row not yet taken */
 } job_t;
 
 /* One (request, KV head) row. Inlined with D and G constant where run_row dispatches the common
@@ -175,11 +175,7 @@ static void run_row(const job_t *a, int64_t r) {
  * holds up only the row it is on, not a fixed share of them. */
 static void *run_rows(void *arg) {
     const job_t *a = (const job_t *)arg;
-    if (a->next == NULL) {
-        for (int64_t r = a->row0; r < a->row1; r++) run_row(a, r);
-        return NULL;
-    }
-    for (int64_t r = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED); r < a->row1;
+    for (int64_t r = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED); r < a->rows;
          r = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED))
         run_row(a, r);
     return NULL;
@@ -209,7 +205,7 @@ int spin_paged_decode_f32(const float *q, const float *k, const float *v, const 
     int64_t next = 0;
     for (int64_t i = 0; i < threads; i++) {
         job_t j = {q, k, v, tables, lens, out, H, Hkv, D, S, stride_b, stride_h, scale,
-                   0, rows, threads > 1 ? &next : NULL};
+                   rows, &next};
         jobs[i] = j;
     }
     run_shares(run_rows, jobs, sizeof(job_t), threads);

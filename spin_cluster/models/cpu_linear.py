@@ -15,7 +15,7 @@ on the 2-vCPU AVX2 EPYC (Zen 1) the native ``cpu_native.linear_rows`` (each weig
 once for all of the step's rows) read 8.1 GB/s against MKL's 7.1 at M = 1. On the 2-vCPU
 AVX-512 EPYC (Zen 4), oneDNN's pack is slowest at one and two rows and fastest at four: 38, 46
 and 33 ms at M = 1, 2 and 4 (the plain weight through ``linear_rows``: 38 and 44), so there
-one or two rows padded with zeros to four are 15-30% faster than either. So each of those
+one or two rows padded to four are 15-30% faster than either. So each of those
 row counts takes one of three ways, ``plain`` (``linear_rows`` where it is built, else
 ``F.linear``), ``pack`` or ``pad`` (the pack, the rows padded to ``PAD_ROWS``), chosen once per
 process by timing all three over the model's own weights (:func:`plan_small_rows`, at engine
@@ -100,8 +100,8 @@ class PackedLinear:
         if way == "pad" and rows < PAD_ROWS:
             # One buffer per pack (an engine steps on one thread); its rows past ``rows`` hold
             # an earlier call's rows, which change no other row of the product and are dropped.
-            if self._pad is None or self._pad.shape[1] != x.shape[1]:
-                self._pad = x.new_zeros(PAD_ROWS, x.shape[1])
+            if self._pad is None:
+                self._pad = x.new_zeros(PAD_ROWS, self._source[0].shape[1])
             self._pad[:rows].copy_(x)
             return torch.ops.mkldnn._linear_pointwise(self._pad, self.packed, self.bias, "none", [], "")[:rows]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
