@@ -6,13 +6,13 @@ not by comparing every selected page with every column. Columns and selected pag
 chunks of CB and KB, in five passes:
 
     1 selections  hit column through the map, or a miss
-    2 columns     age bucket min(now - last_use, NB - 1) of every column with a slot; hit
-                  columns unevictable
-    3 columns     evictable columns in buckets >= j: the cutoff bucket, as the bucketed LRU
+    2 columns     age bucket min(now - last_use, NB - 1) of every column with a slot, counted
+                  per bucket; hit columns made unevictable and taken out of the counts
+    3 (no walk)   evictable columns in buckets >= j: the cutoff bucket, as the bucketed LRU
     4 columns     victims: older than the cutoff, then the cutoff bucket's first columns
     5 selections  the i-th miss takes the i-th victim; outputs, the share and its map updated
 
-Passes 2-4 walk the whole share and run only for a head with a miss: once a share holds its
+Passes 2 and 4 walk the whole share and run only for a head with a miss: once a share holds its
 head's working set (an elastic share may be as wide as the request's pages), a step costs
 O(K) per head, not O(C).
 
@@ -78,28 +78,31 @@ def _buffer_lookup(
 
     evicted = need * 0  # a tensor like need: both branches of the if below give one type
     if need > 0:
-        # Pass 2, columns: the age bucket of every column with a slot (-1: no slot), then the
-        # hits' columns protected (-1: not evictable).
+        # Pass 2, columns: the age bucket of every column with a slot (-1: no slot), counted
+        # per bucket; then the hits' columns protected (-1: not evictable) and taken out of
+        # the counts. (The counts were a third walk of the columns, a [buckets, CB] tile per
+        # chunk: a histogram here and one over the hits cost no walk.)
+        per_bucket = tl.zeros([NB_PAD], tl.int32)
         for ci in range(NCC):
             cs = ci * CB + cr
             c_in = cs < C
             slot = tl.load(res_slot_ptr + base + cs, mask=c_in, other=-1)
             last = tl.load(last_use_ptr + base + cs, mask=c_in, other=0)
             bucket = tl.minimum(tl.maximum(now - last, 0), NUM_BUCKETS - 1)
-            tl.store(col_state + cs, tl.where(slot >= 0, bucket, -1), mask=c_in)
+            has = c_in & (slot >= 0)
+            per_bucket += tl.histogram(bucket, NB_PAD, mask=has)
+            tl.store(col_state + cs, tl.where(has, bucket, -1), mask=c_in)
         tl.debug_barrier()
         for ki in range(NKC):
             ks = ki * KB + kr
             st = tl.load(sel_state + ks, mask=ks < K, other=-1)
+            bk = tl.load(col_state + st, mask=st >= 0, other=-1)
+            per_bucket -= tl.histogram(tl.maximum(bk, 0), NB_PAD, mask=bk >= 0)
             tl.store(col_state + st, tl.full([KB], -1, tl.int32), mask=st >= 0)
         tl.debug_barrier()
 
         # Pass 3: how many evictable columns are at least j buckets old; the bucketed LRU's cutoff.
-        at_least = tl.zeros([NB_PAD], tl.int32)
-        for ci in range(NCC):
-            cs = ci * CB + cr
-            bk = tl.load(col_state + cs, mask=cs < C, other=-1)
-            at_least += tl.sum(((bk[None, :] >= js[:, None]) & (bk >= 0)[None, :]).to(tl.int32), axis=1)
+        at_least = tl.sum(per_bucket, axis=0) - tl.cumsum(per_bucket, axis=0) + per_bucket
         take = tl.minimum(need, tl.sum(tl.where(js == 0, at_least, 0), axis=0))
         cut = tl.max(tl.where((at_least >= take) & (js < NUM_BUCKETS), js, -1), axis=0)
         above = tl.sum(tl.where(js == cut + 1, at_least, 0), axis=0)

@@ -42,13 +42,17 @@ from .bucketed_lru import _check_row_value, bucketed_lru_victims_ref
 
 __all__ = ["buffer_lookup", "buffer_lookup_ref", "page_columns"]
 
-CHUNK = 64  # columns and selected pages per chunk of the kernel
+CHUNK = 256  # columns (and at least as many selected pages) per chunk of the kernel
+WARPS = 4  # warps per program
 
 
 def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int, counters,
-                  num_buckets: int = 64, reuse: bool = True, *, res_col, chunk: int = 0, impl: str = "auto"):
+                  num_buckets: int = 64, reuse: bool = True, *, res_col, chunk: int = 0, col_chunk: int = 0,
+                  warps: int = 0, impl: str = "auto"):
     """``chunk``: columns and selected pages at a time (power of 2 >= 16; default ``CHUNK``;
-    the kernel's only). ``impl``: "auto", "triton" or "torch" (``kernels._impl``)."""
+    the kernel's only); ``col_chunk``: columns at a time alone (selected pages as by default);
+    ``warps``: per program (default ``WARPS``; the kernel's only).
+    ``impl``: "auto", "triton" or "torch" (``kernels._impl``)."""
     if resolve_impl(impl, want.device) == "torch":
         return buffer_lookup_ref(res_page, res_slot, last_use, rows, layer, want, now, counters,
                                  num_buckets, reuse, res_col)
@@ -70,7 +74,7 @@ def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int
     # through the page map: with 500+ pages in chunks of 64 the walk was latency-bound);
     # columns in chunks of 64 (pass 3 holds a [buckets, chunk] tile).
     kb = chunk or min(1024, max(CHUNK, next_pow2(K)))
-    chunk = chunk or CHUNK
+    chunk = col_chunk or chunk or CHUNK
     # Scratch rows of each (request, head): column state, selection state, victim columns.
     scratch = torch.empty(3, B * H, max(K, C), dtype=torch.int32, device=want.device)
     kmod._buffer_lookup[(B * H,)](
@@ -79,7 +83,7 @@ def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int
         int(layer), res_page.stride(0), res_page.stride(1), res_page.stride(2),
         res_col.stride(0), res_col.stride(1), res_col.stride(2), K, C, H,
         NUM_BUCKETS=num_buckets, KB=kb, CB=chunk, NKC=-(-K // kb), NCC=-(-C // chunk),
-        NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse, NOW_FROM_PTR=now_from_ptr, num_warps=4,
+        NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse, NOW_FROM_PTR=now_from_ptr, num_warps=warps or WARPS,
     )
     return slots, miss_dst, miss.bool()
 

@@ -50,7 +50,7 @@ from ._impl import resolve_impl
 from ._triton_support import interpreter_requested, load_kernel_module, next_pow2
 from .page_select import MAX_ROW_PAGES, _check_scores, _row_launch, page_scores_ref, select_ragged_ref
 
-__all__ = ["quest_select", "quest_select_ref", "select_chunk"]
+__all__ = ["fused_pays", "quest_select", "quest_select_ref", "select_chunk"]
 
 # Pages per scoring block of pass 1: ``page_scores``' block, so the float sums are its own.
 SCORE_BLOCK = 64
@@ -81,6 +81,22 @@ def quest_select_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pa
     if dense_rows is not None:  # every middle page: a budget no row reaches
         budgets = torch.where(dense_rows[:, None], scores.shape[-1], budgets)
     return select_ragged_ref(scores, num_pages, sink_pages, local_pages, budgets, width)
+
+
+# Where the two launches beat the separate steps (``bench_select.py --quest`` on the H200,
+# 2026-12-05, per decode step of 32 layers, CUDA graphs): only with many rows and narrow
+# selections (60 x 32K, uniform 2K budgets: 4.2 against 5.0 ms). With S-HPLB's per-head
+# budgets (the widest head takes ~540 pages) a pass-1 program scores a chunk of 2048 pages in
+# sequence and the grid has B * Hkv * 3 programs: 4.5 against 2.6 ms at 4 x 128K, 7.4 against
+# 5.0 at 60 x 32K; at 1 x 128K 1.4 against 0.9 even with uniform budgets.
+FUSED_MIN_ROWS = 128  # (request, KV head) rows
+FUSED_MAX_WIDTH = 128  # pages a head selects, sink and local included
+
+
+def fused_pays(rows: int, width: int) -> bool:
+    """Whether ``quest_select`` is faster than the separate steps for ``rows`` (request, KV
+    head) rows selecting up to ``width`` pages each (the measurements above)."""
+    return rows >= FUSED_MIN_ROWS and width <= FUSED_MAX_WIDTH
 
 
 def select_chunk(P: int, width: int) -> int:

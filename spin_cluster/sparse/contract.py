@@ -116,11 +116,13 @@ class SparseAlgorithm(ABC):
         are masked by the system."""
 
     def select_top(self, layer: int, q: torch.Tensor, rows: torch.Tensor, plan,
-                   held: torch.Tensor | None, margin: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                   held: torch.Tensor | None, margin: float,
+                   force: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Select whole under the top-k rule, in the algorithm's own kernels: exactly what
         ``score``, ``margin`` (score units) added to the ``held`` [B, Hkv, P] pages and
         ``select_pages`` return for the layer's ``SelectPlan`` (want [B, Hkv, W],
-        num_selected [B, Hkv]), or None to leave it to them (the default)."""
+        num_selected [B, Hkv]), or None to leave it to them (the default; also where the
+        algorithm's kernels are slower at this shape, unless ``force``)."""
         return None
 
 

@@ -20,9 +20,10 @@ writes and reads of pages that have none, so that updates keep fixed shapes), in
 slack) so that the bounds stay bounds; it halves the bytes Select reads, which at 128K tokens
 and 2K budgets are more than Attention reads.
 
-On CUDA, with one scoring block per page, Select runs whole in ``kernels/quest_select.py``
-(``select_top``: scores, the hysteresis margin and the per-head top-k in two launches, the
-same pages as the separate steps).
+On CUDA, with one scoring block per page, many rows and narrow selections, Select runs whole
+in ``kernels/quest_select.py`` (``select_top``: scores, the hysteresis margin and the per-head
+top-k in two launches, the same pages as the separate steps); elsewhere the separate steps are
+faster (``quest_select.fused_pays``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 from spin_cluster.kernels.index_append import bounds_append_planned, plan_bounds_append
 from spin_cluster.kernels.page_select import MAX_ROW_PAGES, page_scores
-from spin_cluster.kernels.quest_select import quest_select
+from spin_cluster.kernels.quest_select import fused_pays, quest_select
 from spin_cluster.sparse.contract import SparseAlgorithm, register
 
 
@@ -103,10 +104,13 @@ class Quest(SparseAlgorithm):
         # the context) have empty bounds (inf, -inf), whose score is NaN: they count as -inf.
         return scores.nan_to_num_(nan=float("-inf")).view(*scores.shape[:2], num_pages, nb).amax(-1)
 
-    def select_top(self, layer, q, rows, plan, held, margin):
-        # On CUDA, one page per scoring block: scores, margin and top-k in two launches
+    def select_top(self, layer, q, rows, plan, held, margin, force=False):
+        # On CUDA, one page per scoring block, where it pays (``fused_pays``: many rows,
+        # narrow selections): scores, margin and top-k in two launches
         # (``kernels/quest_select.py``), else the separate steps.
         if not q.is_cuda or self.blocks_per_page != 1 or plan.max_pages > MAX_ROW_PAGES:
+            return None
+        if not force and not fused_pays(q.shape[0] * self.num_kv_heads, plan.budget_width):
             return None
         pages = self._score_blocks(rows, plan.max_pages)  # [B, P]
         return quest_select(q, self.kmin[layer], self.kmax[layer], pages, plan.num_pages, plan.sink_pages,

@@ -64,7 +64,7 @@ class SelectPlan:
 
 def select_layer(algorithm: SparseAlgorithm, layer: int, q: torch.Tensor, rows: torch.Tensor, plan: SelectPlan,
                  resident: torch.Tensor | None = None, resident_margin: float = 0.0,
-                 fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Select for one layer of a decode step, whole: the algorithm's page scores for the
     queries q [B, H, D] of table rows [B], the hysteresis, then ``select_pages``. Returns
     (want [B, Hkv, K] page ids with -1 padding, num_selected [B, Hkv]).
@@ -74,16 +74,18 @@ def select_layer(algorithm: SparseAlgorithm, layer: int, q: torch.Tensor, rows: 
     the cut does not leave and come back step after step.
 
     Under the top-k rule an algorithm may do all of it in its own kernels
-    (``SparseAlgorithm.select_top``: Quest on CUDA), with the same result; ``fused=False``
-    takes the separate steps (what the tests and ``benchmarks/bench_select.py`` compare with).
+    (``SparseAlgorithm.select_top``: Quest on CUDA, where it is faster), with the same result;
+    ``fused=True`` takes the algorithm's kernels wherever it has them, ``fused=False`` the
+    separate steps (what the tests and ``benchmarks/bench_select.py`` compare).
     """
     scores = None
     if not algorithm.selects_all:
         # Scores are q.k summed over the G query heads of a KV head: a logit times G sqrt(D).
         logit_scale = algorithm.num_kv_heads / (q.shape[1] * q.shape[2] ** 0.5)
         margin = resident_margin / logit_scale if resident_margin and resident is not None else 0.0  # score units
-        if fused and plan.top_p is None and plan.max_budget > 0:
-            picked = algorithm.select_top(layer, q, rows, plan, resident if margin else None, margin)
+        if fused is not False and plan.top_p is None and plan.max_budget > 0:
+            picked = algorithm.select_top(layer, q, rows, plan, resident if margin else None, margin,
+                                          force=fused is True)
             if picked is not None:
                 return picked
         scores = algorithm.score(layer, q, rows, plan.max_pages)

@@ -4,7 +4,7 @@ separate steps: the same page ids in the same order and the same counts."""
 import pytest
 import torch
 
-from spin_cluster.kernels.quest_select import quest_select, quest_select_ref, select_chunk
+from spin_cluster.kernels.quest_select import fused_pays, quest_select, quest_select_ref, select_chunk
 from spin_cluster.sparse import SelectPlan, get_algorithm, select_layer
 
 from .conftest import check_impls
@@ -158,10 +158,17 @@ def test_fused_select_equals_the_separate_steps_on_gpu(index_dtype, B, context):
     held = torch.rand(B, hkv, P, device=dev, generator=g) < 0.2
     for margin in (0.0, 0.5):
         old = select_layer(quest, 0, q, rows, plan, held, margin, fused=False)
-        new = select_layer(quest, 0, q, rows, plan, held, margin)
+        new = select_layer(quest, 0, q, rows, plan, held, margin, fused=True)
         assert torch.equal(new[1], old[1]) and torch.equal(new[0], old[0])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = select_layer(quest, 0, q, rows, plan, held, margin)
+            out = select_layer(quest, 0, q, rows, plan, held, margin, fused=True)
         graph.replay()
         assert torch.equal(out[0], old[0]) and torch.equal(out[1], old[1])
+
+
+def test_the_fused_select_runs_only_where_it_was_measured_faster():
+    """Many rows of narrow selections (60 x 32K, uniform budgets); not S-HPLB's wide heads,
+    nor a batch of a few requests."""
+    assert fused_pays(60 * 8, 67)
+    assert not fused_pays(4 * 8, 67) and not fused_pays(60 * 8, 537) and not fused_pays(1 * 8, 537)
