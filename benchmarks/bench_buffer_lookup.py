@@ -26,7 +26,6 @@ from spin_cluster.bench.args import add_out_folder, write_result  # noqa: E402
 SHAPES = [  # B, C, K: batch, share columns, selected pages per head
     (4, 4608, 540),  # 4 x 128K, elastic shares, the widest S-HPLB head
     (4, 1080, 540),  # the same head with a share of twice its selection
-    (4, 4608, 70),  # uniform 2K budget
     (60, 1080, 540),  # 60 x 32K, S-HPLB
     (1, 4608, 540),  # one 128K request
 ]
@@ -92,8 +91,8 @@ def time_lookup(B, C, K, miss, chunk, warps, calls, repeats, dev) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--miss", type=float, default=0.1, help="fraction of each head's selection not held")
-    ap.add_argument("--chunks", type=int, nargs="+", default=[64, 128, 256, 512])
-    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--calls", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     add_out_folder(ap)
