@@ -17,6 +17,8 @@
 #           throughput of Spin (pages born on the GPU; per-head buffer shares, so that the
 #           buffer reserves each head its own selection and the rest of the 100 GiB are home
 #           pages) beside dense [4.5]
+#   128ks   128k with Spin's prefill block-sparse (PREFILL of the blocks, default 0.125), dense's
+#           cuDNN as before: each mode's best prefill, the whole batch [4.5]
 #   q32     Qwen2.5-32B shapes (64 GB of weights): N32 (default 4) x 128K prompts, 256 output tokens,
 #           60 GiB of GPU KV for each mode (dense holds one or two), Spin with 88 GiB of FP8 host
 #           pages behind its 60 GiB, block-sparse prefill PREFILL and hysteresis MARGIN (cap64f's) [9.5]
@@ -97,5 +99,7 @@ for r in ${RUNS:-check}; do
           --per-head-shares --buffer-share 8 --sparse-prefill "${PREFILL:-0.125}" --resident-margin 0.5 ;;
     128k) run 128k 230 --modes dense spin --workloads offline-128K --offline-lengths 131072 --offline-batch 4 \
             --gpu-kv-gib 100 --host-kv-gib 72 --per-head-shares ;;
+    128ks) run 128ks 230 --modes dense spin --workloads offline-128K --offline-lengths 131072 --offline-batch 4 \
+             --gpu-kv-gib 100 --host-kv-gib 72 --per-head-shares --sparse-prefill "${PREFILL:-0.125}" ;;
   esac
 done
