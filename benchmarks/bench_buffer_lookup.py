@@ -4,7 +4,8 @@
 
 ``kernels/buffer_lookup.py`` runs one program per (request, KV head); a head with a miss walks
 its whole share twice (ages, then victims), so a share as wide as the request (an elastic share
-at 128K holds up to 4,608 columns) costs far more per miss step than a share of a few hundred.
+may grow to the request's every page: 4,608 columns here) costs far more per miss step than a
+share of a few hundred.
 Each row here is one layer's lookup at Llama-3.1-8B's 8 KV heads: B requests, shares of C
 columns of which 70% hold a page, K pages selected per head of which MISS are new, a fresh
 selection every call (so misses recur). Microseconds per call (median of REPEATS timings of

@@ -26,9 +26,10 @@ Two implementations with the same contract: the Triton kernel (one launch: one p
 (row, head); CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and
 ``buffer_lookup_ref`` (fixed-shape torch ops, about 60 per call; ``res_col`` optional).
 ``buffer_lookup(..., impl="auto")`` picks one (``kernels._impl``: the kernel on CUDA). The
-Triton launch finds hits through the map and walks columns in chunks of 64 and selected
-pages in one chunk of up to 1024, O(K + C) per head (O(K) for a head without a miss) at any width: per-head budgets of 500+ pages and shares of 1000+ columns
-are what S-HPLB gives its widest heads.
+Triton launch finds hits through the map and walks columns in chunks of ``CHUNK`` and
+selected pages in one chunk of up to 1024, O(K + C) per head (O(K) for a head without a miss)
+at any width: per-head budgets of 500+ pages and shares of 1000+ columns are what S-HPLB gives
+its widest heads.
 Neither syncs with the host. This module imports only torch (and Triton, lazily).
 """
 
@@ -72,7 +73,7 @@ def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int
         return slots, miss_dst, miss.bool()
     # Selected pages go in one chunk when they fit 1024 (each chunk is a round trip to memory
     # through the page map: with 500+ pages in chunks of 64 the walk was latency-bound);
-    # columns in chunks of 64 (pass 3 holds a [buckets, chunk] tile).
+    # columns in chunks of CHUNK (a head with a miss walks its share twice, chunk by chunk).
     kb = chunk or min(1024, max(CHUNK, next_pow2(K)))
     chunk = col_chunk or chunk or CHUNK
     # Scratch rows of each (request, head): column state, selection state, victim columns.
