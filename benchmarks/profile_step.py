@@ -411,7 +411,7 @@ _PARTS = (
     ("select", ("_page_scores", "_label_scores", "_select_ragged", "_topk_ragged", "_quest_append", "scatter_reduce",
                 "index_fill", "_strided_mass", "_quest_select_local", "_select_local", "_select_merge",
                 "_bounds_append")),
-    ("retrieve", ("_buffer_lookup", "_lookup_epilogue", "_retrieve_pages")),
+    ("retrieve", ("_buffer_lookup", "_retrieve_pages")),
     ("offload", ("_write_tokens",)),
     ("attention", ("_paged_decode", "_block_sparse_prefill", "flash", "fmha", "attention", "cudnn", "sdpa")),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitK", "cublas")),

@@ -18,6 +18,14 @@ O(K) per head, not O(C).
 
 One pass's per-column and per-selection state waits for the next in scratch rows
 (col_state [C], sel_state [K], rank_col [C]); the step's counters are added atomically.
+
+RESOLVE (``resolve_selected``): the whole of a decode layer's page resolution in this one launch.
+Pass 1 also reads each selected page's segment from the directory: a page whose home is on
+the GPU (segment >= first_gpu) is read in place (its slot is arithmetic), its segment stamped
+for the spill order, and the share never sees it (selection state -3); pass 5 also writes the
+misses' host pages (Retrieve's sources), each head's attended length and its newest token's
+slot (the lookup epilogue's outputs). That replaced about 25 torch kernels and a second launch
+per layer (the directory gather, the tier test, the stamp's scatter, two merges, the epilogue).
 """
 
 import triton
@@ -34,11 +42,15 @@ def _buffer_lookup(
     now_ptr, now_val, layer, stride_row, stride_layer, stride_head,
     col_stride_row, col_stride_layer, col_stride_head,
     K, C, NUM_HEADS,
+    dir_ptr, dir_stride_row, dir_stride_layer, dir_stride_head, first_gpu, gpu_slot_offset, gpu_last_use_ptr,
+    num_sel_ptr, tail_ptr, src_out, lens_out, tail_slot_out,
     NUM_BUCKETS: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr, NKC: tl.constexpr, NCC: tl.constexpr,
     NB_PAD: tl.constexpr, REUSE: tl.constexpr, NOW_FROM_PTR: tl.constexpr,
+    RESOLVE: tl.constexpr, HOMES: tl.constexpr, SEGMENT_PAGES: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     """NKC, NCC: chunk counts (compile-time: a kernel per few shapes, and loop bounds the
-    interpreter accepts)."""
+    interpreter accepts). RESOLVE: the directory and epilogue arguments are used (else
+    ignored); HOMES: some segments are GPU homes (ids >= first_gpu)."""
     pid = tl.program_id(0)
     b = pid // NUM_HEADS
     h = pid % NUM_HEADS
@@ -56,15 +68,23 @@ def _buffer_lookup(
     col_state = col_state_ptr + pid.to(tl.int64) * C
     sel_state = sel_state_ptr + pid.to(tl.int64) * K
     rank_col = rank_col_ptr + pid.to(tl.int64) * C
+    dir_base = row * dir_stride_row + layer * dir_stride_layer + h * dir_stride_head
 
-    # Pass 1, selections: hit column (through the map), or -2 for a miss, -1 for padding.
+    # Pass 1, selections: hit column (through the map), or -2 for a miss, -1 for padding
+    # (RESOLVE with HOMES: -3 for a page at home on the GPU, which the share never sees).
     need = 0
     n_valid = 0
     for ki in range(NKC):
         ks = ki * KB + kr
         k_in = ks < K
-        w = tl.load(want_row + ks, mask=k_in, other=-1)
+        w = tl.load(want_row + ks, mask=k_in, other=-1).to(tl.int32)
         valid = w >= 0
+        home = valid & (w < 0)  # none: RESOLVE with HOMES finds them
+        if RESOLVE and HOMES:
+            seg = tl.load(dir_ptr + dir_base + tl.maximum(w, 0) // SEGMENT_PAGES, mask=valid, other=-1)
+            home = valid & (seg >= first_gpu)
+            tl.store(gpu_last_use_ptr + (seg - first_gpu), tl.full([KB], 0, tl.int32) + now, mask=home)
+            valid = valid & ~home
         if REUSE:
             col = tl.load(res_col_ptr + col_base + tl.maximum(w, 0), mask=valid, other=-1).to(tl.int32)
         else:
@@ -73,7 +93,7 @@ def _buffer_lookup(
         miss = valid & ~hit
         need += tl.sum(miss.to(tl.int32), axis=0)
         n_valid += tl.sum(valid.to(tl.int32), axis=0)
-        tl.store(sel_state + ks, tl.where(hit, col, tl.where(miss, -2, -1)), mask=k_in)
+        tl.store(sel_state + ks, tl.where(hit, col, tl.where(miss, -2, tl.where(home, -3, -1))), mask=k_in)
     tl.debug_barrier()
 
     evicted = need * 0  # a tensor like need: both branches of the if below give one type
@@ -135,12 +155,16 @@ def _buffer_lookup(
     # Pass 5, selections in order: the i-th miss takes the i-th victim; outputs, the share
     # and its map updated (a victim's old page is never selected: it would have been a hit).
     run_miss = 0
+    if RESOLVE:
+        n_sel = tl.load(num_sel_ptr + pid).to(tl.int32)
+        tail = tl.load(tail_ptr + b).to(tl.int32)
+        tail_slot = (n_sel * 0).to(tl.int64)
     for ki in range(NKC):
         ks = ki * KB + kr
         k_in = ks < K
         st = tl.load(sel_state + ks, mask=k_in, other=-1)
-        w = tl.load(want_row + ks, mask=k_in, other=-1)
-        valid = st != -1
+        w = tl.load(want_row + ks, mask=k_in, other=-1).to(tl.int32)
+        valid = (st >= 0) | (st == -2)  # the share's selections (not padding, not GPU homes)
         hit = st >= 0
         miss = st == -2
         m_rank = run_miss + tl.cumsum(miss.to(tl.int32), axis=0) - 1
@@ -148,7 +172,18 @@ def _buffer_lookup(
         col = tl.where(hit, st, tl.where(miss, miss_col, 0))
         col = tl.minimum(tl.maximum(col, 0), C - 1)
         got = tl.load(res_slot_ptr + base + col, mask=k_in, other=0)
-        tl.store(slots_out + pid * K + ks, tl.where(valid, got, 0), mask=k_in)
+        out = tl.where(valid, got, 0)
+        if RESOLVE:
+            # Home page ids (homes.py): segment * E + page within it; a GPU home's slot is that
+            # plus gpu_slot_offset. Misses' pages are Retrieve's sources.
+            home = st == -3
+            safe = tl.maximum(w, 0)
+            seg = tl.load(dir_ptr + dir_base + safe // SEGMENT_PAGES, mask=miss | home, other=0).to(tl.int64)
+            page = seg * SEGMENT_PAGES + safe % SEGMENT_PAGES
+            out = tl.where(home, (page + gpu_slot_offset).to(tl.int32), out)
+            tl.store(src_out + pid * K + ks, tl.where(miss, page, -1), mask=k_in)
+            tail_slot += tl.sum(tl.where(ks == tl.maximum(n_sel - 1, 0), out, 0).to(tl.int64), axis=0)
+        tl.store(slots_out + pid * K + ks, out, mask=k_in)
         tl.store(miss_dst_out + pid * K + ks, tl.where(miss, got.to(tl.int64), -1), mask=k_in)
         tl.store(miss_out + pid * K + ks, miss.to(tl.int8), mask=k_in)
         if REUSE:
@@ -158,6 +193,9 @@ def _buffer_lookup(
         tl.store(res_page_ptr + base + col, w, mask=k_in & miss)
         tl.store(last_use_ptr + base + col, tl.full([KB], 0, tl.int32) + now, mask=k_in & valid)
         run_miss += tl.sum(miss.to(tl.int32), axis=0)
+    if RESOLVE:
+        tl.store(lens_out + pid, (n_sel - 1) * PAGE_SIZE + tail)
+        tl.store(tail_slot_out + pid, tail_slot * PAGE_SIZE + (tail - 1))
     tl.atomic_add(counters_ptr + 0, n_valid.to(tl.int64))
     tl.atomic_add(counters_ptr + 1, (n_valid - need).to(tl.int64))
     tl.atomic_add(counters_ptr + 2, need.to(tl.int64))

@@ -31,9 +31,30 @@ selected pages in one chunk of up to 1024, O(K + C) per head (O(K) for a head wi
 at any width: per-head budgets of 500+ pages and shares of 1000+ columns are what S-HPLB gives
 its widest heads.
 Neither syncs with the host. This module imports only torch (and Triton, lazily).
+
+A decode layer's whole page resolution, in the same one launch::
+
+    slots, miss_dst, src, lens, tail_slot = resolve_selected(res_page, res_slot, last_use, rows,
+        layer, want, num_selected, tail_len, now, counters, homes, res_col=res_col)
+
+    homes         HomeMap: the directory and where the GPU homes begin (``kvcache.homes``)
+    num_selected  [B, Hkv] int   valid entries per head (>= 1: the tail page, last)
+    tail_len      [B] int        tokens in each request's tail page (1..S)
+    returns  slots [B, Hkv, K] int32   every selected page's slot: a GPU home page's own slot
+                                       (read in place; the share never sees it), else the
+                                       buffer's, as ``buffer_lookup``
+             miss_dst [B*Hkv*K] int64  as ``buffer_lookup``
+             src [B*Hkv*K] int64       each miss's host page (Retrieve's sources), -1 elsewhere
+             lens [B, Hkv] int32       tokens each head attends: (num_selected - 1) * S + tail_len
+             tail_slot [B*Hkv] int64   flat slot of each head's newest token (the write-through)
+    and each selected GPU home's segment stamped with ``now`` in homes.gpu_last_use (the spill
+    order). ``resolve_selected_ref`` is the same in torch ops: the directory lookup, the tier
+    test, the stamp, ``buffer_lookup_ref``, then the epilogue's outputs (``_epilogue_ref``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -41,7 +62,7 @@ from ._impl import resolve_impl
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2
 from .bucketed_lru import _check_row_value, bucketed_lru_victims_ref
 
-__all__ = ["buffer_lookup", "buffer_lookup_ref", "page_columns"]
+__all__ = ["HomeMap", "buffer_lookup", "buffer_lookup_ref", "page_columns", "resolve_selected", "resolve_selected_ref"]
 
 CHUNK = 256  # columns (and at least as many selected pages) per chunk of the kernel
 WARPS = 4  # warps per program
@@ -57,6 +78,15 @@ def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int
     if resolve_impl(impl, want.device) == "torch":
         return buffer_lookup_ref(res_page, res_slot, last_use, rows, layer, want, now, counters,
                                  num_buckets, reuse, res_col)
+    slots, miss_dst, miss = _launch(res_page, res_slot, last_use, rows, layer, want, now, counters, num_buckets,
+                                    reuse, res_col, chunk, col_chunk, warps)
+    return slots, miss_dst, miss.bool()
+
+
+def _launch(res_page, res_slot, last_use, rows, layer, want, now, counters, num_buckets, reuse, res_col,
+            chunk, col_chunk, warps, resolve=None):
+    """The kernel's one launch; ``resolve``: (homes, num_selected, tail_len) for
+    ``resolve_selected``. Returns slots, miss_dst, miss (int8) and (resolve) src, lens, tail_slot."""
     _check(res_page, res_slot, last_use, rows, want, counters, now)
     kmod = load_kernel_module("_buffer_lookup_kernel", "buffer_lookup", "buffer_lookup_ref")
     if want.device.type != "cuda" and not is_interpreted(kmod._buffer_lookup):
@@ -65,28 +95,121 @@ def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int
     C = res_page.shape[-1]
     _check_map(res_col, res_page)
     now_from_ptr = isinstance(now, torch.Tensor)
-    want32 = want.to(torch.int32).contiguous()
-    slots = torch.empty(B, H, K, dtype=torch.int32, device=want.device)
-    miss_dst = torch.empty(B * H * K, dtype=torch.int64, device=want.device)
-    miss = torch.empty(B, H, K, dtype=torch.int8, device=want.device)
+    want = want.contiguous()  # any integer dtype: the kernel loads it as int32
+    dev = want.device
+    slots = torch.empty(B, H, K, dtype=torch.int32, device=dev)
+    miss_dst = torch.empty(B * H * K, dtype=torch.int64, device=dev)
+    miss = torch.empty(B, H, K, dtype=torch.int8, device=dev)
+    if resolve is None:
+        outs = ()
+        dir_args = (counters, 0, 0, 0, 0, 0, counters, counters, counters, counters, counters, counters)
+    else:
+        homes, num_selected, tail_len = resolve
+        src = torch.empty(B * H * K, dtype=torch.int64, device=dev)
+        lens = torch.empty(B, H, dtype=torch.int32, device=dev)
+        tail_slot = torch.empty(B * H, dtype=torch.int64, device=dev)
+        d = homes.directory
+        stamp = homes.gpu_last_use if homes.gpu_last_use is not None else counters
+        dir_args = (d, d.stride(0), d.stride(1), d.stride(2), homes.first_gpu_segment, homes.gpu_slot_offset, stamp,
+                    num_selected.contiguous(), tail_len.contiguous(), src, lens, tail_slot)
+        outs = (src, lens, tail_slot)
     if not B * H:
-        return slots, miss_dst, miss.bool()
+        return (slots, miss_dst, miss) + outs
     # Selected pages go in one chunk when they fit 1024 (each chunk is a round trip to memory
     # through the page map: with 500+ pages in chunks of 64 the walk was latency-bound);
     # columns in chunks of CHUNK (a head with a miss walks its share twice, chunk by chunk).
     kb = chunk or min(1024, max(CHUNK, next_pow2(K)))
     chunk = col_chunk or chunk or CHUNK
     # Scratch rows of each (request, head): column state, selection state, victim columns.
-    scratch = torch.empty(3, B * H, max(K, C), dtype=torch.int32, device=want.device)
+    scratch = torch.empty(3, B * H, max(K, C), dtype=torch.int32, device=dev)
     kmod._buffer_lookup[(B * H,)](
-        want32, rows.contiguous(), res_page, res_slot, last_use, res_col, slots, miss_dst, miss, counters,
+        want, rows.contiguous(), res_page, res_slot, last_use, res_col, slots, miss_dst, miss, counters,
         scratch[0], scratch[1], scratch[2], now if now_from_ptr else counters, 0 if now_from_ptr else int(now),
         int(layer), res_page.stride(0), res_page.stride(1), res_page.stride(2),
-        res_col.stride(0), res_col.stride(1), res_col.stride(2), K, C, H,
+        res_col.stride(0), res_col.stride(1), res_col.stride(2), K, C, H, *dir_args,
         NUM_BUCKETS=num_buckets, KB=kb, CB=chunk, NKC=-(-K // kb), NCC=-(-C // chunk),
-        NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse, NOW_FROM_PTR=now_from_ptr, num_warps=warps or WARPS,
+        NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse, NOW_FROM_PTR=now_from_ptr,
+        RESOLVE=resolve is not None, HOMES=resolve is not None and resolve[0].gpu_last_use is not None,
+        SEGMENT_PAGES=resolve[0].segment_pages if resolve else 1, PAGE_SIZE=resolve[0].page_size if resolve else 1,
+        num_warps=warps or WARPS,
     )
-    return slots, miss_dst, miss.bool()
+    return (slots, miss_dst, miss) + outs
+
+
+@dataclass(frozen=True)
+class HomeMap:
+    """Where each selected page lives, for ``resolve_selected`` (``spin_cluster.kvcache.homes``
+    and ``directory`` own the layout): page id = directory[row, layer, head, p // E] * E + p % E."""
+
+    directory: torch.Tensor  # [R, L, Hkv, n_seg] int32 segment ids (-1: none), last dim contiguous
+    segment_pages: int  # E
+    page_size: int  # S
+    first_gpu_segment: int  # segment ids from here on are GPU homes
+    gpu_slot_offset: int  # a GPU home page id + this = its slot in the page array
+    gpu_last_use: torch.Tensor | None  # [Ng + 1] int32 step of each GPU segment's last pick; None: no GPU homes
+
+
+def resolve_selected(res_page, res_slot, last_use, rows, layer: int, want, num_selected, tail_len, now, counters,
+                     homes: HomeMap, num_buckets: int = 64, reuse: bool = True, *, res_col, chunk: int = 0,
+                     col_chunk: int = 0, warps: int = 0, impl: str = "auto"):
+    """The module docstring's second contract; arguments as ``buffer_lookup``'s."""
+    _check_resolve(want, num_selected, rows, tail_len, homes)
+    if resolve_impl(impl, want.device) == "torch":
+        return resolve_selected_ref(res_page, res_slot, last_use, rows, layer, want, num_selected, tail_len, now,
+                                    counters, homes, num_buckets, reuse, res_col)
+    slots, miss_dst, _, src, lens, tail_slot = _launch(
+        res_page, res_slot, last_use, rows, layer, want, now, counters, num_buckets, reuse, res_col, chunk,
+        col_chunk, warps, resolve=(homes, num_selected, tail_len))
+    return slots, miss_dst, src, lens, tail_slot
+
+
+def resolve_selected_ref(res_page, res_slot, last_use, rows, layer: int, want, num_selected, tail_len, now,
+                         counters, homes: HomeMap, num_buckets: int = 64, reuse: bool = True, res_col=None):
+    _check_resolve(want, num_selected, rows, tail_len, homes)
+    E = homes.segment_pages
+    at_home = None
+    if homes.gpu_last_use is not None:  # GPU home pages are read in place; the share sees host pages only
+        safe = want.clamp(min=0).long()
+        seg = homes.directory[rows, layer].gather(2, safe // E).long()  # [B, Hkv, K]
+        home = (want >= 0) & (seg >= homes.first_gpu_segment)
+        at_home = torch.where(home, seg * E + safe % E + homes.gpu_slot_offset, -1)
+        spare = homes.gpu_last_use.shape[0] - 1  # takes the stamps of host pages and padding
+        stamp = torch.where(home, seg - homes.first_gpu_segment, spare).reshape(-1)
+        now_t = now.reshape(()) if isinstance(now, torch.Tensor) else torch.tensor(now, device=want.device)
+        homes.gpu_last_use.index_copy_(0, stamp, now_t.to(torch.int32).expand(stamp.numel()))
+        want = torch.where(home, -1, want)
+    slots, miss_dst, miss = buffer_lookup_ref(res_page, res_slot, last_use, rows, layer, want, now, counters,
+                                              num_buckets, reuse, res_col)
+    if at_home is not None:
+        slots = torch.where(at_home >= 0, at_home, slots).int()
+    src, lens, tail_slot = _epilogue_ref(want, slots, miss, num_selected, rows, tail_len, homes.directory, layer, E,
+                                         homes.page_size)
+    return slots, miss_dst, src, lens, tail_slot
+
+
+def _epilogue_ref(want, slots, miss, num_selected, rows, tail_len, directory, layer: int, E: int, S: int):
+    """The misses' host pages, each head's attended length and its newest token's flat slot
+    (the slot of its last selected page, the tail, * S + tail_len - 1)."""
+    safe = want.clamp(min=0).long()
+    seg = directory[rows, layer].gather(2, safe // E).long()  # [B, Hkv, K]
+    src = torch.where(miss & (want >= 0), seg * E + safe % E, -1).view(-1)
+    tail = tail_len.long()[:, None]  # [B, 1]
+    last = slots.gather(-1, (num_selected.long() - 1).clamp(min=0)[..., None])[..., 0].long()  # [B, Hkv]
+    lens = ((num_selected.long() - 1) * S + tail).to(torch.int32)
+    return src, lens, (last * S + tail - 1).reshape(-1)
+
+
+def _check_resolve(want, num_selected, rows, tail_len, homes: HomeMap) -> None:
+    B, H, _ = want.shape
+    if tuple(num_selected.shape) != (B, H) or tuple(tail_len.shape) != (B,):
+        raise ValueError(f"num_selected must be [B, Hkv] = [{B}, {H}] and tail_len [B]; got "
+                         f"{tuple(num_selected.shape)} and {tuple(tail_len.shape)}")
+    d = homes.directory
+    if d.dim() != 4 or d.shape[2] != H or d.stride(3) != 1 or d.dtype != torch.int32:
+        raise ValueError(f"the directory must be [R, L, {H}, n_seg] int32, contiguous in its last dimension")
+    g = homes.gpu_last_use
+    if g is not None and (g.dim() != 1 or g.dtype != torch.int32 or g.shape[0] < 1):
+        raise ValueError("gpu_last_use must be [Ng + 1] int32")
 
 
 def page_columns(res_page: torch.Tensor, num_pages: int) -> torch.Tensor:

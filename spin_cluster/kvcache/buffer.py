@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spin_cluster.kernels.buffer_lookup import buffer_lookup, page_columns
+from spin_cluster.kernels.buffer_lookup import HomeMap, buffer_lookup, page_columns, resolve_selected
 from spin_cluster.kvcache.free_list import FreeList, check_partition
 from spin_cluster.kvcache.lru import DEFAULT_NUM_BUCKETS
 
@@ -309,6 +309,15 @@ class GpuBuffer:
                                    counters, num_buckets=self.num_buckets, reuse=self.reuse, res_col=self.res_col)
         # The caller pairs miss_dst with the host pages (it knows the directory).
         return Lookup(slots=slots, miss_dst=miss_dst), miss
+
+    def resolve(self, rows: torch.Tensor, layer: int, want: torch.Tensor, num_selected: torch.Tensor,
+                tail_len: torch.Tensor, now: torch.Tensor, homes: HomeMap) -> tuple[torch.Tensor, ...]:
+        """A decode layer's selected pages -> slots in one launch on CUDA (``kernels.buffer_lookup``'s
+        ``resolve_selected``): pages at home on the GPU are read in place, host pages looked up
+        as ``lookup`` does. Returns (slots, miss_dst, src, lens, tail_slot) as documented there."""
+        return resolve_selected(self.res_page, self.res_slot, self.res_last_use, rows, layer, want, num_selected,
+                                tail_len, now, self.counters, homes, num_buckets=self.num_buckets, reuse=self.reuse,
+                                res_col=self.res_col)
 
     def install_plan(self, row: int, first_token: int, num_tokens: int, page_size: int) -> "InstallPlan | None":
         """Which pages of a prefill chunk (tokens first_token .. +num_tokens of ``row``) to keep

@@ -5,12 +5,13 @@
                compute; inside a CUDA graph, on the graph's own stream (a decode step's few KB
                need no overlap, and a graph must not wait on work outside it)
     write      K/V rows -> GPU buffer slots (prefill's installed pages), on the compute stream
-    Retrieve   a decode layer's selected pages -> their GPU buffer slots, whole (``retrieve``):
-               GPU home pages read in place (their slot is arithmetic: ``homes.py``); for
-               host pages the buffer's lookup (hits, and slots for the misses by the bucketed
-               LRU), the epilogue (the misses' host pages from the directory, each head's attended
-               length, its newest token's slot), one zero-copy gather launch of the misses
-               from pinned host memory, and the new token's write-through into its tail slot
+    Retrieve   a decode layer's selected pages -> their GPU buffer slots, whole (``retrieve``),
+               in three launches: the resolution (GPU home pages read in place, their slot
+               arithmetic: ``homes.py``; for host pages the buffer's lookup, hits and slots for
+               the misses by the bucketed LRU; the misses' host pages from the directory, each
+               head's attended length and its newest token's slot: ``GpuBuffer.resolve``), one
+               zero-copy gather of the misses from pinned host memory, and the new token's
+               write-through into its tail slot
     gather     home pages -> a gather buffer (a prefill chunk's context): one launch per tier
 
 Before a Retrieve reads host pages that this step's Offload wrote (a later prefill chunk's
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from spin_cluster.kernels import lookup_epilogue, offload, retrieve
+from spin_cluster.kernels import offload, retrieve
+from spin_cluster.kernels.buffer_lookup import HomeMap
 from spin_cluster.kvcache.buffer import GpuBuffer
 from spin_cluster.kvcache.directory import SegmentDirectory
 from spin_cluster.kvcache.homes import PageHomes
@@ -37,6 +39,11 @@ class Transfer:
         self.directory = directory  # where it finds their home pages
         self.write = offload.write_tokens  # (dst_k, dst_v, k, v, slots)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Where Retrieve finds selected pages: the directory, and the GPU homes' slots and stamps.
+        self._map = HomeMap(directory=directory.directory, segment_pages=directory.segment_pages,
+                            page_size=homes.host.page_size, first_gpu_segment=homes.num_host_segments,
+                            gpu_slot_offset=homes.gpu_slot_offset,
+                            gpu_last_use=homes.gpu_last_use if homes.num_gpu_segments else None)
 
     @property
     def gpu_homes(self) -> bool:
@@ -72,21 +79,9 @@ class Transfer:
         (slots [B, Hkv, K] buffer slots, -1 padding; lens [B, Hkv] tokens each head attends).
         Device work only, no host sync: a CUDA graph captures it.
         """
-        buf, d = self.buffer, self.directory
-        slots_at_home = None
-        if self.gpu_homes:  # GPU home pages are read in place; the buffer sees host pages only
-            slots_at_home = self.homes.gpu_slots(d.host_pages(rows, layer, want))  # [B, Hkv, K]
-            want = torch.where(slots_at_home >= 0, -1, want)
-            self.homes.touch(slots_at_home, now)
-        lookup, miss = buf.lookup(rows, layer, want, now)
-        slots = lookup.slots
-        if slots_at_home is not None:
-            slots = torch.where(slots_at_home >= 0, slots_at_home, slots).int()
-        # The misses' host pages, each head's attended length, its newest token's slot.
-        src, lens, tail_slot = lookup_epilogue.lookup_epilogue(
-            want, slots, miss, num_selected, rows, tail_len, d.directory, layer, d.segment_pages,
-            self.host.page_size)
-        self.gather(src, buf.k_slots, buf.v_slots, lookup.miss_dst, host_only=True)
+        buf = self.buffer
+        slots, miss_dst, src, lens, tail_slot = buf.resolve(rows, layer, want, num_selected, tail_len, now, self._map)
+        self.gather(src, buf.k_slots, buf.v_slots, miss_dst, host_only=True)
         self.write(buf.k_slots, buf.v_slots, k, v, tail_slot)
         return slots, lens
 

@@ -9,12 +9,20 @@ victims) is tested against the buffer in tests/kvcache/test_buffer.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 
-from spin_cluster.kernels.buffer_lookup import buffer_lookup, buffer_lookup_ref, page_columns
+from spin_cluster.kernels.buffer_lookup import (
+    HomeMap,
+    buffer_lookup,
+    buffer_lookup_ref,
+    page_columns,
+    resolve_selected,
+    resolve_selected_ref,
+)
 
 from .conftest import check_impls
 
@@ -242,3 +250,99 @@ def test_impl_choice():
         counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)
         return [*a, counters], dict(num_buckets=4, res_col=page_columns(a[0], 40))
     check_impls(buffer_lookup, buffer_lookup_ref, make)
+
+
+def _resolve_case(case, seed, num_pages, E, gpu_homes):
+    """make_case's shares and selections, plus a directory whose segments are host or GPU
+    homes (about half each with ``gpu_homes``), each head's count of selected pages and each
+    row's tail length."""
+    args = list(make_case(*case, seed=seed, num_pages=num_pages))
+    R, L, H = case[:3]
+    g = torch.Generator().manual_seed(seed + 1)
+    n_seg = -(-num_pages // E)
+    ids = torch.randperm(2 * R * L * H * n_seg, generator=g)[: R * L * H * n_seg].int().view(R, L, H, n_seg)
+    first_gpu = R * L * H * n_seg if gpu_homes else 2 * R * L * H * n_seg
+    stamps = torch.full((2 * R * L * H * n_seg - first_gpu + 1,), -5, dtype=torch.int32)
+    homes = HomeMap(directory=ids.to(DEVICE), segment_pages=E, page_size=8, first_gpu_segment=first_gpu,
+                    gpu_slot_offset=1000, gpu_last_use=stamps.to(DEVICE) if gpu_homes else None)
+    want = args[5]
+    num_selected = (want >= 0).sum(-1)
+    tail_len = torch.randint(1, 9, (want.shape[0],), generator=g).int().to(DEVICE)
+    return args, homes, num_selected, tail_len
+
+
+def _resolve_steps_equal_reference(case, num_pages, gpu_homes, chunk=0):
+    """The one-launch resolution (GPU homes read in place, the lookup, the epilogue) against
+    its torch composition, over two steps: every output, the shares, the map, the GPU homes'
+    stamps and the counters. Returns the first step's outputs, selections and directory view."""
+    a, homes_a, num_sel, tail = _resolve_case(case, sum(case[:6]), num_pages, 4, gpu_homes)
+    b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+    homes_b = dataclasses.replace(homes_a, gpu_last_use=None if homes_a.gpu_last_use is None
+                                  else homes_a.gpu_last_use.clone())
+    col_a, col_b = page_columns(a[0], num_pages), page_columns(b[0], num_pages)
+    ca, cb = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    for step in range(2):
+        ra = resolve_selected(*a[:6], num_sel, tail, a[6], ca, homes_a, num_buckets=4, res_col=col_a, chunk=chunk,
+                              impl="triton")
+        rb = resolve_selected_ref(*b[:6], num_sel, tail, b[6], cb, homes_b, num_buckets=4, res_col=col_b)
+        for x, y, name in zip(ra, rb, ("slots", "miss_dst", "src", "lens", "tail_slot")):
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+        assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]), "shares"
+        assert torch.equal(col_a, col_b), "res_col"
+        assert torch.equal(ca, cb), "counters"
+        if gpu_homes:
+            assert torch.equal(homes_a.gpu_last_use[:-1], homes_b.gpu_last_use[:-1]), "GPU homes' stamps"
+        if step == 0:
+            first, want = ra, a[5]
+        for x in (a, b):
+            x[6] += 3
+            x[5] = torch.where(x[5] >= 0, (x[5] + 5) % num_pages, -1)  # partly other pages
+    seg = homes_a.directory[a[3], a[4]].gather(2, want.clamp(min=0).long() // 4)
+    return first, want, (want >= 0) & (seg >= homes_a.first_gpu_segment)
+
+
+@pytest.mark.parametrize("gpu_homes", [True, False])
+@pytest.mark.parametrize("case", CASES[:2] + CHUNKED_CASES[:2])
+def test_resolve_kernel_equals_reference(case, gpu_homes):
+    num_pages = 90 if case in CHUNKED_CASES else 40
+    (slots, miss_dst, src, _, _), want, home = _resolve_steps_equal_reference(
+        case, num_pages, gpu_homes, chunk=16 if case in CHUNKED_CASES else 0)
+    assert bool(home.any()) == gpu_homes  # the cases do have pages at home on the GPU
+    assert bool((slots[home] >= 1000).all()) and not bool((miss_dst.view_as(want)[home] >= 0).any())
+    assert int((src >= 0).sum()) == int((miss_dst >= 0).sum()) > 0  # every miss has its host page
+
+
+def test_resolve_lengths_and_tail_slots_by_hand():
+    """Each head attends (num_selected - 1) * S + tail_len tokens and writes its newest token
+    at its last selected page's slot * S + tail_len - 1 (S = 8 in ``_resolve_case``)."""
+    a, homes, num_sel, tail = _resolve_case(CASES[0], 2, 40, 4, True)
+    counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    slots, _, _, lens, tail_slot = resolve_selected(*a[:6], num_sel, tail, a[6], counters, homes, impl="triton",
+                                                    res_col=page_columns(a[0], 40))
+    for b in range(num_sel.shape[0]):
+        for h in range(num_sel.shape[1]):
+            n, t = int(num_sel[b, h]), int(tail[b])
+            assert int(lens[b, h]) == (n - 1) * 8 + t
+            if n:
+                assert int(tail_slot[b * num_sel.shape[1] + h]) == int(slots[b, h, n - 1]) * 8 + t - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case,num_pages", [
+    ((16, 2, 8, 140, 70, 140, list(range(15, -1, -1)), 1, 50), 400),  # Llama-3.1-8B, a 2K budget
+    ((4, 2, 8, 1080, 540, 1080, [3, 0, 2, 1], 1, 50), 4096),  # the widest S-HPLB head
+])
+def test_resolve_kernel_equals_reference_at_real_shapes(case, num_pages):
+    _, _, home = _resolve_steps_equal_reference(case, num_pages, gpu_homes=True)
+    assert bool(home.any()) and not bool(home.all())
+
+
+def test_resolve_refuses_mismatched_shapes():
+    a, homes, num_sel, tail = _resolve_case(CASES[0], 1, 40, 4, True)
+    counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="num_selected"):
+        resolve_selected_ref(*a[:6], num_sel[:, :1], tail, a[6], counters, homes)
+    with pytest.raises(ValueError, match="directory"):
+        resolve_selected_ref(*a[:6], num_sel, tail, a[6], counters,
+                             dataclasses.replace(homes, directory=homes.directory.long()))
