@@ -200,3 +200,28 @@ def _buffer_lookup(
     tl.atomic_add(counters_ptr + 1, (n_valid - need).to(tl.int64))
     tl.atomic_add(counters_ptr + 2, need.to(tl.int64))
     tl.atomic_add(counters_ptr + 3, evicted.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["layer", "num_pages"])
+def _resident_pages(
+    res_col_ptr, rows_ptr, dir_ptr, out_ptr,
+    layer, num_pages, col_stride_row, col_stride_layer, col_stride_head,
+    dir_stride_row, dir_stride_layer, dir_stride_head, first_gpu, NUM_HEADS,
+    HOMES: tl.constexpr, SEGMENT_PAGES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Which pages a step reads without a transfer (``resident_pages``): program (b * H + h,
+    block of BLOCK pages)."""
+    pid = tl.program_id(0)
+    b = pid // NUM_HEADS
+    h = pid % NUM_HEADS
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    p_in = p < num_pages
+    col = tl.load(res_col_ptr + row * col_stride_row + layer * col_stride_layer + h * col_stride_head + p,
+                  mask=p_in, other=-1)
+    held = col >= 0
+    if HOMES:
+        seg = tl.load(dir_ptr + row * dir_stride_row + layer * dir_stride_layer + h * dir_stride_head
+                      + p // SEGMENT_PAGES, mask=p_in, other=-1)
+        held = held | (seg >= first_gpu)
+    tl.store(out_ptr + pid.to(tl.int64) * num_pages + p, held.to(tl.int8), mask=p_in)

@@ -62,7 +62,8 @@ from ._impl import resolve_impl
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2
 from .bucketed_lru import _check_row_value, bucketed_lru_victims_ref
 
-__all__ = ["HomeMap", "buffer_lookup", "buffer_lookup_ref", "page_columns", "resolve_selected", "resolve_selected_ref"]
+__all__ = ["HomeMap", "buffer_lookup", "buffer_lookup_ref", "page_columns", "resident_pages", "resident_pages_ref",
+           "resolve_selected", "resolve_selected_ref"]
 
 CHUNK = 256  # columns (and at least as many selected pages) per chunk of the kernel
 WARPS = 4  # warps per program
@@ -197,6 +198,40 @@ def _epilogue_ref(want, slots, miss, num_selected, rows, tail_len, directory, la
     last = slots.gather(-1, (num_selected.long() - 1).clamp(min=0)[..., None])[..., 0].long()  # [B, Hkv]
     lens = ((num_selected.long() - 1) * S + tail).to(torch.int32)
     return src, lens, (last * S + tail - 1).reshape(-1)
+
+
+def resident_pages(res_col, rows, layer: int, num_pages: int, homes: HomeMap | None = None, *, impl: str = "auto"):
+    """[B, Hkv, num_pages] bool: which of pages 0 .. num_pages - 1 of each head of ``rows`` [B]
+    a step reads without a transfer: held by the share (res_col, as ``buffer_lookup``'s) or,
+    with ``homes`` that have GPU homes, at home on the GPU. Select's hysteresis leans towards
+    them. One launch (about eight torch kernels in ``resident_pages_ref``); no host sync."""
+    if resolve_impl(impl, rows.device) == "torch":
+        return resident_pages_ref(res_col, rows, layer, num_pages, homes)
+    kmod = load_kernel_module("_buffer_lookup_kernel", "resident_pages", "resident_pages_ref")
+    if rows.device.type != "cuda" and not is_interpreted(kmod._resident_pages):
+        raise ValueError("the Triton resident pages need CUDA tensors (or TRITON_INTERPRET=1); use resident_pages_ref")
+    if res_col.dim() != 4 or res_col.dtype != torch.int16 or not res_col.is_contiguous():
+        raise ValueError(f"res_col must be a contiguous [R, L, Hkv, P] int16 map; got {tuple(res_col.shape)} {res_col.dtype}")
+    B, H = rows.shape[0], res_col.shape[2]
+    out = torch.empty(B, H, num_pages, dtype=torch.int8, device=rows.device)
+    with_homes = homes is not None and homes.gpu_last_use is not None
+    d = homes.directory if with_homes else res_col
+    block = min(1024, max(16, next_pow2(num_pages)))
+    if B * H and num_pages:
+        kmod._resident_pages[(B * H, -(-num_pages // block))](
+            res_col, rows.contiguous(), d, out, int(layer), num_pages, res_col.stride(0), res_col.stride(1),
+            res_col.stride(2), d.stride(0), d.stride(1), d.stride(2), homes.first_gpu_segment if with_homes else 0, H,
+            HOMES=with_homes, SEGMENT_PAGES=homes.segment_pages if with_homes else 1, BLOCK=block, num_warps=4,
+        )
+    return out.view(torch.bool)
+
+
+def resident_pages_ref(res_col, rows, layer: int, num_pages: int, homes: HomeMap | None = None):
+    held = res_col[rows, layer, :, :num_pages] >= 0
+    if homes is not None and homes.gpu_last_use is not None:
+        logical = torch.arange(num_pages, device=rows.device) // homes.segment_pages
+        held = held | (homes.directory[rows, layer][..., logical] >= homes.first_gpu_segment)
+    return held
 
 
 def _check_resolve(want, num_selected, rows, tail_len, homes: HomeMap) -> None:

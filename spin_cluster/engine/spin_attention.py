@@ -306,10 +306,7 @@ class SpinAttention(PlannedCapture):
     def _resident(self, rows: torch.Tensor, layer: int, num_pages: int) -> torch.Tensor:
         """[B, Hkv, num_pages] bool: pages a step reads without a transfer (at home on the GPU,
         or held by the buffer): Select's hysteresis leans towards them. No host sync."""
-        held = self.kv.buffer.resident(rows, layer, num_pages)
-        if self.transfer.gpu_homes:
-            held = held | self.kv.homes.on_gpu(self.kv.directory.directory[rows, layer], num_pages)
-        return held
+        return self.kv.buffer.resident(rows, layer, num_pages, self.transfer.home_map)
 
     def _prefill(self, layer: int, seg: SpinPrefill, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, H, D]; k, v [n, Hkv, D] -> [n, H, D]."""

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spin_cluster.kernels.buffer_lookup import HomeMap, buffer_lookup, page_columns, resolve_selected
+from spin_cluster.kernels.buffer_lookup import HomeMap, buffer_lookup, page_columns, resident_pages, resolve_selected
 from spin_cluster.kvcache.free_list import FreeList, check_partition
 from spin_cluster.kvcache.lru import DEFAULT_NUM_BUCKETS
 
@@ -371,15 +371,21 @@ class GpuBuffer:
         S = self.k_slots.shape[1]
         return torch.where(kept, slot * S + plan.offset[:, None], -1).flatten()
 
-    def resident(self, rows: torch.Tensor, layer: int, num_pages: int) -> torch.Tensor:
+    def resident(self, rows: torch.Tensor, layer: int, num_pages: int, homes: HomeMap | None = None) -> torch.Tensor:
         """[B, Hkv, num_pages] bool: which of pages 0 .. num_pages - 1 each head's share of
-        ``rows`` [B] holds now (Select's hysteresis). Fixed-shape, no host sync."""
+        ``rows`` [B] holds now or, with ``homes`` (GPU homes), lives at home on the GPU: the
+        pages a step reads without a transfer (Select's hysteresis). Fixed-shape, no host sync;
+        one launch on CUDA (``kernels.buffer_lookup.resident_pages``)."""
         if self.res_col is not None and self.reuse:
-            return self.res_col[rows, layer, :, :num_pages] >= 0
+            return resident_pages(self.res_col, rows, layer, num_pages, homes)
         pages = self.res_page[rows, layer].long()  # [B, Hkv, share]
         pages = torch.where((pages >= 0) & (pages < num_pages), pages, num_pages)
         held = torch.zeros(*pages.shape[:2], num_pages + 1, dtype=torch.bool, device=pages.device)
-        return held.scatter_(-1, pages, True)[..., :num_pages]
+        held = held.scatter_(-1, pages, True)[..., :num_pages]
+        if homes is not None and homes.gpu_last_use is not None:
+            logical = torch.arange(num_pages, device=held.device) // homes.segment_pages
+            held = held | (homes.directory[rows, layer][..., logical] >= homes.first_gpu_segment)
+        return held
 
     # ---- integrity --------------------------------------------------------------------------
 

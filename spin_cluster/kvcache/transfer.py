@@ -40,7 +40,7 @@ class Transfer:
         self.write = offload.write_tokens  # (dst_k, dst_v, k, v, slots)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Where Retrieve finds selected pages: the directory, and the GPU homes' slots and stamps.
-        self._map = HomeMap(directory=directory.directory, segment_pages=directory.segment_pages,
+        self.home_map = HomeMap(directory=directory.directory, segment_pages=directory.segment_pages,
                             page_size=homes.host.page_size, first_gpu_segment=homes.num_host_segments,
                             gpu_slot_offset=homes.gpu_slot_offset,
                             gpu_last_use=homes.gpu_last_use if homes.num_gpu_segments else None)
@@ -80,7 +80,7 @@ class Transfer:
         Device work only, no host sync: a CUDA graph captures it.
         """
         buf = self.buffer
-        slots, miss_dst, src, lens, tail_slot = buf.resolve(rows, layer, want, num_selected, tail_len, now, self._map)
+        slots, miss_dst, src, lens, tail_slot = buf.resolve(rows, layer, want, num_selected, tail_len, now, self.home_map)
         self.gather(src, buf.k_slots, buf.v_slots, miss_dst, host_only=True)
         self.write(buf.k_slots, buf.v_slots, k, v, tail_slot)
         return slots, lens

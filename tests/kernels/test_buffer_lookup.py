@@ -20,6 +20,8 @@ from spin_cluster.kernels.buffer_lookup import (
     buffer_lookup,
     buffer_lookup_ref,
     page_columns,
+    resident_pages,
+    resident_pages_ref,
     resolve_selected,
     resolve_selected_ref,
 )
@@ -346,3 +348,18 @@ def test_resolve_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="directory"):
         resolve_selected_ref(*a[:6], num_sel, tail, a[6], counters,
                              dataclasses.replace(homes, directory=homes.directory.long()))
+
+
+@pytest.mark.parametrize("gpu_homes", [True, False, None])
+@pytest.mark.parametrize("num_pages", [40, 23])
+def test_resident_pages_kernel_equals_reference(gpu_homes, num_pages):
+    """Pages a step reads without a transfer: held by the share (the map) or at home on the
+    GPU. ``gpu_homes`` None: no home map at all."""
+    a, homes, _, _ = _resolve_case(CASES[0], 4, 40, 4, bool(gpu_homes))
+    col = page_columns(a[0], 40)
+    homes = None if gpu_homes is None else homes
+    got = resident_pages(col, a[3], a[4], num_pages, homes, impl="triton")
+    ref = resident_pages_ref(col, a[3], a[4], num_pages, homes)
+    assert got.dtype == torch.bool and got.shape == ref.shape and torch.equal(got, ref)
+    held = col[a[3], a[4], :, :num_pages] >= 0
+    assert bool((got & ~held).any()) == bool(gpu_homes)  # GPU homes add pages the share does not hold
