@@ -3,7 +3,18 @@ contract they implement (``contract``), Select's system half (``select``) and bl
 prefill (``prefill``). Importing the package registers the built-in algorithms; the engine
 finds one by name with ``get_algorithm``."""
 
-from spin_cluster.sparse import dense, labels, oracle, quest, retroinfer, seer, shadowkv, sparq, streaming  # noqa: F401
+from spin_cluster.sparse import (  # noqa: F401
+    dense,
+    either,
+    labels,
+    oracle,
+    quest,
+    retroinfer,
+    seer,
+    shadowkv,
+    sparq,
+    streaming,
+)
 from spin_cluster.sparse.contract import REGISTRY, SparseAlgorithm, register
 from spin_cluster.sparse.select import SelectPlan, select_layer, select_pages
 
