@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     """The engine's settings every mode is built from (``mode_config``): shared with
     ``profile_step.py`` so that a profile runs the engine the end-to-end run measures."""
-    ap.add_argument("--shape", default="llama-3.1-8b", choices=["llama-3.1-8b", "qwen2.5-32b"],
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=["llama-3.1-8b", "qwen2.5-32b", "gemma-3-27b"],
                     help="the model's shapes (random weights); --tiny overrides them with toy sizes")
     ap.add_argument("--gpu-kv-gib", type=float, default=24.0, help="GPU KV capacity of every mode (pages / buffer)")
     ap.add_argument("--host-kv-gib", type=float, default=72.0, help="host tier of the offloaded modes")
@@ -359,10 +359,10 @@ def main(argv=None) -> dict:
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import Engine
 
-    from spin_cluster.models.shapes import SHAPES, shape_folder
+    from spin_cluster.models.shapes import SHAPES, shape_folder, tiny
     from spin_cluster.provenance import write_json
 
-    shape = {**SHAPES[args.shape], **TINY} if args.tiny else SHAPES[args.shape]
+    shape = tiny(SHAPES[args.shape], TINY) if args.tiny else SHAPES[args.shape]
     longest = max(args.offline_lengths + [args.online_length])
     max_len = longest + max(args.output_tokens, args.online_output_tokens) + args.page_size
     folder = shape_folder(shape, max_len, args.tokenizer, prefix="e2e-model-")

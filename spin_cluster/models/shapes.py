@@ -31,8 +31,36 @@ QWEN25_32B = {
     "eos_token_id": 2,
 }
 
+# google/gemma-3-27b's text config (the fields the engine reads): 62 layers, every sixth one
+# full attention and the others a 1024-token sliding window, 32 query and 16 KV heads of D 128,
+# about 54 GB of bf16 weights (a 262K vocabulary, tied). Its full-attention RoPE is scaled
+# linearly by 8 for 128K; the shape gives the positions without the scaling (random weights:
+# only the sizes matter). bos/eos as in LLAMA_31_8B.
+GEMMA3_27B = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 5376,
+    "intermediate_size": 21504, "num_hidden_layers": 62, "num_attention_heads": 32,
+    "num_key_value_heads": 16, "head_dim": 128, "vocab_size": 262208, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 168, "sliding_window": 1024,
+    "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": None, "final_logit_softcapping": None,
+    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(62)],
+    "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+}
+
 # The benchmarks' --shape choices.
-SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "qwen2.5-32b": QWEN25_32B}
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "qwen2.5-32b": QWEN25_32B, "gemma-3-27b": GEMMA3_27B}
+
+
+def tiny(shape: dict, fields: dict) -> dict:
+    """``shape`` with toy sizes ``fields``; a model with layer types keeps its pattern over the
+    first ``fields['num_hidden_layers']`` layers, at least one of them full attention."""
+    out = {**shape, **fields}
+    types = shape.get("layer_types")
+    if types:
+        n = max(fields["num_hidden_layers"], types.index("full_attention") + 1)
+        out.update(num_hidden_layers=n, layer_types=types[:n], sliding_window=min(shape["sliding_window"], 32))
+    return out
 
 
 def shape_folder(shape: dict, max_len: int, tokenizer: str | None = None, prefix: str = "shapes-") -> str:

@@ -99,6 +99,23 @@ def test_e2e_qwen_shape_fp8_host_and_prefill_share(tmp_path):
         assert r["finished"] == r["requests"] == 3 and not r["truncated"]
 
 
+def test_e2e_gemma_shape_serves_its_full_attention_layers_through_spin(tmp_path):
+    """--shape gemma-3-27b: toy sizes keep the layer pattern up to the first full-attention
+    layer (5 sliding-window layers, then one global), dense and Spin both serve it."""
+    from spin_cluster.models.shapes import GEMMA3_27B, tiny
+
+    small = tiny(GEMMA3_27B, load("e2e")["TINY"])
+    assert small["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"] and small["num_hidden_layers"] == 6
+    assert sum(t == "full_attention" for t in GEMMA3_27B["layer_types"]) == 10
+    assert run("e2e", ["--tiny", "--shape", "gemma-3-27b", "--modes", "dense", "spin", "--workloads", "offline-384",
+                       "--per-head-shares", "--gpu-home-fraction", "0", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "e2e.json").read_text())
+    assert saved["shape"]["architectures"] == ["Gemma3ForCausalLM"]
+    for r in saved["workloads"]["offline-384"].values():
+        assert r["finished"] == r["requests"] == 3 and not r["truncated"]
+    assert saved["workloads"]["offline-384"]["spin"]["buffer_hits_total"] > 0  # the global layer's host pages went through Spin's buffer
+
+
 @pytest.mark.slow
 def test_profile_step_prices_a_prompt_beside_a_decoding_batch(tmp_path):
     """spin-cluster bench decode-step --mixed N: a prompt prefilled beside the running batch,
