@@ -22,6 +22,10 @@
 #   q32     Qwen2.5-32B shapes (64 GB of weights): N32 (default 4) x 128K prompts, 256 output tokens,
 #           60 GiB of GPU KV for each mode (dense holds one or two), Spin with 88 GiB of FP8 host
 #           pages behind its 60 GiB, block-sparse prefill PREFILL and hysteresis MARGIN (cap64f's) [9.5]
+#   g27     Gemma-3-27B shapes (54 GB of weights, one layer in six full attention): 4 x 128K prompts, 256
+#           output tokens, 60 GiB of GPU KV for each mode (dense holds the four: ~10.4 GiB each), Spin
+#           serving the full-attention layers with per-head shares and block-sparse prefill PREFILL.
+#           At batch 4 the weights bound the step: its byte floor is ~1.75x dense's at best [7]
 #   mixed   what one more 32K prompt costs a loaded server: dense decoding 25 x 32K (its GPU holds 26),
 #           Spin 59 x 32K (GPU full, FP8 host pages, spills; cap64f peaked at 60), each then prefills a
 #           32K prompt beside its batch, timed and profiled (bench decode-step --mixed) [5];
@@ -83,6 +87,9 @@ for r in ${RUNS:-check}; do
     pprof)
       timeout 560 python3 benchmarks/prefill_ttft.py --lengths 131072 --spin-chunk 32768 --sparse-chunks --runs 1 \
         --profile "${TOK[@]}" --out "$OUT/prefill_ttft.json" 2>&1 | grep -v "^\[" | tee -a "$LOG" ;;
+    g27) run g27 420 --modes dense spin --shape gemma-3-27b --workloads offline-128K --offline-lengths 131072 \
+           --offline-batch 4 --max-num-seqs 4 --output-tokens 256 --max-batched-tokens 32768 --gpu-kv-gib 60 \
+           --per-head-shares --sparse-prefill "${PREFILL:-0.125}" ;;
     mixed)
       for pair in ${MIXED:-dense:25 spin:59}; do
         timeout 280 python3 -P -m spin_cluster.bench decode-step --mode "${pair%%:*}" --batch "${pair##*:}" \
