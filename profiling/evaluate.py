@@ -326,10 +326,15 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
         sparse["resident_margin"] = config.resident_margin
     if method.prefill:
         sparse["prefill"] = _prefill_options(config, method, calibration and calibration[length])
-    profile = _head_profile(config.profile_path, model_path) if method.budget_mode == "maxmin" else None
+    profile, layers = None, None
+    if method.budget_mode == "maxmin":
+        from spin_cluster.models.config import ModelConfig
+
+        profile, layers = _head_profile(config.profile_path, model_path), \
+            ModelConfig.from_folder(model_path).full_attention_layers()
     sparse.update(budget_mode_options(method, length, page_size=config.page_size, top_p=config.top_p,
                                       profile=profile, floor_fraction=config.floor_fraction,
-                                      floor_tokens=config.budget_floor_tokens))
+                                      floor_tokens=config.budget_floor_tokens, sparse_layers=layers))
     max_len = max(config.lengths)
     cache = {"page_size": config.page_size, "offload": method.offloaded, "buffer_share": config.buffer_share}
     if method.offloaded:

@@ -120,8 +120,16 @@ class MassRecorder:
         self.select = select
         self.curves: dict[int, torch.Tensor] = {}
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
         # q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]
+        if window is not None:
+            # A sliding-window layer (Gemma 3) keeps only its window, which no Select thins: its
+            # heads keep all their mass at every budget.
+            from spin_cluster.dense_attention import sliding_window_attention
+
+            self.curves[layer_id] = torch.ones(k.shape[1], len(FRACTIONS), dtype=torch.float64)
+            return sliding_window_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, window)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             is_causal=True, enable_gqa=True,

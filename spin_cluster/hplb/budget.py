@@ -33,8 +33,13 @@ Budgets = tuple[tuple[int, ...], ...]
 
 def maxmin_budgets(needs_or_profile: HeadProfile | Sequence[Sequence[int]], total_tokens: int,
                    floor_tokens: int = 0, *, unit_tokens: int | None = None,
-                   context_tokens: int | None = None) -> Budgets:
+                   context_tokens: int | None = None, layers: Sequence[int] | None = None,
+                   other_tokens: int = 0) -> Budgets:
     """[L][Hkv] middle-token budgets summing to ``total_tokens`` exactly, each >= ``floor_tokens``.
+
+    layers: the layers whose heads share ``total_tokens`` (None: every layer); the others'
+        heads take no part and get ``other_tokens`` each (a model's sliding-window layers,
+        which keep their window whatever their budget says).
 
     needs_or_profile: a ``HeadProfile`` (levels: recovered attention mass at
         ``context_tokens``, default the profile's longest context) or [L][Hkv] tokens each
@@ -45,7 +50,11 @@ def maxmin_budgets(needs_or_profile: HeadProfile | Sequence[Sequence[int]], tota
     """
     shape, level = _levels(needs_or_profile, context_tokens)
     unit = unit_tokens or (needs_or_profile.page_size if isinstance(needs_or_profile, HeadProfile) else 1)
-    num_heads = shape[0] * shape[1]
+    shared = sorted(set(range(shape[0]) if layers is None else layers))
+    if not shared or shared[0] < 0 or shared[-1] >= shape[0]:
+        raise ValueError(f"layers {list(layers or [])}: give one or more of the profile's layers 0..{shape[0] - 1}")
+    heads = [layer * shape[1] + h for layer in shared for h in range(shape[1])]  # flat ids of the sharing heads
+    num_heads = len(heads)
     if unit < 1:
         raise ValueError(f"unit_tokens={unit}: must be >= 1")
     if total_tokens < 0 or total_tokens % unit:
@@ -57,14 +66,14 @@ def maxmin_budgets(needs_or_profile: HeadProfile | Sequence[Sequence[int]], tota
             f"total_tokens={total_tokens} cannot give {num_heads} heads a floor of {floor_units * unit} tokens "
             f"each ({floor_units * unit * num_heads} in all); lower floor_tokens or raise the total"
         )
-    units = [floor_units] * num_heads
-    heap = [_entry(level, h, floor_units, unit) for h in range(num_heads)]
+    units = dict.fromkeys(heads, floor_units)
+    heap = [_entry(level, h, floor_units, unit) for h in heads]
     heapq.heapify(heap)
     for _ in range(spare):
         h = heapq.heappop(heap)[-1]
         units[h] += 1
         heapq.heappush(heap, _entry(level, h, units[h], unit))
-    flat = [u * unit for u in units]
+    flat = [units[h] * unit if h in units else other_tokens for h in range(shape[0] * shape[1])]
     return tuple(tuple(flat[i * shape[1]:(i + 1) * shape[1]]) for i in range(shape[0]))
 
 

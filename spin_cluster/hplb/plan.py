@@ -54,6 +54,9 @@ class PlanConfig:
     max_heads_per_rank: greedy's cap on a rank's KV heads per layer is ceil(Hkv / R) (the
         offloaded cache, whose rank width is the most heads a rank owns in a layer).
     method: "greedy" or "contiguous" (``placement.PLACEMENT_METHODS``).
+    sparse_layers: the layers Select serves, whose heads share the shifted total; None: every
+        layer. A model's sliding-window layers (Gemma 3) keep only their window: their heads
+        take no part and keep the uniform budget, which no Select reads.
     """
 
     num_layers: int
@@ -71,6 +74,7 @@ class PlanConfig:
     rounding: str = "up"
     max_heads_per_rank: bool = False
     method: str = "greedy"
+    sparse_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.num_kv_heads, self.num_kv_groups, self.context_tokens) < 1:
@@ -83,6 +87,9 @@ class PlanConfig:
             raise ValueError(f"rounding {self.rounding!r}: choose one of {', '.join(ROUNDINGS)}")
         if self.method not in PLACEMENT_METHODS:
             raise ValueError(f"placement method {self.method!r}: choose one of {', '.join(PLACEMENT_METHODS)}")
+        if self.sparse_layers is not None and (not self.sparse_layers or min(self.sparse_layers) < 0
+                                               or max(self.sparse_layers) >= self.num_layers):
+            raise ValueError(f"sparse_layers {self.sparse_layers}: give one or more of layers 0..{self.num_layers - 1}")
 
     @classmethod
     def from_spin(cls, spin: SpinConfig, mc: ModelConfig, *, floor_fraction: float = 0.0, rounding: str = "up",
@@ -95,7 +102,7 @@ class PlanConfig:
                    context_tokens=context, budget_tokens=sp.budget_tokens(context), sink_tokens=sp.sink_tokens,
                    local_tokens=sp.local_tokens, dense_layers=sp.dense_layers, per_head_budgets=sp.per_head_budgets,
                    floor_fraction=floor_fraction, rounding=rounding, max_heads_per_rank=spin.cache.offload,
-                   method=method)
+                   method=method, sparse_layers=mc.full_attention_layers())
 
 
 @dataclass(frozen=True)
@@ -153,8 +160,10 @@ def _shifted_budgets(profile: HeadProfile | Sequence[Sequence[float]], c: PlanCo
     else:
         uniform = max(unit, c.budget_tokens // unit * unit)
         floor = math.floor(c.floor_fraction * uniform)
-    total = uniform * c.num_layers * c.num_kv_heads
-    return maxmin_budgets(profile, total, floor, unit_tokens=unit, context_tokens=c.profile_context_tokens)
+    layers = c.sparse_layers
+    total = uniform * (c.num_layers if layers is None else len(set(layers))) * c.num_kv_heads
+    return maxmin_budgets(profile, total, floor, unit_tokens=unit, context_tokens=c.profile_context_tokens,
+                          layers=layers, other_tokens=uniform)
 
 
 def _placement(budgets: Budgets, c: PlanConfig, num_ranks: int) -> HeadPlacement:

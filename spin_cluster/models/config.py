@@ -91,6 +91,13 @@ class ModelConfig:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
 
+    def full_attention_layers(self) -> tuple[int, ...] | None:
+        """The layers without a sliding window (what a sparse cache serves), None when every
+        layer is one."""
+        if not self.layer_windows or all(w is None for w in self.layer_windows):
+            return None
+        return tuple(i for i, w in enumerate(self.layer_windows) if w is None)
+
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
         from transformers import AutoConfig

@@ -110,3 +110,14 @@ def test_synthetic_prefill_fractions_are_seeded_bounded_and_keep_the_mean():
     assert len(rows) == 32 and all(len(row) == 8 for row in rows)
     assert all(0 < f <= 0.99 for f in flat) and len(set(flat)) > 100  # heads differ
     assert abs(sum(flat) / len(flat) - 0.125) < 1e-3
+
+
+def test_only_the_sharing_layers_split_the_total():
+    """A model's sliding-window layers take no part: the full-attention layers' heads share
+    the total (their uniform budget times their count) and the others keep ``other_tokens``."""
+    needs = [[0, 0], [10, 30], [0, 0], [40, 0]]
+    budgets = maxmin_budgets(needs, total_tokens=4 * 20, layers=[1, 3], other_tokens=20)
+    assert budgets[0] == budgets[2] == (20, 20)
+    assert sum(budgets[1]) + sum(budgets[3]) == 80 and budgets[1][1] == 30 and budgets[3][0] == 40
+    with pytest.raises(ValueError, match="layers"):
+        maxmin_budgets(needs, total_tokens=80, layers=[4])

@@ -94,3 +94,14 @@ def test_dense_layers_cost_the_whole_context_and_the_offloaded_cache_caps_heads_
 def test_bad_settings_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         _config(**kw)
+
+
+def test_sliding_window_layers_keep_the_uniform_budget_and_share_nothing():
+    """sparse_layers (Gemma 3's full-attention layers): only their heads share their uniform
+    total; the other layers' heads keep the uniform budget, which no Select reads."""
+    plan = plan_heads(_profile(), _config(floor_fraction=0.25, sparse_layers=(1,)))
+    budgets = np.array(plan.budgets)
+    assert (budgets[[0, 2]] == 128).all()
+    assert budgets[1].sum() == 128 * 4 and budgets[1].max() > 128  # shifted among layer 1's heads alone
+    with pytest.raises(ValueError, match="sparse_layers"):
+        _config(sparse_layers=(3,))
