@@ -35,12 +35,30 @@ def decode_weight_bytes(model) -> int:
     return weight_bytes
 
 
+def kv_layer_bytes(model) -> int:
+    """K and V bytes of one token in one layer."""
+    mc = model.config
+    return 2 * mc.num_kv_heads * mc.head_dim * model.embed_tokens.weight.element_size()
+
+
+def full_layers(model) -> int:
+    """Layers that attend over the whole context (those without a sliding window)."""
+    windows = model.config.layer_windows
+    return sum(w is None for w in windows) if windows else model.config.num_layers
+
+
+def window_kv_bytes(model, context: int) -> int:
+    """K and V bytes one request's sliding-window layers read at ``context`` tokens: each
+    layer's last ``window`` tokens (Gemma 3's five in six; none for other models)."""
+    return kv_layer_bytes(model) * sum(min(context, w) for w in model.config.layer_windows if w is not None)
+
+
 def roofline(engine, context: int, step_s: float | None, bandwidth: float | None) -> dict:
     """Batch-1 decode reads every weight but the embedding table once and the KV of
     ``context`` tokens: that many bytes over the HBM bandwidth is the step's lower bound."""
-    model, mc = engine.model, engine.model.config
+    model = engine.model
     weight_bytes = decode_weight_bytes(model)
-    kv_bytes = 2 * context * mc.num_layers * mc.num_kv_heads * mc.head_dim * model.embed_tokens.weight.element_size()
+    kv_bytes = context * full_layers(model) * kv_layer_bytes(model) + window_kv_bytes(model, context)
     bound_s = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None
     return {"context": context, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "hbm_bytes_s": bandwidth,
             "bound_step_s": bound_s, "measured_step_s": step_s,
@@ -61,17 +79,19 @@ def step_roofline(engine, r: dict, context: int, bandwidth: float | None) -> dic
         dense-offload    weights; B x every token's K and V over PCIe
         sparse modes     weights + B x (Select's index + the attended pages' K and V);
                          the measured misses per decode step over PCIe
+    and, in every mode, B x the sliding-window layers' windows (a model with them).
     """
     if not bandwidth or not r.get("decode_tok_s") or not r.get("peak_decode_batch"):
         return None
-    model, mc = engine.model, engine.model.config
+    model = engine.model
     weight_bytes = decode_weight_bytes(model)
     B = r["peak_decode_batch"]
-    elem = model.embed_tokens.weight.element_size()
-    per_token_kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
+    per_token_kv = full_layers(model) * kv_layer_bytes(model)  # the full-attention layers'
     attn = engine.runner.attention
+    attn = getattr(attn, "spin", attn)  # a hybrid cache: its full-attention layers' backend
     kv = engine.kv
-    hbm, pcie = weight_bytes, 0.0
+    # Sliding-window layers read their window on the GPU in every mode.
+    hbm, pcie = weight_bytes + B * window_kv_bytes(model, context), 0.0
     if kv.buffer is None:  # GPU-only pages
         hbm += B * context * per_token_kv
     elif attn.algorithm.selects_all:

@@ -2,6 +2,7 @@
 (its figures are GPU ones)."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,30 @@ def test_gpu_gaps_charges_idle_time_to_the_open_host_region():
     assert gaps["idle_in_gaps_ms_by_region"] == {"Kv.spill": 2.0}  # the 0.1 ms gap is under min_ms
     (longest,) = gaps["longest"]
     assert longest["region"] == "Kv.spill" and longest["host_op"] == "aten::sort" and longest["after_kernel"] == "k1"
+
+
+def test_rooflines_count_the_window_layers_windows():
+    """A model with sliding-window layers: dense reads every full layer's context and each
+    window layer's window; Spin the same windows beside its attended pages (the hybrid cache's
+    Spin part answers for the budget)."""
+    from spin_cluster.config import SpinConfig
+    from spin_cluster.engine import Engine
+    from spin_cluster.models.shapes import GEMMA3_27B, shape_folder, tiny
+
+    bench = load("e2e")
+    shape = tiny(GEMMA3_27B, bench["TINY"])
+    args = bench["parse_args"](["--tiny", "--per-head-shares"])
+    folder = shape_folder(shape, 512, args.tokenizer, prefix="roofline-")
+    r = {"decode_tok_s": 100.0, "peak_decode_batch": 2, "decode_steps": 0}
+    got = {}
+    for mode in ("dense", "spin"):
+        engine = Engine(SpinConfig.from_dict(bench["mode_config"](mode, args, folder, 512, shape)), progress=False)
+        got[mode] = bench["step_roofline"](engine, r, 400, 1e12)
+        layer = 2 * shape["num_key_value_heads"] * shape["head_dim"] * 4  # float32 K and V of a token
+        window = sum(min(400, shape["sliding_window"]) for t in shape["layer_types"] if t == "sliding_attention")
+        weights = sys.modules["e2e_roofline"].decode_weight_bytes(engine.model)
+        if mode == "dense":
+            assert got[mode]["hbm_bytes"] == weights + 2 * (400 * layer + window * layer)  # one full layer
+            assert bench["roofline"](engine, 400, None, 1e12)["kv_bytes"] == 400 * layer + window * layer
+        else:
+            assert weights + 2 * window * layer < got[mode]["hbm_bytes"] < got["dense"]["hbm_bytes"]
