@@ -43,8 +43,8 @@ def kv_layer_bytes(model) -> int:
 
 def full_layers(model) -> int:
     """Layers that attend over the whole context (those without a sliding window)."""
-    windows = model.config.layer_windows
-    return sum(w is None for w in windows) if windows else model.config.num_layers
+    layers = model.config.full_attention_layers()
+    return model.config.num_layers if layers is None else len(layers)
 
 
 def window_kv_bytes(model, context: int) -> int:

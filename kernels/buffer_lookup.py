@@ -63,7 +63,7 @@ from ._triton_support import is_interpreted, load_kernel_module, next_pow2
 from .bucketed_lru import _check_row_value, bucketed_lru_victims_ref
 
 __all__ = ["HomeMap", "buffer_lookup", "buffer_lookup_ref", "page_columns", "resident_pages", "resident_pages_ref",
-           "resolve_selected", "resolve_selected_ref"]
+           "resolve_selected", "resolve_selected_ref", "with_gpu_homes"]
 
 CHUNK = 256  # columns (and at least as many selected pages) per chunk of the kernel
 WARPS = 4  # warps per program
@@ -168,10 +168,10 @@ def resolve_selected_ref(res_page, res_slot, last_use, rows, layer: int, want, n
                          counters, homes: HomeMap, num_buckets: int = 64, reuse: bool = True, res_col=None):
     _check_resolve(want, num_selected, rows, tail_len, homes)
     E = homes.segment_pages
+    safe = want.clamp(min=0).long()
+    seg = homes.directory[rows, layer].gather(2, safe // E).long()  # [B, Hkv, K] each selected page's segment
     at_home = None
     if homes.gpu_last_use is not None:  # GPU home pages are read in place; the share sees host pages only
-        safe = want.clamp(min=0).long()
-        seg = homes.directory[rows, layer].gather(2, safe // E).long()  # [B, Hkv, K]
         home = (want >= 0) & (seg >= homes.first_gpu_segment)
         at_home = torch.where(home, seg * E + safe % E + homes.gpu_slot_offset, -1)
         spare = homes.gpu_last_use.shape[0] - 1  # takes the stamps of host pages and padding
@@ -183,17 +183,16 @@ def resolve_selected_ref(res_page, res_slot, last_use, rows, layer: int, want, n
                                               num_buckets, reuse, res_col)
     if at_home is not None:
         slots = torch.where(at_home >= 0, at_home, slots).int()
-    src, lens, tail_slot = _epilogue_ref(want, slots, miss, num_selected, rows, tail_len, homes.directory, layer, E,
+    src, lens, tail_slot = _epilogue_ref(want, seg * E + safe % E, slots, miss, num_selected, tail_len,
                                          homes.page_size)
     return slots, miss_dst, src, lens, tail_slot
 
 
-def _epilogue_ref(want, slots, miss, num_selected, rows, tail_len, directory, layer: int, E: int, S: int):
-    """The misses' host pages, each head's attended length and its newest token's flat slot
-    (the slot of its last selected page, the tail, * S + tail_len - 1)."""
-    safe = want.clamp(min=0).long()
-    seg = directory[rows, layer].gather(2, safe // E).long()  # [B, Hkv, K]
-    src = torch.where(miss & (want >= 0), seg * E + safe % E, -1).view(-1)
+def _epilogue_ref(want, pages, slots, miss, num_selected, tail_len, S: int):
+    """The misses' host pages (``pages``: each selected page's home page id), each head's
+    attended length and its newest token's flat slot (the slot of its last selected page, the
+    tail, * S + tail_len - 1)."""
+    src = torch.where(miss & (want >= 0), pages, -1).view(-1)
     tail = tail_len.long()[:, None]  # [B, 1]
     last = slots.gather(-1, (num_selected.long() - 1).clamp(min=0)[..., None])[..., 0].long()  # [B, Hkv]
     lens = ((num_selected.long() - 1) * S + tail).to(torch.int32)
@@ -227,11 +226,16 @@ def resident_pages(res_col, rows, layer: int, num_pages: int, homes: HomeMap | N
 
 
 def resident_pages_ref(res_col, rows, layer: int, num_pages: int, homes: HomeMap | None = None):
-    held = res_col[rows, layer, :, :num_pages] >= 0
-    if homes is not None and homes.gpu_last_use is not None:
-        logical = torch.arange(num_pages, device=rows.device) // homes.segment_pages
-        held = held | (homes.directory[rows, layer][..., logical] >= homes.first_gpu_segment)
-    return held
+    return with_gpu_homes(res_col[rows, layer, :, :num_pages] >= 0, rows, layer, homes)
+
+
+def with_gpu_homes(held, rows, layer: int, homes: HomeMap | None):
+    """held [B, Hkv, P] bool (pages 0 .. P - 1 of ``rows`` [B]), or-ed with which of them live
+    at home on the GPU where ``homes`` has GPU homes; else held as it is. Torch ops, no sync."""
+    if homes is None or homes.gpu_last_use is None:
+        return held
+    logical = torch.arange(held.shape[-1], device=held.device) // homes.segment_pages
+    return held | (homes.directory[rows, layer][..., logical] >= homes.first_gpu_segment)
 
 
 def _check_resolve(want, num_selected, rows, tail_len, homes: HomeMap) -> None:

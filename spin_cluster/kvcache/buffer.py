@@ -49,7 +49,14 @@ from dataclasses import dataclass
 
 import torch
 
-from spin_cluster.kernels.buffer_lookup import HomeMap, buffer_lookup, page_columns, resident_pages, resolve_selected
+from spin_cluster.kernels.buffer_lookup import (
+    HomeMap,
+    buffer_lookup,
+    page_columns,
+    resident_pages,
+    resolve_selected,
+    with_gpu_homes,
+)
 from spin_cluster.kvcache.free_list import FreeList, check_partition
 from spin_cluster.kvcache.lru import DEFAULT_NUM_BUCKETS
 
@@ -381,11 +388,7 @@ class GpuBuffer:
         pages = self.res_page[rows, layer].long()  # [B, Hkv, share]
         pages = torch.where((pages >= 0) & (pages < num_pages), pages, num_pages)
         held = torch.zeros(*pages.shape[:2], num_pages + 1, dtype=torch.bool, device=pages.device)
-        held = held.scatter_(-1, pages, True)[..., :num_pages]
-        if homes is not None and homes.gpu_last_use is not None:
-            logical = torch.arange(num_pages, device=held.device) // homes.segment_pages
-            held = held | (homes.directory[rows, layer][..., logical] >= homes.first_gpu_segment)
-        return held
+        return with_gpu_homes(held.scatter_(-1, pages, True)[..., :num_pages], rows, layer, homes)
 
     # ---- integrity --------------------------------------------------------------------------
 
