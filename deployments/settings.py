@@ -20,7 +20,7 @@ import yaml
 from pydantic import Field, StrictInt, field_validator, model_validator
 
 from spin_cluster.config import ConfigSection, SpinConfig, parse_config
-from spin_cluster.engine.step_threads import StepThreads
+from spin_cluster.engine.step_threads import BLOCK_TOKENS, StepThreads
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "default"
@@ -119,7 +119,7 @@ class ServeOptions(ConfigSection):
         threads = self.torch_threads()
         if self.engine_torch_threads != "auto" or threads is None:
             return None
-        return StepThreads(small=1, large=threads, min_tokens=AUTO_THREADS_MIN_TOKENS)
+        return StepThreads(small=1, large=threads, min_tokens=AUTO_THREADS_MIN_TOKENS, block_tokens=BLOCK_TOKENS)
 
 
 class AppConfig(ConfigSection):

@@ -27,6 +27,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 128
@@ -350,4 +351,299 @@ int spin_linear_rows_f32(const float *x, int64_t sx, const float *w, const float
     }
     run_shares(gemv_run, jobs, sizeof(gemv_job_t), threads);
     return 0;
+}
+
+/* ---- causal prefill attention: a chunk of queries against its context --------------------- */
+
+/* q [n, H, D] at positions qpos0 .. qpos0 + n - 1 (tokens strided by sq_t, heads by sq_h);
+ * k, v [T keys, Hkv heads, D] at positions kpos0 .. kpos0 + T - 1 (strides sk_t/sk_h,
+ * sv_t/sv_h); out [n, H, D] contiguous. Query head h reads KV head h / G. The query at
+ * position p sees the keys at positions p - window + 1 .. p (window 0: every earlier one).
+ *
+ * A flash attention over tiles: a work item is one KV head's G query heads over PQ_TOKENS
+ * query tokens (their G * PQ_TOKENS rows share every K and V row read), swept over blocks of
+ * PK keys with an online softmax. Per block, the scores are a register-blocked GEMM of the
+ * item's queries (pre-scaled, copied once) against the block's keys transposed into a
+ * scratch tile, and the output a second one of the probabilities against the V rows where
+ * they lie: each loaded key or value vector feeds PMR rows' FMAs from registers, where the
+ * row-at-a-time dot products of the decode kernel above load two operands per FMA. Items
+ * are taken from a shared counter, the longest (the last query tokens) first, so that a
+ * thread which loses its core holds up one item, not a fixed share of them. */
+#if defined(__AVX512F__)
+#define PVL 16 /* floats in a vector */
+#define PMR 6  /* rows per register block: 6 rows x 4 vectors of accumulators + 4 loads of 32 */
+#define PNV 4  /* vectors per register block (64 keys or 64 dimensions) */
+#else
+#define PVL 8
+#define PMR 4 /* AVX2: 16 registers: 4 x 2 accumulators + 2 loads + a broadcast */
+#define PNV 2
+#endif
+#define PK 64          /* keys per block */
+#define PROWS 96       /* target rows (G x tokens) per item */
+#define PMAX_ROWS 128  /* rows per item at most */
+#define NEG_BIG (-1e30f) /* a masked score: finite (-ffast-math), exp(NEG_BIG - m) = 0 */
+
+typedef float pvec __attribute__((vector_size(PVL * 4), aligned(4)));
+typedef int32_t pivec __attribute__((vector_size(PVL * 4), aligned(4)));
+
+/* Lane-wise max (C has no ?: on vectors; a compare's lanes are all ones or zeros). */
+static inline __attribute__((always_inline)) pvec pf_max(pvec a, pvec b) {
+    const pivec gt = a > b;
+    return (pvec)(((pivec)a & gt) | ((pivec)b & ~gt));
+}
+
+/* The largest and the sum of a vector's lanes, halving the vector log2(PVL) times. */
+static inline __attribute__((always_inline)) float pf_hmax(pvec x) {
+#if PVL == 16
+    x = pf_max(x, __builtin_shuffle(x, (pivec){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    x = pf_max(x, __builtin_shuffle(x, (pivec){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+#else
+    x = pf_max(x, __builtin_shuffle(x, (pivec){4, 5, 6, 7, 0, 1, 2, 3}));
+#endif
+    return fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+}
+
+static inline __attribute__((always_inline)) float pf_hsum(pvec x) {
+#if PVL == 16
+    x += __builtin_shuffle(x, (pivec){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, (pivec){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+#else
+    x += __builtin_shuffle(x, (pivec){4, 5, 6, 7, 0, 1, 2, 3});
+#endif
+    return (x[0] + x[1]) + (x[2] + x[3]);
+}
+
+/* exp(x) for x <= 0 (a score less the running max), in vector registers: x = n ln2 + r with
+ * |r| <= ln2 / 2 (ln2 in two parts), exp(r) by Cephes' expf polynomial (about 1 ulp),
+ * 2^n put in the exponent bits; 0 below -87 (a masked score among them). libmvec's expf,
+ * called per 16 lanes, took a fifth of the kernel's time; this inlines with the loop. */
+static inline __attribute__((always_inline)) pvec pf_exp(pvec x) {
+    const pivec keep = x >= -87.0f;
+    x = pf_max(x, (pvec){0} - 87.0f);
+    const pivec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, pivec); /* round: x <= 0 */
+    const pvec fn = __builtin_convertvector(n, pvec);
+    const pvec r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+    pvec p = (pvec){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const pivec scale = (n + 127) << 23;
+    pvec y;
+    memcpy(&y, &scale, sizeof y);
+    return (pvec)((pivec)(p * y) & keep);
+}
+
+typedef struct {
+    const float *q, *kt, *v; /* kt [Hkv][T / PK blocks][D][PK]: the keys transposed, zeros past T */
+    float *out;
+    int64_t sq_t, sq_h, ldk, sv_t, sv_h;
+    int64_t n, H, Hkv, D, T, qpos0, kpos0, window, tokens;
+    float scale;
+    int64_t items;
+    int64_t *next, *done; /* shared: the next item not yet taken; items finished */
+} pf_job_t;
+
+/* s[r][c0 .. c0 + PNV*PVL) = qs[r] . kt[:, c] for MR rows from r0; kt [D][ldk], qs [rows][D]. */
+static inline __attribute__((always_inline)) void pf_scores(const float *qs, const float *kt, int64_t ldk, float *s,
+                                                            int64_t r0, int64_t c0, int64_t D, const int MR) {
+    pvec acc[PMR][PNV];
+    for (int m = 0; m < MR; m++)
+        for (int u = 0; u < PNV; u++) acc[m][u] = (pvec){0};
+    for (int64_t d = 0; d < D; d++) {
+        pvec kv[PNV];
+        for (int u = 0; u < PNV; u++) kv[u] = *(const pvec *)(kt + d * ldk + c0 + u * PVL);
+        for (int m = 0; m < MR; m++) {
+            const float qd = qs[(r0 + m) * D + d];
+            for (int u = 0; u < PNV; u++) acc[m][u] += qd * kv[u];
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int u = 0; u < PNV; u++) *(pvec *)(s + (r0 + m) * PK + c0 + u * PVL) = acc[m][u];
+}
+
+/* o[r][d0 .. d0 + PNV*PVL) = o[r][..] * corr[r] + sum_j p[r][j] v_j[..] for MR rows from r0. */
+static inline __attribute__((always_inline)) void pf_values(const float *p, const float *vrow, int64_t sv,
+                                                            int64_t nk, float *o, const float *corr, int64_t r0,
+                                                            int64_t d0, int64_t D, const int MR) {
+    pvec acc[PMR][PNV];
+    for (int m = 0; m < MR; m++)
+        for (int u = 0; u < PNV; u++) acc[m][u] = *(const pvec *)(o + (r0 + m) * D + d0 + u * PVL) * corr[r0 + m];
+    for (int64_t j = 0; j < nk; j++) {
+        pvec vv[PNV];
+        const float *vj = vrow + j * sv + d0;
+        for (int u = 0; u < PNV; u++) vv[u] = *(const pvec *)(vj + u * PVL);
+        for (int m = 0; m < MR; m++) {
+            const float pj = p[(r0 + m) * PK + j];
+            for (int u = 0; u < PNV; u++) acc[m][u] += pj * vv[u];
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int u = 0; u < PNV; u++) *(pvec *)(o + (r0 + m) * D + d0 + u * PVL) = acc[m][u];
+}
+
+/* Scalar tails: the columns of a D that is not a multiple of PNV * PVL. */
+static void pf_scores_tail(const float *qs, const float *kt, int64_t ldk, float *s, int64_t rows, int64_t c0,
+                           int64_t D) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = c0; c < PK; c++) {
+            float acc = 0.0f;
+            for (int64_t d = 0; d < D; d++) acc += qs[r * D + d] * kt[d * ldk + c];
+            s[r * PK + c] = acc;
+        }
+}
+
+static void pf_item(const pf_job_t *a, int64_t item, float *qs, float *o, float *s, float *m, float *l,
+                    float *corr) {
+    const int64_t G = a->H / a->Hkv, D = a->D, tokens = a->tokens;
+    const int64_t blocks = (a->n + tokens - 1) / tokens;
+    const int64_t qb = blocks - 1 - item / a->Hkv, hk = item % a->Hkv; /* the longest first */
+    const int64_t i0 = qb * tokens, i1 = i0 + tokens < a->n ? i0 + tokens : a->n;
+    const int64_t rows = (i1 - i0) * G;
+    /* rows r = (i - i0) * G + g: query token i, head hk * G + g */
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *src = a->q + i * a->sq_t + (hk * G + g) * a->sq_h;
+            float *dst = qs + ((i - i0) * G + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = src[d] * a->scale;
+        }
+    memset(o, 0, sizeof(float) * rows * D);
+    for (int64_t r = 0; r < rows; r++) {
+        m[r] = NEG_BIG;
+        l[r] = 0.0f;
+    }
+    /* keys this item's queries see: positions lo .. hi */
+    const int64_t plast = a->qpos0 + i1 - 1, pfirst = a->qpos0 + i0;
+    int64_t lo = a->window > 0 ? pfirst - a->window + 1 : a->kpos0;
+    if (lo < a->kpos0) lo = a->kpos0;
+    int64_t j_lo = (lo - a->kpos0) / PK * PK, j_hi = plast - a->kpos0 + 1; /* key indices [j_lo, j_hi), j_lo
+                                                                          on a tile */
+    if (j_hi > a->T) j_hi = a->T;
+    const float *kth = a->kt + hk * D * a->ldk, *vh = a->v + hk * a->sv_h; /* ldk: keys rounded up to PK */
+    const int64_t full = D / (PNV * PVL) * (PNV * PVL);
+    for (int64_t j0 = j_lo; j0 < j_hi; j0 += PK) {
+        const int64_t nk = j_hi - j0 < PK ? j_hi - j0 : PK;
+        const float *kt = kth + j0 * D; /* the block's [D][PK] tile (j0 a multiple of PK) */
+        int64_t r = 0;
+        for (; r + PMR <= rows; r += PMR)
+            for (int64_t c0 = 0; c0 + PNV * PVL <= PK; c0 += PNV * PVL) pf_scores(qs, kt, PK, s, r, c0, D, PMR);
+        for (; r < rows; r++)
+            for (int64_t c0 = 0; c0 + PNV * PVL <= PK; c0 += PNV * PVL) pf_scores(qs, kt, PK, s, r, c0, D, 1);
+        if (PK % (PNV * PVL)) pf_scores_tail(qs, kt, PK, s, rows, PK / (PNV * PVL) * (PNV * PVL), D);
+        /* mask (the causal edge, the window's far edge, the block's end), online softmax */
+        const int64_t kp0 = a->kpos0 + j0; /* position of the block's first key */
+        for (int64_t rr = 0; rr < rows; rr++) {
+            const int64_t qp = a->qpos0 + i0 + rr / G;
+            float *sr = s + rr * PK;
+            int64_t hi = qp - kp0 + 1; /* keys [.., hi) of the block are not in the future */
+            if (hi > nk) hi = nk;
+            int64_t lo_c = a->window > 0 ? qp - a->window + 1 - kp0 : 0;
+            if (lo_c < 0) lo_c = 0;
+            for (int64_t c = 0; c < lo_c && c < PK; c++) sr[c] = NEG_BIG;
+            for (int64_t c = hi > 0 ? hi : 0; c < PK; c++) sr[c] = NEG_BIG;
+            float mx = m[rr];
+            pvec vm = (pvec){0} + mx;
+            for (int64_t c = 0; c < PK; c += PVL) {
+                const pvec x = *(const pvec *)(sr + c);
+                vm = pf_max(x, vm);
+            }
+            mx = pf_hmax(vm);
+            if (mx == NEG_BIG) { /* nothing visible yet: p = 0, the state is unchanged */
+                memset(sr, 0, sizeof(float) * PK);
+                corr[rr] = 1.0f;
+                continue;
+            }
+            pvec vs = (pvec){0};
+            for (int64_t c = 0; c < PK; c += PVL) {
+                const pvec e = pf_exp(*(const pvec *)(sr + c) - mx);
+                *(pvec *)(sr + c) = e;
+                vs += e;
+            }
+            const float sum = pf_hsum(vs);
+            corr[rr] = m[rr] == NEG_BIG ? 0.0f : expf(m[rr] - mx); /* nothing held yet: no slow underflow */
+            l[rr] = l[rr] * corr[rr] + sum;
+            m[rr] = mx;
+        }
+        const float *vb = vh + j0 * a->sv_t;
+        r = 0;
+        for (; r + PMR <= rows; r += PMR)
+            for (int64_t d0 = 0; d0 < full; d0 += PNV * PVL) pf_values(s, vb, a->sv_t, nk, o, corr, r, d0, D, PMR);
+        for (; r < rows; r++)
+            for (int64_t d0 = 0; d0 < full; d0 += PNV * PVL) pf_values(s, vb, a->sv_t, nk, o, corr, r, d0, D, 1);
+        for (int64_t rr = 0; rr < rows && full < D; rr++)
+            for (int64_t d = full; d < D; d++) {
+                float acc = o[rr * D + d] * corr[rr];
+                for (int64_t j = 0; j < nk; j++) acc += s[rr * PK + j] * vb[j * a->sv_t + d];
+                o[rr * D + d] = acc;
+            }
+    }
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t rr = (i - i0) * G + g;
+            const float inv = l[rr] > 0.0f ? 1.0f / l[rr] : 0.0f;
+            float *dst = a->out + (i * a->H + hk * G + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = o[rr * D + d] * inv;
+        }
+}
+
+static void *pf_run(void *arg) {
+    const pf_job_t *a = (const pf_job_t *)arg;
+    const int64_t rows = a->tokens * (a->H / a->Hkv), D = a->D;
+    /* one scratch per thread: queries, outputs, scores, the transposed key tile, softmax state */
+    float *buf = (float *)malloc(sizeof(float) * (2 * rows * D + rows * PK + 3 * rows));
+    if (!buf) return NULL;
+    float *qs = buf, *o = qs + rows * D, *s = o + rows * D;
+    float *m = s + rows * PK, *l = m + rows, *corr = l + rows;
+    for (int64_t it = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED); it < a->items;
+         it = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED))
+    {
+        pf_item(a, it, qs, o, s, m, l, corr);
+        __atomic_fetch_add(a->done, 1, __ATOMIC_RELAXED);
+    }
+    free(buf);
+    return NULL;
+}
+
+/* Returns 0; -1 for shapes past the limits (checked by the caller first); -3 when no thread
+ * could have its scratch (out is then incomplete). */
+int spin_prefill_attention_f32(const float *q, int64_t sq_t, int64_t sq_h, const float *k, int64_t sk_t,
+                               int64_t sk_h, const float *v, int64_t sv_t, int64_t sv_h, float *out, int64_t n,
+                               int64_t H, int64_t Hkv, int64_t D, int64_t T, int64_t qpos0, int64_t kpos0,
+                               int64_t window, float scale, int64_t threads) {
+    if (Hkv <= 0 || H % Hkv || H / Hkv > PMAX_ROWS || D <= 0 || D > MAX_D || n <= 0 || T <= 0) return -1;
+    const int64_t G = H / Hkv;
+    int64_t tokens = PROWS / G;
+    if (tokens < 1) tokens = 1;
+    if (tokens > n) tokens = n;
+    const int64_t items = (n + tokens - 1) / tokens * Hkv;
+    if (threads > items) threads = items;
+    if (threads > 64) threads = 64;
+    if (threads < 1) threads = 1;
+    /* The keys transposed once, a [D][PK] tile per block of PK keys, for every item to read:
+     * each item transposing its own blocks cost 10% of the kernel (the earlier keys are every
+     * item's), and one [D][T] matrix puts a block's D rows a multiple of 4 KB apart, all in
+     * the same L1 sets. */
+    const int64_t ldk = (T + PK - 1) / PK * PK;
+    float *kt = (float *)malloc(sizeof(float) * Hkv * D * ldk);
+    if (!kt) return -3;
+    for (int64_t h = 0; h < Hkv; h++)
+        for (int64_t j0 = 0; j0 < ldk; j0 += PK)
+            for (int64_t jj = 0; jj < PK; jj += 16) /* 16 keys at a time: whole cache lines written */
+                for (int64_t d = 0; d < D; d++) {
+                    float *dst = kt + h * D * ldk + j0 * D + d * PK + jj;
+                    for (int64_t j = 0; j < 16; j++)
+                        dst[j] = j0 + jj + j < T ? k[(j0 + jj + j) * sk_t + h * sk_h + d] : 0.0f;
+                }
+    pf_job_t jobs[64];
+    int64_t next = 0, done = 0;
+    for (int64_t i = 0; i < threads; i++) {
+        pf_job_t j = {q, kt, v, out, sq_t, sq_h, ldk, sv_t, sv_h, n, H, Hkv, D, T, qpos0, kpos0, window, tokens,
+                      scale, items, &next, &done};
+        jobs[i] = j;
+    }
+    run_shares(pf_run, jobs, sizeof(pf_job_t), threads);
+    free(kt);
+    return done == items ? 0 : -3;
 }

@@ -9,6 +9,11 @@ where it lies, a small-batch linear, and a decoder layer's element-wise ops fuse
 * :func:`linear_rows`: a decode step's GEMMs at batch 1-2, each weight row read once for all
   of the step's rows, where MKL's GEMV reads the weight once per row and at a lower rate
   (``spin_cluster.models.cpu_linear`` says when it runs).
+* :func:`prefill_attention_cpu`: causal attention of a prefill chunk (a sliding window too),
+  a flash attention whose two products are register-blocked (each key or value vector loaded
+  feeds several query rows' FMAs) and whose tiles threads take from a shared counter. SmolLM2's
+  2048-token prompt, one layer (9 heads, 3 KV heads, D 64; 2-vCPU AVX-512 EPYC): 57.5 ms on one
+  thread and 31.5 on two, where torch's CPU flash attention (SDPA) took 75 and 40-45.
 * :func:`add_rms_norm`, :func:`rope_qkv`, :func:`silu_mul`: one call each where torch runs
   five, eight and two operators (the CPU twins of ``layer_ops``' Triton kernels, against whose
   ``*_ref`` functions they are tested). At decode's batch 1 a layer's small operators cost
@@ -48,7 +53,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["available", "fits", "paged_decode_attention_cpu", "set_row_threads", "supports", "add_rms_norm", "rope_qkv", "silu_mul",
-           "linear_rows", "LINEAR_MAX_ROWS"]
+           "linear_rows", "LINEAR_MAX_ROWS", "prefill_attention_cpu", "supports_prefill"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +139,8 @@ def _library() -> ctypes.CDLL | None:
     lib.spin_rope_qkv_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr,
                                       i64, i64, i64, i64]
     lib.spin_silu_mul_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64]
+    lib.spin_prefill_attention_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr] + [i64] * 8 + [f32, i64]
+    lib.spin_prefill_attention_f32.restype = ctypes.c_int
     lib.spin_linear_rows_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.spin_linear_rows_f32.restype = ctypes.c_int
     for name in ("spin_add_rms_norm_f32", "spin_rope_qkv_f32", "spin_silu_mul_f32"):
@@ -214,6 +221,58 @@ def paged_decode_attention_cpu(
         out.copy_(result)
         return out
     return result
+
+
+# The prefill kernel's limits (its PMAX_ROWS query heads per KV head, MAX_D).
+_PREFILL_MAX_G, _PREFILL_MAX_D = 128, 256
+
+
+def supports_prefill(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether :func:`prefill_attention_cpu` takes q [n, H, D] against k [Hkv, T, D]: float32
+    CPU tensors within its limits, the kernels built."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k.dtype == torch.float32 and q.dim() == 3
+            and k.dim() == 3 and q.shape[1] % k.shape[0] == 0 and q.shape[1] // k.shape[0] <= _PREFILL_MAX_G
+            and q.shape[2] == k.shape[2] and 0 < q.shape[2] <= _PREFILL_MAX_D and available())
+
+
+def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_start: int,
+                          window: int | None = None, key_start: int = 0, scale: float | None = None,
+                          threads: int | None = None) -> torch.Tensor:
+    """Causal attention of a chunk: q [n, H, D] at positions context_start .. context_start
+    + n - 1 against k, v [Hkv, T, D] at positions key_start .. key_start + T - 1 (any strides,
+    the last dimension contiguous; a transposed view of the chunk's own [n, Hkv, D] is read in
+    place) -> [n, H, D]. The query at position p sees the keys at p - window + 1 .. p (every
+    earlier one without ``window``); the scores are scaled by ``scale`` (default D ** -0.5, as
+    SDPA). ``threads``: how many threads take the tiles (default :func:`set_row_threads`'s
+    count, else torch's). float32 on the CPU."""
+    lib = _lib()
+    if not supports_prefill(q, k) or v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"prefill_attention_cpu takes float32 CPU q [n, H, D] and k, v [Hkv, T, D] with H a multiple "
+                         f"of Hkv: got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    n, H, D = q.shape
+    Hkv, T, _ = k.shape
+    if key_start + T < context_start + n or key_start < 0 or (window is not None and window < 1):
+        raise ValueError(f"keys at {key_start} .. {key_start + T - 1} do not reach the chunk's last query "
+                         f"({context_start + n - 1}), or window={window} < 1")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    out = torch.empty(n, H, D)
+    if n == 0:
+        return out
+    rc = lib.spin_prefill_attention_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(1), k.stride(0), v.data_ptr(), v.stride(1),
+        v.stride(0), out.data_ptr(), n, H, Hkv, D, T, context_start, key_start, window or 0,
+        float(D ** -0.5 if scale is None else scale),
+        (_row_threads or torch.get_num_threads()) if threads is None else int(threads))
+    if rc == -3:
+        raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")
+    if rc != 0:
+        raise ValueError("the CPU prefill attention kernel refused these shapes")
+    return out
 
 
 # ---- fused layer ops ------------------------------------------------------------------------

@@ -19,7 +19,11 @@ Which SDPA kernel runs it is a per-device decision (``choose_backend``), made on
   kernel's result. One H200 measurement at Llama-3.1-8B shapes had it at 1.7-1.8x the flash
   backend from 32K to 128K.
 * ``flash``: any other CUDA device (and the fallback of the above).
-* ``default``: SDPA's own dispatch, unchanged; the CPU path (math kernel, boolean mask).
+* ``native``: the CPU in float32 where the native kernels build (``cpu_native.
+  prefill_attention_cpu``, sliding windows included): 1.3-1.4x torch's CPU flash attention
+  at SmolLM2's 2048-token prompt, and its tiles are taken by whichever thread is free, where
+  SDPA's OpenMP shares wait for a thread that lost its core to another process.
+* ``default``: SDPA's own dispatch, unchanged; any other CPU case (math kernel, boolean mask).
 
 A whole prompt (cs = 0) is SDPA with ``is_causal``. A later chunk needs a causal mask
 aligned to the lower right of its [n, T] scores, which ``is_causal`` cannot say (it aligns
@@ -44,7 +48,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from spin_cluster import env
-from spin_cluster.kernels import paged_decode, paged_decode_cpu
+from spin_cluster.kernels import cpu_native, paged_decode, paged_decode_cpu
 
 # Block-sparse prefill (``spin_cluster.sparse.prefill.BlockSparsePrefill``) as this module sees it:
 # (layer, q, k_ctx, v_ctx, context_start) -> out. Named by shape, not imported: sparse builds
@@ -53,7 +57,7 @@ SparsePrefill = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], t
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("cudnn", "flash", "default")
+BACKENDS = ("cudnn", "flash", "native", "default")
 _SDP = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 _CUDNN_MIN_CAPABILITY = (9, 0)  # Hopper: cuDNN's fused attention uses wgmma there
 _CUDNN_MAX_HEAD_DIM = 128
@@ -66,7 +70,8 @@ _PROBE_TOL = 6e-2  # bf16 against an fp32 reference (|v| up to ~4); a wrong kern
 
 @dataclass(frozen=True)
 class Kernel:
-    """One SDPA kernel: ``name`` 'cudnn', 'flash' or 'default' (SDPA's own dispatch);
+    """One attention kernel: ``name`` 'cudnn', 'flash', 'native' (the CPU's, ``cpu_native``) or
+    'default' (SDPA's own dispatch);
     ``expand_kv``: the KV heads are repeated G times for it (no native GQA on that path)."""
 
     name: str
@@ -75,7 +80,7 @@ class Kernel:
 
 @dataclass(frozen=True)
 class DenseBackend:
-    """The SDPA kernels of dense prefill on one (device, dtype, H, Hkv, D): ``whole`` runs a
+    """The attention kernels of dense prefill on one (device, dtype, H, Hkv, D): ``whole`` runs a
     whole prompt (cs = 0), ``chunked`` a later chunk (cs > 0); they differ only where cuDNN
     passed the probe for one form and not the other."""
 
@@ -104,11 +109,12 @@ class DenseBackend:
 
 
 def backend_rule(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int,
-                 cudnn_available: bool) -> str:
+                 cudnn_available: bool, native_available: bool = False) -> str:
     """The rule before any probe: 'cudnn' where it is the fastest candidate, else 'flash' on
-    CUDA, else 'default'."""
+    CUDA; on the CPU 'native' in float32 where its kernel takes the shape
+    (``native_available``), else 'default'."""
     if device_type != "cuda":
-        return "default"
+        return "native" if native_available and dtype == torch.float32 else "default"
     if (cudnn_available and capability is not None and capability >= _CUDNN_MIN_CAPABILITY
             and dtype in _HALF and head_dim <= _CUDNN_MAX_HEAD_DIM):
         return "cudnn"
@@ -125,7 +131,11 @@ def choose_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
     ``override`` ('cudnn', 'flash', 'default': ``SPIN_DENSE_PREFILL``) skips the rule; a
     cuDNN override that fails the probe is an error."""
     device = torch.device(device)
-    if override in ("flash", "default"):
+    native = device.type == "cpu" and _native_takes(dtype, num_heads, num_kv_heads, head_dim)
+    if override == "native" and not native:
+        raise ValueError(f"SPIN_DENSE_PREFILL=native, but the CPU kernel does not run {dtype} with H={num_heads}, "
+                         f"Hkv={num_kv_heads}, D={head_dim} on {device} (or did not build): unset it")
+    if override in ("flash", "default", "native"):
         return DenseBackend.of(override)
     if override == "cudnn":
         found = (probe or probe_cudnn)(device, dtype, num_heads, num_kv_heads, head_dim)
@@ -138,7 +148,7 @@ def choose_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
             capability = torch.cuda.get_device_capability(device)
         if cudnn_available is None:
             cudnn_available = torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
-    name = backend_rule(device.type, capability, dtype, head_dim, bool(cudnn_available))
+    name = backend_rule(device.type, capability, dtype, head_dim, bool(cudnn_available), native)
     if name != "cudnn":
         return DenseBackend.of(name)
     found = (probe or probe_cudnn)(device, dtype, num_heads, num_kv_heads, head_dim)
@@ -220,8 +230,16 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
         return run_kernel(Kernel("flash"), q, k, v, context_start)
 
 
+def _native_takes(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """The CPU kernel runs this shape (float32, its head limits) and built on this machine."""
+    probe_q = torch.empty(0, num_heads, head_dim, dtype=dtype)
+    return cpu_native.supports_prefill(probe_q, torch.empty(num_kv_heads, 0, head_dim, dtype=dtype))
+
+
 def run_kernel(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_start: int) -> torch.Tensor:
     """``dense_causal_attention`` on exactly ``kernel``: raises where it cannot run."""
+    if kernel.name == "native":
+        return cpu_native.prefill_attention_cpu(q, k, v, context_start)
     H = q.shape[1]
     qb = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     if kernel.name == "cudnn":
@@ -315,6 +333,8 @@ def prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
         if sparse is not None:
             raise ValueError("block-sparse prefill does not mask a sliding window; "
                              "turn sparse prefill off for sliding-window models (Gemma 3)")
+        if device_backend(q.device, q.dtype, q.shape[1], k_ctx.shape[0], q.shape[2]).whole.name == "native":
+            return cpu_native.prefill_attention_cpu(q, k_ctx, v_ctx, context_start, window, key_start)
         return sliding_window_attention(q, k_ctx, v_ctx, context_start, window, key_start)
     if key_start:
         raise ValueError(f"key_start={key_start}: only a sliding-window layer's keys may start after position 0")

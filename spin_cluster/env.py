@@ -23,12 +23,13 @@ def commit_override() -> str | None:
     return os.environ.get("SPIN_COMMIT") or None
 
 
-DENSE_PREFILL_CHOICES = ("auto", "cudnn", "flash", "default")
+DENSE_PREFILL_CHOICES = ("auto", "cudnn", "flash", "native", "default")
 
 
 def dense_prefill_override() -> str | None:
-    """SPIN_DENSE_PREFILL: dense prefill's SDPA kernel, 'cudnn', 'flash' or 'default' (SDPA's
-    own dispatch); unset or 'auto': the device's choice (``dense_attention``)."""
+    """SPIN_DENSE_PREFILL: dense prefill's attention kernel, 'cudnn', 'flash', 'native' (the
+    CPU's own) or 'default' (SDPA's own dispatch); unset or 'auto': the device's choice
+    (``dense_attention``)."""
     raw = os.environ.get("SPIN_DENSE_PREFILL", "auto").strip().lower() or "auto"
     if raw not in DENSE_PREFILL_CHOICES:
         raise ValueError(f"SPIN_DENSE_PREFILL={raw!r}: choose one of {', '.join(DENSE_PREFILL_CHOICES)}")

@@ -14,6 +14,9 @@ from spin_cluster.dense_attention import (
     reference_attention,
 )
 from spin_cluster.dense_attention import prefill_attention
+from spin_cluster.kernels import cpu_native
+
+_real_native = cpu_native.prefill_attention_cpu
 
 BF16, F32 = torch.bfloat16, torch.float32
 HOPPER, AMPERE = (9, 0), (8, 0)
@@ -21,6 +24,7 @@ HOPPER, AMPERE = (9, 0), (8, 0)
 
 @pytest.mark.parametrize("device_type, capability, dtype, head_dim, cudnn, want", [
     ("cpu", None, BF16, 128, False, "default"),
+    ("cpu", None, F32, 64, False, "native"),
     ("cuda", HOPPER, BF16, 128, True, "cudnn"),
     ("cuda", HOPPER, torch.float16, 64, True, "cudnn"),
     ("cuda", (10, 0), BF16, 128, True, "cudnn"),
@@ -30,7 +34,9 @@ HOPPER, AMPERE = (9, 0), (8, 0)
     ("cuda", HOPPER, F32, 128, True, "default"),
 ])
 def test_rule_picks_cudnn_on_hopper_in_half_precision(device_type, capability, dtype, head_dim, cudnn, want):
-    assert backend_rule(device_type, capability, dtype, head_dim, cudnn) == want
+    assert backend_rule(device_type, capability, dtype, head_dim, cudnn, native_available=True) == want
+    if want == "native":  # where the CPU kernel did not build
+        assert backend_rule(device_type, capability, dtype, head_dim, cudnn, native_available=False) == "default"
 
 
 def test_choose_backend_asks_the_probe_only_for_cudnn_and_falls_back_to_flash():
@@ -50,7 +56,9 @@ def test_choose_backend_asks_the_probe_only_for_cudnn_and_falls_back_to_flash():
     assert both.for_chunk(7, 2048).name == "cudnn" and both.for_chunk(7, 1).name == "flash"  # a decode row
     got = choose_backend(dev, BF16, 32, 8, 128, capability=AMPERE, cudnn_available=True, probe=failing)
     assert got == DenseBackend.of("flash") and len(calls) == 1
-    assert choose_backend(torch.device("cpu"), F32, 4, 2, 16) == DenseBackend.of("default")
+    cpu = "native" if cpu_native.available() else "default"
+    assert choose_backend(torch.device("cpu"), F32, 4, 2, 16) == DenseBackend.of(cpu)
+    assert choose_backend(torch.device("cpu"), BF16, 4, 2, 16) == DenseBackend.of("default")
 
 
 def _qkv(n, cs, H=4, Hkv=2, D=16, seed=0):
@@ -71,8 +79,28 @@ def _explicit(q, k, v, causal):
 def test_the_cpu_path_is_the_lower_right_causal_reference(cs):
     q, k, v = _qkv(9, cs)
     want = reference_attention(q, k, v, cs)
-    assert torch.allclose(prefill_attention(q, k, v, cs), want, atol=1e-6)
+    assert torch.allclose(prefill_attention(q, k, v, cs), want, atol=1e-5)
     assert torch.allclose(dense_causal_attention(q, k, v, cs, DenseBackend.of("default")), want, atol=1e-6)
+    if cpu_native.available():
+        assert torch.allclose(dense_causal_attention(q, k, v, cs, DenseBackend.of("native")), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("cs", [0, 700])
+def test_the_cpu_sliding_window_takes_the_native_kernel_and_matches_the_blocked_sdpa(cs, monkeypatch):
+    from spin_cluster.dense_attention import sliding_window_attention
+
+    n, window = 300, 128
+    key_start = max(0, cs - window + 1) // 16 * 16  # the engine's first page of the window
+    g = torch.Generator().manual_seed(cs)
+    q = torch.randn(n, 4, 32, generator=g)
+    k, v = (torch.randn(1, cs + n - key_start, 32, generator=g) for _ in range(2))
+    calls = []
+    monkeypatch.setattr(cpu_native, "prefill_attention_cpu",
+                        lambda *a, **kw: calls.append(a) or _real_native(*a, **kw))
+    got = prefill_attention(q, k, v, cs, window=window, key_start=key_start)
+    want = sliding_window_attention(q, k, v, cs, window, key_start)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert len(calls) == (1 if cpu_native.available() else 0)
 
 
 def test_cudnn_chunk_merges_context_and_causal_square_by_log_sum_exp(monkeypatch):
@@ -166,3 +194,6 @@ def test_the_environment_overrides_the_rule(monkeypatch):
         dense_attention.device_backend(torch.device("cpu"), F32, 4, 2, 16)
     monkeypatch.setenv("SPIN_DENSE_PREFILL", "default")
     assert dense_attention.device_backend(torch.device("cpu"), F32, 4, 2, 16) == DenseBackend.of("default")
+    monkeypatch.setenv("SPIN_DENSE_PREFILL", "native")
+    with pytest.raises(ValueError, match="SPIN_DENSE_PREFILL=native"):
+        dense_attention.device_backend(torch.device("cpu"), BF16, 4, 2, 16)

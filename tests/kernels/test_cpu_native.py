@@ -188,3 +188,50 @@ def test_linear_rows_refuses_what_it_cannot_take():
                       (torch.randn(2, 16), w.T.contiguous().T), (torch.randn(2, 16, dtype=torch.float64), w.double())]:
         with pytest.raises(ValueError, match="linear_rows takes"):
             cpu_native.linear_rows(x, weight)
+
+
+def _window_reference(q, k, v, context_start, window, key_start):
+    """The oracle: SDPA's math kernel in float64 over an explicit mask (the query at p sees
+    keys p - window + 1 .. p; every earlier one without a window)."""
+    n, T = q.shape[0], k.shape[1]
+    qp = torch.arange(context_start, context_start + n)[:, None]
+    kp = torch.arange(key_start, key_start + T)[None, :]
+    mask = kp <= qp
+    if window:
+        mask &= kp > qp - window
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None].double(), k[None].double(), v[None].double(), attn_mask=mask, enable_gqa=True)
+    return o[0].transpose(0, 1).float()
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+@pytest.mark.parametrize(("n", "H", "Hkv", "D", "cs", "window", "key_start"), [
+    (37, 9, 3, 64, 0, None, 0),  # SmolLM2's heads, a whole prompt shorter than a key tile
+    (200, 9, 3, 64, 100, None, 0),  # a later chunk: every context key, then the causal square
+    (130, 4, 1, 256, 0, None, 0),  # Gemma 3's heads (one KV head, D 256)
+    (300, 4, 1, 256, 700, 512, 300),  # a sliding-window layer's later chunk, keys from 300
+    (5, 8, 2, 72, 3, None, 0),  # D past a multiple of the vector width
+    (64, 2, 2, 16, 0, 7, 0),  # a window shorter than a key tile: tiles wholly masked for a row
+    (1, 16, 1, 8, 999, None, 0),  # one query row (a decode row through prefill) after 999 keys
+])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_prefill_attention_matches_sdpa(n, H, Hkv, D, cs, window, key_start, threads):
+    g = torch.Generator().manual_seed(n * 7 + D)
+    T = cs + n - key_start
+    q = torch.randn(n, H, D, generator=g)
+    k = torch.randn(T, Hkv, D, generator=g).transpose(0, 1)  # the chunk's [T, Hkv, D] read as [Hkv, T, D]
+    v = torch.randn(T, Hkv, D, generator=g).transpose(0, 1)
+    got = cpu_native.prefill_attention_cpu(q, k, v, cs, window, key_start, threads=threads)
+    torch.testing.assert_close(got, _window_reference(q, k, v, cs, window, key_start), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_prefill_attention_refuses_what_it_cannot_take():
+    q, k = torch.randn(4, 6, 16), torch.randn(4, 4, 16)  # 6 query heads over 4 KV heads
+    with pytest.raises(ValueError, match="multiple"):
+        cpu_native.prefill_attention_cpu(q, k, k, 0)
+    q, k = torch.randn(4, 4, 16), torch.randn(2, 3, 16)
+    with pytest.raises(ValueError, match="do not reach"):  # three keys for queries up to position 3
+        cpu_native.prefill_attention_cpu(q, k, k, 0)
+    assert not cpu_native.supports_prefill(q.double(), k.double())
+    assert not cpu_native.supports_prefill(torch.randn(4, 4, 512), torch.randn(2, 4, 512))  # D past 256
