@@ -135,3 +135,46 @@ def test_the_engine_packs_only_when_asked(tiny_llama_path):
         assert (getattr(engine.model.lm_head, "cpu_pack", None) is not None) is packed
         outs[packed] = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert len(outs[True][0].token_ids) == len(outs[False][0].token_ids) == 6
+
+
+@pytest.mark.parametrize("rows", [512, 600, 1000])
+@pytest.mark.parametrize("inference", [False, True])
+def test_row_blocks_compute_f_linear_and_leave_small_gemms_whole(rows, inference, monkeypatch):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    pack = cpu_linear.PackedLinear(w, b)
+    x = torch.randn(rows, 24, generator=g)
+    calls = []
+    real = cpu_linear.PackedLinear.compute
+    monkeypatch.setattr(cpu_linear.PackedLinear, "compute", lambda self, xx, way: calls.append(len(xx)) or real(self, xx, way))
+    cpu_linear.set_row_blocks(3)
+    try:
+        assert cpu_linear.row_block_threads() == 3
+        with torch.inference_mode(inference):
+            got = pack(x)
+            small = pack(x[: cpu_linear.ROW_BLOCKS_MIN_ROWS - 1])
+    finally:
+        cpu_linear.set_row_blocks(None)
+    assert cpu_linear.row_block_threads() == 1
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(small, torch.nn.functional.linear(x[:511], w, b), rtol=1e-5, atol=1e-4)
+    blocks = -(-rows // cpu_linear.ROW_BLOCK)
+    assert sorted(calls[:blocks]) == sorted([cpu_linear.ROW_BLOCK] * (rows // 256) + ([rows % 256] if rows % 256 else []))
+    assert calls[blocks:] == [cpu_linear.ROW_BLOCKS_MIN_ROWS - 1]  # under the threshold: one call
+
+
+def test_a_failing_row_block_raises_in_the_caller(monkeypatch):
+    pack = cpu_linear.PackedLinear(torch.randn(8, 4), None)
+
+    def boom(self, x, way):
+        raise RuntimeError("block failed")
+
+    monkeypatch.setattr(cpu_linear.PackedLinear, "compute", boom)
+    cpu_linear.set_row_blocks(2)
+    try:
+        with pytest.raises(RuntimeError, match="block failed"):
+            pack(torch.randn(1024, 4))
+    finally:
+        cpu_linear.set_row_blocks(None)
+    with pytest.raises(ValueError, match=">= 1"):
+        cpu_linear.set_row_blocks(0)
