@@ -360,11 +360,11 @@ int spin_linear_rows_f32(const float *x, int64_t sx, const float *w, const float
  * sv_t/sv_h); out [n, H, D] contiguous. Query head h reads KV head h / G. The query at
  * position p sees the keys at positions p - window + 1 .. p (window 0: every earlier one).
  *
- * A flash attention over tiles: a work item is one KV head's G query heads over PQ_TOKENS
- * query tokens (their G * PQ_TOKENS rows share every K and V row read), swept over blocks of
- * PK keys with an online softmax. Per block, the scores are a register-blocked GEMM of the
- * item's queries (pre-scaled, copied once) against the block's keys transposed into a
- * scratch tile, and the output a second one of the probabilities against the V rows where
+ * A flash attention over tiles: a work item is one KV head's G query heads over PROWS / G
+ * query tokens (their rows share every K and V row read), swept over blocks of PK keys with
+ * an online softmax. Per block, the scores are a register-blocked GEMM of the item's queries
+ * (pre-scaled, copied once) against the block's keys (transposed once per call into [D][PK]
+ * tiles), and the output a second one of the probabilities against the V rows where
  * they lie: each loaded key or value vector feeds PMR rows' FMAs from registers, where the
  * row-at-a-time dot products of the decode kernel above load two operands per FMA. Items
  * are taken from a shared counter, the longest (the last query tokens) first, so that a
@@ -378,7 +378,7 @@ int spin_linear_rows_f32(const float *x, int64_t sx, const float *w, const float
 #define PMR 4 /* AVX2: 16 registers: 4 x 2 accumulators + 2 loads + a broadcast */
 #define PNV 2
 #endif
-#define PK 64          /* keys per block */
+#define PK 64          /* keys per block: a multiple of PNV * PVL on either ISA */
 #define PROWS 96       /* target rows (G x tokens) per item */
 #define PMAX_ROWS 128  /* rows per item at most */
 #define NEG_BIG (-1e30f) /* a masked score: finite (-ffast-math), exp(NEG_BIG - m) = 0 */
@@ -415,8 +415,9 @@ static inline __attribute__((always_inline)) float pf_hsum(pvec x) {
 
 /* exp(x) for x <= 0 (a score less the running max), in vector registers: x = n ln2 + r with
  * |r| <= ln2 / 2 (ln2 in two parts), exp(r) by Cephes' expf polynomial (about 1 ulp),
- * 2^n put in the exponent bits; 0 below -87 (a masked score among them). libmvec's expf,
- * called per 16 lanes, took a fifth of the kernel's time; this inlines with the loop. */
+ * 2^n put in the exponent bits; 0 below -87 (a masked score among them). Measured level with
+ * libmvec's expf (60.1 against 60.4 ms a SmolLM2 layer on one thread); it keeps the softmax
+ * pass in vector registers beside pf_hmax and pf_hsum, which gave the 5% (57.5 ms). */
 static inline __attribute__((always_inline)) pvec pf_exp(pvec x) {
     const pivec keep = x >= -87.0f;
     x = pf_max(x, (pvec){0} - 87.0f);
@@ -446,15 +447,15 @@ typedef struct {
     int64_t *next, *done; /* shared: the next item not yet taken; items finished */
 } pf_job_t;
 
-/* s[r][c0 .. c0 + PNV*PVL) = qs[r] . kt[:, c] for MR rows from r0; kt [D][ldk], qs [rows][D]. */
-static inline __attribute__((always_inline)) void pf_scores(const float *qs, const float *kt, int64_t ldk, float *s,
-                                                            int64_t r0, int64_t c0, int64_t D, const int MR) {
+/* s[r][c0 .. c0 + PNV*PVL) = qs[r] . kt[:, c] for MR rows from r0; kt [D][PK], qs [rows][D]. */
+static inline __attribute__((always_inline)) void pf_scores(const float *qs, const float *kt, float *s, int64_t r0,
+                                                            int64_t c0, int64_t D, const int MR) {
     pvec acc[PMR][PNV];
     for (int m = 0; m < MR; m++)
         for (int u = 0; u < PNV; u++) acc[m][u] = (pvec){0};
     for (int64_t d = 0; d < D; d++) {
         pvec kv[PNV];
-        for (int u = 0; u < PNV; u++) kv[u] = *(const pvec *)(kt + d * ldk + c0 + u * PVL);
+        for (int u = 0; u < PNV; u++) kv[u] = *(const pvec *)(kt + d * PK + c0 + u * PVL);
         for (int m = 0; m < MR; m++) {
             const float qd = qs[(r0 + m) * D + d];
             for (int u = 0; u < PNV; u++) acc[m][u] += qd * kv[u];
@@ -482,17 +483,6 @@ static inline __attribute__((always_inline)) void pf_values(const float *p, cons
     }
     for (int m = 0; m < MR; m++)
         for (int u = 0; u < PNV; u++) *(pvec *)(o + (r0 + m) * D + d0 + u * PVL) = acc[m][u];
-}
-
-/* Scalar tails: the columns of a D that is not a multiple of PNV * PVL. */
-static void pf_scores_tail(const float *qs, const float *kt, int64_t ldk, float *s, int64_t rows, int64_t c0,
-                           int64_t D) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = c0; c < PK; c++) {
-            float acc = 0.0f;
-            for (int64_t d = 0; d < D; d++) acc += qs[r * D + d] * kt[d * ldk + c];
-            s[r * PK + c] = acc;
-        }
 }
 
 static void pf_item(const pf_job_t *a, int64_t item, float *qs, float *o, float *s, float *m, float *l,
@@ -528,10 +518,9 @@ static void pf_item(const pf_job_t *a, int64_t item, float *qs, float *o, float 
         const float *kt = kth + j0 * D; /* the block's [D][PK] tile (j0 a multiple of PK) */
         int64_t r = 0;
         for (; r + PMR <= rows; r += PMR)
-            for (int64_t c0 = 0; c0 + PNV * PVL <= PK; c0 += PNV * PVL) pf_scores(qs, kt, PK, s, r, c0, D, PMR);
+            for (int64_t c0 = 0; c0 < PK; c0 += PNV * PVL) pf_scores(qs, kt, s, r, c0, D, PMR);
         for (; r < rows; r++)
-            for (int64_t c0 = 0; c0 + PNV * PVL <= PK; c0 += PNV * PVL) pf_scores(qs, kt, PK, s, r, c0, D, 1);
-        if (PK % (PNV * PVL)) pf_scores_tail(qs, kt, PK, s, rows, PK / (PNV * PVL) * (PNV * PVL), D);
+            for (int64_t c0 = 0; c0 < PK; c0 += PNV * PVL) pf_scores(qs, kt, s, r, c0, D, 1);
         /* mask (the causal edge, the window's far edge, the block's end), online softmax */
         const int64_t kp0 = a->kpos0 + j0; /* position of the block's first key */
         for (int64_t rr = 0; rr < rows; rr++) {
@@ -591,7 +580,7 @@ static void pf_item(const pf_job_t *a, int64_t item, float *qs, float *o, float 
 static void *pf_run(void *arg) {
     const pf_job_t *a = (const pf_job_t *)arg;
     const int64_t rows = a->tokens * (a->H / a->Hkv), D = a->D;
-    /* one scratch per thread: queries, outputs, scores, the transposed key tile, softmax state */
+    /* one scratch per thread: queries, outputs, scores, softmax state */
     float *buf = (float *)malloc(sizeof(float) * (2 * rows * D + rows * PK + 3 * rows));
     if (!buf) return NULL;
     float *qs = buf, *o = qs + rows * D, *s = o + rows * D;
