@@ -59,19 +59,22 @@ class StepThreads:
         self.block_tokens = block_tokens if large > 1 else None  # one thread: nothing to split
         self.current: tuple[int, int] | None = None  # (torch threads, row-block threads)
 
+    def blocks(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` runs its GEMMs in row blocks (torch on one thread)."""
+        return self.block_tokens is not None and num_tokens >= self.block_tokens
+
     def threads_for(self, num_tokens: int) -> int:
         """Torch's threads for a step of ``num_tokens``."""
-        if self.block_tokens is not None and num_tokens >= self.block_tokens:
+        if self.blocks(num_tokens):
             return 1
         return self.large if num_tokens >= self.min_tokens else self.small
 
     def apply(self, num_tokens: int) -> int:
-        blocks = self.large if self.block_tokens is not None and num_tokens >= self.block_tokens else 1
-        want = (self.threads_for(num_tokens), blocks)
+        want = (self.threads_for(num_tokens), self.large if self.blocks(num_tokens) else 1)
         if want != self.current:
             torch.set_num_threads(want[0])
             cpu_native.set_row_threads(self.large)
-            cpu_linear.set_row_blocks(blocks)
+            cpu_linear.set_row_blocks(want[1])
             self.current = want
         return want[0]
 

@@ -115,11 +115,12 @@ class RowBlocks:
             f.result()
         return out
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False)
 
-
+# The row blocks in use (None: off), and every one made so far by thread count: a served engine
+# turns them on and off as its steps alternate between prefill and decode, and keeps the same
+# workers across those switches rather than starting new threads at every prefill step.
 _row_blocks: RowBlocks | None = None
+_made: dict[int, RowBlocks] = {}
 
 
 def set_row_blocks(threads: int | None) -> None:
@@ -129,11 +130,12 @@ def set_row_blocks(threads: int | None) -> None:
     global _row_blocks
     if threads is not None and threads < 1:
         raise ValueError(f"row-block threads must be >= 1, got {threads}")
-    if _row_blocks is not None and (threads or 1) == _row_blocks.threads:
+    if not threads or threads == 1:
+        _row_blocks = None
         return
-    old, _row_blocks = _row_blocks, (RowBlocks(threads) if threads and threads > 1 else None)
-    if old is not None:
-        old.shutdown()
+    if threads not in _made:
+        _made[threads] = RowBlocks(threads)
+    _row_blocks = _made[threads]
 
 
 def row_block_threads() -> int:
