@@ -26,7 +26,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -211,11 +210,10 @@ def main(argv=None) -> dict:
                 base = f"http://127.0.0.1:{port[system]}"
                 model = wait_ready(base, proc, args.ready_timeout_s)
                 print(f"[run {run + 1}/{args.runs}] {system} ready in {time.monotonic() - t0:.0f} s", flush=True)
-                with tempfile.TemporaryDirectory() as tmp:
-                    for p, k in levels:
-                        row = drive(args, base, model, p, k, Path(tmp) / f"{p}-{k}.json")
-                        results[system][level_name(p, k)].append(row)
-                        print(f"[run {run + 1}/{args.runs}] {system} {level_name(p, k)}: {json.dumps(row)}", flush=True)
+                for p, k in levels:  # guidellm's own report of each level is kept beside ours
+                    row = drive(args, base, model, p, k, out / f"guidellm-{system}-run{run + 1}-{p}x{k}.json")
+                    results[system][level_name(p, k)].append(row)
+                    print(f"[run {run + 1}/{args.runs}] {system} {level_name(p, k)}: {json.dumps(row)}", flush=True)
             finally:
                 stop(proc)
                 log.close()

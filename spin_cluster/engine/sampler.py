@@ -1,8 +1,15 @@
 """Turn the last-position logits of each request into its next token.
 
 Greedy rows take the argmax. Sampled rows apply temperature, then top-k, then top-p, and
-draw with the request's own generator when it has a seed, so that a seeded request gives the
+draw by inverting their cumulative distribution at a uniform number from the request's own
+generator when it has a seed (the engine's otherwise), so that a seeded request gives the
 same tokens whatever else shares its batch.
+
+The draw is one ``searchsorted`` over the batch's cumulative sums, not ``torch.multinomial``
+per row: on the CPU multinomial took 1.0 ms a row over SmolLM2's 49,152 tokens (its setup
+is per call), a sixth of a served 16-row decode step (2-vCPU AVX-512 EPYC, one thread); an
+exponential race (``probs / Exp(1)``, vLLM's GPU sampler) draws V random numbers a row, 20
+ms for 16 rows there. Both give the same distribution; the inverse needs one number a row.
 """
 
 from __future__ import annotations
@@ -24,18 +31,27 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
     ) -> list[int]:
-        """logits: [B, V] float32 -> B token ids. ``logits`` is changed in place (logit_bias)."""
+        """logits: [B, V] float32 -> B token ids. ``logits`` is changed in place (logit_bias, and
+        the sampled rows' weights)."""
         add_logit_bias(logits, params)
-        greedy_ids = logits.argmax(dim=-1).tolist()
-        out = list(greedy_ids)
-        for i, (rid, p) in enumerate(zip(request_ids, params)):
-            if not p.greedy:
-                out[i] = self._sample_row(logits[i], rid, p)
-        return out
-
-    def _sample_row(self, row: torch.Tensor, request_id: str, p: SamplingParams) -> int:
-        probs = filtered_probs(row.float().cpu(), p)
-        return int(torch.multinomial(probs, 1, generator=self._generator(request_id, p)))
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if not drawn:
+            return logits.argmax(dim=-1).tolist()
+        out = None
+        if len(drawn) < len(params):
+            out = logits.argmax(dim=-1)
+            rows = logits[drawn]
+        else:
+            rows = logits  # every row drawn: weighed in place, no copy of [B, V]
+        weigh(rows, [params[i] for i in drawn])
+        # One uniform number per drawn row, from its own generator (on the CPU, whatever the
+        # device: a seed gives the same stream on either).
+        u = torch.stack([torch.rand((), generator=self._generator(request_ids[i], params[i])) for i in drawn])
+        tokens = draw(rows, u.to(rows.device))
+        if out is None:
+            return tokens.tolist()
+        out[drawn] = tokens
+        return out.tolist()
 
     def _generator(self, request_id: str, p: SamplingParams) -> torch.Generator:
         if p.seed is None:
@@ -59,6 +75,32 @@ def add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     device = logits.device
     index = (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device))
     logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+
+
+def weigh(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """[N, V] float32 logits of sampled rows -> in place, each row's weights: probabilities
+    times a positive constant of the row (``draw`` needs no more). Rows with top-k or top-p one
+    at a time (``filtered_probs``), the others (temperature alone) together. In place because
+    a fresh [N, V] buffer is new memory, whose page faults cost as much as the arithmetic on
+    the CPU (3 MB a tensor at 16 rows of SmolLM2's vocabulary)."""
+    filtered = {i: filtered_probs(logits[i], p) for i, p in enumerate(params)
+                if p.top_p < 1.0 or 0 < p.top_k < logits.shape[1]}
+    temps = [p.temperature for p in params]
+    if any(t != 1.0 for t in temps):
+        logits.div_(torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None])
+    logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+    for i, probs in filtered.items():
+        logits[i] = probs
+
+
+def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[N, V] non-negative weights (each row's sum positive) and [N] uniform numbers in [0, 1)
+    -> [N] token ids: the first token whose running sum passes u times the row's sum, so a
+    token of weight 0 is never drawn (adding 0 leaves a float sum unchanged). ``weights``
+    becomes its running sums."""
+    cdf = weights.cumsum_(dim=-1)
+    target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=weights.shape[1] - 1)
 
 
 def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:

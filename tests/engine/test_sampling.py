@@ -46,13 +46,41 @@ def test_seeded_requests_repeat_whatever_shares_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
     p = SamplingParams(temperature=1.0, seed=7)
-    alone = [Sampler(torch.device("cpu")).sample(logits[:1], ["a"], [p])[0] for _ in range(2)]
+    # The sampler weighs its rows in place: each call gets its own copy.
+    alone = [Sampler(torch.device("cpu")).sample(logits[:1].clone(), ["a"], [p])[0] for _ in range(2)]
     s = Sampler(torch.device("cpu"))
     other = SamplingParams(temperature=1.0)
-    batched = s.sample(logits, ["x", "a", "y"], [other, p, other])
+    batched = s.sample(logits.clone(), ["x", "a", "y"], [other, p, other])
     shifted = torch.stack([logits[1], logits[0], logits[2]])
     assert alone[0] == alone[1]
-    assert batched[1] == Sampler(torch.device("cpu")).sample(shifted[:1], ["a"], [p])[0]
+    assert batched[1] == Sampler(torch.device("cpu")).sample(shifted[:1].clone(), ["a"], [p])[0]
+
+
+@pytest.mark.parametrize("params, expected", [
+    (SamplingParams(temperature=1.0), [0.5, 0.3, 0.15, 0.05, 0.0]),
+    # probabilities to the power 1/0.7, then the smallest set reaching 0.9 (three tokens)
+    (SamplingParams(temperature=0.7, top_p=0.9), [0.6018, 0.2903, 0.1079, 0.0, 0.0]),
+    # probabilities to the power 1/1.3 over the top three
+    (SamplingParams(temperature=1.3, top_k=3), [0.4827, 0.3262, 0.1911, 0.0, 0.0]),
+])
+def test_draws_follow_the_filtered_distribution(params, expected):
+    s = Sampler(torch.device("cpu"), seed=3)
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])).repeat(500, 1)
+    counts = torch.zeros(5)
+    for _ in range(8):  # 4,000 draws, 500 rows a batch
+        for t in s.sample(logits.clone(), [f"r{i}" for i in range(500)], [params] * 500):
+            counts[t] += 1
+    freq = counts / counts.sum()
+    assert freq[4] == 0 and (freq[torch.tensor(expected) == 0] == 0).all()  # weight 0: never drawn
+    assert torch.allclose(freq, torch.tensor(expected), atol=0.03)
+
+
+def test_greedy_and_sampled_rows_share_a_batch():
+    s = Sampler(torch.device("cpu"))
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 0.0, 0.0], [9.0, 0.0, 1.0]])
+    logits[1, 2] = 50.0  # a sampled row whose mass is all on token 2
+    greedy = SamplingParams(temperature=0)
+    assert s.sample(logits, ["a", "b", "c"], [greedy, SamplingParams(temperature=1.0), greedy]) == [1, 2, 0]
 
 
 def test_greedy_is_argmax():
