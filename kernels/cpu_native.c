@@ -17,15 +17,17 @@
  * matmuls: three passes over the cache where this takes one.
  *
  * Built by cpu_native.py with -O3 -march=native -ffast-math (the compile only, not the
- * link: see there) and no OpenMP runtime (torch brings its own; a second pool would fight
- * it for the cores): rows are split over
- * `threads` POSIX threads, the caller's thread taking the first share. No infinities arise
+ * link: see there) and no OpenMP runtime (torch brings its own, whose spinning team would
+ * fight a second one for the cores): rows are split over `threads` POSIX threads of the
+ * pool below (run_shares), whose workers sleep between calls, the caller's thread taking
+ * the first share. No infinities arise
  * (scores are only formed for tokens that exist; the running max starts at -FLT_MAX), so
  * -ffast-math's finite-math assumption holds, and it lets expf vectorise through libmvec.
  */
 #include <float.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -139,22 +141,111 @@ static inline __attribute__((always_inline)) void run_row_shaped(const job_t *a,
     }
 }
 
-/* Runs fn on each of `threads` (<= 64) shares laid out `size` bytes apart from `jobs`: the
- * first on the caller's thread, the others on POSIX threads (a share whose thread cannot be
- * had runs on the caller's after the first). */
-static void run_shares(void *(*fn)(void *), void *jobs, size_t size, int64_t threads) {
-    pthread_t tids[64];
-    int started[64] = {0};
-    char *base = (char *)jobs;
-    for (int64_t i = 1; i < threads; i++)
-        started[i] = pthread_create(&tids[i], NULL, fn, base + i * size) == 0;
-    fn(base);
-    for (int64_t i = 1; i < threads; i++) {
-        if (started[i])
-            pthread_join(tids[i], NULL);
-        else
-            fn(base + i * size);
+/* ---- shares on a persistent pool ----------------------------------------------------------
+ *
+ * run_shares runs fn once on each of `threads` (<= 64) shares laid out `size` bytes apart from
+ * `jobs`. The caller's thread takes the first share and then every share no worker has taken,
+ * and returns once all have run. Workers are POSIX threads started on first need and kept,
+ * asleep on a condition variable between calls.
+ *
+ * The shares' work comes from shared counters (a row, a tile), so a call ends when its work
+ * is done, whoever did it: the caller never waits for a worker that has not started. Served,
+ * the cores are shared with the server and the load client, and a worker that cannot be
+ * scheduled at once left the caller waiting at its join when each call started its own
+ * threads: a 16-row decode step of SmolLM2 took 115 ms served (90 quiet), 19 ms of it the
+ * engine's thread asleep, 30 joins a step. A late worker now finds its share taken and goes
+ * back to sleep.
+ *
+ * A share is claimed by a compare-and-swap on `pool_next`, which holds the call's generation
+ * above its next share index: a worker still holding an earlier call's generation can claim
+ * nothing of a later one. A call's fields are written before its generation is published and
+ * not again until every share of it has run. A forked child has no workers: its caller runs
+ * every share itself (pthread_atfork re-initialises the lock). */
+#define POOL_MAX 64
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t pool_call_mu = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
+static int64_t pool_workers = 0, pool_gen = 0;
+static void *(*pool_fn)(void *);
+static char *pool_jobs;
+static size_t pool_size;
+static int64_t pool_n;
+static uint64_t pool_next;  /* generation << 32 | next share index */
+static int64_t pool_done;   /* shares of the current call that have run */
+static int pool_atfork = 0;
+
+static int pool_claim(uint64_t gen, int64_t *share) {
+    uint64_t v = __atomic_load_n(&pool_next, __ATOMIC_ACQUIRE);
+    while ((v >> 32) == gen && (int64_t)(v & 0xffffffffu) < __atomic_load_n(&pool_n, __ATOMIC_ACQUIRE)) {
+        if (__atomic_compare_exchange_n(&pool_next, &v, v + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            *share = (int64_t)(v & 0xffffffffu);
+            return 1;
+        }
     }
+    return 0;
+}
+
+static void pool_run(uint64_t gen) {
+    int64_t i;
+    while (pool_claim(gen, &i)) {
+        pool_fn(pool_jobs + i * pool_size);
+        __atomic_fetch_add(&pool_done, 1, __ATOMIC_RELEASE);
+    }
+}
+
+static void *pool_worker(void *arg) {
+    (void)arg;
+    int64_t seen = 0;
+    pthread_mutex_lock(&pool_mu);
+    for (;;) {
+        while (pool_gen == seen) pthread_cond_wait(&pool_cv, &pool_mu);
+        seen = pool_gen;
+        pthread_mutex_unlock(&pool_mu);
+        pool_run((uint64_t)seen & 0xffffffffu);
+        pthread_mutex_lock(&pool_mu);
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool_mu, NULL);
+    pthread_cond_init(&pool_cv, NULL);
+    pthread_mutex_init(&pool_call_mu, NULL);
+    pool_workers = 0;
+}
+
+static void run_shares(void *(*fn)(void *), void *jobs, size_t size, int64_t threads) {
+    if (threads <= 1) {
+        fn(jobs);
+        return;
+    }
+    pthread_mutex_lock(&pool_call_mu);
+    pthread_mutex_lock(&pool_mu);
+    if (!pool_atfork) pool_atfork = pthread_atfork(NULL, NULL, pool_after_fork) == 0;
+    while (pool_workers < threads - 1 && pool_workers < POOL_MAX - 1) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, pool_worker, NULL) != 0) break; /* the caller runs the rest */
+        pthread_detach(t);
+        pool_workers++;
+    }
+    const uint64_t gen = (uint64_t)(++pool_gen) & 0xffffffffu;
+    pool_fn = fn;
+    pool_jobs = (char *)jobs;
+    pool_size = size;
+    __atomic_store_n(&pool_n, threads, __ATOMIC_RELEASE);
+    __atomic_store_n(&pool_done, 1, __ATOMIC_RELEASE); /* share 0: the caller's, below */
+    __atomic_store_n(&pool_next, gen << 32 | 1u, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&pool_cv);
+    pthread_mutex_unlock(&pool_mu);
+    fn(jobs);
+    pool_run(gen); /* the shares no worker has taken yet: nothing left to do in them, mostly */
+    for (int spins = 0; __atomic_load_n(&pool_done, __ATOMIC_ACQUIRE) < threads; spins++) {
+        if (spins < 2000)
+            __builtin_ia32_pause();
+        else
+            sched_yield();
+    }
+    pthread_mutex_unlock(&pool_call_mu);
 }
 
 static void run_row(const job_t *a, int64_t r) {

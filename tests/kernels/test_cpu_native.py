@@ -235,3 +235,35 @@ def test_prefill_attention_refuses_what_it_cannot_take():
         cpu_native.prefill_attention_cpu(q, k, k, 0)
     assert not cpu_native.supports_prefill(q.double(), k.double())
     assert not cpu_native.supports_prefill(torch.randn(4, 4, 512), torch.randn(2, 4, 512))  # D past 256
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_the_thread_pool_serves_calls_from_several_threads_and_after_a_fork():
+    """The kernels' workers persist between calls (shares are claimed per call's generation):
+    calls in a row, calls from two Python threads at once (ctypes lets go of the GIL) and a
+    call in a forked child (no workers there: its caller runs every share) all match the
+    reference."""
+    import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
+
+    q, k, v, tables, lens = _case(6, 3, 3, 64, 16, [577, 40, 300, 129, 1, 64])
+    want = paged_decode_attention_ref(q, k, v, tables[:, 1], lens)  # scale D ** -0.5 = 0.125
+
+    def call(_=None):
+        return cpu_native.paged_decode_attention_cpu(q, k, v, tables[:, 1], lens, 0.125, threads=4)
+
+    for _ in range(50):
+        torch.testing.assert_close(call(), want, atol=2e-5, rtol=1e-4)
+    with ThreadPoolExecutor(2) as pool:
+        for got in pool.map(call, range(40)):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=_forked_call, args=(q, k, v, tables[:, 1], lens, want))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0, f"the forked call failed or hung (exit code {child.exitcode})"
+
+
+def _forked_call(q, k, v, tables, lens, want):
+    got = cpu_native.paged_decode_attention_cpu(q, k, v, tables, lens, 0.125, threads=4)
+    raise SystemExit(0 if torch.allclose(got, want, atol=2e-5, rtol=1e-4) else 1)
