@@ -13,7 +13,9 @@ for its API server on two cores) unless ``--vllm-bind`` says otherwise.
 
 Writes ``cpu_serving.json`` (every run's output tok/s, ITL and TTFT medians per level and
 server, with medians and min-max over runs), ``cpu_serving.md`` and ``cpu_serving.png`` into
-``--out``, and each server's log. Both peers live in their own virtual environments
+``--out``, each server's log, and guidellm's own report of every level
+(``guidellm-<server>-run<N>-<prompt>x<streams>.json``: per request timings and prompts, about
+0.6 MB a 16-stream level). Both peers live in their own virtual environments
 (``benchmarks/setup_cpu_peers.sh`` makes them); only 127.0.0.1 is contacted.
 """
 

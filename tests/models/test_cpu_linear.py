@@ -157,10 +157,12 @@ def test_row_blocks_compute_f_linear_and_leave_small_gemms_whole(rows, inference
         cpu_linear.set_row_blocks(None)
     assert cpu_linear.row_block_threads() == 1
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(small, torch.nn.functional.linear(x[:511], w, b), rtol=1e-5, atol=1e-4)
-    blocks = -(-rows // cpu_linear.ROW_BLOCK)
-    assert sorted(calls[:blocks]) == sorted([cpu_linear.ROW_BLOCK] * (rows // 256) + ([rows % 256] if rows % 256 else []))
-    assert calls[blocks:] == [cpu_linear.ROW_BLOCKS_MIN_ROWS - 1]  # under the threshold: one call
+    under = cpu_linear.ROW_BLOCKS_MIN_ROWS - 1
+    torch.testing.assert_close(small, torch.nn.functional.linear(x[:under], w, b), rtol=1e-5, atol=1e-4)
+    block = cpu_linear.ROW_BLOCK
+    blocks = -(-rows // block)
+    assert sorted(calls[:blocks]) == sorted([block] * (rows // block) + ([rows % block] if rows % block else []))
+    assert calls[blocks:] == [under]  # under the threshold: one call
 
 
 def test_a_failing_row_block_raises_in_the_caller(monkeypatch):
