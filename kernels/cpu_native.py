@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "fits", "paged_decode_attention_cpu", "set_row_threads", "supports", "add_rms_norm", "rope_qkv", "silu_mul",
+__all__ = ["available", "fits", "kv_float16", "paged_decode_attention_cpu", "set_row_threads", "supports", "add_rms_norm", "rope_qkv", "silu_mul",
            "linear_rows", "LINEAR_MAX_ROWS", "prefill_attention_cpu", "supports_prefill"]
 
 log = logging.getLogger(__name__)
@@ -130,10 +130,12 @@ def _library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or e
         log.warning("the CPU kernels did not build (%s): keeping the torch paths", detail)
         return None
-    fn = lib.spin_paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, i64]
-    fn.restype = ctypes.c_int
+    for fn in (lib.spin_paged_decode_f32, lib.spin_paged_decode_f16kv):
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, i64]
+        fn.restype = ctypes.c_int
+    lib.spin_kv_f16_supported.argtypes = []
+    lib.spin_kv_f16_supported.restype = ctypes.c_int
     f32 = ctypes.c_float
     lib.spin_add_rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32]
     lib.spin_rope_qkv_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr,
@@ -153,9 +155,18 @@ def available() -> bool:
     return _library() is not None
 
 
+def kv_float16() -> bool:
+    """Whether the decode attention reads float16 pages here (the kernels built by a compiler
+    with ``_Float16``)."""
+    lib = _library()
+    return lib is not None and bool(lib.spin_kv_f16_supported())
+
+
 def supports(q: torch.Tensor, k_pages: torch.Tensor, num_kv_heads: int) -> bool:
-    """Whether the kernel takes these inputs: float32 CPU tensors within its head limits."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_pages.dtype == torch.float32
+    """Whether the kernel takes these inputs: float32 CPU queries over float32 pages (or
+    float16 ones where :func:`kv_float16`), within its head limits."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32
+            and (k_pages.dtype == torch.float32 or (k_pages.dtype == torch.float16 and kv_float16()))
             and q.shape[1] % num_kv_heads == 0 and q.shape[1] // num_kv_heads <= _MAX_G
             and q.shape[2] <= _MAX_D)
 
@@ -189,7 +200,8 @@ def paged_decode_attention_cpu(
     """q: [B, H, D]; k_pages, v_pages: [N, S, D]; tables: [B, Hkv, P] int32 page ids of
     each (request, KV head) row, any strides (a layer's slice of a step's [B, L, Hkv, P]
     tables), with a contiguous last dimension; seq_lens: [B] int32, tokens of each request
-    (0: zeros) -> [B, H, D] (into ``out`` when given). All float32 on the CPU. ``threads``:
+    (0: zeros) -> [B, H, D] (into ``out`` when given). float32 on the CPU, the pages float32
+    or float16 (both alike; widened to float32 as they are read). ``threads``:
     how many threads split the rows, each taking the next row left; by default
     :func:`set_row_threads`'s count, else torch's, fewer when the rows are short."""
     lib = _library()
@@ -197,7 +209,7 @@ def paged_decode_attention_cpu(
         raise RuntimeError("the CPU kernels are not available on this machine")
     B, H, D = q.shape
     Hkv = tables.shape[1]
-    if not supports(q, k_pages, Hkv):
+    if not supports(q, k_pages, Hkv) or v_pages.dtype != k_pages.dtype:
         raise ValueError(f"unsupported inputs: q {tuple(q.shape)} {q.dtype}, pages {k_pages.dtype}, {Hkv} KV heads")
     if tables.dtype != torch.int32 or tables.stride(2) != 1 or seq_lens.dtype != torch.int32:
         raise ValueError("tables and seq_lens must be int32, the tables' last dimension contiguous")
@@ -207,7 +219,8 @@ def paged_decode_attention_cpu(
     # The C side checks the lengths against the tables and, with threads unset, sizes the
     # threads by the tokens read: one pass over B lengths, not two torch reductions a layer.
     per_thread = _TOKENS_PER_THREAD if threads is None else 0
-    rc = lib.spin_paged_decode_f32(
+    kernel = lib.spin_paged_decode_f16kv if k_pages.dtype == torch.float16 else lib.spin_paged_decode_f32
+    rc = kernel(
         q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), tables.data_ptr(),
         tables.stride(0), tables.stride(1), tables.shape[2], seq_lens.data_ptr(), result.data_ptr(),
         B, H, Hkv, D, k_pages.shape[1], float(scale),

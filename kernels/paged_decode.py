@@ -75,8 +75,9 @@ _REF_CHUNK_BYTES_CPU_PER_THREAD = 2 * 1024 * 1024
 # --------------------------------------------------------------------------------------
 
 
-def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out):
-    """Validate shapes / dtypes / devices; return (B, H, Hkv, G, D, S, P)."""
+def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out, pages_as_q=True):
+    """Validate shapes / dtypes / devices; return (B, H, Hkv, G, D, S, P). ``pages_as_q``
+    False: the pages may hold another float type than q (a path that widens what it reads)."""
     tensors = {
         "q": q,
         "k_pages": k_pages,
@@ -124,7 +125,8 @@ def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out):
 
     if q.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"q dtype must be one of float32/bfloat16/float16, got {q.dtype}")
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    if k_pages.dtype != v_pages.dtype or (pages_as_q and k_pages.dtype != q.dtype) \
+            or k_pages.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(
             f"k_pages/v_pages dtype ({k_pages.dtype}/{v_pages.dtype}) must match q ({q.dtype})"
         )

@@ -59,7 +59,7 @@ def paged_decode_attention_sdpa(
     hides the tokens past each row's length. Rows of length 0 get zeros. Reads ``seq_lens`` on
     the host (one sync), so it is not for CUDA-graph capture.
     """
-    B, H, Hkv, G, D, S, P = _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out)
+    B, H, Hkv, G, D, S, P = _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out, pages_as_q=False)
     scale = _resolve_scale(scale, D)
     dev = q.device
     result = out if out is not None else torch.empty(B, H, D, dtype=q.dtype, device=dev)
@@ -81,8 +81,8 @@ def paged_decode_attention_sdpa(
         pages = block_tables[b0:b1, :, :n_pages].long()
         page_ok = torch.arange(n_pages, device=dev) < ((row_lens + S - 1) // S)[..., None]
         ids = torch.where(page_ok, pages, torch.zeros_like(pages)).reshape(-1)  # padding -> page 0
-        k = k_pages.index_select(0, ids).view(c, Hkv, T, D)
-        v = v_pages.index_select(0, ids).view(c, Hkv, T, D)
+        k = k_pages.index_select(0, ids).view(c, Hkv, T, D).to(q.dtype)  # pages may be narrower (float16)
+        v = v_pages.index_select(0, ids).view(c, Hkv, T, D).to(q.dtype)
         # an empty row attends to its first token (no all-masked softmax) and is zeroed below
         visible = torch.arange(T, device=dev) < row_lens.clamp(min=1)[..., None]  # [c, Hkv, T]
         o = torch.nn.functional.scaled_dot_product_attention(
@@ -172,7 +172,7 @@ def paged_decode_attention_planned(
         k = k_pages.index_select(0, g.ids[layer]).view(rows, g.padded, D)[:, : g.num_tokens]
         v = v_pages.index_select(0, g.ids[layer]).view(rows, g.padded, D)[:, : g.num_tokens]
         qg = q[g.start : g.stop].reshape(rows, G, D)
-        if q.dtype != torch.float32:  # scores and softmax in float32, as the reference
+        if q.dtype != torch.float32 or k.dtype != torch.float32:  # scores and softmax in float32, as the reference
             qg, k, v = qg.float(), k.float(), v.float()
         if g.mask is None:
             scores = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)  # [rows, G, T]

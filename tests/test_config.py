@@ -12,6 +12,9 @@ from spin_cluster.config import CacheConfig, SpinConfig
     ({"cache": {"gpu_home_fraction": 1}}, "cache.gpu_home_fraction=1: must be < 1"),
     ({"cache": {"host_kv_dtype": "int4"}}, "cache.host_kv_dtype='int4': choose one of 'auto' or 'fp8'"),
     ({"cache": {"offload": "yes"}}, "cache.offload='yes': use true or false"),
+    ({"cache": {"kv_cache_dtype": "int8"}}, "cache.kv_cache_dtype='int8': choose one of 'auto', 'float16' or 'float32'"),
+    ({"cache": {"offload": True, "kv_cache_dtype": "float16"}}, "cache.kv_cache_dtype='float16' applies to the paged "
+     "cache (offload false); the offloaded cache's host pages take cache.host_kv_dtype"),
     ({"cache": ["page_size"]}, "cache=['page_size']: must be a mapping, got list"),
     ({"model": {"dtype": "int8"}}, "model.dtype='int8': choose one of 'auto', 'float32', 'bfloat16' or 'float16'"),
     ({"model": {"max_model_len": 1.5}}, "model.max_model_len=1.5: use an integer"),
@@ -27,7 +30,7 @@ from spin_cluster.config import CacheConfig, SpinConfig
      "sparse.prefill.budget=2.0: with a profile give the mean as a fraction in (0, 1)"),
     ({"cache": {"segment": 4}}, "cache.segment: unknown key; known: buffer_pages_per_head, buffer_reuse, "
      "buffer_share, elastic_shares, enable_prefix_caching, gpu_home_fraction, host_kv_dtype, host_kv_gib, "
-     "kv_cache_gib, lru_buckets, offload, page_size, per_head_shares, segment_pages"),
+     "kv_cache_dtype, kv_cache_gib, lru_buckets, offload, page_size, per_head_shares, segment_pages"),
     ({"caches": {}}, "caches: unknown config section; known: cache, model, scheduler, sparse"),
 ])
 def test_a_bad_value_is_one_line_naming_the_field(data, message):

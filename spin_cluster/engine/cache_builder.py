@@ -27,6 +27,7 @@ import torch
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.backend import BackendParts, backend_class
 from spin_cluster.engine.spin_attention import floor_pages, max_middle_pages
+from spin_cluster.kernels import cpu_native
 from spin_cluster.kernels.fp8_pages import FP8_DTYPE
 from spin_cluster.kvcache.host_tier import HostTier
 from spin_cluster.kvcache.hybrid import HybridKVCache, LayerSplit
@@ -141,7 +142,25 @@ def host_tier_segments(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, 
     return min(int(host_gib * 2**30 // seg_bytes), most_segments)
 
 
+def paged_kv_dtype(config: SpinConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The paged cache's page dtype for a model running in ``dtype`` on ``device``
+    (``cache.kv_cache_dtype``; null: float16 on a CPU whose native decode kernel reads float16
+    pages, when the model runs in float32, else ``dtype``)."""
+    choice = config.cache.kv_cache_dtype
+    if choice is None:
+        half = device.type == "cpu" and dtype == torch.float32 and cpu_native.kv_float16()
+        return torch.float16 if half else dtype
+    if choice == "auto":
+        return dtype
+    pages = getattr(torch, choice)
+    if pages != dtype and device.type != "cpu":
+        raise ValueError(f"cache.kv_cache_dtype={choice!r} with a {str(dtype).removeprefix('torch.')} model: on a "
+                         f"GPU the pages take the model's dtype (auto)")
+    return pages
+
+
 def _build_paged(config, mc, dtype, device, parts: BackendParts, algorithm_cls):
+    dtype = paged_kv_dtype(config, dtype, device)
     kv = KVCacheManager(
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
         page_size=config.cache.page_size, num_pages=num_gpu_pages(config, mc, dtype, device, parts.max_model_len),

@@ -121,10 +121,12 @@ class PagedAttention(PaddedCapture):
         self.pool = kv.pool
         self.device = kv.pool.k_pages.device
         self._decode = decode_impl(decode, self.device)
-        # 'auto' on the CPU: the in-place C kernel for float32 pages where it builds, else
-        # the step's gather plan once, then two matmuls a layer
+        # 'auto' on the CPU: the in-place C kernel for float32 (or float16) pages where it
+        # builds, else the step's gather plan once, then two matmuls a layer
         cpu_auto = decode == "auto" and self.device.type == "cpu"
-        self._in_place = cpu_auto and kv.pool.k_pages.dtype == torch.float32 and cpu_native.available()
+        pages = kv.pool.k_pages.dtype
+        self._in_place = cpu_auto and cpu_native.available() and (
+            pages == torch.float32 or (pages == torch.float16 and cpu_native.kv_float16()))
         self._planned = cpu_auto and not self._in_place
         D = kv.pool.head_dim
         self._k_flat = kv.pool.k_pages.view(-1, D)  # [(N+1)*S, D]: token slots
@@ -178,8 +180,8 @@ class PagedAttention(PaddedCapture):
         D = q.shape[-1]
         # Write this step's K/V into their pages. k, v: [T, Hkv, D] -> [T*Hkv, D]
         slots = plan.slot_mapping[layer_id].view(-1)
-        self._k_flat.index_copy_(0, slots, k.reshape(-1, D))
-        self._v_flat.index_copy_(0, slots, v.reshape(-1, D))
+        self._k_flat.index_copy_(0, slots, k.reshape(-1, D).to(self._k_flat.dtype))
+        self._v_flat.index_copy_(0, slots, v.reshape(-1, D).to(self._v_flat.dtype))
         bd = plan.num_decode
         if not plan.prefill:  # a decode-only step: the kernel's output is the layer's
             return self._decode_rows(layer_id, q, window=window)
@@ -251,8 +253,8 @@ class PagedAttention(PaddedCapture):
         if window is not None:
             return self._prefill_window(layer_id, seg, q, k, v, window)
         end = seg.context_start + seg.num_tokens
-        k_ctx = self._gather(self.pool.k_pages, seg.pages[layer_id], end)  # [Hkv, end, D]
-        v_ctx = self._gather(self.pool.v_pages, seg.pages[layer_id], end)
+        k_ctx = self._gather(self.pool.k_pages, seg.pages[layer_id], end).to(q.dtype)  # [Hkv, end, D]
+        v_ctx = self._gather(self.pool.v_pages, seg.pages[layer_id], end).to(q.dtype)
         return prefill_attention(q, k_ctx, v_ctx, seg.context_start, self.sparse_prefill, layer_id, window)
 
     def _prefill_window(self, layer_id: int, seg: PrefillSegment, q: torch.Tensor, k: torch.Tensor,

@@ -43,7 +43,21 @@ def hf_greedy(smollm2_path):
     return out
 
 
-def test_greedy_matches_transformers_generate_token_for_token(engine, hf_greedy):
+@pytest.fixture(scope="module")
+def served_pages_engine(smollm2_path):
+    """The bundled serving config's cache pages (``kv_cache_dtype: null``): float16 on a CPU
+    whose decode kernel reads them."""
+    return _engine(smollm2_path, cache={"kv_cache_dtype": None})
+
+
+@pytest.mark.parametrize("pages", ["auto", "served"])
+def test_greedy_matches_transformers_generate_token_for_token(engine, served_pages_engine, hf_greedy, pages):
+    from spin_cluster.kernels import cpu_native
+
+    if pages == "served":
+        engine = served_pages_engine
+        want = torch.float16 if cpu_native.kv_float16() else torch.float32
+        assert engine.kv.pool.k_pages.dtype == want
     outs = engine.generate(PROMPTS, GREEDY)
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == hf_greedy[prompt], prompt

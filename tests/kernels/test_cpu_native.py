@@ -43,11 +43,15 @@ def _case(B, Hkv, G, D, S, lens, layers=3, seed=0):
     ],
 )
 @pytest.mark.parametrize("threads", [1, 3, None])  # None: set_row_threads' count
-def test_matches_reference(B, Hkv, G, D, S, lens, threads, monkeypatch):
+@pytest.mark.parametrize("pages", [torch.float32, torch.float16])
+def test_matches_reference(B, Hkv, G, D, S, lens, threads, pages, monkeypatch):
+    if pages == torch.float16 and not cpu_native.kv_float16():
+        pytest.skip("this compiler has no _Float16: the kernels read float32 pages only")
     monkeypatch.setattr(cpu_native, "_row_threads", 2)
     q, k, v, tables, seq_lens = _case(B, Hkv, G, D, S, lens)
+    k, v = k.to(pages), v.to(pages)  # float16 pages: the reference reads the same values widened
     for layer in range(tables.shape[1]):
-        ref = paged_decode_attention_ref(q, k, v, tables[:, layer], seq_lens)
+        ref = paged_decode_attention_ref(q, k.float(), v.float(), tables[:, layer], seq_lens)
         out = cpu_native.paged_decode_attention_cpu(
             q, k, v, tables[:, layer], seq_lens, D**-0.5, threads=threads)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
@@ -69,7 +73,10 @@ def test_writes_into_out_and_refuses_bad_inputs():
         cpu_native.paged_decode_attention_cpu(q, k, v, tables[:, 0, :, :1], seq_lens, 1.0)
     with pytest.raises(ValueError, match="unsupported"):
         cpu_native.paged_decode_attention_cpu(q.double(), k, v, tables[:, 0], seq_lens, 1.0)
-    assert not cpu_native.supports(q, k.half(), 2)
+    assert cpu_native.supports(q, k.half(), 2) == cpu_native.kv_float16()
+    assert not cpu_native.supports(q, k.bfloat16(), 2)
+    with pytest.raises(ValueError, match="unsupported"):  # K and V pages of different types
+        cpu_native.paged_decode_attention_cpu(q, k, v.half(), tables[:, 0], seq_lens, 1.0)
     assert not cpu_native.supports(torch.zeros(1, 34, 8), k, 2)  # 17 query heads a KV head
 
 

@@ -32,6 +32,18 @@ def test_sdpa_path_matches_dense_oracle(dtype, group):
     assert_close(out, dense_oracle(*case), REF_TOL[dtype])
 
 
+def test_float32_queries_over_float16_pages_match_the_oracle_on_the_widened_pages():
+    # cache.kv_cache_dtype float16 where the native kernel cannot run: both gather paths widen
+    q, k, v, bt, lens = make_case(RAGGED_16, group=3, seed=16, device="cpu")
+    k, v = k.half(), v.half()
+    want = dense_oracle(q, k.float(), v.float(), bt, lens)
+    assert_close(paged_decode_attention_sdpa(q, k, v, bt, lens), want, REF_TOL[torch.float32])
+    plan = plan_gathered_decode(bt[:, None], lens, k)
+    out = paged_decode_attention_planned(q, k, v, plan, 0)
+    assert out.dtype == torch.float32
+    assert_close(out, want, REF_TOL[torch.float32])
+
+
 def test_sdpa_path_groups_requests_and_scales(monkeypatch):
     # a one-byte budget: every request is its own group, each padded to its own length only
     monkeypatch.setattr(pdc, "_SDPA_GROUP_BYTES", 1)

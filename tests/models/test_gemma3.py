@@ -47,10 +47,10 @@ def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
 
 
 def _engine(path: str, max_model_len: int, page_size: int, batched_tokens: int, *, kv_cache_gib: float | None = None,
-            async_decode: bool | None = None) -> Engine:
+            async_decode: bool | None = None, kv_cache_dtype: str | None = "auto") -> Engine:
     cfg = {
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": max_model_len},
-        "cache": {"page_size": page_size, "kv_cache_gib": kv_cache_gib},
+        "cache": {"page_size": page_size, "kv_cache_gib": kv_cache_gib, "kv_cache_dtype": kv_cache_dtype},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": batched_tokens, "async_decode": async_decode,
                       "admission_output_tokens": 0},  # prompts only: a small cache preempts
     }
@@ -90,14 +90,15 @@ def test_gemma3_config_refuses_what_the_model_does_not_run(tiny_gemma3, change, 
         ModelConfig.from_json_dict(d)
 
 
-def test_tiny_gemma3_greedy_tokens_match_transformers(tiny_gemma3_path):
+@pytest.mark.parametrize("pages", ["auto", None])  # None: the bundled serving config's (float16 on the CPU)
+def test_tiny_gemma3_greedy_tokens_match_transformers(tiny_gemma3_path, pages):
     # 5 tokens: inside the window; 40 and 70: past it in prefill, and in decode for all three
     prompts = [_ids(5, 1), _ids(40, 2), _ids(70, 3)]
     max_new = 24
     ref = _hf(tiny_gemma3_path)
     want = [_hf_greedy(ref, p, max_new) for p in prompts]
     # pages of 4 and steps of 32 tokens: prompts in chunks, windows across page edges
-    engine = _engine(tiny_gemma3_path, 256, page_size=4, batched_tokens=32)
+    engine = _engine(tiny_gemma3_path, 256, page_size=4, batched_tokens=32, kv_cache_dtype=pages)
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     got = [o.token_ids for o in engine.generate(prompts, params)]
     assert got == want
@@ -245,7 +246,8 @@ def _text_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_gemma3_270m_greedy_tokens_match_transformers(gemma3_270m_path):
+@pytest.mark.parametrize("pages", ["auto", None])  # None: the bundled serving config's (float16 on the CPU)
+def test_gemma3_270m_greedy_tokens_match_transformers(gemma3_270m_path, pages):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gemma3_270m_path)
@@ -255,7 +257,7 @@ def test_gemma3_270m_greedy_tokens_match_transformers(gemma3_270m_path):
     ref = _hf(gemma3_270m_path)
     want = [_hf_greedy(ref, p, max_new) for p in prompts]
     del ref
-    engine = _engine(gemma3_270m_path, 2048, page_size=16, batched_tokens=512)
+    engine = _engine(gemma3_270m_path, 2048, page_size=16, batched_tokens=512, kv_cache_dtype=pages)
     assert engine.model.config.layer_windows.count(512) == 15
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     got = [o.token_ids for o in engine.generate(prompts, params)]
