@@ -3,7 +3,7 @@ float32 and float16 pages, in 4 KB and in huge pages, then the engine's whole st
 bundled serving config's pages (``cache.kv_cache_dtype: null``) against the model's own.
 
     python benchmarks/cpu_decode_step.py [--rows 16] [--tokens 580] [--reps 7] [--steps 50]
-                                         [--out JSON]
+                                         [--kernel-only] [--out JSON]
 
 * ``kernel``: SmolLM2-135M's attention shape (9 query heads, 3 KV heads, D 64, pages of 16
   tokens), ``--rows`` requests of ``--tokens`` tokens, every layer's pages scattered over a
@@ -116,11 +116,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=580, help="tokens each request holds")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--kernel-only", action="store_true", help="time the kernel alone (no model needed)")
     add_out(ap)
     args = ap.parse_args()
-    result = {"rows": args.rows, "tokens": args.tokens,
-              "kernel": _kernel(args.rows, args.tokens, args.reps),
-              "engine": _engine(model_path(args), args.rows, args.tokens, args.steps)}
+    result = {"rows": args.rows, "tokens": args.tokens, "kernel": _kernel(args.rows, args.tokens, args.reps)}
+    if not args.kernel_only:
+        result["engine"] = _engine(model_path(args), args.rows, args.tokens, args.steps)
     save(args, result)
 
 
