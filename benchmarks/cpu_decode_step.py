@@ -70,21 +70,16 @@ def _kernel(rows: int, tokens: int, reps: int) -> list[dict]:
 
 def _engine(path: str, rows: int, tokens: int, steps: int) -> list[dict]:
     import torch
-    import yaml
 
-    from spin_cluster.config import SpinConfig
-    from spin_cluster.deployments.settings import CONFIG_DIR
+    from spin_cluster.deployments.settings import load_app_config
     from spin_cluster.engine import Engine, SamplingParams
     from spin_cluster.engine.step_threads import BLOCK_TOKENS, StepThreads
 
-    cfg = yaml.safe_load((CONFIG_DIR / "default.yaml").read_text())
-    cfg.pop("serve")
-    cfg["model"]["path"] = path
     torch.set_num_threads(1)
     out = []
-    for pages in (None, "auto"):
-        cfg["cache"]["kv_cache_dtype"] = pages
-        engine = Engine(SpinConfig.from_dict(cfg), progress=False)
+    for pages in (None, "auto"):  # the bundled serving config, as served and with the model's dtype
+        config = load_app_config({"model": {"path": path}, "cache": {"kv_cache_dtype": pages}}).spin
+        engine = Engine(config, progress=False)
         for threads in (1, 2):
             engine.runner.step_threads = StepThreads(1, threads, 128, BLOCK_TOKENS)
             params = SamplingParams(temperature=0, max_tokens=steps + 6, ignore_eos=True)

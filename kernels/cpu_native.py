@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "fits", "kv_float16", "paged_decode_attention_cpu", "set_row_threads", "supports", "add_rms_norm", "rope_qkv", "silu_mul",
+__all__ = ["available", "fits", "kv_float16", "reads_pages", "paged_decode_attention_cpu", "set_row_threads", "supports", "add_rms_norm", "rope_qkv", "silu_mul",
            "linear_rows", "LINEAR_MAX_ROWS", "prefill_attention_cpu", "supports_prefill"]
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,7 @@ def _library() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
     lib.spin_kv_f16_supported.argtypes = []
     lib.spin_kv_f16_supported.restype = ctypes.c_int
+    lib.kv_f16 = bool(lib.spin_kv_f16_supported())  # asked once: supports() runs every layer
     f32 = ctypes.c_float
     lib.spin_add_rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32]
     lib.spin_rope_qkv_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr,
@@ -159,14 +160,19 @@ def kv_float16() -> bool:
     """Whether the decode attention reads float16 pages here (the kernels built by a compiler
     with ``_Float16``)."""
     lib = _library()
-    return lib is not None and bool(lib.spin_kv_f16_supported())
+    return lib is not None and lib.kv_f16
+
+
+def reads_pages(dtype: torch.dtype) -> bool:
+    """Whether the decode attention is built here and reads pages of ``dtype``: float32, or
+    float16 where :func:`kv_float16`."""
+    return (dtype == torch.float32 and available()) or (dtype == torch.float16 and kv_float16())
 
 
 def supports(q: torch.Tensor, k_pages: torch.Tensor, num_kv_heads: int) -> bool:
-    """Whether the kernel takes these inputs: float32 CPU queries over float32 pages (or
-    float16 ones where :func:`kv_float16`), within its head limits."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32
-            and (k_pages.dtype == torch.float32 or (k_pages.dtype == torch.float16 and kv_float16()))
+    """Whether the kernel takes these inputs: float32 CPU queries over pages it reads
+    (:func:`reads_pages`), within its head limits."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and reads_pages(k_pages.dtype)
             and q.shape[1] % num_kv_heads == 0 and q.shape[1] // num_kv_heads <= _MAX_G
             and q.shape[2] <= _MAX_D)
 

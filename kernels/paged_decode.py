@@ -128,7 +128,8 @@ def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out, pages_as_q=T
     if k_pages.dtype != v_pages.dtype or (pages_as_q and k_pages.dtype != q.dtype) \
             or k_pages.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(
-            f"k_pages/v_pages dtype ({k_pages.dtype}/{v_pages.dtype}) must match q ({q.dtype})"
+            f"k_pages/v_pages dtype ({k_pages.dtype}/{v_pages.dtype}) must match "
+            + (f"q ({q.dtype})" if pages_as_q else "each other and be float32/bfloat16/float16")
         )
     if block_tables.dtype != torch.int32:
         raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")

@@ -124,9 +124,7 @@ class PagedAttention(PaddedCapture):
         # 'auto' on the CPU: the in-place C kernel for float32 (or float16) pages where it
         # builds, else the step's gather plan once, then two matmuls a layer
         cpu_auto = decode == "auto" and self.device.type == "cpu"
-        pages = kv.pool.k_pages.dtype
-        self._in_place = cpu_auto and cpu_native.available() and (
-            pages == torch.float32 or (pages == torch.float16 and cpu_native.kv_float16()))
+        self._in_place = cpu_auto and cpu_native.reads_pages(kv.pool.k_pages.dtype)
         self._planned = cpu_auto and not self._in_place
         D = kv.pool.head_dim
         self._k_flat = kv.pool.k_pages.view(-1, D)  # [(N+1)*S, D]: token slots
