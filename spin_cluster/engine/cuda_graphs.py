@@ -124,6 +124,9 @@ class DecodeGraphs(DecodeGraphRunner):
             ids, pos = self.buffers.input_ids[:size], self.buffers.positions[:size]
             with torch.cuda.stream(stream):
                 self.model(ids, pos, self.attention)  # warm-up: Triton compiles, cuBLAS picks kernels
+            # A fresh plan for the capture: a plan keeps what its first layers compute (the
+            # window layers' pages), and the graph must compute that itself at every replay.
+            self.attention.plan = self.buffers.plan(size)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._hidden[size] = self.model(ids, pos, self.attention)

@@ -13,20 +13,34 @@ rows the runner gives) and both end it. The sparse algorithm, per-head budgets, 
 layers and block-sparse prefill are the Spin part's, over the global layers only; window
 layers prefill densely (block-sparse prefill does not mask a window).
 
-No CUDA graphs of decode steps: the two parts capture in different ways (a padded batch in
-persistent buffers; a plan built inside the graph), and a step of this backend would need
-both in one graph. Decode steps run eagerly.
+Decode steps are captured in CUDA graphs as the Spin backend's are (``PlannedCapture``:
+one graph per batch size and Select width, the plan built inside the graph from the step's
+device tensors): the Spin part builds its plan as it does alone, and the paged part builds
+its window layers' plan from the same positions and its own rows (``PagedAttention.
+decode_plan``: slots, and per window the pages it can touch, all on the device). The paged
+part's own padded capture is not used here; with a Spin part in the step, no row may be
+padding (a padding row would touch a real row's buffer shares).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from spin_cluster.engine.backend import AttentionBackend, BackendParts
-from spin_cluster.engine.paged_attention import PagedAttention
+from spin_cluster.engine.backend import BackendParts
+from spin_cluster.engine.cuda_graphs import PlannedCapture
+from spin_cluster.engine.paged_attention import PagedAttention, StepPlan
 from spin_cluster.engine.scheduler import ScheduledChunk
-from spin_cluster.engine.spin_attention import SpinAttention
+from spin_cluster.engine.spin_attention import SpinAttention, SpinStepPlan
 from spin_cluster.kvcache.hybrid import HybridKVCache
+
+
+class HybridPlan(NamedTuple):
+    """A step's plan: each part's own."""
+
+    spin: SpinStepPlan
+    paged: StepPlan
 
 
 class SpinLayerPrefill:
@@ -45,7 +59,7 @@ class SpinLayerPrefill:
         return self.inner.density()
 
 
-class HybridAttention(AttentionBackend):
+class HybridAttention(PlannedCapture):
     name = "hybrid"
 
     @classmethod
@@ -59,7 +73,17 @@ class HybridAttention(AttentionBackend):
         self.kv = kv
         self.paged = paged
         self.spin = spin
+        self.device = spin.device
+        self.capture_error_mode = spin.capture_error_mode
         self._part_of = kv.split.part_of()  # [L] (window layer?, index in its part)
+
+    @property
+    def plan(self) -> HybridPlan | None:
+        return None if self.spin.plan is None else HybridPlan(self.spin.plan, self.paged.plan)
+
+    @plan.setter
+    def plan(self, plan: HybridPlan | None) -> None:
+        self.spin.plan, self.paged.plan = (None, None) if plan is None else plan
 
     @property
     def algorithm(self):
@@ -85,6 +109,27 @@ class HybridAttention(AttentionBackend):
         if is_window:
             return self.paged.forward(index, q, k, v, window)
         return self.spin.forward(index, q, k, v)
+
+    # ---- CUDA graphs of decode steps (``PlannedCapture``) -----------------------------------
+
+    @property
+    def graph_safe(self) -> bool:
+        return self.spin.graph_safe
+
+    def advance(self) -> None:
+        self.spin.advance()
+
+    def decode_pages(self, context_tokens: int) -> int:
+        return self.spin.decode_pages(context_tokens)
+
+    def step_plan(self, positions: torch.Tensor, token_rows: torch.Tensor, num_decode: int,
+                  pages: int) -> HybridPlan:
+        """A decode-only step's plans from device tensors only: token_rows are Spin rows."""
+        return HybridPlan(self.spin.step_plan(positions, token_rows, num_decode, pages),
+                          self.paged.decode_plan(positions, self.kv.paged_rows(token_rows)))
+
+    def replayed(self) -> None:
+        self.spin.replayed()
 
     def end_step(self) -> None:
         try:

@@ -22,7 +22,7 @@ the chunk's last window.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,17 +47,35 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True)
+class WindowPlan:
+    """The decode rows' pages for one sliding window, every layer of that window at once:
+    built by the first such layer of a step (``PagedAttention._window_plan``), read by all."""
+
+    ids: torch.Tensor  # [L, Bd, Hkv, W] int64 page ids, the scratch page where a row has none
+    keep: torch.Tensor  # [Bd, W * S] bool, the slots inside each row's window
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """Everything a layer reads, indexed per layer in ``begin_step`` so that ``forward`` does
     no per-step arithmetic again."""
 
     slot_mapping: tuple[torch.Tensor, ...]  # per layer [T, Hkv] int64 flat slot of each token's K/V
     num_decode: int  # Bd
-    decode_block_tables: tuple[torch.Tensor, ...] | None  # per layer [Bd, Hkv, P] int32 (strided)
+    # per layer [Bd, Hkv, P] int32 (strided); None where every layer has a window (they read
+    # ``windows`` instead)
+    decode_block_tables: tuple[torch.Tensor, ...] | None
     decode_seq_lens: torch.Tensor | None  # [Bd] int32, including the token being decoded
     prefill: tuple[PrefillSegment, ...]
     # The CPU's decode path: every layer's page ids and the length masks, built once a step
     gathered: paged_decode_cpu.GatheredDecodePlan | None = None
+    # The window layers' decode: the decode rows' rows of ``decode_table`` ([R, L, Hkv, P]
+    # int32), and per window its ``WindowPlan``, built by its first layer of the step. A plan
+    # lives for one step, or for one graph capture (``DecodeGraphs`` gives its capture a fresh
+    # plan, so that the graph computes the window pages itself).
+    decode_table: torch.Tensor | None = None
+    decode_rows: torch.Tensor | None = None
+    windows: dict[int, WindowPlan] = field(default_factory=dict)
 
 
 class DecodeBuffers:
@@ -83,6 +101,7 @@ class DecodeBuffers:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.rows = torch.arange(max_batch, device=dev)  # the rows of ``block_tables``
 
     def plan(self, padded: int) -> StepPlan:
         """The plan over the first ``padded`` rows: the same views at capture and at replay."""
@@ -92,6 +111,8 @@ class DecodeBuffers:
             decode_block_tables=tuple(self.block_tables[:padded].unbind(1)),
             decode_seq_lens=self.seq_lens[:padded],
             prefill=(),
+            decode_table=self.block_tables,  # [Bmax, L, Hkv, P]
+            decode_rows=self.rows[:padded],
         )
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, padded: int) -> None:
@@ -142,14 +163,15 @@ class PagedAttention(PaddedCapture):
         decode = [c for c in chunks if c.is_decode]
         num_decode = len(decode)
         block_tables = seq_lens = gathered = None
+        rows = token_rows[:num_decode]
         if num_decode:
-            lens = [c.start + 1 for c in decode]
-            rows = token_rows[:num_decode]
-            tables = self.kv.block_tables(rows, -(-max(lens) // S))  # [Bd, L, Hkv, P]
-            block_tables = tables.unbind(1)  # L x [Bd, Hkv, P]
             seq_lens = (positions[:num_decode] + 1).to(torch.int32)  # [Bd]
-            if self._planned:
-                gathered = paged_decode_cpu.plan_gathered_decode(tables, seq_lens, self.pool.k_pages)
+            if self.kv.windows.num_full_layers:  # (window layers read only their windows' pages)
+                lens = [c.start + 1 for c in decode]
+                tables = self.kv.block_tables(rows, -(-max(lens) // S))  # [Bd, L, Hkv, P]
+                block_tables = tables.unbind(1)  # L x [Bd, Hkv, P]
+                if self._planned:
+                    gathered = paged_decode_cpu.plan_gathered_decode(tables, seq_lens, self.pool.k_pages)
         segments = []
         token_start = num_decode
         for chunk in chunks[num_decode:]:
@@ -167,6 +189,31 @@ class PagedAttention(PaddedCapture):
             decode_seq_lens=seq_lens,
             prefill=tuple(segments),
             gathered=gathered,
+            decode_table=self.kv.table.table,
+            decode_rows=rows,
+        )
+
+    def decode_plan(self, positions: torch.Tensor, rows: torch.Tensor) -> StepPlan:
+        """The plan of a decode-only step (token i of table row ``rows[i]`` at ``positions[i]``)
+        from device tensors alone: no host sync, and every width fixed by the cache (full
+        layers' tables span ``max_model_len``), so that a CUDA graph captures it with the model
+        (the hybrid backend's window layers, ``HybridAttention.step_plan``)."""
+        seq_lens = (positions + 1).to(torch.int32)  # [B]
+        block_tables = gathered = None
+        if self.kv.windows.num_full_layers:
+            tables = self.kv.table.table[rows]  # [B, L, Hkv, max pages]
+            block_tables = tables.unbind(1)
+            if self._planned:
+                gathered = paged_decode_cpu.plan_gathered_decode(tables, seq_lens, self.pool.k_pages)
+        return StepPlan(
+            slot_mapping=self.kv.slot_mapping(rows, positions).unbind(0),
+            num_decode=rows.shape[0],
+            decode_block_tables=block_tables,
+            decode_seq_lens=seq_lens,
+            prefill=(),
+            gathered=gathered,
+            decode_table=self.kv.table.table,
+            decode_rows=rows,
         )
 
     def end_step(self) -> None:
@@ -198,7 +245,7 @@ class PagedAttention(PaddedCapture):
         """q [Bd, H, D] -> [Bd, H, D] (into ``out`` when given)."""
         plan = self.plan
         if window is not None:
-            o = self._decode_window(plan.decode_block_tables[layer_id], plan.decode_seq_lens, q, window)
+            o = self._decode_window(layer_id, q, window)
             return o if out is None else out.copy_(o)
         if plan.gathered is not None:
             return paged_decode_cpu.paged_decode_attention_planned(
@@ -210,35 +257,44 @@ class PagedAttention(PaddedCapture):
                 q.shape[-1] ** -0.5, out=out)
         return self._decode(q, self.pool.k_pages, self.pool.v_pages, tables, plan.decode_seq_lens, out=out)
 
-    def _decode_window(self, tables: torch.Tensor, seq_lens: torch.Tensor, q: torch.Tensor,
-                       window: int) -> torch.Tensor:
+    def _decode_window(self, layer_id: int, q: torch.Tensor, window: int) -> torch.Tensor:
         """Decode rows of a sliding-window layer: each row's query at position L - 1 sees the
-        keys at max(0, L - window) .. L - 1 only. Gathers the W pages that can hold them
-        (from the page of the window's first key on) and masks the rest, in one SDPA.
-
-            tables [Bd, Hkv, P] int32, seq_lens [Bd] (L), q [Bd, H, D] -> [Bd, H, D]
-
-            page j of row b:  first_page[b] + j,  j < W = min(P, (window - 1) // S + 2)
-            its slot t:       position (first_page[b] + j) * S + t, kept if in the window
-        """
-        S = self.kv.page_size
-        Bd, Hkv, P = tables.shape
-        lens = seq_lens.long()[:, None]  # [Bd, 1]
-        starts = (lens - window).clamp(min=0)  # [Bd, 1] the window's first key
-        W = min(P, (window - 1) // S + 2)  # pages a window can touch
-        page_idx = starts // S + torch.arange(W, device=tables.device)  # [Bd, W]
-        page_ok = page_idx * S < lens  # pages past a row's end hold no key of it: read the scratch page
-        page_idx = torch.where(page_ok, page_idx, 0)
-        ids = tables.long().gather(2, page_idx[:, None, :].expand(Bd, Hkv, W))  # [Bd, Hkv, W]
-        ids = torch.where(page_ok[:, None, :], ids, self.pool.scratch_page_id)
-        pos = (page_idx[:, :, None] * S + torch.arange(S, device=tables.device)).view(Bd, W * S)
-        keep = page_ok.repeat_interleave(S, dim=1) & (pos >= starts) & (pos < lens)  # [Bd, W*S]
-        D = q.shape[-1]
+        keys at max(0, L - window) .. L - 1 only, from the W pages that can hold them (the
+        step's ``WindowPlan``), the rest masked, in one SDPA. q [Bd, H, D] -> [Bd, H, D]."""
+        wp = self.plan.windows.get(window)
+        if wp is None:
+            wp = self.plan.windows[window] = self._window_plan(window)
+        ids = wp.ids[layer_id]  # [Bd, Hkv, W]
+        Bd, Hkv, W = ids.shape
+        S, D = self.kv.page_size, q.shape[-1]
         k = self.pool.k_pages[ids].view(Bd, Hkv, W * S, D).to(q.dtype)
         v = self.pool.v_pages[ids].view(Bd, Hkv, W * S, D).to(q.dtype)
         o = torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, None], k, v, attn_mask=keep[:, None, None, :], enable_gqa=True)  # [Bd, H, 1, D]
+            q[:, :, None], k, v, attn_mask=wp.keep[:, None, None, :], enable_gqa=True)  # [Bd, H, 1, D]
         return o[:, :, 0]
+
+    def _window_plan(self, window: int) -> WindowPlan:
+        """The decode rows' pages of every layer with this window, from the plan's table rows
+        and lengths (device tensors only: a CUDA graph captures it)::
+
+            page j of row b:  first_page[b] + j,  j < W = min(P, (window - 1) // S + 2)
+                              (first_page[b]: the page of the window's first key)
+            its slot t:       position (first_page[b] + j) * S + t, kept if in the window
+        """
+        plan, S = self.plan, self.kv.page_size
+        table, rows = plan.decode_table, plan.decode_rows  # [R, L, Hkv, P], [Bd]
+        lens = plan.decode_seq_lens.long()[:, None]  # [Bd, 1]
+        starts = (lens - window).clamp(min=0)  # [Bd, 1] the window's first key
+        W = min(table.shape[-1], (window - 1) // S + 2)  # pages a window can touch
+        page_idx = starts // S + torch.arange(W, device=table.device)  # [Bd, W]
+        page_ok = page_idx * S < lens  # pages past a row's end hold no key of it: read the scratch page
+        page_idx = torch.where(page_ok, page_idx, 0)
+        ids = table[rows[:, None], :, :, page_idx].long()  # [Bd, W, L, Hkv]
+        ids = torch.where(page_ok[:, :, None, None], ids, self.pool.scratch_page_id)
+        ids = ids.permute(2, 0, 3, 1).contiguous()  # [L, Bd, Hkv, W]: a layer's pages in one block
+        pos = (page_idx[:, :, None] * S + torch.arange(S, device=table.device)).view(-1, W * S)
+        keep = page_ok.repeat_interleave(S, dim=1) & (pos >= starts) & (pos < lens)  # [Bd, W*S]
+        return WindowPlan(ids=ids, keep=keep)
 
     def _prefill(
         self, layer_id: int, seg: PrefillSegment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

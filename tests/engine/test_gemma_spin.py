@@ -24,6 +24,7 @@ import torch
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
 from spin_cluster.engine.cache_builder import cache_kind
+from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
 from spin_cluster.models.config import ModelConfig
 from spin_cluster.profiling.evaluate import EvalConfig, evaluate
 from spin_cluster.sparse.sparq import weight_channels
@@ -195,3 +196,89 @@ def test_a_sparse_eval_runs_on_gemma(gemma_path):
     assert len(res.samples) == 2 and all(0.0 <= s.score <= 1.0 for s in res.samples)
     looked = res.buffer_lookups["quest 1/4@160"]
     assert looked["hits"] + looked["misses"] > 0
+
+
+def _generate_static(engine: Engine, capture: bool = False):
+    """``_generate`` with decode-only steps on ``SpinDecodeGraphs``'s static path (the plan built
+    from device tensors, as a CUDA graph runs it); capture=False runs it eagerly (the CPU)."""
+    graphs = engine.runner.graphs
+    if not capture:
+        graphs = engine.runner.graphs = SpinDecodeGraphs(engine.model, engine.runner.attention, max_batch=4,
+                                                         capture=False)
+    batches = []
+    forward = graphs._forward
+    graphs._forward = lambda B, P: batches.append(B) or forward(B, P)
+    return _generate(engine), graphs, batches
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "quest"])
+def test_the_static_decode_path_gives_the_plain_path_tokens(gemma_path, algorithm):
+    """Decode steps planned on the device (the Spin part's plan and the window layers' pages,
+    ``PagedAttention.decode_plan``) give the eagerly planned steps' tokens, counters and pages."""
+    cache = {"offload": True, "gpu_home_fraction": 0.0}
+    sparse = {"algorithm": algorithm, "budget": 8, "budget_floor_tokens": 0, "sink_tokens": 4, "local_tokens": 4}
+    plain = _engine(gemma_path, cache=cache, sparse=sparse)
+    assert plain.runner.graphs is None  # the CPU: no graphs
+    want = _generate(plain)
+    engine = _engine(gemma_path, cache=cache, sparse=sparse)
+    tokens, graphs, batches = _generate_static(engine)
+    assert tokens == want
+    assert engine.kv.buffer.counters.tolist() == plain.kv.buffer.counters.tolist()
+    assert set(batches) >= {1, 2, 3} and graphs.num_graphs == 0  # every batch size took the static path
+
+
+def test_window_pages_come_from_the_window_only(gemma_path):
+    """The window layers' decode plan lists, per row, the pages its window can touch (the
+    scratch page past the row's end) and keeps exactly the window's slots."""
+    engine = _engine(gemma_path, cache={"offload": True}, sparse={"algorithm": "dense"})
+    attention = engine.runner.attention
+    rid = engine.add_request(_ids(70, 9), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    for _ in range(3):  # the prompt in chunks of 32, 32 and 6 tokens
+        engine.step()
+    (request,) = engine.scheduler.running
+    n = request.num_computed_tokens  # the next position: 70
+    assert n == 70
+    paged, S = attention.paged, engine.kv.page_size
+    row = engine.kv.paged.table.row(rid)
+    positions = torch.tensor([n, 3])  # a long row, and a row inside its first page
+    paged.plan = paged.decode_plan(positions, torch.tensor([row, row]))
+    wp = paged._window_plan(WINDOW)
+    W = (WINDOW - 1) // S + 2
+    assert wp.ids.shape == (4, 2, engine.kv.num_kv_heads, W) and wp.keep.shape == (2, W * S)
+    first = (n + 1 - WINDOW) // S  # the page of the window's first key
+    table = engine.kv.paged.table.table[row]  # [L, Hkv, P]
+    for j in range(W):
+        want = table[:, :, first + j] if (first + j) * S <= n else torch.full_like(table[:, :, 0], paged.pool.scratch_page_id)
+        assert torch.equal(wp.ids[:, 0, :, j], want.long())
+    kept = [first * S + t for t in range(W * S) if wp.keep[0, t]]
+    assert kept == list(range(n + 1 - WINDOW, n + 1))
+    assert [t for t in range(W * S) if wp.keep[1, t]] == [0, 1, 2, 3]  # positions 0 .. 3 of page 0
+    assert (wp.ids[:, 1, :, 1:] == paged.pool.scratch_page_id).all()
+    paged.plan = None
+    engine.abort(rid)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["dense", "quest"])
+def test_hybrid_decode_graphs_give_the_eager_tokens(gemma_path, algorithm):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = {"cache": {"offload": True, "gpu_home_fraction": 0.0},
+           "sparse": {"algorithm": algorithm, "budget": 8, "budget_floor_tokens": 0, "sink_tokens": 4,
+                      "local_tokens": 4}}
+
+    def engine(graphs: bool) -> Engine:
+        c = {"model": {"path": gemma_path, "device": "cuda", "dtype": "float32", "max_model_len": 256,
+                       "cuda_graphs": graphs},
+             "cache": {"page_size": 4, "segment_pages": 4, **cfg["cache"]},
+             "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 32}, "sparse": cfg["sparse"]}
+        return Engine(SpinConfig.from_dict(c), progress=False)
+
+    eager = engine(False)
+    assert eager.runner.graphs is None
+    want = _generate(eager)
+    captured = engine(True)
+    assert isinstance(captured.runner.graphs, SpinDecodeGraphs)
+    tokens, graphs, _ = _generate_static(captured, capture=True)
+    assert tokens == want
+    assert graphs.captures >= 1 and graphs.replays >= 5, (graphs.captures, graphs.replays)
