@@ -14,6 +14,12 @@ What differs from the Llama family (``llama.py``), each as transformers' ``model
 
 Module names follow the checkpoint's tensor names with the leading ``model.`` dropped.
 
+On CUDA the element-wise work runs as fused Triton launches (``kernels.layer_ops``), four a
+layer between the GEMMs and attention: the q/k norms with RoPE and q's scale; the attention's
+post-norm, residual add and the MLP's pre-norm; the GELU-tanh gate; the MLP's post-norm,
+residual add and the next layer's input norm (the final norm after the last layer). Elsewhere
+their torch references run, which round as transformers does.
+
 Shapes (one letter set): T tokens of this step, all requests flattened; N rows to score;
 E hidden size; F MLP intermediate size; V vocab size; H query heads; Hkv KV heads; D head dim.
 """
@@ -26,10 +32,11 @@ import math
 import torch
 from torch import nn
 
+from spin_cluster.kernels import layer_ops
 from spin_cluster.models import cpu_linear
 from spin_cluster.models.base import LayerAttention
 from spin_cluster.models.config import ModelConfig
-from spin_cluster.models.layers import MLP, FusedLinears, RotaryEmbedding, apply_rope
+from spin_cluster.models.layers import MLP, FusedLinears, RotaryEmbedding
 from spin_cluster.models.llama import DecoderLM
 
 
@@ -43,9 +50,19 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim] -> [..., dim], same dtype
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        if layer_ops.fits(x) and x.dim() == 2:
+            return layer_ops.gemma_rms_norm(x, self.weight, self.eps)
+        return layer_ops.gemma_rms_norm_ref(x, self.weight, self.eps)
+
+    def residual_add(
+        self, h: torch.Tensor, x: torch.Tensor, next_norm: GemmaRMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, dim] a sublayer's output, x: [T, dim] the residual stream -> (next_norm(x'),
+        x') with x' = x + self(h): this post-norm, the residual add and the norm after it, one
+        launch on CUDA. Both norms take this one's eps (a model's norms share one)."""
+        if layer_ops.fits(x):
+            return layer_ops.gemma_norm_add_norm(h, x, self.weight, next_norm.weight, self.eps)
+        return layer_ops.gemma_norm_add_norm_ref(h, x, self.weight, next_norm.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -84,12 +101,18 @@ class GemmaAttention(nn.Module):
         if fused is None:
             fused = [cpu_linear.linear(proj, x) for proj in (self.q_proj, self.k_proj, self.v_proj)]
         q, k, v = fused
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))  # [T, H, D]
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.q_multiplier is not None:
-            q = q * self.q_multiplier
+        # q/k norms, RoPE and q's scale; on CUDA one launch, which also makes a fused GEMM's v
+        # view contiguous for the KV writes.
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_multiplier)
+        if not layer_ops.fits(q):
+            q, k = layer_ops.gemma_qk_norm_rope_ref(q, k, cos, sin, *norms)
+        elif v.is_contiguous():
+            q, k = layer_ops.gemma_qk_norm_rope(q, k, cos, sin, *norms)
+        else:
+            q, k, v = layer_ops.gemma_qk_norm_rope(q, k, cos, sin, *norms, v=v)
         if self.window is None:
             o = attn.forward(self.layer_id, q, k, v)  # [T, H, D]
         else:
@@ -98,7 +121,8 @@ class GemmaAttention(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
-    """x + post_norm(attn(norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
+    """x + post_norm(attn(norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x))), with each
+    residual add fused between the post-norm before it and the norm after it."""
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -110,10 +134,18 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = MLP(config)  # the GELU-tanh gate (config.hidden_act)
         self.post_feedforward_layernorm = GemmaRMSNorm(e, eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: LayerAttention) -> torch.Tensor:
-        # x: [T, E] the residual stream -> [T, E]
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attn))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(
+        self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: LayerAttention,
+        next_norm: GemmaRMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, E] the residual stream, h: [T, E] its input norm (formed by the layer before,
+        or by the model for the first) -> (the stream after this layer, ``next_norm`` of it:
+        the next layer's input norm, or the model's final norm)."""
+        a = self.self_attn(h, cos, sin, attn)  # [T, E]
+        h, x = self.post_attention_layernorm.residual_add(a, x, self.pre_feedforward_layernorm)
+        m = self.mlp(h)  # [T, E]
+        h, x = self.post_feedforward_layernorm.residual_add(m, x, next_norm)
+        return x, h
 
 
 class Gemma3CausalLM(DecoderLM):
@@ -145,10 +177,12 @@ class Gemma3CausalLM(DecoderLM):
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         full = self.rotary(positions, x.dtype)  # (cos, sin): [T, 1, D] each
         local = self.local_rotary(positions, x.dtype)
-        for layer in self.layers:
+        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
+        h = norms[0](x)  # [T, E]
+        for layer, next_norm in zip(self.layers, norms[1:]):
             cos, sin = full if layer.self_attn.window is None else local
-            x = layer(x, cos, sin, attn)  # [T, E]
-        return self.norm(x)
+            x, h = layer(x, h, cos, sin, attn, next_norm)  # [T, E] each
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, E] -> logits [N, V] in float32 (softcapped where the config says)."""

@@ -188,8 +188,8 @@ class MLP(nn.Module):
         if fused is None:
             fused = (cpu_linear.linear(self.gate_proj, x), cpu_linear.linear(self.up_proj, x))
         gate, up = fused  # [T, F] each
-        if self.gelu_tanh:
-            h = nn.functional.gelu(gate, approximate="tanh") * up
+        if self.gelu_tanh:  # one launch on CUDA
+            h = layer_ops.gelu_tanh_mul(gate, up) if layer_ops.fits(gate) else layer_ops.gelu_tanh_mul_ref(gate, up)
         elif layer_ops.fits(gate):
             h = layer_ops.silu_mul(gate, up)
         elif cpu_native.fits(gate, up):
