@@ -24,7 +24,7 @@ import torch
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
 from spin_cluster.engine.cache_builder import cache_kind
-from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
+from spin_cluster.engine.cuda_graphs import DecodeGraphs, SpinDecodeGraphs
 from spin_cluster.models.config import ModelConfig
 from spin_cluster.profiling.evaluate import EvalConfig, evaluate
 from spin_cluster.sparse.sparq import weight_channels
@@ -259,13 +259,17 @@ def test_window_pages_come_from_the_window_only(gemma_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("algorithm", ["dense", "quest"])
+@pytest.mark.parametrize("algorithm", ["dense", "quest", "paged"])
 def test_hybrid_decode_graphs_give_the_eager_tokens(gemma_path, algorithm):
+    """The hybrid cache's graphs (``SpinDecodeGraphs``), and the paged cache's (``DecodeGraphs``:
+    its window plan built inside each captured graph), give the eager steps' tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     cfg = {"cache": {"offload": True, "gpu_home_fraction": 0.0},
            "sparse": {"algorithm": algorithm, "budget": 8, "budget_floor_tokens": 0, "sink_tokens": 4,
                       "local_tokens": 4}}
+    if algorithm == "paged":
+        cfg = {"cache": {"offload": False}, "sparse": {}}
 
     def engine(graphs: bool) -> Engine:
         c = {"model": {"path": gemma_path, "device": "cuda", "dtype": "float32", "max_model_len": 256,
@@ -274,10 +278,14 @@ def test_hybrid_decode_graphs_give_the_eager_tokens(gemma_path, algorithm):
              "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 32}, "sparse": cfg["sparse"]}
         return Engine(SpinConfig.from_dict(c), progress=False)
 
-    eager = engine(False)
+    eager, captured = engine(False), engine(True)
     assert eager.runner.graphs is None
+    if algorithm == "paged":
+        assert isinstance(captured.runner.graphs, DecodeGraphs)
+        want = [o.token_ids for o in eager.generate(PROMPTS, PARAMS)]
+        assert [o.token_ids for o in captured.generate(PROMPTS, PARAMS)] == want
+        return
     want = _generate(eager)
-    captured = engine(True)
     assert isinstance(captured.runner.graphs, SpinDecodeGraphs)
     tokens, graphs, _ = _generate_static(captured, capture=True)
     assert tokens == want
