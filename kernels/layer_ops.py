@@ -169,16 +169,23 @@ def silu_mul(gate, up, *, impl: str = "auto"):
     kernel's condition; the reference takes any)."""
     if resolve_impl(impl, gate.device) == "torch":
         return silu_mul_ref(gate, up)
+    return _gated("_silu_mul", gate, up)
+
+
+def _gated(kernel: str, gate, up):
+    """act(gate) * up by the element-wise kernel named (``_silu_mul``, ``_gelu_tanh_mul``)."""
     if gate.shape != up.shape or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1 \
             or gate.stride(0) != up.stride(0):
         raise ValueError("gate and up must be [T, F] of one shape and one row stride, rows contiguous")
+    if gate.dtype not in _DTYPES or up.dtype != gate.dtype:
+        raise ValueError(f"gate and up must share a float dtype; got {gate.dtype} and {up.dtype}")
     T, F_ = gate.shape
     out = torch.empty(T, F_, dtype=gate.dtype, device=gate.device)
     n = out.numel()
     if n:
         block = 1024
-        _kernels()._silu_mul[(-(-n // block),)](gate, up, out, n, F_, gate.stride(0), BLOCK=block,
-                                                 DT=_tl_dtype(gate.dtype), num_warps=4)
+        getattr(_kernels(), kernel)[(-(-n // block),)](gate, up, out, n, F_, gate.stride(0), BLOCK=block,
+                                                       DT=_tl_dtype(gate.dtype), num_warps=4)
     return out
 
 
@@ -275,16 +282,4 @@ def gelu_tanh_mul(gate, up, *, impl: str = "auto"):
     """gelu(gate, approximate="tanh") * up: [T, F] each, laid out as ``silu_mul`` takes them."""
     if resolve_impl(impl, gate.device) == "torch":
         return gelu_tanh_mul_ref(gate, up)
-    if gate.shape != up.shape or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1 \
-            or gate.stride(0) != up.stride(0):
-        raise ValueError("gate and up must be [T, F] of one shape and one row stride, rows contiguous")
-    if gate.dtype not in _DTYPES or up.dtype != gate.dtype:
-        raise ValueError(f"gate and up must share a float dtype; got {gate.dtype} and {up.dtype}")
-    T, F_ = gate.shape
-    out = torch.empty(T, F_, dtype=gate.dtype, device=gate.device)
-    n = out.numel()
-    if n:
-        block = 1024
-        _kernels()._gelu_tanh_mul[(-(-n // block),)](gate, up, out, n, F_, gate.stride(0), BLOCK=block,
-                                                      DT=_tl_dtype(gate.dtype), num_warps=4)
-    return out
+    return _gated("_gelu_tanh_mul", gate, up)
