@@ -76,6 +76,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device)
     p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every decode step runs eagerly (as vLLM's flag)")
     p.add_argument("--out", default=None, metavar="JSON", help="write all results here")
     p.add_argument("--plot", default=None, metavar="PNG", help="plot accuracy vs budget here")
     p.add_argument("--fidelity", action="store_true",
@@ -98,6 +100,7 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens, device=args.device, dtype=args.dtype,
         dense_threshold=args.dense_threshold, seed=args.seed, algorithm_options=_options(args.option),
         buffer_share=args.buffer_share, resident_margin=args.resident_margin, host_kv_dtype=args.host_kv_dtype,
+        enforce_eager=args.enforce_eager,
     )
 
 

@@ -94,6 +94,9 @@ class EvalConfig:
     # with a scale per token row). Every page of those methods lives on the host (see
     # spin_config), so every page they read went through it.
     host_kv_dtype: str = "auto"
+    # model.cuda_graphs off (vLLM's --enforce-eager): every decode step runs eagerly, e.g. to
+    # tell a graph's effect on tokens from the method's.
+    enforce_eager: bool = False
     # Dense accuracy below this (0..1) marks a task as failed densely at that length.
     dense_threshold: float = 0.2
     # Samples are seeds seed, seed + 1, ...
@@ -346,7 +349,8 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
         cache["host_kv_dtype"] = config.host_kv_dtype
     cache.update(_cache_sizes(config, model_path, max_len))
     return SpinConfig.from_dict({
-        "model": {"path": model_path, "device": config.device, "dtype": config.dtype, "max_model_len": max_len},
+        "model": {"path": model_path, "device": config.device, "dtype": config.dtype, "max_model_len": max_len,
+                  "cuda_graphs": not config.enforce_eager},
         "cache": cache,
         "scheduler": {"max_num_seqs": config.max_batch, "max_num_batched_tokens": config.max_batched_tokens},
         "sparse": sparse,

@@ -30,7 +30,18 @@ def test_defaults():
     assert cfg.lengths == (1024,) and cfg.samples_per_task == 2 and cfg.budgets == (0.25,)
     assert cfg.page_size == 16 and cfg.dense_layers == 0
     cfg = cli.eval_config(_parse(["eval", "--page-size", "4", "--dense-layers", "2"]))
-    assert cfg.page_size == 4 and cfg.dense_layers == 2
+    assert cfg.page_size == 4 and cfg.dense_layers == 2 and not cfg.enforce_eager
+    assert cli.eval_config(_parse(["eval", "--enforce-eager"])).enforce_eager
+
+
+def test_enforce_eager_turns_the_engines_graphs_off(smollm2_path):
+    from spin_cluster.profiling.evaluate import spin_config
+
+    for eager in (False, True):
+        cfg = cli.eval_config(_parse(["eval", "--lengths", "1024", "--algorithms", "dense", "quest"]
+                                     + ["--enforce-eager"] * eager))
+        for method in cfg.methods():
+            assert spin_config(cfg, smollm2_path, method, 1024).model.cuda_graphs is not eager
 
 
 def test_unknown_algorithm_fails_with_the_registry_error(no_model):
