@@ -66,3 +66,28 @@ def test_fixed_channels_are_the_rope_pairs_with_the_largest_weights(tmp_path, on
         get_algorithm("sparq")(num_layers=1, num_kv_heads=Hkv, head_dim=D, page_size=4, max_seqs=2,
                                max_pages_per_seq=4, device=torch.device("cpu"), channels=3, fixed_channels=True,
                                model_path=str(tmp_path))
+
+
+def test_fixed_channels_weigh_the_qk_norms(tiny_gemma3_path, tmp_path):
+    """With per-head q/k norms, a channel's weight is its projection's norm times its norm's
+    scale (Gemma 3: 1 + weight): a pair whose q scale is zero is never chosen."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from spin_cluster.models.config import ModelConfig
+    from spin_cluster.sparse.sparq import weight_channels
+
+    mc = ModelConfig.from_folder(tiny_gemma3_path)
+    D, Hkv, layer = mc.head_dim, mc.num_kv_heads, mc.layer_windows.index(None)
+    folder = tmp_path / "gemma"
+    shutil.copytree(tiny_gemma3_path, folder)
+    before = weight_channels(str(folder), [layer], Hkv, D, 2)[0]  # [Hkv, 2]: each head's best pair
+    tensors = load_file(folder / "model.safetensors")
+    name = f"model.layers.{layer}.self_attn.q_norm.weight"
+    scale = tensors[name]
+    for d in before[:, 0].tolist():  # 1 + w = 0: the normed q has nothing in these pairs
+        scale[d] = scale[d + D // 2] = -1.0
+    save_file(tensors, str(folder / "model.safetensors"))
+    after = weight_channels(str(folder), [layer], Hkv, D, 2)[0]
+    assert not set(after[:, 0].tolist()) & set(before[:, 0].tolist())
