@@ -74,7 +74,6 @@ class HybridAttention(PlannedCapture):
         self.paged = paged
         self.spin = spin
         self.device = spin.device
-        self.capture_error_mode = spin.capture_error_mode
         self._part_of = kv.split.part_of()  # [L] (window layer?, index in its part)
 
     @property
@@ -115,6 +114,10 @@ class HybridAttention(PlannedCapture):
     @property
     def graph_safe(self) -> bool:
         return self.spin.graph_safe
+
+    @property
+    def capture_error_mode(self) -> str:
+        return self.spin.capture_error_mode
 
     def advance(self) -> None:
         self.spin.advance()
