@@ -44,6 +44,7 @@ def _attend_block(
     bt_row,
     blk,
     seq_len,
+    key_start,
     max_pages,
     m_i,
     l_i,
@@ -62,9 +63,10 @@ def _attend_block(
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """One online-softmax step over tokens [blk * BLOCK_N, (blk + 1) * BLOCK_N)."""
+    """One online-softmax step over tokens [blk * BLOCK_N, (blk + 1) * BLOCK_N), those in
+    [key_start, seq_len) only."""
     tok = blk * BLOCK_N + offs_n
-    tok_mask = tok < seq_len
+    tok_mask = (tok < seq_len) & (tok >= key_start)
     if PAGE_SIZE % BLOCK_N == 0:
         # The whole block lies in one page: one page id, contiguous rows.
         page = (blk * BLOCK_N) // PAGE_SIZE
@@ -116,6 +118,7 @@ def _paged_decode_fwd(
     v_ptr,
     bt_ptr,
     sl_ptr,
+    ks_ptr,  # [B] int32 each row's first key (HAS_START), else unread
     out_ptr,
     part_o_ptr,
     part_lse_ptr,
@@ -142,6 +145,7 @@ def _paged_decode_fwd(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,  # more than one program along axis 1 (their count: tl.num_programs(1))
+    HAS_START: tl.constexpr,  # rows start at ks_ptr[b] (a sliding window), not at token 0
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
@@ -152,10 +156,14 @@ def _paged_decode_fwd(
     b64 = b.to(tl.int64)
 
     seq_len = tl.load(sl_ptr + b * stride_slb + kvh * stride_slh)
+    key_start = 0
+    if HAS_START:
+        key_start = tl.load(ks_ptr + b)
+    first_blk = key_start // BLOCK_N  # blocks wholly before the first key are not visited
     n_blocks = tl.cdiv(seq_len, BLOCK_N)
     num_splits = tl.num_programs(1)
-    blocks_per_split = tl.cdiv(n_blocks, num_splits)
-    blk_start = split * blocks_per_split
+    blocks_per_split = tl.cdiv(n_blocks - first_blk, num_splits)
+    blk_start = first_blk + split * blocks_per_split
     blk_end = tl.minimum(blk_start + blocks_per_split, n_blocks)
 
     offs_g = tl.arange(0, G_PAD)
@@ -180,7 +188,7 @@ def _paged_decode_fwd(
         blk = blk_start
         while blk < blk_end:
             m_i, l_i, acc = _attend_block(
-                q, k_ptr, v_ptr, bt_row, blk, seq_len, max_pages, m_i, l_i, acc, qk_scale,
+                q, k_ptr, v_ptr, bt_row, blk, seq_len, key_start, max_pages, m_i, l_i, acc, qk_scale,
                 stride_kn, stride_ks, stride_vn, stride_vs, stride_btp, offs_n, offs_d, d_mask,
                 PAGE_SIZE, BLOCK_N, DOT_PRECISION, INTERPRETED,
             )
@@ -188,7 +196,7 @@ def _paged_decode_fwd(
     else:
         for blk in range(blk_start, blk_end):
             m_i, l_i, acc = _attend_block(
-                q, k_ptr, v_ptr, bt_row, blk, seq_len, max_pages, m_i, l_i, acc, qk_scale,
+                q, k_ptr, v_ptr, bt_row, blk, seq_len, key_start, max_pages, m_i, l_i, acc, qk_scale,
                 stride_kn, stride_ks, stride_vn, stride_vs, stride_btp, offs_n, offs_d, d_mask,
                 PAGE_SIZE, BLOCK_N, DOT_PRECISION, INTERPRETED,
             )

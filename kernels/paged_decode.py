@@ -11,6 +11,9 @@ KV layout (per-head pages, see ``spin_cluster.kvcache.page_pool``): a physical p
                                       and KV head: sparse decode attends to a different
                                       number of selected tokens per head), the current token
                                       included (already written)
+    key_starts       : [B] int32 or None, each request's first key: positions before it are
+                                      masked (a sliding window's keys, its first page first
+                                      in the table); 0 <= key_starts[b] < seq_lens[b]
     q                : [B, H, D]      H = Hkv * G; query head h reads KV head h // G
     returns          : [B, H, D]      in q's dtype
 
@@ -188,6 +191,7 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    key_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch paged decode attention (same contract as :func:`paged_decode_attention`).
 
@@ -199,6 +203,7 @@ def paged_decode_attention_ref(
     host (one sync), so it is not for CUDA-graph capture.
     """
     B, H, Hkv, G, D, S, P = _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out)
+    _check_starts(key_starts, B)
     scale = _resolve_scale(scale, D)
     dev = q.device
 
@@ -216,6 +221,7 @@ def paged_decode_attention_ref(
 
     order = order_host[:n_live].to(dev)
     lens_sorted = sorted_lens[:n_live].to(dev)  # [n_live]
+    starts_sorted = None if key_starts is None else key_starts.long().repeat_interleave(Hkv)[order]
     # Page ids of the live rows in sorted order; padding entries (past each row's length,
     # arbitrary values) replaced by page 0 so that the gather stays in range.
     bt_rows = block_tables.reshape(R, P).index_select(0, order).long()
@@ -239,14 +245,23 @@ def paged_decode_attention_ref(
         k = k_pages.index_select(0, ids).view(c, t_max, D).float()
         v = v_pages.index_select(0, ids).view(c, t_max, D).float()
         scores = torch.bmm(q_rows[i : i + c], k.transpose(1, 2)).mul_(scale)  # [c, G, t_max]
-        if sorted_list[i + c - 1] < t_max:  # some row of the chunk ends before t_max
-            tok_ok = torch.arange(t_max, device=dev)[None, :] < lens_sorted[i : i + c, None]
+        if sorted_list[i + c - 1] < t_max or starts_sorted is not None:  # keys to mask
+            pos = torch.arange(t_max, device=dev)[None, :]
+            tok_ok = pos < lens_sorted[i : i + c, None]
+            if starts_sorted is not None:
+                tok_ok &= pos >= starts_sorted[i : i + c, None]
             scores.masked_fill_(~tok_ok[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         torch.bmm(probs, v, out=o_rows[i : i + c])
         i += c
     result.index_copy_(0, order, o_rows)
     return _ref_finish(result.view(B, H, D), q, out)
+
+
+def _check_starts(key_starts: torch.Tensor | None, B: int) -> None:
+    if key_starts is not None and (key_starts.shape != (B,) or key_starts.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"key_starts must be [B={B}] int32 or int64, got {tuple(key_starts.shape)} "
+                         f"{key_starts.dtype}")
 
 
 def _ref_finish(result: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -317,8 +332,10 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    key_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton paged decode attention. See the module docstring for the layout.
+    """Triton paged decode attention. See the module docstring for the layout (``key_starts``
+    included: blocks wholly before a row's first key are not visited).
 
     Keyword-only tuning knobs:
       num_splits   split each request's tokens over this many programs (flash-decoding,
@@ -332,6 +349,7 @@ def paged_decode_attention(
     and the first ``ceil(seq_lens[b] / S)`` block-table entries are valid page ids.
     """
     B, H, Hkv, G, D, S, P = _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out)
+    _check_starts(key_starts, B)
     scale = _resolve_scale(scale, D)
     if D > _MAX_HEAD_DIM:
         raise ValueError(f"head dim D={D} > {_MAX_HEAD_DIM} is not supported by the kernel")
@@ -384,6 +402,7 @@ def paged_decode_attention(
         v_pages,
         block_tables,
         seq_lens,
+        seq_lens if key_starts is None else key_starts.contiguous(),
         out,
         part_o,
         part_lse,
@@ -410,6 +429,7 @@ def paged_decode_attention(
         PAGE_SIZE=S,
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
+        HAS_START=key_starts is not None,
         DOT_PRECISION=dot_precision,
         INTERPRETED=interpreted,
         num_warps=_NUM_WARPS if num_warps is None else num_warps,

@@ -31,7 +31,7 @@ from spin_cluster.dense_attention import decode_impl, prefill_attention
 from spin_cluster.engine.backend import BackendParts
 from spin_cluster.engine.cuda_graphs import PaddedCapture
 from spin_cluster.engine.scheduler import ScheduledChunk
-from spin_cluster.kernels import cpu_native, paged_decode_cpu
+from spin_cluster.kernels import cpu_native, paged_decode, paged_decode_cpu
 from spin_cluster.kvcache.manager import KVCacheManager
 
 if TYPE_CHECKING:
@@ -51,8 +51,12 @@ class WindowPlan:
     """The decode rows' pages for one sliding window, every layer of that window at once:
     built by the first such layer of a step (``PagedAttention._window_plan``), read by all."""
 
-    ids: torch.Tensor  # [L, Bd, Hkv, W] int64 page ids, the scratch page where a row has none
+    ids: torch.Tensor  # [L, Bd, Hkv, W] int32 page ids, the scratch page where a row has none
     keep: torch.Tensor  # [Bd, W * S] bool, the slots inside each row's window
+    # The same as lengths from the first page on: the paged decode kernel's seq_lens and
+    # key_starts (the window's first key), [Bd] int32 each.
+    lens: torch.Tensor
+    starts: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,9 @@ class PagedAttention(PaddedCapture):
         cpu_auto = decode == "auto" and self.device.type == "cpu"
         self._in_place = cpu_auto and cpu_native.reads_pages(kv.pool.k_pages.dtype)
         self._planned = cpu_auto and not self._in_place
+        # Window layers' decode through the Triton kernel, reading the window's pages in place
+        # (from each row's first key on); elsewhere a gather of those pages and one SDPA.
+        self._window_kernel = self.device.type == "cuda" and decode in ("auto", "triton")
         D = kv.pool.head_dim
         self._k_flat = kv.pool.k_pages.view(-1, D)  # [(N+1)*S, D]: token slots
         self._v_flat = kv.pool.v_pages.view(-1, D)
@@ -265,6 +272,9 @@ class PagedAttention(PaddedCapture):
         if wp is None:
             wp = self.plan.windows[window] = self._window_plan(window)
         ids = wp.ids[layer_id]  # [Bd, Hkv, W]
+        if self._window_kernel:
+            return paged_decode.paged_decode_attention(q, self.pool.k_pages, self.pool.v_pages, ids, wp.lens,
+                                                       key_starts=wp.starts)
         Bd, Hkv, W = ids.shape
         S, D = self.kv.page_size, q.shape[-1]
         k = self.pool.k_pages[ids].view(Bd, Hkv, W * S, D).to(q.dtype)
@@ -289,12 +299,14 @@ class PagedAttention(PaddedCapture):
         page_idx = starts // S + torch.arange(W, device=table.device)  # [Bd, W]
         page_ok = page_idx * S < lens  # pages past a row's end hold no key of it: read the scratch page
         page_idx = torch.where(page_ok, page_idx, 0)
-        ids = table[rows[:, None], :, :, page_idx].long()  # [Bd, W, L, Hkv]
+        ids = table[rows[:, None], :, :, page_idx]  # [Bd, W, L, Hkv] int32
         ids = torch.where(page_ok[:, :, None, None], ids, self.pool.scratch_page_id)
         ids = ids.permute(2, 0, 3, 1).contiguous()  # [L, Bd, Hkv, W]: a layer's pages in one block
         pos = (page_idx[:, :, None] * S + torch.arange(S, device=table.device)).view(-1, W * S)
         keep = page_ok.repeat_interleave(S, dim=1) & (pos >= starts) & (pos < lens)  # [Bd, W*S]
-        return WindowPlan(ids=ids, keep=keep)
+        first = (starts // S) * S  # [Bd, 1] the position of the first page's first slot
+        return WindowPlan(ids=ids, keep=keep, lens=(lens - first)[:, 0].to(torch.int32),
+                          starts=(starts - first)[:, 0].to(torch.int32))
 
     def _prefill(
         self, layer_id: int, seg: PrefillSegment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -249,11 +249,13 @@ def test_window_pages_come_from_the_window_only(gemma_path):
     table = engine.kv.paged.table.table[row]  # [L, Hkv, P]
     for j in range(W):
         want = table[:, :, first + j] if (first + j) * S <= n else torch.full_like(table[:, :, 0], paged.pool.scratch_page_id)
-        assert torch.equal(wp.ids[:, 0, :, j], want.long())
+        assert torch.equal(wp.ids[:, 0, :, j].long(), want.long())
     kept = [first * S + t for t in range(W * S) if wp.keep[0, t]]
     assert kept == list(range(n + 1 - WINDOW, n + 1))
     assert [t for t in range(W * S) if wp.keep[1, t]] == [0, 1, 2, 3]  # positions 0 .. 3 of page 0
     assert (wp.ids[:, 1, :, 1:] == paged.pool.scratch_page_id).all()
+    # the kernel's view: lengths and first keys from each row's first window page
+    assert wp.lens.tolist() == [n + 1 - first * S, 4] and wp.starts.tolist() == [n + 1 - WINDOW - first * S, 0]
     paged.plan = None
     engine.abort(rid)
 
@@ -290,3 +292,18 @@ def test_hybrid_decode_graphs_give_the_eager_tokens(gemma_path, algorithm):
     tokens, graphs, _ = _generate_static(captured, capture=True)
     assert tokens == want
     assert graphs.captures >= 1 and graphs.replays >= 5, (graphs.captures, graphs.replays)
+
+
+def test_window_layers_on_the_decode_kernel_give_the_gathered_path_tokens(gemma_path, paged_tokens):
+    """The window layers' decode through the Triton kernel (as on CUDA; the interpreter here),
+    reading each row's window in place from its first key, gives the gather-and-SDPA path's
+    tokens: the paged cache's, with the dense oracle on the hybrid one."""
+    for cache, sparse in (({}, None), ({"offload": True, "gpu_home_fraction": 0.0}, {"algorithm": "dense"})):
+        engine = _engine(gemma_path, cache=cache, sparse=sparse)
+        paged = engine.runner.attention if not cache else engine.runner.attention.paged
+        paged._window_kernel = True
+        calls = []
+        window_plan = paged._window_plan
+        paged._window_plan = lambda w: calls.append(w) or window_plan(w)
+        assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == paged_tokens
+        assert calls and set(calls) == {WINDOW}

@@ -58,8 +58,9 @@ def make_case(
     return [t.to(device) for t in (q, k_pages, v_pages, block_tables, seq_lens_t)]
 
 
-def dense_oracle(q, k_pages, v_pages, block_tables, seq_lens, scale=None):
-    """Straightforward float64 attention: gather each request's K/V, plain softmax."""
+def dense_oracle(q, k_pages, v_pages, block_tables, seq_lens, scale=None, key_starts=None):
+    """Straightforward float64 attention: gather each request's K/V (from ``key_starts[b]`` on,
+    if given), plain softmax."""
     B, H, D = q.shape
     S = k_pages.shape[1]
     Hkv = block_tables.shape[1]
@@ -75,8 +76,9 @@ def dense_oracle(q, k_pages, v_pages, block_tables, seq_lens, scale=None):
         n_pages = -(-n // S)
         for h in range(H):
             pages = block_tables[b, h // G, :n_pages].long()
-            k = k_pages[pages].reshape(-1, D)[:n]
-            v = v_pages[pages].reshape(-1, D)[:n]
+            first = 0 if key_starts is None else int(key_starts[b])
+            k = k_pages[pages].reshape(-1, D)[first:n]
+            v = v_pages[pages].reshape(-1, D)[first:n]
             w = torch.softmax((k @ q[b, h]) * scale, dim=0)
             out[b, h] = w @ v
     return out

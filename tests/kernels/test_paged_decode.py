@@ -108,6 +108,23 @@ def test_kernel_page_and_block_shapes(page_size, block_n, head_dim, group, num_s
 
 
 @needs_triton
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_starts_mask_the_keys_before_them(num_splits, dtype):
+    """A sliding window's rows: keys before key_starts[b] are not attended (a start inside the
+    first block, one past whole blocks, 0, and a one-token row)."""
+    case = make_case([40, 23, 50, 1], group=2, dtype=dtype, seed=31)
+    starts = torch.tensor([13, 0, 35, 0], dtype=torch.int32, device=case[0].device)
+    ref = paged_decode_attention_ref(*case, key_starts=starts)
+    got = paged_decode_attention(*case, num_splits=num_splits, block_n=16, key_starts=starts)
+    assert_close(got, ref, KERNEL_TOL[dtype])
+    assert_close(ref, dense_oracle(*case, key_starts=starts), REF_TOL[dtype])
+    assert not torch.allclose(ref[0].float(), paged_decode_attention_ref(*case)[0].float())  # the mask did something
+    with pytest.raises(ValueError, match="key_starts must be"):
+        paged_decode_attention(*case, key_starts=starts[:2])
+
+
+@needs_triton
 def test_kernel_more_splits_than_blocks_and_empty_requests():
     # 8 splits over requests of 0..3 blocks: most splits are empty; seq_len 0 gives zeros.
     case = make_case([0, 1, 17, 40, 0], group=2, seed=21)
