@@ -41,35 +41,6 @@ def _round_to(x, DT: tl.constexpr):
         return x.to(DT, fp_downcast_rounding="rtne").to(tl.float32)
 
 
-@triton.jit
-def _rope_qk(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out, k_out, v_out,
-             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
-             stride_qot, stride_qoh, stride_kot, stride_koh, stride_vot, stride_voh,
-             H, HKV, D: tl.constexpr, D_PAD: tl.constexpr, DT: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    hh = tl.program_id(1)  # query heads, then KV heads, then (if given) v's heads: copied as is
-    d = tl.arange(0, D_PAD)
-    m = d < D
-    if hh >= H + HKV:
-        x = tl.load(v_ptr + t * stride_vt + (hh - H - HKV) * stride_vh + d, mask=m, other=0.0)
-        tl.store(v_out + t * stride_vot + (hh - H - HKV) * stride_voh + d, x, mask=m)
-        return
-    rolled = (d + D // 2) % D  # x.roll(D/2)[d] = x[(d - D/2) mod D] = x[(d + D/2) mod D]
-    if hh < H:
-        src = q_ptr + t * stride_qt + hh * stride_qh
-        dst = q_out + t * stride_qot + hh * stride_qoh
-    else:
-        src = k_ptr + t * stride_kt + (hh - H) * stride_kh
-        dst = k_out + t * stride_kot + (hh - H) * stride_koh
-    x = tl.load(src + d, mask=m, other=0.0).to(tl.float32)
-    xr = tl.load(src + rolled, mask=m, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_ct + d, mask=m, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_st + d, mask=m, other=0.0).to(tl.float32)
-    a = _round_to(x * c, DT)  # x * cos, rounded as torch's product
-    b = _round_to(xr * s, DT)  # x.roll(D/2) * sin
-    tl.store(dst + d, (a + b).to(DT, fp_downcast_rounding="rtne"), mask=m)
-
-
 @triton.jit(do_not_specialize=["N"])  # the step's rows: one compile for every step
 def _silu_mul(g_ptr, u_ptr, out_ptr, N, F, stride_in, BLOCK: tl.constexpr, DT: tl.constexpr):
     """out[t, f] = silu(gate[t, f]) * up[t, f] for N = T * F outputs; gate and up rows are
@@ -119,13 +90,15 @@ def _gemma_norm_add_norm(h_ptr, x_ptr, w_post_ptr, w_next_ptr, out_ptr, x_out_pt
 
 
 @triton.jit
-def _gemma_qk_norm_rope(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_out, k_out, v_out,
-                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
-                        stride_qot, stride_qoh, stride_kot, stride_koh, stride_vot, stride_voh,
-                        H, HKV, eps, q_scale,
-                        HAS_SCALE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, DT: tl.constexpr):
-    """One (token, head) row of D: the head's GemmaRMSNorm, RoPE as ``_rope_qk``, then (query
-    heads, HAS_SCALE) q * q_scale rounded to DT; the heads past H + HKV copy v."""
+def _rope_qk(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_out, k_out, v_out,
+             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
+             stride_qot, stride_qoh, stride_kot, stride_koh, stride_vot, stride_voh,
+             H, HKV, eps, q_scale,
+             HAS_NORM: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+             DT: tl.constexpr):
+    """One (token, head) row of D: with HAS_NORM the head's GemmaRMSNorm first (weights at
+    wq_ptr / wk_ptr), then RoPE, then (query heads, HAS_SCALE) q * q_scale rounded to DT; the
+    heads past H + HKV copy v."""
     t = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1)  # query heads, then KV heads, then (if given) v's heads: copied as is
     d = tl.arange(0, D_PAD)
@@ -134,7 +107,7 @@ def _gemma_qk_norm_rope(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q
         x = tl.load(v_ptr + t * stride_vt + (hh - H - HKV) * stride_vh + d, mask=m, other=0.0)
         tl.store(v_out + t * stride_vot + (hh - H - HKV) * stride_voh + d, x, mask=m)
         return
-    rolled = (d + D // 2) % D  # x.roll(D/2)[d] = x[(d + D/2) mod D]
+    rolled = (d + D // 2) % D  # x.roll(D/2)[d] = x[(d - D/2) mod D] = x[(d + D/2) mod D]
     if hh < H:
         src = q_ptr + t * stride_qt + hh * stride_qh
         dst = q_out + t * stride_qot + hh * stride_qoh
@@ -145,12 +118,14 @@ def _gemma_qk_norm_rope(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q
         w_ptr = wk_ptr
     x = tl.load(src + d, mask=m, other=0.0).to(tl.float32)
     xr = tl.load(src + rolled, mask=m, other=0.0).to(tl.float32)
-    rstd = _rstd(x, D, eps)
-    n = _gemma_scale(x, rstd, w_ptr, d, m, DT)  # the normed row, as torch's q_norm(q) holds it
-    nr = _gemma_scale(xr, rstd, w_ptr, rolled, m, DT)  # its roll: each element with its own weight
+    if HAS_NORM:
+        rstd = _rstd(x, D, eps)
+        x = _gemma_scale(x, rstd, w_ptr, d, m, DT)  # the normed row, as torch's q_norm(q) holds it
+        xr = _gemma_scale(xr, rstd, w_ptr, rolled, m, DT)  # its roll: each element with its own weight
     c = tl.load(cos_ptr + t * stride_ct + d, mask=m, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_st + d, mask=m, other=0.0).to(tl.float32)
-    y = _round_to(_round_to(n * c, DT) + _round_to(nr * s, DT), DT)  # n * cos + n.roll(D/2) * sin
+    # x * cos + x.roll(D/2) * sin, each product rounded as torch's
+    y = _round_to(_round_to(x * c, DT) + _round_to(xr * s, DT), DT)
     if HAS_SCALE:  # torch's bf16 q * python_float: float32 product, rounded once; k heads times 1, exact
         y = _round_to(y * tl.where(hh < H, q_scale, 1.0), DT)
     tl.store(dst + d, y.to(DT), mask=m)

@@ -144,21 +144,30 @@ def rope_qk(q, k, cos, sin, v=None, *, impl: str = "auto"):
     if k.dim() != 3 or k.shape[0] != T or k.shape[2] != D or cos.shape[-1] != D or sin.shape != cos.shape:
         raise ValueError(f"q [T, H, D], k [T, Hkv, D], cos/sin [T, 1, D] expected; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(cos.shape)}")
+    return _launch_rope(q, k, cos, sin, v)
+
+
+def _launch_rope(q, k, cos, sin, v, norms=None, q_scale: float | None = None):
+    """``_rope_qk`` over q [T, H, D], k [T, Hkv, D] (shapes checked by the caller), v copied
+    when given; ``norms``: (q_norm_w, k_norm_w, eps) of Gemma's per-head norms, or None."""
     if v is not None and v.shape != k.shape:
         raise ValueError(f"v must be shaped like k {tuple(k.shape)}; got {tuple(v.shape)}")
-    if D % 2 or any(x.stride(-1) != 1 for x in (q, k, cos, sin) + (() if v is None else (v,))):
+    if q.shape[-1] % 2 or any(x.stride(-1) != 1 for x in (q, k, cos, sin) + (() if v is None else (v,))):
         raise ValueError("D must be even and q, k, v, cos, sin contiguous in their last dimension")
+    (T, H, D), Hkv = q.shape, k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     v_out = None if v is None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    Hkv = k.shape[1]
     vv, vo = (k, k_out) if v is None else (v, v_out)  # unread without v
+    wq, wk, eps = (q, k, 0.0) if norms is None else norms  # weights unread without norms
     if T and H + Hkv:
         _kernels()._rope_qk[(T, H + Hkv + (0 if v is None else Hkv))](
-            q, k, vv, cos, sin, q_out, k_out, vo,
+            q, k, vv, cos, sin, wq, wk, q_out, k_out, vo,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1), cos.stride(0), sin.stride(0),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), vo.stride(0), vo.stride(1),
-            H, Hkv, D=D, D_PAD=max(16, next_pow2(D)), DT=_tl_dtype(q.dtype), num_warps=1, **_NO_FMA,
+            H, Hkv, float(eps), 1.0 if q_scale is None else float(q_scale),
+            HAS_NORM=norms is not None, HAS_SCALE=q_scale is not None, D=D, D_PAD=max(16, next_pow2(D)),
+            DT=_tl_dtype(q.dtype), num_warps=1, **_NO_FMA,
         )
     return (q_out, k_out) if v is None else (q_out, k_out, v_out)
 
@@ -251,31 +260,13 @@ def gemma_qk_norm_rope(q, k, cos, sin, q_norm_w, k_norm_w, eps: float, q_scale: 
     if k.shape != (T, Hkv, D) or cos.shape != (T, 1, D) or sin.shape != cos.shape:
         raise ValueError(f"q [T, H, D], k [T, Hkv, D], cos/sin [T, 1, D] expected; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
-    if v is not None and v.shape != k.shape:
-        raise ValueError(f"v must be shaped like k {tuple(k.shape)}; got {tuple(v.shape)}")
     if q.dtype not in _DTYPES or k.dtype != q.dtype or (v is not None and v.dtype != q.dtype):
         raise ValueError(f"q, k and v must share a float dtype; got {q.dtype}, {k.dtype}, "
                          f"{None if v is None else v.dtype}")
-    if D % 2 or any(x.stride(-1) != 1 for x in (q, k, cos, sin) + (() if v is None else (v,))):
-        raise ValueError("D must be even and q, k, v, cos, sin contiguous in their last dimension")
     _check_gemma_weights(q_norm_w, k_norm_w, n=D)
     if k_norm_w.dtype != q_norm_w.dtype:
         raise ValueError(f"q_norm_w and k_norm_w must share a dtype; got {q_norm_w.dtype} and {k_norm_w.dtype}")
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    v_out = None if v is None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    vv, vo = (k, k_out) if v is None else (v, v_out)  # unread without v
-    if T and H + Hkv:
-        _kernels()._gemma_qk_norm_rope[(T, H + Hkv + (0 if v is None else Hkv))](
-            q, k, vv, cos, sin, q_norm_w, k_norm_w, q_out, k_out, vo,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
-            cos.stride(0), sin.stride(0),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), vo.stride(0), vo.stride(1),
-            H, Hkv, float(eps), 1.0 if q_scale is None else float(q_scale),
-            HAS_SCALE=q_scale is not None, D=D, D_PAD=max(16, next_pow2(D)), DT=_tl_dtype(q.dtype), num_warps=1,
-            **_NO_FMA,
-        )
-    return (q_out, k_out) if v is None else (q_out, k_out, v_out)
+    return _launch_rope(q, k, cos, sin, v, (q_norm_w, k_norm_w, eps), q_scale)
 
 
 def gelu_tanh_mul(gate, up, *, impl: str = "auto"):
