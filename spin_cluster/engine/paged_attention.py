@@ -267,7 +267,8 @@ class PagedAttention(PaddedCapture):
     def _decode_window(self, layer_id: int, q: torch.Tensor, window: int) -> torch.Tensor:
         """Decode rows of a sliding-window layer: each row's query at position L - 1 sees the
         keys at max(0, L - window) .. L - 1 only, from the W pages that can hold them (the
-        step's ``WindowPlan``), the rest masked, in one SDPA. q [Bd, H, D] -> [Bd, H, D]."""
+        step's ``WindowPlan``): read in place by the decode kernel from each row's first key
+        (CUDA), or gathered and the rest masked in one SDPA. q [Bd, H, D] -> [Bd, H, D]."""
         wp = self.plan.windows.get(window)
         if wp is None:
             wp = self.plan.windows[window] = self._window_plan(window)
