@@ -9,10 +9,11 @@
 #   passkey-<len>   the passkey task, $SAMPLES prompts (default 36), dense beside quest, labels
 #                   and labels+quest at 1/16 and 1/32 of the context with the 2048-token floor
 #   needles-<len>   the four needle tasks, the same methods, $SAMPLES prompts each
-#   spin-<len>      the bundled `spin` config's Select (labels, 1/16, floor 2048, hysteresis 0.5)
-#                   on passkey and the needle tasks
+#   spin-<len>      the bundled `spin` config's Select (labels, floor 2048, hysteresis 0.5) at
+#                   SPIN_BUDGETS (default 1/16 and 1/32) on passkey and the needle tasks
 #   profile.json    the model's per-head profile (quest-ranked, answer steps) at $LENGTHS
-#   hplb-<len>      quest at 1/16 and 1/32: uniform against S-HPLB max-min budgets from the profile
+#   hplb-<len>      quest at 1/16 and 1/32: uniform against S-HPLB max-min budgets from the profile,
+#                   on HPLB_TASKS (default passkey and the needle tasks)
 # Env: LENGTHS (default "8192 12288 16384"; 32768 shows where dense itself stops), PARTS (default
 # "passkey needles spin hplb"), SAMPLES, and each part's timeout (PASSKEY_TIMEOUT, ... in s).
 # On the CPU the same commands run at toy size (checks the commands, not the figures):
@@ -49,14 +50,15 @@ for LEN in $LENGTHS; do
   has needles && run "needles-$LEN" "${NEEDLES_TIMEOUT:-600}" --lengths "$LEN" --tasks "${NEEDLES[@]}" \
     --samples "$SAMPLES" "${METHODS[@]}" --max-tokens 32
   has spin && run "spin-$LEN" "${SPIN_TIMEOUT:-300}" --lengths "$LEN" --tasks passkey "${NEEDLES[@]}" \
-    --samples "$SAMPLES" --algorithms labels --budgets 0.0625 --budget-floor 2048 --resident-margin 0.5 --max-tokens 32
+    --samples "$SAMPLES" --algorithms labels --budgets ${SPIN_BUDGETS:-0.0625 0.03125} --budget-floor 2048 --resident-margin 0.5 --max-tokens 32
 done
 if has hplb; then
   # shellcheck disable=SC2086  # the lengths split into words
   timeout "${PROFILE_TIMEOUT:-300}" "$PY" -m spin_cluster.cli profile --model "$MODEL" --lengths $LENGTHS --samples 2 \
     --select quest --answer-steps --device "$DEVICE" --out "$OUT/profile.json" > "$OUT/profile.md" 2> "$OUT/profile.log"
   for LEN in $LENGTHS; do
-    run "hplb-$LEN" "${HPLB_TIMEOUT:-600}" --lengths "$LEN" --tasks passkey "${NEEDLES[@]}" --samples "$SAMPLES" \
+    # shellcheck disable=SC2086  # the tasks split into words
+    run "hplb-$LEN" "${HPLB_TIMEOUT:-600}" --lengths "$LEN" --tasks ${HPLB_TASKS:-passkey ${NEEDLES[*]}} --samples "$SAMPLES" \
       --algorithms quest --budgets 0.0625 0.03125 --budget-modes uniform maxmin --profile "$OUT/profile.json" \
       --max-tokens 32
   done
