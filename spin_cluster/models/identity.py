@@ -12,12 +12,25 @@ from typing import Any
 from spin_cluster.models.config import ModelConfig
 
 
+# Keys of a config.json that say how and where it was written, not what the model computes:
+# transformers stamps its own version, the folder's name and the storage dtype, so the same
+# checkpoint prepared by two transformers versions (a GPU machine's and a laptop's) would
+# otherwise hash apart and refuse each other's profiles.
+_BOOKKEEPING = frozenset({"transformers_version", "dtype", "torch_dtype"})
+
+
+def config_digest(raw: dict[str, Any]) -> str:
+    """sha256 of a config.json's model-defining keys (sorted; bookkeeping and ``_``-prefixed
+    keys left out)."""
+    kept = {k: v for k, v in raw.items() if k not in _BOOKKEEPING and not k.startswith("_")}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
 def model_identity(model_path: str | Path) -> dict[str, Any]:
-    """The model's shape and the sha256 of its config.json (keys sorted)."""
+    """The model's shape and ``config_digest`` of its config.json."""
     path = Path(model_path)
     mc = ModelConfig.from_folder(path)
-    raw = json.loads((path / "config.json").read_text())
-    digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
+    digest = config_digest(json.loads((path / "config.json").read_text()))
     return {"architecture": mc.architecture, "num_layers": mc.num_layers, "num_heads": mc.num_heads,
             "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "hidden_size": mc.hidden_size,
             "vocab_size": mc.vocab_size, "config_sha256": digest}
