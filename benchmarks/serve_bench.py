@@ -312,17 +312,27 @@ def plot(results: dict, path: str) -> None:
 # ---- main ---------------------------------------------------------------------------------------
 
 
+def warm_lengths(dist: LengthDist) -> list[int]:
+    """Prompt lengths that meet every size class a stream of ``dist`` will: its shortest and
+    longest prompt and each power of two between. The decode path's kernels compile a variant
+    per power-of-two class of the context's pages (and the block-sparse prefill autotunes per
+    class); a class first met by a served request costs that step about a second a kernel."""
+    pow2 = [1 << k for k in range(dist.lo.bit_length(), dist.hi.bit_length()) if dist.lo < 1 << k < dist.hi]
+    return sorted({dist.lo, *pow2, dist.hi})
+
+
 def build_engine(mode: str, args, folder: str, max_len: int, shape: dict):
-    """e2e's engine of ``mode``, warmed up as e2e warms it (Triton compiles; the block-sparse
-    prefill's autotuning at the shortest and the longest prompt), so no timed request pays."""
+    """e2e's engine of ``mode``, every mode warmed alike before its timed requests: one prompt
+    of each of ``warm_lengths`` with a few decode steps after it, so no timed request pays a
+    compile (Triton's variants, the block-sparse prefill's autotuning, cuBLAS' choices)."""
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import Engine, SamplingParams
 
     engine = Engine(SpinConfig.from_dict(e2e.mode_config(mode, args, folder, max_len, shape)), progress=False)
     engine.generate([[1000 + i for i in range(3 * args.page_size)]])
-    if args.sparse_prefill and mode != "dense":
-        for n in sorted({args.input_len_dist.lo, args.input_len_dist.hi}):
-            engine.generate([[1000 + i % 30000 for i in range(n)]], SamplingParams(max_tokens=1))
+    for n in warm_lengths(args.input_len_dist):
+        engine.generate([[1000 + i % 30000 for i in range(n)]],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     return engine
 
 
@@ -346,10 +356,12 @@ def merge(paths: list[str]) -> dict:
             raise SystemExit(f"{path}: not the stream of {paths[0]} ({', '.join(differ) or 'shape'} differ)")
     runs: dict[str, dict] = {}
     errors: dict[str, str] = {}
+    ready: dict[str, float] = {}
     for results in loaded:
         for mode, by_rate in results["runs"].items():
             runs.setdefault(mode, {}).update(by_rate)
         errors.update(results.get("errors", {}))
+        ready.update(results.get("ready_s", {}))
     rates = sorted({r for by_rate in runs.values() for r in by_rate}, key=float)
     for rate in rates:
         counts = {m: by_rate[rate]["num_prompts"] for m, by_rate in runs.items() if rate in by_rate}
@@ -357,6 +369,7 @@ def merge(paths: list[str]) -> dict:
             raise SystemExit(f"rate {rate}: not the same requests in every mode (prompts {counts})")
     merged = {**base, "modes": list(runs), "request_rates": rates,
               "merged_from": [{"file": p, "provenance": r.get("provenance")} for p, r in zip(paths, loaded)],
+              "ready_s": {m: t for m, t in ready.items() if m in runs},
               "runs": {m: {r: by_rate[r] for r in rates if r in by_rate} for m, by_rate in runs.items()},
               "saturated_output_throughput": {m: max(r["output_throughput"] for r in by_rate.values())
                                               for m, by_rate in runs.items()}}
@@ -412,7 +425,8 @@ def main(argv=None) -> dict:
             print(f"[{mode}] could not build the engine: {type(e).__name__}: {e}", flush=True)
             results.setdefault("errors", {})[mode] = f"{type(e).__name__}: {e}"
             continue
-        print(f"[{mode}] engine ready in {time.monotonic() - t0:.1f} s", flush=True)
+        results.setdefault("ready_s", {})[mode] = round(time.monotonic() - t0, 1)
+        print(f"[{mode}] engine ready and warm in {time.monotonic() - t0:.1f} s", flush=True)
         runs = results["runs"][mode] = {}
         for rate, label in zip(args.request_rate, labels):
             r = runs[label] = run_rate(engine, args, rate)

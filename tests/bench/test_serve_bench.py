@@ -14,7 +14,7 @@ def test_serve_tiny_reports_every_mode_and_rate(tmp_path):
                          "ttft:60000", "tpot:60000", "--deadline-s", "300", "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "serve.json").read_text())
     assert saved["provenance"]["commit"]
-    assert sorted(saved["runs"]) == ["dense", "spin"]
+    assert sorted(saved["runs"]) == ["dense", "spin"] and sorted(saved["ready_s"]) == ["dense", "spin"]
     for mode, runs in saved["runs"].items():
         assert list(runs) == ["8", "inf"]
         for rate, r in runs.items():
@@ -53,6 +53,14 @@ def test_the_stream_is_seeded_and_within_its_bounds():
     assert bench["workload"](args, float("inf"))[0] == [0.0] * 200
     prompts = bench["prompts"](args, 2.0, inputs[:3])
     assert [len(p) for p in prompts] == inputs[:3] and prompts == bench["prompts"](args, 2.0, inputs[:3])
+
+
+def test_warm_up_meets_every_power_of_two_class_of_the_stream():
+    bench = load("serve")
+    lengths = bench["warm_lengths"](bench["length_dist"]("log-uniform:8192:131072"))
+    assert lengths == [8192, 16384, 32768, 65536, 131072]
+    assert bench["warm_lengths"](bench["length_dist"]("uniform:100:5000")) == [100, 128, 256, 512, 1024, 2048, 4096, 5000]
+    assert bench["warm_lengths"](bench["length_dist"]("fixed:300")) == [300]
 
 
 def test_tiny_changes_defaults_only():
