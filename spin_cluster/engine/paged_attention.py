@@ -52,11 +52,12 @@ class WindowPlan:
     built by the first such layer of a step (``PagedAttention._window_plan``), read by all."""
 
     ids: torch.Tensor  # [L, Bd, Hkv, W] int32 page ids, the scratch page where a row has none
-    keep: torch.Tensor  # [Bd, W * S] bool, the slots inside each row's window
-    # The same as lengths from the first page on: the paged decode kernel's seq_lens and
-    # key_starts (the window's first key), [Bd] int32 each.
-    lens: torch.Tensor
-    starts: torch.Tensor
+    # What the step's path reads, the other None: the SDPA path's mask, [Bd, W * S] bool, the
+    # slots inside each row's window; or the decode kernel's seq_lens and key_starts (the
+    # window's first key), [Bd] int32 each, counted from the first page on.
+    keep: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -303,11 +304,13 @@ class PagedAttention(PaddedCapture):
         ids = table[rows[:, None], :, :, page_idx]  # [Bd, W, L, Hkv] int32
         ids = torch.where(page_ok[:, :, None, None], ids, self.pool.scratch_page_id)
         ids = ids.permute(2, 0, 3, 1).contiguous()  # [L, Bd, Hkv, W]: a layer's pages in one block
+        if self._window_kernel:
+            first = (starts // S) * S  # [Bd, 1] the position of the first page's first slot
+            return WindowPlan(ids=ids, lens=(lens - first)[:, 0].to(torch.int32),
+                              starts=(starts - first)[:, 0].to(torch.int32))
         pos = (page_idx[:, :, None] * S + torch.arange(S, device=table.device)).view(-1, W * S)
         keep = page_ok.repeat_interleave(S, dim=1) & (pos >= starts) & (pos < lens)  # [Bd, W*S]
-        first = (starts // S) * S  # [Bd, 1] the position of the first page's first slot
-        return WindowPlan(ids=ids, keep=keep, lens=(lens - first)[:, 0].to(torch.int32),
-                          starts=(starts - first)[:, 0].to(torch.int32))
+        return WindowPlan(ids=ids, keep=keep)
 
     def _prefill(
         self, layer_id: int, seg: PrefillSegment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

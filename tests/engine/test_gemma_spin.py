@@ -254,8 +254,13 @@ def test_window_pages_come_from_the_window_only(gemma_path):
     assert kept == list(range(n + 1 - WINDOW, n + 1))
     assert [t for t in range(W * S) if wp.keep[1, t]] == [0, 1, 2, 3]  # positions 0 .. 3 of page 0
     assert (wp.ids[:, 1, :, 1:] == paged.pool.scratch_page_id).all()
-    # the kernel's view: lengths and first keys from each row's first window page
-    assert wp.lens.tolist() == [n + 1 - first * S, 4] and wp.starts.tolist() == [n + 1 - WINDOW - first * S, 0]
+    assert wp.lens is None and wp.starts is None  # the SDPA path's plan: its mask only
+    # the kernel's plan (CUDA): lengths and first keys from each row's first window page, no mask
+    paged._window_kernel = True
+    kp = paged._window_plan(WINDOW)
+    paged._window_kernel = False
+    assert torch.equal(kp.ids, wp.ids) and kp.keep is None
+    assert kp.lens.tolist() == [n + 1 - first * S, 4] and kp.starts.tolist() == [n + 1 - WINDOW - first * S, 0]
     paged.plan = None
     engine.abort(rid)
 
