@@ -85,12 +85,19 @@ def weigh(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     the CPU (3 MB a tensor at 16 rows of SmolLM2's vocabulary)."""
     filtered = {i: filtered_probs(logits[i], p) for i, p in enumerate(params)
                 if p.top_p < 1.0 or 0 < p.top_k < logits.shape[1]}
-    temps = [p.temperature for p in params]
-    if any(t != 1.0 for t in temps):
-        logits.div_(torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None])
-    logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
     for i, probs in filtered.items():
         logits[i] = probs
+    rest = [i for i in range(len(params)) if i not in filtered]
+    if not rest:
+        return
+    # The temperature-only rows: all of them in place (the usual batch), else their own rows.
+    rows = logits if len(rest) == len(params) else logits[rest]
+    temps = [params[i].temperature for i in rest]
+    if any(t != 1.0 for t in temps):
+        rows.div_(torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None])
+    rows.sub_(rows.amax(dim=-1, keepdim=True)).exp_()
+    if rows is not logits:
+        logits[rest] = rows
 
 
 def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from spin_cluster.engine.request import SamplingParams
-from spin_cluster.engine.sampler import Sampler, filtered_probs
+from spin_cluster.engine.sampler import Sampler, filtered_probs, weigh
 
 
 @pytest.mark.parametrize(
@@ -106,3 +106,20 @@ def test_bad_logit_bias_raises(bias, match):
 def test_logit_bias_outside_the_vocabulary_raises():
     with pytest.raises(ValueError, match=r"logit_bias=\{50000: \.\.\.\}: token id 50000 is outside"):
         SamplingParams(logit_bias={50000: 1, 3: 1}).check_vocab(49152)
+
+
+def test_weights_of_a_mixed_batch_are_each_rows_distribution():
+    """Rows with top-k/top-p beside temperature-only rows: each row's weights are its own
+    distribution up to a constant, as when it is weighed alone."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=0.9, top_p=0.8)]
+    mixed = logits.clone()
+    weigh(mixed, params)
+    for i, p in enumerate(params):
+        alone = logits[i:i + 1].clone()
+        weigh(alone, [p])
+        assert torch.allclose(mixed[i] / mixed[i].sum(), alone[0] / alone[0].sum(), atol=1e-6), i
+    assert (mixed[1] > 0).sum() == 5  # top-k kept its five
+    assert torch.allclose(mixed[0] / mixed[0].sum(), torch.softmax(logits[0] / 0.7, -1), atol=1e-6)
