@@ -331,10 +331,7 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
         sparse["prefill"] = _prefill_options(config, method, calibration and calibration[length])
     profile, layers = None, None
     if method.budget_mode == "maxmin":
-        from spin_cluster.models.config import ModelConfig
-
-        profile, layers = _head_profile(config.profile_path, model_path), \
-            ModelConfig.from_folder(model_path).full_attention_layers()
+        profile, layers = _head_profile(config.profile_path, model_path)
     sparse.update(budget_mode_options(method, length, page_size=config.page_size, top_p=config.top_p,
                                       profile=profile, floor_fraction=config.floor_fraction,
                                       floor_tokens=config.budget_floor_tokens, sparse_layers=layers))
@@ -359,9 +356,11 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
 
 @functools.lru_cache(maxsize=2)
 def _head_profile(profile_path: str, model_path: str):
+    """(the head profile, checked against the model; the layers Select serves), read once."""
     from spin_cluster.hplb.profile import load_profile
+    from spin_cluster.models.config import ModelConfig
 
-    return load_profile(profile_path, model_path=model_path)
+    return load_profile(profile_path, model_path=model_path), ModelConfig.from_folder(model_path).full_attention_layers()
 
 
 def _cache_sizes(config: EvalConfig, model_path: str, max_len: int) -> dict:
