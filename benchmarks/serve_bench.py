@@ -326,13 +326,10 @@ def build_engine(mode: str, args, folder: str, max_len: int, shape: dict):
     of each of ``warm_lengths`` with a few decode steps after it, so no timed request pays a
     compile (Triton's variants, the block-sparse prefill's autotuning, cuBLAS' choices)."""
     from spin_cluster.config import SpinConfig
-    from spin_cluster.engine import Engine, SamplingParams
+    from spin_cluster.engine import Engine
 
     engine = Engine(SpinConfig.from_dict(e2e.mode_config(mode, args, folder, max_len, shape)), progress=False)
-    engine.generate([[1000 + i for i in range(3 * args.page_size)]])
-    for n in warm_lengths(args.input_len_dist):
-        engine.generate([[1000 + i % 30000 for i in range(n)]],
-                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.warm_up([3 * args.page_size, *warm_lengths(args.input_len_dist)])
     return engine
 
 

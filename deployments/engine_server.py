@@ -108,11 +108,12 @@ def _huge_pages_mb() -> float | None:
 
 
 def _build_engine(spin: Any, plan: EnginePlan, timeout_s: float, torch_threads: int | None = None,
-                  step_threads: Any = None) -> Any:
+                  step_threads: Any = None, warmup: bool | None = None) -> Any:
     """The plain ``Engine`` for a one-rank plan, on ``torch_threads`` threads (None: as the
-    process has them), or per step by ``step_threads`` (a ``StepThreads``) once it runs; else
-    rank 0 of a head-parallel engine with the plan's placement, its other ranks started as
-    Ray actors in this replica's placement group (each sets its own threads)."""
+    process has them), or per step by ``step_threads`` (a ``StepThreads``) once it runs, warmed
+    up (``ServeOptions.warmup``; None: on CUDA); else rank 0 of a head-parallel engine with the
+    plan's placement, its other ranks started as Ray actors in this replica's placement group
+    (each sets its own threads)."""
     ranks = len(plan.head_placement) if plan.head_placement else 1
     if ranks == 1:
         import torch
@@ -125,6 +126,10 @@ def _build_engine(spin: Any, plan: EnginePlan, timeout_s: float, torch_threads: 
         if threads is not None:
             torch.set_num_threads(threads)
         engine = Engine(spin, progress=False)
+        if warmup or (warmup is None and engine.device.type == "cuda"):
+            t0 = time.monotonic()
+            lengths = engine.warm_up()
+            logger.info("engine warmed up at %s prompt tokens in %.1f s", lengths, time.monotonic() - t0)
         if engine.device.type == "cpu":
             engine.runner.step_threads = step_threads
         return engine
@@ -145,7 +150,8 @@ class EngineServer:
         spin = config.spin.replace(sparse=plan.sparse)
         # A step's collectives may wait as long as a request may wait for its next token.
         self._engine = await asyncio.to_thread(_build_engine, spin, plan, self._serve.token_timeout_s,
-                                               self._serve.torch_threads(), self._serve.step_threads())
+                                               self._serve.torch_threads(), self._serve.step_threads(),
+                                               self._serve.warmup)
         try:
             self._loop = EngineLoop(self._engine, idle_wait_s=self._serve.stats_interval_s)
             self._report: EngineReport = engine_report(self._engine, self.replica_id)

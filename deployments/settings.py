@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, StrictInt, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
 
 from spin_cluster.config import ConfigSection, SpinConfig, parse_config
 from spin_cluster.engine.step_threads import BLOCK_TOKENS, StepThreads
@@ -62,6 +62,15 @@ class ServeOptions(ConfigSection):
         "engine_num_gpus ranks on GPUs; with engine_num_gpus 0 they are CPU processes. 1: the plain "
         "engine. null: one rank per GPU (at most one per KV head of the model), and 1 when the "
         "engine config cannot run head-parallel (block-sparse prefill, seer, top-p)."))
+    # A first 128K request on a fresh GPU engine met ~10 kernel variants' compiles in its
+    # steps (7 s at Llama-3.1-8B shapes on an H200); Triton keeps them on disk for restarts.
+    warmup: StrictBool | None = Field(None, description=(
+        "Before a plain engine replica takes requests, run one made-up prompt of each power of "
+        "two of tokens from 1024 up to the model's context, with a few decode steps after each "
+        "(`Engine.warm_up`), so that no request waits for the kernels' per-length compiles; "
+        "the replica is ready once it is done (the prefill of about twice the context, e.g. "
+        "~25 s at 128K on an H200 at Llama-3.1-8B shapes). null: on for an engine on CUDA, off "
+        "on the CPU (whose kernels compile nothing per length). Head-parallel replicas skip it."))
     ingress_num_cpus: float = Field(0.1, gt=0, description="Logical Ray CPUs of the ingress, > 0.")
     planner_num_cpus: float = Field(0.1, gt=0, description="Logical Ray CPUs of the planner, > 0.")
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description=(

@@ -407,6 +407,45 @@ class Engine:
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         return self.generate([self.tokenizer.chat_prompt_ids(messages)], params)[0]
 
+    # ---- warm-up ------------------------------------------------------------------------------
+
+    WARM_UP_SHORTEST = 1024
+
+    def warm_lengths(self, max_tokens: int = 4) -> list[int]:
+        """Prompt lengths that meet every size class a request will: each power of two of
+        tokens from ``WARM_UP_SHORTEST`` and the longest prompt that leaves ``max_tokens`` to
+        generate, as far as the cache holds one such request."""
+        longest = self.max_model_len - max_tokens
+        lengths, n = {longest} if longest >= 1 else set(), self.WARM_UP_SHORTEST
+        while n < longest:
+            lengths.add(n)
+            n *= 2
+        return [n for n in sorted(lengths) if self.kv.pages_for_tokens(n + max_tokens) <= self.kv.num_total_pages]
+
+    @torch.inference_mode()
+    def warm_up(self, lengths: Sequence[int] | None = None, max_tokens: int = 4) -> list[int]:
+        """Run one made-up prompt of each of ``lengths`` (default ``warm_lengths``) and
+        ``max_tokens`` decode steps after it, then zero the engine's running totals. Kernels
+        compile a variant per size class of their launch (Triton's per power-of-two class of
+        the context's pages; the block-sparse prefill also autotunes per class): a class first
+        met by a served request costs its step about a second a kernel on a GPU, seconds in
+        the first long request's time to first token. The prompts share no prefix with each
+        other or with text (their ids walk the vocabulary from different starts); in a cache
+        with prefix caching their pages stay as idle cached pages, free to take. Returns the
+        lengths run."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up runs on an idle engine: requests are in flight")
+        lengths = self.warm_lengths(max_tokens) if lengths is None else list(lengths)
+        vocab = self.model.config.vocab_size
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for k, n in enumerate(lengths):
+            start = 1000 + 7919 * k
+            self.generate([[(start + i) % vocab for i in range(n)]], params)
+        self.kv.reset_counters()
+        self.scheduler.num_prefix_query_tokens = self.scheduler.num_prefix_hit_tokens = 0
+        self.num_preemptions_total = 0
+        return lengths
+
     # ---- sizing and checks ----------------------------------------------------------------------
 
     def _check_prompt(self, ids: list[int]) -> None:

@@ -98,3 +98,10 @@ class KVCache(ABC):
     @abstractmethod
     def check_integrity(self) -> None:
         """Raise AssertionError unless every page (and slot) is owned once or free."""
+
+    def reset_counters(self) -> None:
+        """Zero the running totals the engine reports (buffer lookups, hits, misses and
+        evictions; spilled pages): after a warm-up, so that they count served requests only.
+        In place: captured graphs add to the same tensor."""
+        if self.buffer is not None:
+            self.buffer.counters.zero_()

@@ -145,6 +145,9 @@ class HybridKVCache(KVCache):
     def num_spilled_segments(self) -> int:
         return self.spin.num_spilled_segments
 
+    def reset_counters(self) -> None:
+        self.spin.reset_counters()  # the paged part counts nothing
+
     def tier_pages(self) -> dict[str, tuple[int, int]]:
         return self.spin.tier_pages()
 

@@ -103,6 +103,10 @@ class OffloadedKVManager(KVCache):
     def num_free_pages(self) -> int:
         return self.homes.num_free_segments * self.host.segment_pages
 
+    def reset_counters(self) -> None:
+        super().reset_counters()
+        self.num_spilled_segments = 0
+
     def tier_pages(self) -> dict[str, tuple[int, int]]:
         """(used, total) home pages per tier: ``{"gpu": .., "host": ..}``."""
         E, h = self.host.segment_pages, self.homes

@@ -169,3 +169,18 @@ def test_report_of_the_offloaded_cache_gives_both_home_tiers_and_the_buffer(tiny
     eng.check_integrity()
     rep = engine_report(eng, "r")
     assert rep.counters["spilled_pages"] == kv.num_spilled_segments > 0  # the newcomer's pages took the GPU
+
+
+@pytest.mark.parametrize("warmup, runs", [(True, True), (None, False), (False, False)])
+def test_a_plain_replica_warms_its_engine_when_asked_and_on_cuda_by_default(tiny_llama_path, monkeypatch,
+                                                                           warmup, runs):
+    from spin_cluster.config import SpinConfig
+    from spin_cluster.deployments.engine_server import _build_engine
+    from spin_cluster.deployments.messages import EnginePlan
+    from spin_cluster.engine import Engine
+
+    called = []
+    monkeypatch.setattr(Engine, "warm_up", lambda self: called.append(self) or [])
+    spin = SpinConfig.from_dict({"model": {"path": tiny_llama_path, "device": "cpu", "max_model_len": 64}})
+    engine = _build_engine(spin, EnginePlan(sparse={}), 5.0, warmup=warmup)
+    assert called == ([engine] if runs else [])  # the CPU: off unless asked

@@ -1,0 +1,50 @@
+"""``Engine.warm_up``: made-up prompts of every power-of-two length class before serving,
+leaving no page held, no running total counted and no mark on what requests get."""
+
+import pytest
+
+from spin_cluster.config import SpinConfig
+from spin_cluster.engine import Engine, SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = ["The capital of France is", "List of prime numbers: 2, 3, 5, 7,"]
+
+
+def _engine(path, offload: bool) -> Engine:
+    cache = {"page_size": 4, "offload": offload}
+    if offload:  # Spin: a small GPU share, so that the longest warm-up prompt spills and misses
+        cache.update(gpu_home_fraction=0.0, kv_cache_gib=0.002, host_kv_gib=0.05)
+    sparse = {"algorithm": "quest", "budget": 16, "budget_floor_tokens": 0} if offload else {}
+    return Engine(SpinConfig.from_dict({
+        "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": 200},
+        "cache": cache, "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}, "sparse": sparse,
+    }), progress=False)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["paged", "spin"])
+def test_warm_up_leaves_the_engine_as_it_found_it(tiny_llama_path, offload, monkeypatch):
+    want = [o.token_ids for o in _engine(tiny_llama_path, offload).generate(PROMPTS, PARAMS)]
+    engine = _engine(tiny_llama_path, offload)
+    monkeypatch.setattr(Engine, "WARM_UP_SHORTEST", 32)
+    assert engine.warm_lengths() == [32, 64, 128, 196]  # powers of two, then the longest prompt
+    assert engine.warm_up() == [32, 64, 128, 196]
+    assert not engine.has_unfinished() and engine.kv.request_ids() == []
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages  # idle prefix-cache pages count as free
+    engine.check_integrity()
+    stats = engine._stats(0.0, 0, 0)
+    assert stats.preemptions_total == 0 and stats.prefix_cache_queries_total == 0
+    if offload:
+        assert stats.buffer_lookups_total == 0 and stats.spilled_pages_total == 0
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == want
+
+
+def test_warm_up_skips_what_the_cache_cannot_hold_and_refuses_a_busy_engine(tiny_llama_path, monkeypatch):
+    engine = _engine(tiny_llama_path, offload=False)
+    monkeypatch.setattr(Engine, "WARM_UP_SHORTEST", 32)
+    pages = engine.kv.num_total_pages
+    monkeypatch.setattr(type(engine.kv), "num_total_pages", property(lambda self: engine.kv.pages_for_tokens(70)))
+    assert engine.warm_lengths() == [32, 64]  # 128 and 196 tokens do not fit
+    monkeypatch.setattr(type(engine.kv), "num_total_pages", property(lambda self: pages))
+    engine.add_request("The capital of France is", PARAMS)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.warm_up()
