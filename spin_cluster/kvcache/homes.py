@@ -106,12 +106,3 @@ class PageHomes:
         on_gpu = flat >= self.first_gpu_page * page_size
         return (torch.where(on_gpu, flat + self.gpu_slot_offset * page_size, -1),
                 torch.where(on_gpu, -1, flat))
-
-    def touch(self, gpu_slots: torch.Tensor, now: torch.Tensor) -> None:
-        """Stamp the GPU segments of selected pages (gpu_slots from ``gpu_slots``; -1 skipped)
-        with the step ``now`` [1]: the spill order's recency. One scatter, no host sync."""
-        if not self.num_gpu_segments:
-            return
-        base = self.first_gpu_page + self.gpu_slot_offset  # slot of GPU page 0
-        seg = torch.where(gpu_slots >= 0, (gpu_slots - base) // self.segment_pages, self.num_gpu_segments)
-        self.gpu_last_use.index_copy_(0, seg.reshape(-1), now.to(torch.int32).expand(seg.numel()))

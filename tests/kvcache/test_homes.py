@@ -25,6 +25,15 @@ def _segments(kv, rid):
     return [group[0] for group in kv.directory.host_mirror(rid)]
 
 
+def _stamp(kv, gpu_slots, step):
+    """What the lookup kernel does for the pages Select picked: stamp their GPU segments
+    (GPU page array slots) with the step, the spill order's recency."""
+    homes = kv.homes
+    base = homes.first_gpu_page + homes.gpu_slot_offset  # the slot of GPU page 0
+    for slot in gpu_slots:
+        homes.gpu_last_use[(slot - base) // homes.segment_pages] = step
+
+
 def _write_page_ids(kv, rid, num_pages):
     """Write each page's (request-unique) id into its home: K = 100 * row + page, V = -K."""
     row = kv.row(rid)
@@ -51,7 +60,7 @@ def test_a_full_gpu_spills_its_coldest_page_to_the_host_and_the_newcomer_is_born
     kv.allocate("a", 6)  # pages 0, 1, 2 of a: GPU segments 4, 5, 6 (slots 8, 9, 10 after 8 buffer slots)
     _write_page_ids(kv, "a", 3)
     # Select picked pages 0 and 2 at step 5: page 1 is the coldest.
-    kv.homes.touch(torch.tensor([8, 10]), torch.tensor([5]))
+    _stamp(kv, [8, 10], 5)
     kv.allocate("b", 2)
     assert _segments(kv, "a") == [4, 0, 6]  # page 1 now lives in host segment 0
     assert _segments(kv, "b") == [5]  # born on the GPU, in the segment page 1 left
@@ -72,7 +81,7 @@ def test_a_spilled_page_comes_back_through_the_buffer_and_gpu_pages_are_read_in_
     kv = _manager(num_gpu=3)
     kv.allocate("a", 6)
     _write_page_ids(kv, "a", 3)
-    kv.homes.touch(torch.tensor([8, 10]), torch.tensor([5]))
+    _stamp(kv, [8, 10], 5)
     kv.allocate("b", 2)  # page 1 of a spills to host page 0
     t = Transfer(kv.homes, torch.device("cpu"), kv.buffer, kv.directory)
     rows = torch.tensor([kv.row("a")])
@@ -132,7 +141,7 @@ def test_an_empty_host_tier_needs_gpu_homes():
 def test_on_gpu_names_the_pages_at_home_on_the_gpu():
     kv = _manager(num_gpu=3)
     kv.allocate("a", 6)
-    kv.homes.touch(torch.tensor([8, 10]), torch.tensor([5]))
+    _stamp(kv, [8, 10], 5)
     kv.allocate("b", 2)  # page 1 of a spills
     table = kv.directory.directory[kv.row("a"), 0]  # [Hkv, n_seg]
     assert kv.homes.on_gpu(table, 4).tolist() == [[True, False, True, False]]  # page 3: not allocated
