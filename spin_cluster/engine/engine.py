@@ -26,6 +26,7 @@ from spin_cluster.engine.request import (
 )
 from spin_cluster.engine.sampler import Sampler
 from spin_cluster.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from spin_cluster.engine import warm_up as warming
 from spin_cluster.engine.stats import StepStats
 from spin_cluster.engine.cache_builder import build_cache
 from spin_cluster.engine.detokenizer import Detokenizer
@@ -409,42 +410,14 @@ class Engine:
 
     # ---- warm-up ------------------------------------------------------------------------------
 
-    WARM_UP_SHORTEST = 1024
-
     def warm_lengths(self, max_tokens: int = 4) -> list[int]:
-        """Prompt lengths that meet every size class a request will: each power of two of
-        tokens from ``WARM_UP_SHORTEST`` and the longest prompt that leaves ``max_tokens`` to
-        generate, as far as the cache holds one such request."""
-        longest = self.max_model_len - max_tokens
-        lengths, n = {longest} if longest >= 1 else set(), self.WARM_UP_SHORTEST
-        while n < longest:
-            lengths.add(n)
-            n *= 2
-        return [n for n in sorted(lengths) if self.kv.pages_for_tokens(n + max_tokens) <= self.kv.num_total_pages]
+        """``warming.warm_lengths``: the prompt lengths that meet every size class."""
+        return warming.warm_lengths(self, max_tokens)
 
-    @torch.inference_mode()
     def warm_up(self, lengths: Sequence[int] | None = None, max_tokens: int = 4) -> list[int]:
-        """Run one made-up prompt of each of ``lengths`` (default ``warm_lengths``) and
-        ``max_tokens`` decode steps after it, then zero the engine's running totals. Kernels
-        compile a variant per size class of their launch (Triton's per power-of-two class of
-        the context's pages; the block-sparse prefill also autotunes per class): a class first
-        met by a served request costs its step about a second a kernel on a GPU, seconds in
-        the first long request's time to first token. The prompts share no prefix with each
-        other or with text (their ids walk the vocabulary from different starts); in a cache
-        with prefix caching their pages stay as idle cached pages, free to take. Returns the
-        lengths run."""
-        if self.has_unfinished():
-            raise RuntimeError("warm_up runs on an idle engine: requests are in flight")
-        lengths = self.warm_lengths(max_tokens) if lengths is None else list(lengths)
-        vocab = self.model.config.vocab_size
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        for k, n in enumerate(lengths):
-            start = 1000 + 7919 * k
-            self.generate([[(start + i) % vocab for i in range(n)]], params)
-        self.kv.reset_counters()
-        self.scheduler.num_prefix_query_tokens = self.scheduler.num_prefix_hit_tokens = 0
-        self.num_preemptions_total = 0
-        return lengths
+        """``warming.warm_up``: made-up prompts of ``lengths`` (default ``warm_lengths``)
+        before serving, so that no request waits for a compile; returns the lengths run."""
+        return warming.warm_up(self, lengths, max_tokens)
 
     # ---- sizing and checks ----------------------------------------------------------------------
 

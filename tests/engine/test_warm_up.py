@@ -4,7 +4,7 @@ leaving no page held, no running total counted and no mark on what requests get.
 import pytest
 
 from spin_cluster.config import SpinConfig
-from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.engine import Engine, SamplingParams, warm_up
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The capital of France is", "List of prime numbers: 2, 3, 5, 7,"]
@@ -25,7 +25,7 @@ def _engine(path, offload: bool) -> Engine:
 def test_warm_up_leaves_the_engine_as_it_found_it(tiny_llama_path, offload, monkeypatch):
     want = [o.token_ids for o in _engine(tiny_llama_path, offload).generate(PROMPTS, PARAMS)]
     engine = _engine(tiny_llama_path, offload)
-    monkeypatch.setattr(Engine, "WARM_UP_SHORTEST", 32)
+    monkeypatch.setattr(warm_up, "SHORTEST", 32)
     assert engine.warm_lengths() == [32, 64, 128, 196]  # powers of two, then the longest prompt
     assert engine.warm_up() == [32, 64, 128, 196]
     assert not engine.has_unfinished() and engine.kv.request_ids() == []
@@ -40,7 +40,7 @@ def test_warm_up_leaves_the_engine_as_it_found_it(tiny_llama_path, offload, monk
 
 def test_warm_up_skips_what_the_cache_cannot_hold_and_refuses_a_busy_engine(tiny_llama_path, monkeypatch):
     engine = _engine(tiny_llama_path, offload=False)
-    monkeypatch.setattr(Engine, "WARM_UP_SHORTEST", 32)
+    monkeypatch.setattr(warm_up, "SHORTEST", 32)
     pages = engine.kv.num_total_pages
     monkeypatch.setattr(type(engine.kv), "num_total_pages", property(lambda self: engine.kv.pages_for_tokens(70)))
     assert engine.warm_lengths() == [32, 64]  # 128 and 196 tokens do not fit
