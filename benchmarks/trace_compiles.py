@@ -43,8 +43,12 @@ def _install() -> None:
             spec = {p.name: str(ty) for p, ty in zip(fn.jit_function.params, key[0])}
             spec["options"] = key[1]
             last = seen.get(name)
-            what = ({a: _diff(last.get(a, ""), t) for a, t in spec.items() if last.get(a) != t} if last
-                    else "first")
+            if last is None:
+                what = "first"
+            elif last == spec:  # Triton's hook fires again for a key it had (its caches are per device)
+                what = "the same key again"
+            else:
+                what = {a: _diff(last.get(a, ""), t) for a, t in spec.items() if last.get(a) != t}
             seen[name] = spec
             print(f"[trace] {time.perf_counter() - t0:9.2f} s compile {name}: {what}", file=sys.stderr, flush=True)
         return False
