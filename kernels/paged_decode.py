@@ -36,11 +36,11 @@ This module imports only torch (and Triton, lazily): it must not import ``spin_c
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2, triton_importable
+from .paged_decode_checks import check_inputs, host_lens, resolve_scale
 
 __all__ = [
     "paged_decode_attention",
@@ -49,7 +49,6 @@ __all__ = [
     "triton_available",
 ]
 
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 
 # Split-K heuristic (flash-decoding). The main kernel at D=128 (4 warps, ~107 registers per
@@ -71,111 +70,6 @@ _NUM_STAGES = 2
 # with 256 MiB chunks, e.g. B=64, Hkv=8, D=128, 4K tokens bf16: 805 -> ~160 ms).
 _REF_CHUNK_BYTES = 256 * 1024 * 1024
 _REF_CHUNK_BYTES_CPU_PER_THREAD = 2 * 1024 * 1024
-
-
-# --------------------------------------------------------------------------------------
-# Input checks shared by both entry points
-# --------------------------------------------------------------------------------------
-
-
-def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out, pages_as_q=True):
-    """Validate shapes / dtypes / devices; return (B, H, Hkv, G, D, S, P). ``pages_as_q``
-    False: the pages may hold another float type than q (a path that widens what it reads)."""
-    tensors = {
-        "q": q,
-        "k_pages": k_pages,
-        "v_pages": v_pages,
-        "block_tables": block_tables,
-        "seq_lens": seq_lens,
-    }
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B, H, D], got shape {tuple(q.shape)}")
-    if k_pages.dim() != 3:
-        raise ValueError(f"k_pages must be [N, S, D], got shape {tuple(k_pages.shape)}")
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(
-            f"v_pages shape {tuple(v_pages.shape)} != k_pages shape {tuple(k_pages.shape)}"
-        )
-    if block_tables.dim() != 3:
-        raise ValueError(
-            f"block_tables must be [B, Hkv, P], got shape {tuple(block_tables.shape)}"
-        )
-    if seq_lens.dim() not in (1, 2):
-        raise ValueError(f"seq_lens must be [B] or [B, Hkv], got shape {tuple(seq_lens.shape)}")
-
-    B, H, D = q.shape
-    N, S, Dk = k_pages.shape
-    Bt, Hkv, P = block_tables.shape
-    if Dk != D:
-        raise ValueError(f"head dim mismatch: q has D={D}, k_pages/v_pages have D={Dk}")
-    if D < 1 or S < 1:
-        raise ValueError(f"head dim and page size must be >= 1, got D={D}, S={S}")
-    if Bt != B:
-        raise ValueError(f"block_tables batch {Bt} != q batch {B}")
-    if seq_lens.shape[0] != B:
-        raise ValueError(f"seq_lens batch {seq_lens.shape[0]} != q batch {B}")
-    if seq_lens.dim() == 2 and seq_lens.shape[1] != Hkv:
-        raise ValueError(f"seq_lens [B, Hkv] has {seq_lens.shape[1]} heads, block_tables {Hkv}")
-    if Hkv < 1 or H % Hkv != 0:
-        raise ValueError(
-            f"number of query heads H={H} must be a multiple of KV heads Hkv={Hkv}"
-        )
-    if N < 1:
-        raise ValueError("k_pages / v_pages hold no page")
-
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"q dtype must be one of float32/bfloat16/float16, got {q.dtype}")
-    if k_pages.dtype != v_pages.dtype or (pages_as_q and k_pages.dtype != q.dtype) \
-            or k_pages.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(
-            f"k_pages/v_pages dtype ({k_pages.dtype}/{v_pages.dtype}) must match "
-            + (f"q ({q.dtype})" if pages_as_q else "each other and be float32/bfloat16/float16")
-        )
-    if block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
-    if seq_lens.dtype != torch.int32:
-        raise ValueError(f"seq_lens must be int32, got {seq_lens.dtype}")
-
-    dev = q.device
-    for name, t in tensors.items():
-        if t.device != dev:
-            raise ValueError(f"{name} is on {t.device} but q is on {dev}")
-
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if tuple(out.shape) != (B, H, D):
-            raise ValueError(f"out must have shape {(B, H, D)}, got {tuple(out.shape)}")
-        if out.dtype != q.dtype:
-            raise ValueError(f"out dtype {out.dtype} must match q dtype {q.dtype}")
-        if out.device != dev:
-            raise ValueError(f"out is on {out.device} but q is on {dev}")
-    return B, H, Hkv, H // Hkv, D, S, P
-
-
-def _host_lens(seq_lens: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``seq_lens`` on the host as int64 (one sync), each checked to be in 0..``capacity``
-    (the block table's P * S tokens)."""
-    lens = seq_lens.detach().to("cpu", torch.int64)
-    if lens.numel():
-        lo, hi = int(lens.min()), int(lens.max())
-        if lo < 0:
-            raise ValueError(f"seq_lens must be >= 0, got min {lo}")
-        if hi > capacity:
-            raise ValueError(f"seq_len {hi} exceeds block_tables capacity P*S = {capacity}")
-    return lens
-
-
-def _resolve_scale(scale, D):
-    if scale is None:
-        return D**-0.5
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return scale
 
 
 # --------------------------------------------------------------------------------------
@@ -202,12 +96,12 @@ def paged_decode_attention_ref(
     ``seq_lens`` and runs an fp32 softmax with batched matmuls. Reads ``seq_lens`` on the
     host (one sync), so it is not for CUDA-graph capture.
     """
-    B, H, Hkv, G, D, S, P = _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out)
+    B, H, Hkv, G, D, S, P = check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out)
     _check_starts(key_starts, B)
-    scale = _resolve_scale(scale, D)
+    scale = resolve_scale(scale, D)
     dev = q.device
 
-    lens_host = _host_lens(seq_lens, P * S)
+    lens_host = host_lens(seq_lens, P * S)
 
     R = B * Hkv  # rows: (request, KV head)
     row_lens = lens_host.reshape(-1) if lens_host.dim() == 2 else lens_host.repeat_interleave(Hkv)  # [R]
@@ -348,9 +242,9 @@ def paged_decode_attention(
     Preconditions not checked (they would need a host sync): ``0 <= seq_lens[b] <= P * S``
     and the first ``ceil(seq_lens[b] / S)`` block-table entries are valid page ids.
     """
-    B, H, Hkv, G, D, S, P = _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out)
+    B, H, Hkv, G, D, S, P = check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out)
     _check_starts(key_starts, B)
-    scale = _resolve_scale(scale, D)
+    scale = resolve_scale(scale, D)
     if D > _MAX_HEAD_DIM:
         raise ValueError(f"head dim D={D} > {_MAX_HEAD_DIM} is not supported by the kernel")
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .paged_decode import _check_inputs, _host_lens, _resolve_scale
+from .paged_decode_checks import check_inputs, host_lens, resolve_scale
 
 __all__ = [
     "GatheredDecodePlan",
@@ -59,15 +59,15 @@ def paged_decode_attention_sdpa(
     hides the tokens past each row's length. Rows of length 0 get zeros. Reads ``seq_lens`` on
     the host (one sync), so it is not for CUDA-graph capture.
     """
-    B, H, Hkv, G, D, S, P = _check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out, pages_as_q=False)
-    scale = _resolve_scale(scale, D)
+    B, H, Hkv, G, D, S, P = check_inputs(q, k_pages, v_pages, block_tables, seq_lens, out, pages_as_q=False)
+    scale = resolve_scale(scale, D)
     dev = q.device
     result = out if out is not None else torch.empty(B, H, D, dtype=q.dtype, device=dev)
     if B == 0:
         return result
     lens = seq_lens.to(torch.int64)
     lens = lens[:, None].expand(B, Hkv) if lens.dim() == 1 else lens  # [B, Hkv]
-    lens_host = _host_lens(lens, P * S)
+    lens_host = host_lens(lens, P * S)
     group = _group_size(B, Hkv, int(lens_host.max()), k_pages)
     row_max = lens_host.max(dim=1).values.tolist()
     for b0 in range(0, B, group):
@@ -165,7 +165,7 @@ def paged_decode_attention_planned(
     B, H, D = q.shape
     Hkv = plan.num_kv_heads
     G = H // Hkv
-    scale = _resolve_scale(scale, D)
+    scale = resolve_scale(scale, D)
     result = out if out is not None else torch.empty_like(q)
     for g in plan.groups:
         rows = (g.stop - g.start) * Hkv

@@ -7,21 +7,18 @@ kernel on a GPU, seconds in the first long request's time to first token."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from spin_cluster.engine.request import SamplingParams
 
-if TYPE_CHECKING:
-    from spin_cluster.engine.engine import Engine
-
 SHORTEST = 1024  # tokens: the first class warmed
 
 
-def warm_lengths(engine: Engine, max_tokens: int = 4) -> list[int]:
+def warm_lengths(engine, max_tokens: int = 4) -> list[int]:
     """Each power of two of tokens from ``SHORTEST`` and the longest prompt that leaves
-    ``max_tokens`` to generate, as far as the cache holds one such request."""
+    ``max_tokens`` to generate, as far as ``engine``'s cache holds one such request. (This
+    module sits below ``engine.py``, so ``engine`` is untyped here.)"""
     longest = engine.max_model_len - max_tokens
     lengths, n = {longest} if longest >= 1 else set(), SHORTEST
     while n < longest:
@@ -31,9 +28,9 @@ def warm_lengths(engine: Engine, max_tokens: int = 4) -> list[int]:
 
 
 @torch.inference_mode()
-def warm_up(engine: Engine, lengths: Sequence[int] | None = None, max_tokens: int = 4) -> list[int]:
-    """Run one made-up prompt of each of ``lengths`` (default ``warm_lengths``) and
-    ``max_tokens`` decode steps after it, then zero the engine's running totals, so that they
+def warm_up(engine, lengths: Sequence[int] | None = None, max_tokens: int = 4) -> list[int]:
+    """Run one made-up prompt of each of ``lengths`` (default ``warm_lengths``) on an idle
+    ``Engine`` and ``max_tokens`` decode steps after it, then zero the engine's running totals, so that they
     count served requests only. The prompts share no prefix with each other or with text
     (their ids walk the vocabulary from different starts); in a cache with prefix caching
     their pages stay as idle cached pages, free to take. Returns the lengths run."""
