@@ -30,8 +30,8 @@ def warm_lengths(engine, max_tokens: int = 4) -> list[int]:
 @torch.inference_mode()
 def warm_up(engine, lengths: Sequence[int] | None = None, max_tokens: int = 4) -> list[int]:
     """Run one made-up prompt of each of ``lengths`` (default ``warm_lengths``) on an idle
-    ``Engine`` and ``max_tokens`` decode steps after it, then zero the engine's running totals, so that they
-    count served requests only. The prompts share no prefix with each other or with text
+    ``Engine``, ``max_tokens`` decode steps after each, then zero the engine's running totals
+    so that they count served requests only. The prompts share no prefix with each other or with text
     (their ids walk the vocabulary from different starts); in a cache with prefix caching
     their pages stay as idle cached pages, free to take. Returns the lengths run."""
     if engine.has_unfinished():
