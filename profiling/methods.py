@@ -145,9 +145,9 @@ def budget_mode_options(method: Method, context_tokens: int, *, page_size: int, 
     """``sparse`` options that spread ``method``'s budget in its mode at ``context_tokens``:
     {} (uniform), ``top_p``, or ``per_head_budgets`` from ``profile`` (a ``HeadProfile``) whose
     total is the uniform budget in whole pages times the heads, each head at least
-    ``floor_fraction`` of the uniform budget. ``sparse_layers``: the layers Select serves (the
-    full-attention ones of a model with sliding windows), whose heads alone share the total;
-    None: every layer."""
+    ``floor_fraction`` of the uniform budget and ``floor_tokens`` (the budget floor).
+    ``sparse_layers``: the layers Select serves (the full-attention ones of a model with
+    sliding windows), whose heads alone share the total; None: every layer."""
     if method.budget_mode == "top_p":
         return {"top_p": top_p}
     if method.budget_mode != "maxmin":
@@ -162,7 +162,8 @@ def budget_mode_options(method: Method, context_tokens: int, *, page_size: int, 
     # The uniform budget in whole pages, rounded up as Select takes them; read at this length.
     config = PlanConfig(num_layers=profile.num_layers, num_kv_heads=profile.num_kv_heads,
                         context_tokens=context_tokens, budget_tokens=method.budget_tokens(context_tokens, floor_tokens),
-                        unit_tokens=page_size, floor_fraction=floor_fraction, profile_context_tokens=context_tokens,
+                        unit_tokens=page_size, floor_fraction=floor_fraction, floor_tokens=floor_tokens,
+                        profile_context_tokens=context_tokens,
                         sparse_layers=sparse_layers)
     return plan_heads(profile, config).sparse_options()
 

@@ -48,6 +48,13 @@ class PlanConfig:
     dense_layers: the first N layers attend densely, >= 0 (cost terms only).
     per_head_budgets: [L][Hkv] given middle budgets in tokens, used when there is no profile.
     floor_fraction: each shifted head keeps at least this share of the uniform budget, 0..1.
+    floor_tokens: and at least this many tokens, >= 0 (at most the uniform budget):
+        ``sparse.budget_floor_tokens``, the fewest tokens a head may read and still keep a
+        needle, which a fractional budget never goes under either. Where the uniform budget is
+        the floor itself (a short context at a small fraction), no head can give any away and
+        the budgets stay uniform. (On Gemma-3-270M at 8K and 16K, Quest's S-HPLB budgets
+        without it took one global layer to 1616 tokens under the 2048-token floor and found
+        28 and 19 pass keys of 36 against uniform's 29 and 25: ``docs/accuracy.md``.)
     profile_context_tokens: the context the profile's curves are read at; None: its longest.
     rounding: "up" rounds the uniform budget and the floor up to whole units (as the engine's
         Select takes pages), "down" rounds both down (the uniform to at least one unit).
@@ -70,6 +77,7 @@ class PlanConfig:
     dense_layers: int = 0
     per_head_budgets: Budgets | None = None
     floor_fraction: float = 0.0
+    floor_tokens: int = 0
     profile_context_tokens: int | None = None
     rounding: str = "up"
     max_heads_per_rank: bool = False
@@ -83,6 +91,8 @@ class PlanConfig:
             raise ValueError(f"budget_tokens={self.budget_tokens} must be >= 0, unit_tokens={self.unit_tokens} >= 1")
         if not 0 <= self.floor_fraction <= 1:
             raise ValueError(f"floor_fraction={self.floor_fraction}: use a share of the uniform budget in [0, 1]")
+        if self.floor_tokens < 0:
+            raise ValueError(f"floor_tokens={self.floor_tokens} must be >= 0")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding {self.rounding!r}: choose one of {', '.join(ROUNDINGS)}")
         if self.method not in PLACEMENT_METHODS:
@@ -101,7 +111,8 @@ class PlanConfig:
         return cls(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, num_kv_groups=mc.num_kv_groups,
                    context_tokens=context, budget_tokens=sp.budget_tokens(context), sink_tokens=sp.sink_tokens,
                    local_tokens=sp.local_tokens, dense_layers=sp.dense_layers, per_head_budgets=sp.per_head_budgets,
-                   floor_fraction=floor_fraction, rounding=rounding, max_heads_per_rank=spin.cache.offload,
+                   floor_fraction=floor_fraction, floor_tokens=sp.floor_tokens, rounding=rounding,
+                   max_heads_per_rank=spin.cache.offload,
                    method=method, sparse_layers=mc.full_attention_layers())
 
 
@@ -156,10 +167,11 @@ def _shifted_budgets(profile: HeadProfile | Sequence[Sequence[float]], c: PlanCo
     unit = c.unit_tokens or (profile.page_size if isinstance(profile, HeadProfile) else 1)
     if c.rounding == "up":
         uniform = -(-c.budget_tokens // unit) * unit
-        floor = math.ceil(c.floor_fraction * uniform)
+        floor = max(math.ceil(c.floor_fraction * uniform), -(-c.floor_tokens // unit) * unit)
     else:
         uniform = max(unit, c.budget_tokens // unit * unit)
-        floor = math.floor(c.floor_fraction * uniform)
+        floor = max(math.floor(c.floor_fraction * uniform), c.floor_tokens // unit * unit)
+    floor = min(floor, uniform)
     layers = c.sparse_layers
     total = uniform * (c.num_layers if layers is None else len(set(layers))) * c.num_kv_heads
     return maxmin_budgets(profile, total, floor, unit_tokens=unit, context_tokens=c.profile_context_tokens,

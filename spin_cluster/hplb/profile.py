@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from spin_cluster.models.identity import model_identity as shape_and_hash
+from spin_cluster.models.identity import differing_keys, model_identity as shape_and_hash
 
 FORMAT = "spin-cluster/head-profile"
 VERSION = 1
@@ -186,7 +186,7 @@ def load_profile(path: str | Path, model_path: str | Path | None = None) -> Head
     profile = HeadProfile.from_dict(data)
     if model_path is not None:
         want = model_identity(model_path)
-        wrong = sorted(k for k, v in want.items() if k != "name" and profile.model.get(k) != v)
+        wrong = differing_keys(profile.model, {k: v for k, v in want.items() if k != "name"}, model_path)
         if wrong:
             raise ValueError(
                 f"head profile {str(path)!r} was measured on {profile.model.get('name')!r}, not on "

@@ -26,6 +26,18 @@ def config_digest(raw: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 
 
+def differing_keys(recorded: dict[str, Any], want: dict[str, Any], model_path: str | Path) -> list[str]:
+    """Keys of ``want`` (a ``model_identity`` of ``model_path``, or a part of one) in which an
+    artifact's ``recorded`` identity differs. A ``config_sha256`` recorded before
+    ``config_digest`` (the whole file's hash) still matches its own model."""
+    wrong = sorted(k for k, v in want.items() if recorded.get(k) != v)
+    if "config_sha256" in wrong:
+        raw = json.loads((Path(model_path) / "config.json").read_text())
+        if recorded.get("config_sha256") == hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest():
+            wrong.remove("config_sha256")
+    return wrong
+
+
 def model_identity(model_path: str | Path) -> dict[str, Any]:
     """The model's shape and ``config_digest`` of its config.json."""
     path = Path(model_path)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from spin_cluster.models.identity import model_identity
+from spin_cluster.models.identity import differing_keys, model_identity
 
 FORMAT = "spin-cluster.seer-gate"
 VERSION = 1
@@ -115,7 +115,8 @@ def load_gate(path: str | Path, *, num_layers: int, num_kv_heads: int, head_dim:
     want = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     if model_path is not None:
         want = model_identity(model_path)
-    wrong = sorted(key for key, value in want.items() if model.get(key) != value)
+    wrong = (differing_keys(model, want, model_path) if model_path is not None
+             else sorted(key for key, value in want.items() if model.get(key) != value))
     if wrong:
         raise ValueError(
             f"seer gate {str(path)!r} was trained for another model ({_describe(model)}; "

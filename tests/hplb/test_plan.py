@@ -85,8 +85,23 @@ def test_dense_layers_cost_the_whole_context_and_the_offloaded_cache_caps_heads_
     assert sorted(capped.placement.kv_head_to_rank[0]) == [0, 0, 1, 1]  # at most ceil(4 / 2) heads a rank
 
 
+def test_no_shifted_head_goes_under_the_budget_floor():
+    """floor_tokens (the sparse config's budget floor): every head keeps that many tokens, and
+    where the uniform budget is the floor itself the budgets stay uniform."""
+    free = plan_heads(_profile(), _config(floor_fraction=0.25))
+    assert min(map(min, free.budgets)) < 96  # without it the profile takes some heads down to 32
+    floored = plan_heads(_profile(), _config(floor_fraction=0.25, floor_tokens=90))
+    assert min(map(min, floored.budgets)) == 96 and total_tokens(floored.budgets) == 128 * 12  # 90 up to pages
+    assert max(map(max, floored.budgets)) > 128  # still shifted above it
+    at_floor = plan_heads(_profile(), _config(floor_fraction=0.25, floor_tokens=128))
+    assert at_floor.budgets == ((128,) * 4,) * 3
+    over = plan_heads(_profile(), _config(floor_tokens=4096))  # capped at the uniform budget
+    assert over.budgets == ((128,) * 4,) * 3
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"floor_fraction": 1.5}, "floor_fraction"),
+    ({"floor_tokens": -1}, "floor_tokens"),
     ({"rounding": "nearest"}, "choose one of up, down"),
     ({"method": "random"}, "choose one of greedy, contiguous"),
     ({"num_kv_heads": 0}, "must be >= 1"),

@@ -3,10 +3,12 @@ not which transformers version wrote its config.json."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+from pathlib import Path
 
-from spin_cluster.models.identity import model_identity
+from spin_cluster.models.identity import differing_keys, model_identity
 
 
 def _copy_with(src, dst, **changes):
@@ -30,3 +32,12 @@ def test_identity_ignores_the_writers_stamps_and_follows_the_model(tiny_llama_pa
     assert model_identity(other)["config_sha256"] != base["config_sha256"]
     assert {k: v for k, v in model_identity(other).items() if k != "config_sha256"} == \
         {k: v for k, v in base.items() if k != "config_sha256"}
+
+
+def test_an_identity_recorded_with_the_whole_files_hash_still_matches_its_model(tiny_llama_path):
+    want = model_identity(tiny_llama_path)
+    raw = json.loads((Path(tiny_llama_path) / "config.json").read_text())
+    legacy = {**want, "config_sha256": hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()}
+    assert differing_keys(legacy, want, tiny_llama_path) == []
+    other = {**want, "config_sha256": "0" * 64, "num_layers": 7}
+    assert differing_keys(other, want, tiny_llama_path) == ["config_sha256", "num_layers"]
