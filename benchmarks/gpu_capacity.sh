@@ -43,7 +43,8 @@
 #           dense and Spin (FP8 host pages, hysteresis MARGIN, default 0.5, block-sparse prefill
 #           PREFILL, default 0.125: the settings of cap64f). 128 such requests take a mode 5-8
 #           minutes, so one mode per call: MODES (default "dense spin"), each within DEADLINE s
-#           (default 500 for one mode, 250 for two; SWEEP_TIMEOUT s, default 590, bounds the
+#           (default 470 for one mode, 230 for two: each engine first warms up at every power-of-two
+#           prompt class, ~30 s a mode at 8B shapes; SWEEP_TIMEOUT s, default 590, bounds the
 #           run) [10]; `spin-cluster bench serve --merge serve-inf-dense.json serve-inf-spin.json
 #           --out F` makes one report of calls made apart
 # Results in $OUT: capacity.log, e2e-<run>.{json,md}, check_spin_tokens.json, serve-<rate>.*.
@@ -82,7 +83,7 @@ for r in ${RUNS:-check}; do
         --num-prompts "${PROMPTS:-128}" --input-len-dist log-uniform:8192:131072 --output-len-dist uniform:256:2048 \
         --goodput ttft:60000 tpot:150 --gpu-kv-gib 108 --host-kv-gib 88 --max-num-seqs 64 --max-batched-tokens 32768 \
         --per-head-shares --sparse-prefill "${PREFILL:-0.125}" --host-kv-dtype fp8 --resident-margin "${MARGIN:-0.5}" \
-        --deadline-s "${DEADLINE:-$(( ${#modes[@]} > 1 ? 250 : 500 ))}" "${TOK[@]}" --out /tmp/serve 2>&1 | grep -v "^\[" | tee -a "$LOG"
+        --deadline-s "${DEADLINE:-$(( ${#modes[@]} > 1 ? 230 : 470 ))}" "${TOK[@]}" --out /tmp/serve 2>&1 | grep -v "^\[" | tee -a "$LOG"
       for f in serve.json serve.md serve.png; do cp "/tmp/serve/$f" "$OUT/serve-$tag.${f#serve.}" 2>/dev/null; done ;;
     pprof)
       timeout 560 python3 benchmarks/prefill_ttft.py --lengths 131072 --spin-chunk 32768 --sparse-chunks --runs 1 \
