@@ -67,7 +67,7 @@ class ServeOptions(ConfigSection):
     warmup: StrictBool | None = Field(None, description=(
         "Before a plain engine replica takes requests, run one made-up prompt of each power of "
         "two of tokens from 1024 up to the model's context, with a few decode steps after each "
-        "(`Engine.warm_up`), so that no request waits for the kernels' per-length compiles; "
+        "(`Engine.warm_up`; at most 128K), so that no request waits for the kernels' per-length compiles; "
         "the replica is ready once it is done (the prefill of about twice the context, e.g. "
         "~25 s at 128K on an H200 at Llama-3.1-8B shapes). null: on for an engine on CUDA, off "
         "on the CPU (whose kernels compile nothing per length). Head-parallel replicas skip it."))

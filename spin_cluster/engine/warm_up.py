@@ -13,13 +13,16 @@ import torch
 from spin_cluster.engine.request import SamplingParams
 
 SHORTEST = 1024  # tokens: the first class warmed
+# Past this the first request's own prefill (minutes at 1M tokens) dwarfs its compiles (a few
+# seconds), and warming up to a 1M context would take the replica minutes to start.
+LONGEST = 131072
 
 
 def warm_lengths(engine, max_tokens: int = 4) -> list[int]:
     """Each power of two of tokens from ``SHORTEST`` and the longest prompt that leaves
-    ``max_tokens`` to generate, as far as ``engine``'s cache holds one such request. (This
-    module sits below ``engine.py``, so ``engine`` is untyped here.)"""
-    longest = engine.max_model_len - max_tokens
+    ``max_tokens`` to generate (at most ``LONGEST``), as far as ``engine``'s cache holds one
+    such request. (This module sits below ``engine.py``, so ``engine`` is untyped here.)"""
+    longest = min(engine.max_model_len - max_tokens, LONGEST)
     lengths, n = {longest} if longest >= 1 else set(), SHORTEST
     while n < longest:
         lengths.add(n)

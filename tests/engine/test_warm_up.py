@@ -45,6 +45,8 @@ def test_warm_up_skips_what_the_cache_cannot_hold_and_refuses_a_busy_engine(tiny
     monkeypatch.setattr(type(engine.kv), "num_total_pages", property(lambda self: engine.kv.pages_for_tokens(70)))
     assert engine.warm_lengths() == [32, 64]  # 128 and 196 tokens do not fit
     monkeypatch.setattr(type(engine.kv), "num_total_pages", property(lambda self: pages))
+    monkeypatch.setattr(warm_up, "LONGEST", 100)
+    assert engine.warm_lengths() == [32, 64, 100]  # no longer than LONGEST
     engine.add_request("The capital of France is", PARAMS)
     with pytest.raises(RuntimeError, match="idle engine"):
         engine.warm_up()
