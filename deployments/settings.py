@@ -66,11 +66,12 @@ class ServeOptions(ConfigSection):
     # steps (7 s at Llama-3.1-8B shapes on an H200); Triton keeps them on disk for restarts.
     warmup: StrictBool | None = Field(None, description=(
         "Before a plain engine replica takes requests, run one made-up prompt of each power of "
-        "two of tokens from 1024 up to the model's context, with a few decode steps after each "
-        "(`Engine.warm_up`; at most 128K), so that no request waits for the kernels' per-length compiles; "
-        "the replica is ready once it is done (the prefill of about twice the context, e.g. "
-        "~25 s at 128K on an H200 at Llama-3.1-8B shapes). null: on for an engine on CUDA, off "
-        "on the CPU (whose kernels compile nothing per length). Head-parallel replicas skip it."))
+        "two of tokens from 1024 up to the model's context (128K at most), with a few decode "
+        "steps after each (`Engine.warm_up`), so that no request waits for the kernels' "
+        "per-length compiles; the replica is ready once it is done (the prefill of about twice "
+        "the context, e.g. ~25 s at 128K on an H200 at Llama-3.1-8B shapes). null: on for an "
+        "engine on CUDA, off on the CPU (whose kernels compile nothing per length). "
+        "Head-parallel replicas skip it."))
     ingress_num_cpus: float = Field(0.1, gt=0, description="Logical Ray CPUs of the ingress, > 0.")
     planner_num_cpus: float = Field(0.1, gt=0, description="Logical Ray CPUs of the planner, > 0.")
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description=(
