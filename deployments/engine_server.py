@@ -127,9 +127,10 @@ def _build_engine(spin: Any, plan: EnginePlan, timeout_s: float, torch_threads: 
             torch.set_num_threads(threads)
         engine = Engine(spin, progress=False)
         if warmup or (warmup is None and engine.device.type == "cuda"):
-            t0 = time.monotonic()
-            lengths = engine.warm_up()
-            logger.info("engine warmed up at %s prompt tokens in %.1f s", lengths, time.monotonic() - t0)
+            t0, lengths = time.monotonic(), engine.warm_lengths()
+            logger.info("warming the engine up before it takes requests: prompts of %s tokens", lengths)
+            engine.warm_up(lengths)
+            logger.info("engine warm in %.1f s", time.monotonic() - t0)
         if engine.device.type == "cpu":
             engine.runner.step_threads = step_threads
         return engine

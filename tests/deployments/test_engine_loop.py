@@ -180,7 +180,7 @@ def test_a_plain_replica_warms_its_engine_when_asked_and_on_cuda_by_default(tiny
     from spin_cluster.engine import Engine
 
     called = []
-    monkeypatch.setattr(Engine, "warm_up", lambda self: called.append(self) or [])
+    monkeypatch.setattr(Engine, "warm_up", lambda self, lengths=None: called.append(self) or [])
     spin = SpinConfig.from_dict({"model": {"path": tiny_llama_path, "device": "cpu", "max_model_len": 64}})
     engine = _build_engine(spin, EnginePlan(sparse={}), 5.0, warmup=warmup)
     assert called == ([engine] if runs else [])  # the CPU: off unless asked
