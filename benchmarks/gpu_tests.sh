@@ -11,6 +11,7 @@ echo "commit ${SPIN_COMMIT:-unknown}" | tee -a "$OUT/gpu_tests.log"
 (cd /tmp && timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs \
   "$REPO/tests/kernels" "$REPO/tests/kvcache" "$REPO/tests/parallel" \
   "$REPO/tests/engine/test_engine_gpu.py" "$REPO/tests/engine/test_spin_gpu.py" "$REPO/tests/engine/test_cuda_graphs.py" \
-  "$REPO/tests/engine/test_spin_graphs.py" "$REPO/tests/engine/test_gemma_spin.py" "$REPO/tests/sparse/test_labels.py" \
+  "$REPO/tests/engine/test_spin_graphs.py" "$REPO/tests/engine/test_gemma_spin.py" "$REPO/tests/engine/test_async_decode.py" \
+  "$REPO/tests/sparse/test_labels.py" \
   "$REPO/tests/sparse/test_sparse_prefill.py" \
   2>&1 | tail -40) | tee -a "$OUT/gpu_tests.log"

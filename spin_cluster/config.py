@@ -312,8 +312,9 @@ class SchedulerConfig(ConfigSection):
         "prompt is prefilled in one step, so max_num_batched_tokens must cover max_model_len."))
     async_decode: StrictBool | None = Field(None, description=(
         "Pipelined decode: while the GPU runs decode step n+1, the host reads step n's tokens and "
-        "does its bookkeeping (greedy decode-only batches; the next step's input tokens go from "
-        "the GPU's argmax to the next step without the host). null: on with CUDA, off on CPU."))
+        "does its bookkeeping (decode-only batches, greedy or sampled, without a grammar or a "
+        "min_tokens ban left: the tokens are sampled on the GPU and go to the next step without "
+        "the host). null: on with CUDA, off on CPU."))
 
 
 class SpinConfig(ConfigSection):

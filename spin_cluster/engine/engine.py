@@ -195,19 +195,21 @@ class Engine:
         return torch.empty(n, dtype=torch.long, pin_memory=pin)
 
     def _can_pipeline(self, sched: SchedulerOutput) -> bool:
-        """A greedy decode-only step (``_pipelinable``, no token pending yet)."""
+        """A decode-only step whose every row may be pipelined (``_pipelinable``, no token
+        pending yet)."""
         return bool(sched.chunks) and all(c.is_decode and self._pipelinable(c.request, 0) for c in sched.chunks)
 
     @staticmethod
     def _pipelinable(req: Request, pending: int) -> bool:
-        """Greedy, no logit_bias, no grammar, and no min_tokens ban left on its next token (a
-        bias, a grammar's mask or a ban changes the logits before the sampler's argmax, which
-        the launch's argmax skips; a grammar's mask also depends on the token before, which a
-        pipelined step has not read yet): such rows take the synchronous path.
-        ``pending``: its tokens launched but not read yet."""
+        """No grammar and no min_tokens ban left on its next token: a grammar's mask depends on
+        the token before, which a pipelined step has not read yet, and a ban needs the host's
+        count of tokens. Such rows take the synchronous path. Greedy and sampled rows (their
+        logit_bias, temperature, top-k, top-p and seeds) are sampled on the device at launch
+        (``Sampler.sample_tensor``); a seeded row draws from its own generator in step order
+        either way, so it gives the plain loop's tokens. ``pending``: its tokens launched but
+        not read yet."""
         p = req.params
-        return (p.greedy and not p.logit_bias and p.structured_output is None
-                and len(req.output_token_ids) + pending >= p.min_tokens)
+        return p.structured_output is None and len(req.output_token_ids) + pending >= p.min_tokens
 
     def _launch(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None, t0: float,
                 num_preempted: int = 0) -> _InFlight:
@@ -215,7 +217,8 @@ class Engine:
         the host, without waiting for them."""
         logits, _ = self.runner.execute(chunks, input_ids)
         self.scheduler.advance(chunks)  # the K/V writes are queued on the device before any later reader
-        tokens = logits.argmax(dim=-1)  # [B], as the sampler's greedy rows
+        reqs = [c.request for c in chunks]
+        tokens = self.sampler.sample_tensor(logits, [r.request_id for r in reqs], [r.params for r in reqs])  # [B]
         host = self._host_bufs[self.num_pipelined_steps % 2]  # the other one may still be read
         B = len(chunks)
         host[:B].copy_(tokens, non_blocking=True)

@@ -19,6 +19,16 @@ import torch
 from spin_cluster.engine.request import SamplingParams
 
 
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list as a tensor on ``device``, without a host sync: on CUDA through pinned
+    memory with a non-blocking copy (a copy from pageable memory waits for the stream, which
+    would stall a pipelined decode step's launch behind the step before it)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -33,25 +43,32 @@ class Sampler:
     ) -> list[int]:
         """logits: [B, V] float32 -> B token ids. ``logits`` is changed in place (logit_bias, and
         the sampled rows' weights)."""
+        return self.sample_tensor(logits, request_ids, params).tolist()
+
+    def sample_tensor(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> torch.Tensor:
+        """``sample``'s tokens as a [B] int64 tensor on the logits' device, with no host sync:
+        a pipelined decode step feeds them to the next step before the host reads them."""
         add_logit_bias(logits, params)
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if not drawn:
-            return logits.argmax(dim=-1).tolist()
-        out = None
+            return logits.argmax(dim=-1)
+        out = at = None
         if len(drawn) < len(params):
             out = logits.argmax(dim=-1)
-            rows = logits[drawn]
+            at = to_device(drawn, logits.device)
+            rows = logits.index_select(0, at)
         else:
             rows = logits  # every row drawn: weighed in place, no copy of [B, V]
         weigh(rows, [params[i] for i in drawn])
         # One uniform number per drawn row, from its own generator (on the CPU, whatever the
         # device: a seed gives the same stream on either).
-        u = torch.stack([torch.rand((), generator=self._generator(request_ids[i], params[i])) for i in drawn])
-        tokens = draw(rows, u.to(rows.device))
+        u = [float(torch.rand((), generator=self._generator(request_ids[i], params[i]))) for i in drawn]
+        tokens = draw(rows, to_device(u, rows.device, torch.float32))
         if out is None:
-            return tokens.tolist()
-        out[drawn] = tokens
-        return out.tolist()
+            return tokens
+        return out.index_copy_(0, at, tokens)
 
     def _generator(self, request_id: str, p: SamplingParams) -> torch.Generator:
         if p.seed is None:
@@ -73,8 +90,8 @@ def add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     if not rows:
         return
     device = logits.device
-    index = (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device))
-    logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+    index = (to_device(rows, device), to_device(token_ids, device))
+    logits.index_put_(index, to_device(biases, device, logits.dtype), accumulate=True)
 
 
 def weigh(logits: torch.Tensor, params: list[SamplingParams]) -> None:
@@ -91,13 +108,14 @@ def weigh(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     if not rest:
         return
     # The temperature-only rows: all of them in place (the usual batch), else their own rows.
-    rows = logits if len(rest) == len(params) else logits[rest]
+    at = None if len(rest) == len(params) else to_device(rest, logits.device)
+    rows = logits if at is None else logits.index_select(0, at)
     temps = [params[i].temperature for i in rest]
     if any(t != 1.0 for t in temps):
-        rows.div_(torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None])
+        rows.div_(to_device(temps, logits.device, logits.dtype)[:, None])
     rows.sub_(rows.amax(dim=-1, keepdim=True)).exp_()
-    if rows is not logits:
-        logits[rest] = rows
+    if at is not None:
+        logits.index_copy_(0, at, rows)
 
 
 def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -87,12 +87,62 @@ def test_a_request_arriving_mid_decode_is_admitted_and_matches_the_plain_loop(ti
     assert run(_engine(tiny_llama_path, True)) == run(_engine(tiny_llama_path, False))
 
 
-def test_sampled_requests_take_the_plain_loop(tiny_llama_path):
+@pytest.mark.parametrize("offload", [False, True])
+def test_sampled_requests_are_pipelined_and_give_the_plain_loops_tokens(tiny_llama_path, offload):
+    """Temperature, top-k, top-p, logit_bias and seeds, beside a greedy row: sampled on the
+    device at launch, the same tokens as the plain loop (seeded rows draw in step order)."""
+    params = [SamplingParams(temperature=0.8, seed=1, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=1.1, top_k=20, top_p=0.9, seed=7, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=((5, 3.0),)),
+              SamplingParams(temperature=0.7, top_p=0.8, seed=3, max_tokens=17, ignore_eos=True,
+                             logit_bias=((11, -100.0), (12, 2.0)))]
+    plain, piped = _engine(tiny_llama_path, False, offload), _engine(tiny_llama_path, True, offload)
+    want = _generate(plain, params)
+    assert _generate(piped, params) == want
+    assert piped.num_pipelined_steps > 10
+    assert len({tuple(w[0]) for w in want}) == 4
+
+
+def test_grammar_and_min_tokens_rows_take_the_plain_loop(tiny_llama_path):
     engine = _engine(tiny_llama_path, True)
-    engine.generate(PROMPTS[:2], SamplingParams(temperature=0.8, seed=1, max_tokens=6))
+    engine.generate(PROMPTS[:2], SamplingParams(temperature=0.8, seed=1, max_tokens=6, min_tokens=6))
     assert engine.num_pipelined_steps == 0
 
 
 def test_async_decode_config_is_checked():
     with pytest.raises(ValueError, match="async_decode"):
         SpinConfig.from_dict({"scheduler": {"async_decode": "yes"}})
+
+
+@pytest.mark.gpu
+def test_sampling_a_pipelined_step_never_waits_for_the_gpu(tiny_llama_path, monkeypatch):
+    """Sampled rows (temperature, top-k, top-p, logit_bias, seeds, beside a greedy one) are
+    sampled at launch without a host synchronisation, or the launch would wait for the step
+    before it."""
+    import torch
+
+    from spin_cluster.engine.sampler import Sampler
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    inner, calls = Sampler.sample_tensor, []
+
+    def strict(self, *args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return inner(self, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            calls.append(1)
+
+    monkeypatch.setattr(Sampler, "sample_tensor", strict)
+    cfg = {"model": {"path": tiny_llama_path, "device": "cuda", "dtype": "float32", "max_model_len": 256},
+           "cache": {"page_size": 4}, "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64,
+                                                     "async_decode": True}}
+    engine = Engine(SpinConfig.from_dict(cfg), progress=False)
+    params = [SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.1, top_k=20, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=((5, 3.0),)),
+              SamplingParams(temperature=0.7, top_p=0.8, max_tokens=12, ignore_eos=True)]
+    engine.generate(PROMPTS, params)
+    assert engine.num_pipelined_steps > 5 and len(calls) >= engine.num_pipelined_steps
