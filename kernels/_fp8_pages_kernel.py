@@ -24,13 +24,21 @@ def _quantise_row(src, dst, dst_scale, slot, D: tl.constexpr, BLOCK_D: tl.conste
     tl.store(dst_scale + slot, scale)
 
 @triton.jit
-def _write_tokens_fp8(dk, dv, dks, dvs, k, v, slots, stride_k, stride_v, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _write_tokens_fp8(dk, dv, dks, dvs, k, v, slots, stride_k, stride_v, ak, av, also_slots,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, ALSO: tl.constexpr):
     # int64: a spill of a long chunk writes over 2^31 / D rows, and i * stride_k must not wrap.
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + i).to(tl.int64)
     if slot >= 0:
         _quantise_row(k + i * stride_k, dk, dks, slot, D, BLOCK_D)
         _quantise_row(v + i * stride_v, dv, dvs, slot, D, BLOCK_D)
+    if ALSO:  # the same rows, unquantised, to a second destination (the GPU home pages)
+        slot = tl.load(also_slots + i).to(tl.int64)
+        if slot >= 0:
+            offs = tl.arange(0, BLOCK_D)
+            m = offs < D
+            tl.store(ak + slot * D + offs, tl.load(k + i * stride_k + offs, mask=m), mask=m)
+            tl.store(av + slot * D + offs, tl.load(v + i * stride_v + offs, mask=m), mask=m)
 
 @triton.jit
 def _dequantise_page(pages, scales, out, src, dst, S: tl.constexpr, D: tl.constexpr,

@@ -27,6 +27,7 @@ import torch
 
 from ._impl import resolve_impl
 from ._triton_support import load_kernel_module, next_pow2
+from .offload import check_also, write_tokens_ref
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "retrieve_pages_fp8", "retrieve_pages_fp8_ref", "write_tokens_fp8",
            "write_tokens_fp8_ref"]
@@ -52,8 +53,10 @@ def _row_scale(x: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / FP8_MAX, 1.0)
 
 
-def write_tokens_fp8_ref(dst_k, dst_v, dst_k_scale, dst_v_scale, k, v, slots) -> None:
+def write_tokens_fp8_ref(dst_k, dst_v, dst_k_scale, dst_v_scale, k, v, slots, also=None) -> None:
     _check_pages(dst_k, dst_v, dst_k_scale, dst_v_scale, "destination")
+    if also is not None:
+        write_tokens_ref(*also[:2], k, v, also[2])
     D = dst_k.shape[2]
     keep = slots >= 0
     idx = slots[keep].long().to(dst_k.device)
@@ -82,21 +85,26 @@ def _kernels():
     return kmod._write_tokens_fp8, kmod._retrieve_pages_fp8
 
 
-def write_tokens_fp8(dst_k, dst_v, dst_k_scale, dst_v_scale, k, v, slots, *, impl: str = "auto") -> None:
-    """``impl``: "auto", "triton" or "torch" (``kernels._impl``), decided by k's device."""
+def write_tokens_fp8(dst_k, dst_v, dst_k_scale, dst_v_scale, k, v, slots, also=None, *, impl: str = "auto") -> None:
+    """``impl``: "auto", "triton" or "torch" (``kernels._impl``), decided by k's device.
+    ``also`` (``offload.check_also``): the same rows, unquantised, to a second destination
+    (the GPU home pages) in the same launch."""
     if resolve_impl(impl, k.device) == "torch":
-        return write_tokens_fp8_ref(dst_k, dst_v, dst_k_scale, dst_v_scale, k, v, slots)
+        return write_tokens_fp8_ref(dst_k, dst_v, dst_k_scale, dst_v_scale, k, v, slots, also)
     _check_pages(dst_k, dst_v, dst_k_scale, dst_v_scale, "destination")
     D = dst_k.shape[2]
     if k.dim() != 2 or k.shape != v.shape or k.shape[1] != D or slots.shape != (k.shape[0],):
         raise ValueError(f"k/v must be [M, {D}] and slots [M]")
+    if also is not None:
+        check_also(also, k, v)
     if k.shape[0] == 0:
         return
     if k.stride(1) != 1 or v.stride(1) != 1:
         raise ValueError("k/v rows must be contiguous")
     write, _ = _kernels()
+    ak, av, also_slots = also if also is not None else (k, v, slots)
     write[(k.shape[0],)](dst_k.view(torch.uint8), dst_v.view(torch.uint8), dst_k_scale, dst_v_scale, k, v, slots,
-                         k.stride(0), v.stride(0), D=D, BLOCK_D=next_pow2(D))
+                         k.stride(0), v.stride(0), ak, av, also_slots, D=D, BLOCK_D=next_pow2(D), ALSO=also is not None)
 
 
 def retrieve_pages_fp8(src_k, src_v, src_k_scale, src_v_scale, dst_k, dst_v, src_ids, dst_ids, *,

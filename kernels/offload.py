@@ -41,13 +41,15 @@ def _check(dst_k, dst_v, k, v, slots):
         raise ValueError("dst_k/dst_v must be contiguous")
 
 
-def write_tokens_ref(dst_k, dst_v, k, v, slots) -> None:
+def write_tokens_ref(dst_k, dst_v, k, v, slots, also=None) -> None:
     _check(dst_k, dst_v, k, v, slots)
     D = dst_k.shape[2]
     keep = slots >= 0
     idx = slots[keep].to(dst_k.device)
     dst_k.view(-1, D).index_copy_(0, idx, k[keep].to(dst_k.device))
     dst_v.view(-1, D).index_copy_(0, idx, v[keep].to(dst_v.device))
+    if also is not None:
+        write_tokens_ref(*also[:2], k, v, also[2])
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,28 +58,47 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _write_tokens(dk, dv, k, v, slots, stride_k, stride_v, D: tl.constexpr, BLOCK_D: tl.constexpr):
-        i = tl.program_id(0)
+    def _write_tokens(dk, dv, k, v, slots, stride_k, stride_v, ak, av, also_slots,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, ALSO: tl.constexpr):
+        # int64: a long prefill chunk writes many rows, and i * stride_k must not wrap.
+        i = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_D)
+        m = offs < D
         slot = tl.load(slots + i).to(tl.int64)
         if slot >= 0:
-            offs = tl.arange(0, BLOCK_D)
-            m = offs < D
             tl.store(dk + slot * D + offs, tl.load(k + i * stride_k + offs, mask=m), mask=m)
             tl.store(dv + slot * D + offs, tl.load(v + i * stride_v + offs, mask=m), mask=m)
+        if ALSO:
+            slot = tl.load(also_slots + i).to(tl.int64)
+            if slot >= 0:
+                tl.store(ak + slot * D + offs, tl.load(k + i * stride_k + offs, mask=m), mask=m)
+                tl.store(av + slot * D + offs, tl.load(v + i * stride_v + offs, mask=m), mask=m)
 
     return _write_tokens
 
 
-def write_tokens(dst_k, dst_v, k, v, slots, *, impl: str = "auto") -> None:
-    """``impl``: "auto", "triton" or "torch" (``kernels._impl``), decided by k's device."""
+def check_also(also, k, v) -> None:
+    """``also``: (dst_k, dst_v, slots), a second destination of the same rows, e.g. the GPU
+    home pages beside the host tier (each row has a slot >= 0 in at most one of them, in
+    practice), in the rows' own dtype."""
+    _check(also[0], also[1], k, v, also[2])
+
+
+def write_tokens(dst_k, dst_v, k, v, slots, also=None, *, impl: str = "auto") -> None:
+    """``impl``: "auto", "triton" or "torch" (``kernels._impl``), decided by k's device.
+    ``also`` (``check_also``): the same rows to a second destination in the same launch."""
     if resolve_impl(impl, k.device) == "torch":
-        return write_tokens_ref(dst_k, dst_v, k, v, slots)
+        return write_tokens_ref(dst_k, dst_v, k, v, slots, also)
     _check(dst_k, dst_v, k, v, slots)
+    if also is not None:
+        check_also(also, k, v)
     if k.shape[0] == 0:
         return
     if k.stride(1) != 1 or v.stride(1) != 1:
         raise ValueError("k/v rows must be contiguous")
     D = dst_k.shape[2]
+    ak, av, also_slots = also if also is not None else (dst_k, dst_v, slots)
     _kernel()[(k.shape[0],)](
-        dst_k, dst_v, k, v, slots, k.stride(0), v.stride(0), D=D, BLOCK_D=1 << max(0, (D - 1).bit_length())
+        dst_k, dst_v, k, v, slots, k.stride(0), v.stride(0), ak, av, also_slots,
+        D=D, BLOCK_D=1 << max(0, (D - 1).bit_length()), ALSO=also is not None,
     )

@@ -92,12 +92,14 @@ class HostTier:
 
     # ---- moving K/V in and out, in the model's dtype ----------------------------------------
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """k, v [M, D] rows into flat token slots [M] (page * S + offset; < 0 skips)."""
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, also=None) -> None:
+        """k, v [M, D] rows into flat token slots [M] (page * S + offset; < 0 skips); ``also``
+        (dst_k, dst_v, slots): the same rows to another destination (the GPU home pages) in the
+        same launch."""
         if self.fp8:
-            write_tokens_fp8(self.k_pages, self.v_pages, self.k_scale, self.v_scale, k, v, slots)
+            write_tokens_fp8(self.k_pages, self.v_pages, self.k_scale, self.v_scale, k, v, slots, also)
         else:
-            write_tokens(self.k_pages, self.v_pages, k, v, slots)
+            write_tokens(self.k_pages, self.v_pages, k, v, slots, also)
 
     def read(self, pages: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor) -> None:
         """Host pages [M] (< 0 skips) -> pages dst_ids [M] of dst_k / dst_v [N, S, D]."""

@@ -3,7 +3,8 @@
     Offload    new K/V rows -> their home pages: a GPU home page on the compute stream (as
                dense writes its cache), a host page on a side stream beside the layer's
                compute; inside a CUDA graph, on the graph's own stream (a decode step's few KB
-               need no overlap, and a graph must not wait on work outside it)
+               need no overlap, and a graph must not wait on work outside it), where both
+               tiers' writes are one launch
     write      K/V rows -> GPU buffer slots (prefill's installed pages), on the compute stream
     Retrieve   a decode layer's selected pages -> their GPU buffer slots, whole (``retrieve``),
                in three launches: the resolution (GPU home pages read in place, their slot
@@ -53,15 +54,19 @@ class Transfer:
     def offload(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gpu_slots: torch.Tensor | None = None) -> None:
         """k, v [M, D] rows into their homes: the host tier at flat token slots [M] (host page
         * S + offset, -1: not a host page) and the GPU page array at ``gpu_slots`` [M] (-1:
-        not a GPU page; None: no GPU homes)."""
-        if gpu_slots is not None:
-            self.write(self.buffer.k_slots, self.buffer.v_slots, k, v, gpu_slots)
+        not a GPU page; None: no GPU homes). Where both go on one stream (a captured step, or
+        the CPU) they are one launch."""
         host = self.host
+        also = None if gpu_slots is None else (self.buffer.k_slots, self.buffer.v_slots, gpu_slots)
         if not host.num_segments:  # no host tier: every page lives on the GPU
+            if also is not None:
+                self.write(*also[:2], k, v, also[2])
             return
         if self._side is None or torch.cuda.is_current_stream_capturing():
-            host.write(k, v, slots)
+            host.write(k, v, slots, also)
             return
+        if also is not None:
+            self.write(*also[:2], k, v, also[2])
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
             host.write(k, v, slots)

@@ -113,3 +113,20 @@ def test_the_kernels_match_the_reference_bytes_on_cuda_from_pinned_host_pages():
     want, want_v = torch.zeros(N, S, D, dtype=torch.bfloat16), torch.zeros(N, S, D, dtype=torch.bfloat16)
     retrieve_pages_fp8_ref(*ref, want, want_v, ids.cpu(), ids.cpu())
     assert torch.equal(out.cpu(), want) and torch.equal(out_v.cpu(), want_v)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_the_gpu_home_rows_go_unquantised_in_the_same_launch(impl):
+    k, v = _rows(5, seed=4)
+    host_slots, gpu_slots = torch.tensor([0, -1, 6, -1, -1]), torch.tensor([-1, 2, -1, 9, -1])
+    alone, fused = _pages(), _pages()
+    write_tokens_fp8(*alone, k, v, host_slots, impl=impl)
+    gk, gv = torch.full((3, S, D), 7.0), torch.full((3, S, D), 7.0)
+    write_tokens_fp8(*fused, k, v, host_slots, (gk, gv, gpu_slots), impl=impl)
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == FP8_DTYPE else a,
+                           b.view(torch.uint8) if b.dtype == FP8_DTYPE else b) for a, b in zip(alone, fused))
+    flat_k, flat_v = gk.view(-1, D), gv.view(-1, D)
+    assert torch.equal(flat_k[2], k[1]) and torch.equal(flat_v[9], v[3])
+    untouched = torch.ones(3 * S, dtype=torch.bool)
+    untouched[[2, 9]] = False
+    assert bool((flat_k[untouched] == 7).all())

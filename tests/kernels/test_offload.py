@@ -41,3 +41,20 @@ def test_impl_choice():
         k, v = torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)
         return [torch.zeros(3, 4, 8), torch.zeros(3, 4, 8), k, v, torch.tensor([0, 11, -1, 4, 7])], {}
     check_impls(write_tokens, write_tokens_ref, make)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_a_second_destination_gets_its_rows_in_the_same_launch(impl):
+    """``also``: each row goes to the slot it has in either destination (the host tier or the
+    GPU home pages), exactly as two separate writes put it."""
+    g = torch.Generator().manual_seed(3)
+    M, D = 6, 8
+    k, v = torch.randn(M, D, generator=g), torch.randn(M, D, generator=g)
+    host_slots = torch.tensor([3, -1, 10, -1, -1, 0])
+    gpu_slots = torch.tensor([-1, 7, -1, 2, -1, -1])  # row 4: neither
+    want = [torch.full((3, 4, D), 7.0) for _ in range(4)]
+    write_tokens_ref(want[0], want[1], k, v, host_slots)
+    write_tokens_ref(want[2], want[3], k, v, gpu_slots)
+    got = [torch.full((3, 4, D), 7.0) for _ in range(4)]
+    write_tokens(got[0], got[1], k, v, host_slots, (got[2], got[3], gpu_slots), impl=impl)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
