@@ -317,8 +317,9 @@ def warm_lengths(dist: LengthDist) -> list[int]:
     longest prompt and each power of two between. The decode path's kernels compile a variant
     per power-of-two class of the context's pages (and the block-sparse prefill autotunes per
     class); a class first met by a served request costs that step about a second a kernel."""
-    pow2 = [1 << k for k in range(dist.lo.bit_length(), dist.hi.bit_length()) if dist.lo < 1 << k < dist.hi]
-    return sorted({dist.lo, *pow2, dist.hi})
+    from spin_cluster.engine.warm_up import length_classes
+
+    return length_classes(dist.lo, dist.hi)
 
 
 def build_engine(mode: str, args, folder: str, max_len: int, shape: dict):

@@ -176,10 +176,8 @@ class PagedAttention(PaddedCapture):
             seq_lens = (positions[:num_decode] + 1).to(torch.int32)  # [Bd]
             if self.kv.windows.num_full_layers:  # (window layers read only their windows' pages)
                 lens = [c.start + 1 for c in decode]
-                tables = self.kv.block_tables(rows, -(-max(lens) // S))  # [Bd, L, Hkv, P]
-                block_tables = tables.unbind(1)  # L x [Bd, Hkv, P]
-                if self._planned:
-                    gathered = paged_decode_cpu.plan_gathered_decode(tables, seq_lens, self.pool.k_pages)
+                block_tables, gathered = self._full_layer_tables(
+                    self.kv.block_tables(rows, -(-max(lens) // S)), seq_lens)
         segments = []
         token_start = num_decode
         for chunk in chunks[num_decode:]:
@@ -209,10 +207,7 @@ class PagedAttention(PaddedCapture):
         seq_lens = (positions + 1).to(torch.int32)  # [B]
         block_tables = gathered = None
         if self.kv.windows.num_full_layers:
-            tables = self.kv.table.table[rows]  # [B, L, Hkv, max pages]
-            block_tables = tables.unbind(1)
-            if self._planned:
-                gathered = paged_decode_cpu.plan_gathered_decode(tables, seq_lens, self.pool.k_pages)
+            block_tables, gathered = self._full_layer_tables(self.kv.table.table[rows], seq_lens)
         return StepPlan(
             slot_mapping=self.kv.slot_mapping(rows, positions).unbind(0),
             num_decode=rows.shape[0],
@@ -223,6 +218,14 @@ class PagedAttention(PaddedCapture):
             decode_table=self.kv.table.table,
             decode_rows=rows,
         )
+
+    def _full_layer_tables(self, tables: torch.Tensor, seq_lens: torch.Tensor):
+        """Decode rows' tables [B, L, Hkv, P] -> (per layer [B, Hkv, P], and on the CPU's
+        planned path every layer's gathered pages, else None)."""
+        gathered = None
+        if self._planned:
+            gathered = paged_decode_cpu.plan_gathered_decode(tables, seq_lens, self.pool.k_pages)
+        return tables.unbind(1), gathered
 
     def end_step(self) -> None:
         self.plan = None

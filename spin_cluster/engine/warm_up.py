@@ -18,16 +18,20 @@ SHORTEST = 1024  # tokens: the first class warmed
 LONGEST = 131072
 
 
+def length_classes(lo: int, hi: int) -> list[int]:
+    """lo, each power of two between, and hi (1 <= lo <= hi): a prompt of each meets every
+    power-of-two size class that prompts of lo..hi tokens meet."""
+    pow2 = [1 << k for k in range(lo.bit_length(), hi.bit_length()) if lo < 1 << k < hi]
+    return sorted({lo, *pow2, hi})
+
+
 def warm_lengths(engine, max_tokens: int = 4) -> list[int]:
     """Each power of two of tokens from ``SHORTEST`` and the longest prompt that leaves
     ``max_tokens`` to generate (at most ``LONGEST``), as far as ``engine``'s cache holds one
     such request. (This module sits below ``engine.py``, so ``engine`` is untyped here.)"""
     longest = min(engine.max_model_len - max_tokens, LONGEST)
-    lengths, n = {longest} if longest >= 1 else set(), SHORTEST
-    while n < longest:
-        lengths.add(n)
-        n *= 2
-    return [n for n in sorted(lengths) if engine.kv.pages_for_tokens(n + max_tokens) <= engine.kv.num_total_pages]
+    lengths = length_classes(min(SHORTEST, longest), longest) if longest >= 1 else []
+    return [n for n in lengths if engine.kv.pages_for_tokens(n + max_tokens) <= engine.kv.num_total_pages]
 
 
 @torch.inference_mode()

@@ -57,16 +57,14 @@ class Transfer:
         not a GPU page; None: no GPU homes). Where both go on one stream (a captured step, or
         the CPU) they are one launch."""
         host = self.host
-        also = None if gpu_slots is None else (self.buffer.k_slots, self.buffer.v_slots, gpu_slots)
+        home = None if gpu_slots is None else (self.buffer.k_slots, self.buffer.v_slots, gpu_slots)
+        if host.num_segments and (self._side is None or torch.cuda.is_current_stream_capturing()):
+            host.write(k, v, slots, home)  # both tiers in one launch
+            return
+        if home is not None:
+            self.write(home[0], home[1], k, v, home[2])
         if not host.num_segments:  # no host tier: every page lives on the GPU
-            if also is not None:
-                self.write(*also[:2], k, v, also[2])
             return
-        if self._side is None or torch.cuda.is_current_stream_capturing():
-            host.write(k, v, slots, also)
-            return
-        if also is not None:
-            self.write(*also[:2], k, v, also[2])
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
             host.write(k, v, slots)

@@ -19,11 +19,14 @@ from spin_cluster.models.config import ModelConfig
 _BOOKKEEPING = frozenset({"transformers_version", "dtype", "torch_dtype"})
 
 
+def _sha256(raw: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
+
+
 def config_digest(raw: dict[str, Any]) -> str:
     """sha256 of a config.json's model-defining keys (sorted; bookkeeping and ``_``-prefixed
     keys left out)."""
-    kept = {k: v for k, v in raw.items() if k not in _BOOKKEEPING and not k.startswith("_")}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+    return _sha256({k: v for k, v in raw.items() if k not in _BOOKKEEPING and not k.startswith("_")})
 
 
 def differing_keys(recorded: dict[str, Any], want: dict[str, Any], model_path: str | Path) -> list[str]:
@@ -32,8 +35,7 @@ def differing_keys(recorded: dict[str, Any], want: dict[str, Any], model_path: s
     ``config_digest`` (the whole file's hash) still matches its own model."""
     wrong = sorted(k for k, v in want.items() if recorded.get(k) != v)
     if "config_sha256" in wrong:
-        raw = json.loads((Path(model_path) / "config.json").read_text())
-        if recorded.get("config_sha256") == hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest():
+        if recorded.get("config_sha256") == _sha256(json.loads((Path(model_path) / "config.json").read_text())):
             wrong.remove("config_sha256")
     return wrong
 
