@@ -21,11 +21,14 @@ def test_serve_tiny_reports_every_mode_and_rate(tmp_path):
             assert r["completed"] == r["num_prompts"] == 6 and not r["truncated"], (mode, rate)
             assert r["ttft_p99_s"] >= r["ttft_p50_s"] > 0 and r["tpot_p99_s"] >= r["tpot_p50_s"] > 0
             assert r["mean_running"] > 0 and r["output_throughput"] > 0
+            # every prompt ran in some step, and the steps fit in the run's wall time
+            assert r["prompt_steps_s"] > 0 and r["prompt_step_tok_s"] > 0 and r["decode_only_steps_s"] > 0
+            assert r["prompt_steps_s"] + r["decode_only_steps_s"] <= r["duration_s"]
             assert 0 < r["goodput"] <= r["request_throughput"]
         assert saved["saturated_output_throughput"][mode] == max(r["output_throughput"] for r in runs.values())
     assert saved["runs"]["dense"]["8"]["buffer_hit_ratio"] is None  # no buffer
     table = (tmp_path / "serve.md").read_text()
-    assert "| dense | 8 |" in table and "| spin | inf |" in table
+    assert "| dense | 8 |" in table and "| spin | inf |" in table and "Where each run's time went" in table
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
 
 
