@@ -10,10 +10,14 @@
 #                   and labels+quest at 1/16 and 1/32 of the context with the 2048-token floor
 #   needles-<len>   the four needle tasks, the same methods, $SAMPLES prompts each
 #   spin-<len>      the bundled `spin` config's Select (labels, floor 2048, hysteresis 0.5) at
-#                   SPIN_BUDGETS (default 1/16 and 1/32) on passkey and the needle tasks
+#                   SPIN_BUDGETS (default 1/16 and 1/32) on SPIN_TASKS (default passkey and the
+#                   needle tasks)
 #   profile.json    the model's per-head profile (quest-ranked, answer steps) at $LENGTHS
-#   hplb-<len>      quest at 1/16 and 1/32: uniform against S-HPLB max-min budgets from the profile,
-#                   on HPLB_TASKS (default passkey and the needle tasks)
+#   hplb-<len>      HPLB_ALGOS (default quest) at HPLB_BUDGETS (default 1/16 and 1/32): uniform
+#                   against S-HPLB max-min budgets from the profile, on HPLB_TASKS (default passkey
+#                   and the needle tasks), with the HPLB_FLOOR-token floor (default 2048; 0: none).
+#                   Max-min takes no head under the floor, so at 1/16 up to 32K the budgets are
+#                   uniform; HPLB_BUDGETS="0.25 0.125" at 16K shifts above it
 # Env: LENGTHS (default "8192 12288 16384"; 32768 shows where dense itself stops), PARTS (default
 # "passkey needles spin hplb"), SAMPLES, and each part's timeout (PASSKEY_TIMEOUT, ... in s).
 # On the CPU the same commands run at toy size (checks the commands, not the figures):
@@ -49,7 +53,8 @@ for LEN in $LENGTHS; do
     "${METHODS[@]}" --max-tokens 10
   has needles && run "needles-$LEN" "${NEEDLES_TIMEOUT:-600}" --lengths "$LEN" --tasks "${NEEDLES[@]}" \
     --samples "$SAMPLES" "${METHODS[@]}" --max-tokens 32
-  has spin && run "spin-$LEN" "${SPIN_TIMEOUT:-300}" --lengths "$LEN" --tasks passkey "${NEEDLES[@]}" \
+  # shellcheck disable=SC2086  # the tasks split into words
+  has spin && run "spin-$LEN" "${SPIN_TIMEOUT:-300}" --lengths "$LEN" --tasks ${SPIN_TASKS:-passkey ${NEEDLES[*]}} \
     --samples "$SAMPLES" --algorithms labels --budgets ${SPIN_BUDGETS:-0.0625 0.03125} --budget-floor 2048 --resident-margin 0.5 --max-tokens 32
 done
 if has hplb; then
@@ -59,7 +64,8 @@ if has hplb; then
   for LEN in $LENGTHS; do
     # shellcheck disable=SC2086  # the tasks split into words
     run "hplb-$LEN" "${HPLB_TIMEOUT:-600}" --lengths "$LEN" --tasks ${HPLB_TASKS:-passkey ${NEEDLES[*]}} --samples "$SAMPLES" \
-      --algorithms quest --budgets 0.0625 0.03125 --budget-modes uniform maxmin --profile "$OUT/profile.json" \
+      --algorithms ${HPLB_ALGOS:-quest} --budgets ${HPLB_BUDGETS:-0.0625 0.03125} --budget-floor "${HPLB_FLOOR:-2048}" \
+      --budget-modes uniform maxmin --profile "$OUT/profile.json" \
       --max-tokens 32
   done
 fi
