@@ -6,8 +6,11 @@
 Times ``select_ragged`` (edge masks, radix-select top-k, compaction: one program per
 (request, KV head)) on random scores at Llama-3.1-8B's 8 KV heads and 32-token pages, with
 uniform budgets and with S-HPLB's max-min shifted ones (the widest heads take ~8x the mean),
-for several warps per program, and the split-row kernel (chunks of pages per program, then
-a merge per row). Median of ``triton.testing.do_bench`` in microseconds.
+for several warps per program, the split-row kernel (chunks of pages per program, then
+a merge per row) and the radix rows of ``kernels/radix_select.py`` (four launches whose grids
+follow the row). Median of ``triton.testing.do_bench`` in microseconds, launched and replayed
+from a CUDA graph (as a decode step runs it); each row checks its pages against the whole-row
+kernel's.
 
 ``--quest BxCONTEXT ...``: Quest's whole Select of a decode step (``select_layer`` over 32
 layers at Llama-3.1-8B's 32 query heads, 8 KV heads, D 128, 32-token pages, a bf16 index,
@@ -60,10 +63,12 @@ def main(argv=None) -> dict:
 
     from spin_cluster.hplb.budget import synthetic_maxmin_budgets
     from spin_cluster.kernels.page_select import SPLIT_CHUNK, select_ragged, split_chunk
+    from spin_cluster.kernels.radix_select import select_ragged_radix
 
     S, hkv, B = args.page_size, 8, args.batch
     results = []
-    print("| pages | budgets | max budget pages | kernel | warps | us |\n|---:|---|---:|---|---:|---:|")
+    print("| pages | budgets | max budget pages | kernel | warps | us | us in a CUDA graph | same pages |\n"
+          "|---:|---|---:|---|---:|---:|---:|---|")
     # The context's own page count, and a decode step's Select width past it (an eighth of a
     # power of two more: 128K tokens + 256 generated = 4104 pages, scored as 5120).
     for P in sorted({args.context // S, decode_width(args.context // S + 8)}):
@@ -74,15 +79,26 @@ def main(argv=None) -> dict:
                 "s-hplb widest layer": (-(-torch.tensor([max(hplb, key=max)], device="cuda") // S)).expand(B, -1).contiguous()}
         for name, budgets in rows.items():
             width = 1 + int(budgets.max()) + 2
-            runs = [("whole row", w, 0) for w in args.warps] + [("split rows", 0, SPLIT_CHUNK)]
+            runs = [("whole row", w, 0) for w in args.warps] + [("split rows", 0, SPLIT_CHUNK), ("radix rows", 0, 0)]
+            whole = select_ragged(scores, n, 1, 2, budgets, width, chunk=0)
             for kernel, w, chunk in runs:
                 def call():
+                    if kernel == "radix rows":  # kernels/radix_select.py: four launches, any budget
+                        return select_ragged_radix(scores, n, 1, 2, budgets, width)
                     return select_ragged(scores, n, 1, 2, budgets, width, num_warps=w, chunk=chunk)
+                same = all(torch.equal(a, b) for a, b in zip(call(), whole))
                 us = 1e3 * triton.testing.do_bench(call, return_mode="median")
+                # As a decode step runs it: replayed from a CUDA graph (no launch cost on the host).
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    call()
+                graph_us = 1e3 * triton.testing.do_bench(graph.replay, return_mode="median")
+                del graph
                 results.append({"pages": P, "budgets": name, "max_budget_pages": int(budgets.max()),
-                                "kernel": kernel, "warps": w, "chunk": chunk, "us": us,
-                                "auto": split_chunk(P, width) == chunk})
-                print(f"| {P} | {name} | {int(budgets.max())} | {kernel} | {w or '-'} | {us:.1f} |", flush=True)
+                                "kernel": kernel, "warps": w, "chunk": chunk, "us": us, "graph_us": graph_us,
+                                "same": same, "auto": kernel != "radix rows" and split_chunk(P, width) == chunk})
+                print(f"| {P} | {name} | {int(budgets.max())} | {kernel} | {w or '-'} | {us:.1f} | {graph_us:.1f} "
+                      f"| {same} |", flush=True)
     out = {"context": args.context, "batch": B, "gpu": torch.cuda.get_device_name(), "rows": results}
     write_result(os.path.join(args.out, "bench_select.json"), out)
     return out
