@@ -8,7 +8,7 @@ Times ``select_ragged`` (edge masks, radix-select top-k, compaction: one program
 uniform budgets and with S-HPLB's max-min shifted ones (the widest heads take ~8x the mean),
 for several warps per program, the split-row kernel (chunks of pages per program, then
 a merge per row) and the radix rows of ``kernels/radix_select.py`` (four launches whose grids
-follow the row). Median of ``triton.testing.do_bench`` in microseconds, launched and replayed
+follow the row, or two with ``fused``). Median of ``triton.testing.do_bench`` in microseconds, launched and replayed
 from a CUDA graph (as a decode step runs it); each row checks its pages against the whole-row
 kernel's.
 
@@ -79,12 +79,13 @@ def main(argv=None) -> dict:
                 "s-hplb widest layer": (-(-torch.tensor([max(hplb, key=max)], device="cuda") // S)).expand(B, -1).contiguous()}
         for name, budgets in rows.items():
             width = 1 + int(budgets.max()) + 2
-            runs = [("whole row", w, 0) for w in args.warps] + [("split rows", 0, SPLIT_CHUNK), ("radix rows", 0, 0)]
+            runs = [("whole row", w, 0) for w in args.warps] + [("split rows", 0, SPLIT_CHUNK), ("radix rows", 0, 0),
+                                                          ("radix rows, fused", 0, 0)]
             whole = select_ragged(scores, n, 1, 2, budgets, width, chunk=0)
             for kernel, w, chunk in runs:
                 def call():
-                    if kernel == "radix rows":  # kernels/radix_select.py: four launches, any budget
-                        return select_ragged_radix(scores, n, 1, 2, budgets, width)
+                    if kernel.startswith("radix rows"):  # kernels/radix_select.py: any budget
+                        return select_ragged_radix(scores, n, 1, 2, budgets, width, fused=kernel.endswith("fused"))
                     return select_ragged(scores, n, 1, 2, budgets, width, num_warps=w, chunk=chunk)
                 same = all(torch.equal(a, b) for a, b in zip(call(), whole))
                 us = 1e3 * triton.testing.do_bench(call, return_mode="median")
@@ -96,7 +97,7 @@ def main(argv=None) -> dict:
                 del graph
                 results.append({"pages": P, "budgets": name, "max_budget_pages": int(budgets.max()),
                                 "kernel": kernel, "warps": w, "chunk": chunk, "us": us, "graph_us": graph_us,
-                                "same": same, "auto": kernel != "radix rows" and split_chunk(P, width) == chunk})
+                                "same": same, "auto": not kernel.startswith("radix") and split_chunk(P, width) == chunk})
                 print(f"| {P} | {name} | {int(budgets.max())} | {kernel} | {w or '-'} | {us:.1f} | {graph_us:.1f} "
                       f"| {same} |", flush=True)
     out = {"context": args.context, "batch": B, "gpu": torch.cuda.get_device_name(), "rows": results}

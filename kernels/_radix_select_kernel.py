@@ -10,7 +10,8 @@ import triton.language as tl
 
 from ._page_select_kernel import _edges, _sortable
 
-# A row's histogram is hist[row, 0:4096], its candidate count hist[row, 4096] (one zeroed buffer).
+# A row's histogram is hist[row, 0:4096], its candidate count hist[row, 4096] and the chunks of
+# pass 2 that have finished hist[row, 4097] (one zeroed buffer).
 
 
 @triton.jit
@@ -31,7 +32,7 @@ def _first_digit(hist_ptr, bud_ptr, row):
     row's valid keys, the threshold's first digit d (the largest bin with at least budget keys
     at or above it; NBIN when the budget is 0), and how many keys lie above bin d."""
     bins = tl.arange(0, 4096)
-    hist = tl.load(hist_ptr + row * 4097 + bins)
+    hist = tl.load(hist_ptr + row * 4098 + bins)
     n_valid = tl.sum(hist, 0)
     budget = tl.minimum(tl.load(bud_ptr + row).to(tl.int32), n_valid)
     at_least = n_valid - tl.cumsum(hist, 0) + hist  # keys with a first digit >= the bin's
@@ -48,7 +49,22 @@ def _radix_hist(s_ptr, n_ptr, hist_ptr, P, SINK, LOCAL, HKV: tl.constexpr, CH: t
     digit = (ukey >> 20).to(tl.int32)
     h = tl.histogram(digit, 4096, mask=valid)
     bins = tl.arange(0, 4096)
-    tl.atomic_add(hist_ptr + row * 4097 + bins, h, mask=h > 0)
+    tl.atomic_add(hist_ptr + row * 4098 + bins, h, mask=h > 0)
+
+
+@triton.jit
+def _gather_chunk(s_ptr, n_ptr, bud_ptr, hist_ptr, ckey_ptr, cidx_ptr, above_ptr, row, t, P, T, SINK, LOCAL,
+                  HKV: tl.constexpr, CH: tl.constexpr):
+    _, d, _ = _first_digit(hist_ptr, bud_ptr, row)
+    offs, ukey, valid = _chunk_keys(s_ptr, n_ptr, row, t, P, SINK, LOCAL, HKV, CH)
+    digit = (ukey >> 20).to(tl.int32)
+    tl.store(above_ptr + row * T + t, tl.sum((valid & (digit > d)).to(tl.int32), 0))
+    eq = valid & (digit == d)
+    n_eq = tl.sum(eq.to(tl.int32), 0)
+    base = tl.atomic_add(hist_ptr + row * 4098 + 4096, n_eq)
+    at = row * P + base + tl.cumsum(eq.to(tl.int32), 0) - 1
+    tl.store(ckey_ptr + at, ukey, mask=eq)
+    tl.store(cidx_ptr + at, offs, mask=eq)
 
 
 @triton.jit(do_not_specialize=["P", "T"])
@@ -56,18 +72,8 @@ def _radix_gather(s_ptr, n_ptr, bud_ptr, hist_ptr, ckey_ptr, cidx_ptr, above_ptr
                   HKV: tl.constexpr, CH: tl.constexpr):
     """Pass 2, grid (rows, chunks): keys above the threshold's first digit counted per chunk;
     keys in its bin appended to the row's candidates (count at hist[row, 4096])."""
-    row = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1)
-    _, d, _ = _first_digit(hist_ptr, bud_ptr, row)
-    offs, ukey, valid = _chunk_keys(s_ptr, n_ptr, row, t, P, SINK, LOCAL, HKV, CH)
-    digit = (ukey >> 20).to(tl.int32)
-    tl.store(above_ptr + row * T + t, tl.sum((valid & (digit > d)).to(tl.int32), 0))
-    eq = valid & (digit == d)
-    n_eq = tl.sum(eq.to(tl.int32), 0)
-    base = tl.atomic_add(hist_ptr + row * 4097 + 4096, n_eq)
-    at = row * P + base + tl.cumsum(eq.to(tl.int32), 0) - 1
-    tl.store(ckey_ptr + at, ukey, mask=eq)
-    tl.store(cidx_ptr + at, offs, mask=eq)
+    _gather_chunk(s_ptr, n_ptr, bud_ptr, hist_ptr, ckey_ptr, cidx_ptr, above_ptr, tl.program_id(0).to(tl.int64),
+                  tl.program_id(1), P, T, SINK, LOCAL, HKV, CH)
 
 
 @triton.jit
@@ -91,18 +97,12 @@ def _low_digit(ckey_ptr, row, P, nc, prefix, need, SHIFT: tl.constexpr, WIDTH: t
     return prefix | (dd.to(tl.int64) << SHIFT), need
 
 
-@triton.jit(do_not_specialize=["P", "T", "W"])
-def _radix_resolve(n_ptr, bud_ptr, hist_ptr, ckey_ptr, cidx_ptr, above_ptr, lo_ptr, take_ptr, tie_ptr, kept_ptr,
-                   want_ptr, count_ptr, P, T, W, SINK, LOCAL,
-                   HKV: tl.constexpr, CH: tl.constexpr, T_PAD: tl.constexpr, TILE: tl.constexpr,
-                   W_PAD: tl.constexpr):
-    """Pass 3, grid (rows,): the threshold's low 20 bits from the row's candidates (three
-    histogram passes over them: 8, 8 and 4 bits), how many keys equal to it the row takes
-    (lowest page first), and per chunk the ties and the kept pages before it; the row's sink
-    and local pages, its -1 padding and its count."""
-    row = tl.program_id(0).to(tl.int64)
+@triton.jit
+def _resolve_row(n_ptr, bud_ptr, hist_ptr, ckey_ptr, cidx_ptr, above_ptr, lo_ptr, take_ptr, tie_ptr, kept_ptr,
+                 want_ptr, count_ptr, row, P, T, W, SINK, LOCAL,
+                 HKV: tl.constexpr, CH: tl.constexpr, T_PAD: tl.constexpr, TILE: tl.constexpr, W_PAD: tl.constexpr):
     budget, d, above = _first_digit(hist_ptr, bud_ptr, row)
-    nc = tl.load(hist_ptr + row * 4097 + 4096)
+    nc = tl.load(hist_ptr + row * 4098 + 4096)
     need = budget - above  # keys still to take from bin d (>= 1 when budget > 0)
     prefix = d.to(tl.int64) << 20
     prefix, need = _low_digit(ckey_ptr, row, P, nc, prefix, need, 12, 8, TILE)
@@ -144,12 +144,21 @@ def _radix_resolve(n_ptr, bud_ptr, hist_ptr, ckey_ptr, cidx_ptr, above_ptr, lo_p
 
 
 @triton.jit(do_not_specialize=["P", "T", "W"])
-def _radix_write(s_ptr, n_ptr, lo_ptr, take_ptr, tie_ptr, kept_ptr, want_ptr, P, T, W, SINK, LOCAL,
+def _radix_resolve(n_ptr, bud_ptr, hist_ptr, ckey_ptr, cidx_ptr, above_ptr, lo_ptr, take_ptr, tie_ptr, kept_ptr,
+                   want_ptr, count_ptr, P, T, W, SINK, LOCAL,
+                   HKV: tl.constexpr, CH: tl.constexpr, T_PAD: tl.constexpr, TILE: tl.constexpr,
+                   W_PAD: tl.constexpr):
+    """Pass 3, grid (rows,): the threshold's low 20 bits from the row's candidates (three
+    histogram passes over them: 8, 8 and 4 bits), how many keys equal to it the row takes
+    (lowest page first), and per chunk the ties and the kept pages before it; the row's sink
+    and local pages, its -1 padding and its count."""
+    _resolve_row(n_ptr, bud_ptr, hist_ptr, ckey_ptr, cidx_ptr, above_ptr, lo_ptr, take_ptr, tie_ptr, kept_ptr,
+                 want_ptr, count_ptr, tl.program_id(0).to(tl.int64), P, T, W, SINK, LOCAL, HKV, CH, T_PAD, TILE, W_PAD)
+
+
+@triton.jit
+def _write_chunk(s_ptr, n_ptr, lo_ptr, take_ptr, tie_ptr, kept_ptr, want_ptr, row, t, P, T, W, SINK, LOCAL,
                  HKV: tl.constexpr, CH: tl.constexpr):
-    """Pass 4, grid (rows, chunks): the chunk's kept middle pages, in page order, at their
-    place in the row (after the sink pages and the earlier chunks' kept pages)."""
-    row = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1)
     offs, ukey, valid = _chunk_keys(s_ptr, n_ptr, row, t, P, SINK, LOCAL, HKV, CH)
     lo = tl.load(lo_ptr + row)
     eq = valid & (ukey == lo)
@@ -159,3 +168,36 @@ def _radix_write(s_ptr, n_ptr, lo_ptr, take_ptr, tie_ptr, kept_ptr, want_ptr, P,
     s_end, _ = _edges(n, SINK, LOCAL)
     pos = s_end + tl.load(kept_ptr + row * T + t) + tl.cumsum(keep.to(tl.int32), 0) - 1
     tl.store(want_ptr + row * W + pos, offs.to(tl.int64), mask=keep & (pos < W))
+
+
+@triton.jit(do_not_specialize=["P", "T", "W"])
+def _radix_write(s_ptr, n_ptr, lo_ptr, take_ptr, tie_ptr, kept_ptr, want_ptr, P, T, W, SINK, LOCAL,
+                 HKV: tl.constexpr, CH: tl.constexpr):
+    """Pass 4, grid (rows, chunks): the chunk's kept middle pages, in page order, at their
+    place in the row (after the sink pages and the earlier chunks' kept pages)."""
+    _write_chunk(s_ptr, n_ptr, lo_ptr, take_ptr, tie_ptr, kept_ptr, want_ptr, tl.program_id(0).to(tl.int64),
+                 tl.program_id(1), P, T, W, SINK, LOCAL, HKV, CH)
+
+
+@triton.jit(do_not_specialize=["P", "T", "W"])
+def _radix_gather_last(s_ptr, n_ptr, bud_ptr, hist_ptr, ckey_ptr, cidx_ptr, above_ptr, lo_ptr, take_ptr, tie_ptr,
+                       kept_ptr, want_ptr, count_ptr, P, T, W, SINK, LOCAL,
+                       HKV: tl.constexpr, CH: tl.constexpr, T_PAD: tl.constexpr, TILE: tl.constexpr,
+                       W_PAD: tl.constexpr):
+    """Passes 2 to 4 in one launch, grid (rows, chunks): each program gathers its chunk (pass
+    2); the last of a row's programs to finish (an acquire-release counter at hist[row, 4097],
+    so it sees every other chunk's candidates) resolves the row (pass 3) and writes every
+    chunk's kept pages (pass 4, chunk by chunk)."""
+    row = tl.program_id(0).to(tl.int64)
+    _gather_chunk(s_ptr, n_ptr, bud_ptr, hist_ptr, ckey_ptr, cidx_ptr, above_ptr, row, tl.program_id(1), P, T,
+                  SINK, LOCAL, HKV, CH)
+    done = tl.atomic_add(hist_ptr + row * 4098 + 4097, 1, sem="acq_rel")
+    if done == T - 1:
+        _resolve_row(n_ptr, bud_ptr, hist_ptr, ckey_ptr, cidx_ptr, above_ptr, lo_ptr, take_ptr, tie_ptr, kept_ptr,
+                     want_ptr, count_ptr, row, P, T, W, SINK, LOCAL, HKV, CH, T_PAD, TILE, W_PAD)
+        tl.debug_barrier()  # the row's threshold and offsets, stored above, read by every thread below
+        t = done * 0
+        while t < T:
+            _write_chunk(s_ptr, n_ptr, lo_ptr, take_ptr, tie_ptr, kept_ptr, want_ptr, row, t, P, T, W, SINK, LOCAL,
+                         HKV, CH)
+            t += 1

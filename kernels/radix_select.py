@@ -19,6 +19,10 @@ candidates, and S-HPLB's widest heads take ~540 pages. Here no pass holds a whol
                                  first), each chunk's place in the output; sink and local pages
     pass 4  grid (rows, chunks)  each chunk writes its kept pages in page order
 
+With ``fused=True`` passes 2 to 4 are one launch: the last of a row's pass-2 programs to
+finish (an acquire-release counter) resolves the row and writes its chunks one by one; two
+launches and a memset a layer, as many as the whole-row Select and its scores.
+
 A key is a score's float32 bits in an order-keeping unsigned form, so the threshold is exact
 and the pages are ``select_ragged_ref``'s, tie rule included (tested equal). Pass 3 reads only
 the keys that share the threshold's top 12 bits (the sign, the exponent and 3 bits of the
@@ -42,10 +46,11 @@ _TILE = 1024  # candidates per iteration of pass 3
 
 
 def select_ragged_radix(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, local_pages: int,
-                        budgets: torch.Tensor, width: int, chunk: int = RADIX_CHUNK, *,
+                        budgets: torch.Tensor, width: int, chunk: int = RADIX_CHUNK, fused: bool = False, *,
                         impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """``select_ragged`` (same arguments, same result) in the four passes above. ``chunk``:
-    pages per program (a power of two >= 16). "auto" takes the reference off CUDA."""
+    """``select_ragged`` (same arguments, same result) in the passes above. ``chunk``: pages
+    per program (a power of two >= 16); ``fused``: passes 2-4 in one launch. "auto" takes the
+    reference off CUDA."""
     if resolve_impl(impl, scores.device) == "torch":
         return select_ragged_ref(scores, num_pages, sink_pages, local_pages, budgets, width)
     _check_select(scores, num_pages, sink_pages, local_pages, budgets, width)
@@ -61,7 +66,7 @@ def select_ragged_radix(scores: torch.Tensor, num_pages: torch.Tensor, sink_page
         return want.fill_(-1), count.zero_()
     scores, num_pages, budgets = scores.float().contiguous(), num_pages.contiguous(), budgets.contiguous()
     rows, chunks = B * hkv, -(-P // chunk)
-    hist = torch.zeros(rows, 4097, dtype=torch.int32, device=dev)  # first-digit bins, candidate count
+    hist = torch.zeros(rows, 4098, dtype=torch.int32, device=dev)  # first-digit bins, candidates, pass-2 arrivals
     ckey = torch.empty(rows, P, dtype=torch.int64, device=dev)
     cidx = torch.empty(rows, P, dtype=torch.int32, device=dev)
     per_chunk = torch.empty(3, rows, chunks, dtype=torch.int32, device=dev)  # above bin d, ties before, kept before
@@ -70,11 +75,16 @@ def select_ragged_radix(scores: torch.Tensor, num_pages: torch.Tensor, sink_page
     k = load_kernel_module("_radix_select_kernel", "the Triton radix Select", "select_ragged_ref")
     common = dict(HKV=hkv, CH=chunk)
     k._radix_hist[(rows, chunks)](scores, num_pages, hist, P, sink_pages, local_pages, **common)
+    pads = dict(T_PAD=max(16, next_pow2(chunks)), TILE=_TILE, W_PAD=next_pow2(width))
+    if fused:
+        k._radix_gather_last[(rows, chunks)](scores, num_pages, budgets, hist, ckey, cidx, per_chunk[0], lo, take,
+                                             per_chunk[1], per_chunk[2], want, count, P, chunks, width, sink_pages,
+                                             local_pages, **pads, **common)
+        return want, count
     k._radix_gather[(rows, chunks)](scores, num_pages, budgets, hist, ckey, cidx, per_chunk[0], P, chunks,
                                     sink_pages, local_pages, **common)
     k._radix_resolve[(rows,)](num_pages, budgets, hist, ckey, cidx, per_chunk[0], lo, take, per_chunk[1],
-                              per_chunk[2], want, count, P, chunks, width, sink_pages, local_pages,
-                              T_PAD=max(16, next_pow2(chunks)), TILE=_TILE, W_PAD=next_pow2(width), **common)
+                              per_chunk[2], want, count, P, chunks, width, sink_pages, local_pages, **pads, **common)
     k._radix_write[(rows, chunks)](scores, num_pages, lo, take, per_chunk[1], per_chunk[2], want, P, chunks, width,
                                    sink_pages, local_pages, **common)
     return want, count

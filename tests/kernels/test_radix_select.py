@@ -12,10 +12,12 @@ from .test_page_select import _select_case as _case  # rows of 70 pages: ties, -
 
 
 def _check(scores, num_pages, sink, local, budgets, width, chunk=16):
-    got = select_ragged_radix(scores, num_pages, sink, local, budgets, width, chunk=chunk, impl="triton")
     want = select_ragged_ref(scores, num_pages, sink, local, budgets, width)
-    assert torch.equal(got[1], want[1]), (got[1], want[1])
-    assert torch.equal(got[0], want[0]), (got[0], want[0])
+    for fused in (False, True):  # four launches, and passes 2-4 in one
+        got = select_ragged_radix(scores, num_pages, sink, local, budgets, width, chunk=chunk, fused=fused,
+                                  impl="triton")
+        assert torch.equal(got[1], want[1]), (fused, got[1], want[1])
+        assert torch.equal(got[0], want[0]), (fused, got[0], want[0])
 
 
 @pytest.mark.parametrize("sink, local", [(1, 4), (0, 1), (2, 0), (40, 40)])
@@ -79,6 +81,7 @@ def test_full_size_radix_select_on_gpu():
         scores = torch.randn(B, 8, P, generator=g, device=dev).round(decimals=2)
         budgets = torch.randint(0, 541, (B, 8), generator=g, device=dev)
         num_pages = torch.full((B,), P - 3, device=dev)
-        got = select_ragged_radix(scores, num_pages, 1, 2, budgets, 543, impl="triton")
         want = select_ragged_ref(scores, num_pages, 1, 2, budgets, 543)
-        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+        for fused in (False, True):
+            got = select_ragged_radix(scores, num_pages, 1, 2, budgets, 543, fused=fused, impl="triton")
+            assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), fused
