@@ -263,6 +263,7 @@ def summarize(times: list[RequestTimes], steps, wall_s: float, truncated: bool, 
         "prompt_steps_s": sum(s for s, _ in prompt_steps),
         "prompt_step_tok_s": (sum(n for _, n in prompt_steps) / sum(s for s, _ in prompt_steps)
                               if prompt_steps else None),
+        "decode_only_steps_s": sum(s for s, _ in decode),
         "peak_running": max((r for *_, r in steps), default=0),
         "peak_decode_batch": max((n for _, n in decode), default=0),
         # Decode-only steps at the largest batch: median and spread (10th / 90th percentile).

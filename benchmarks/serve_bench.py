@@ -225,10 +225,7 @@ def metrics(engine, times: list, steps: list, wall_s: float, truncated: bool, in
         "total_token_throughput": (input_tokens + summary["output_tokens"]) / wall_s,
         "goodput": sum(meets_slo(r, slo) for r in done) / wall_s if slo else None,
         **{k: summary[k] for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "decode_tok_s",
-                                   "peak_running", "prompt_steps_s", "prompt_step_tok_s")},
-        # Where the engine's time went: steps that ran prompt tokens (with the decodes riding
-        # along) against decode-only steps; the rest of the wall time is waiting for arrivals.
-        "decode_only_steps_s": sum(s for s, n, only, _ in steps if only),
+                                   "peak_running", "prompt_steps_s", "prompt_step_tok_s", "decode_only_steps_s")},
         # Weighted by each step's seconds: the batch the engine ran, on average, while it ran.
         "mean_running": sum(s * n for s, _, _, n in steps) / busy_s if busy_s else 0.0,
         "preemptions": delta["preemptions"], "spilled_pages": delta["spilled"],
@@ -278,6 +275,8 @@ def markdown(results: dict) -> str:
                 f"| {f(r['tpot_p50_s'], 1e3, '{:.1f}')} | {f(r['tpot_p99_s'], 1e3, '{:.1f}')} "
                 f"| {r['mean_running']:.1f} | {r['peak_running']} | {r['preemptions']} "
                 f"| {f(r['buffer_hit_ratio'], 100, '{:.1f}%')} | {r['spilled_pages']} |")
+    # Steps that ran prompt tokens (with the decodes riding along) against decode-only steps;
+    # the rest of the wall time is waiting for arrivals.
     lines += ["", "Where each run's time went:", "",
               "| mode | rate req/s | steps with prompt tokens s | their tok/s | decode-only steps s "
               "| decode tok/s in them |", "|---|---:|---:|---:|---:|---:|"]

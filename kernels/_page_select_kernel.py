@@ -60,6 +60,16 @@ def _sortable(x):
 
 
 @triton.jit
+def _digit_at(hist, bins, need):
+    """One radix digit of a threshold: the largest bin d of the histogram with at least
+    ``need`` keys at or above it, and what is still needed once the keys above bin d are
+    taken: (d, need - keys in bins > d)."""
+    at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with a digit >= the bin's
+    d = tl.max(tl.where(at_least >= need, bins, 0), 0)
+    return d, need - tl.sum(tl.where(bins > d, hist, 0), 0)
+
+
+@triton.jit
 def _take_top(x, valid, budget, P_PAD: tl.constexpr):
     """Mask of the ``budget`` largest valid entries of the row ``x`` (ties: lowest index).
 
@@ -78,9 +88,7 @@ def _take_top(x, valid, budget, P_PAD: tl.constexpr):
         digit = tl.where(cand, (ukey >> shift) & 255, 0).to(tl.int32)
         n_cand = tl.sum(cand.to(tl.int32), 0)
         hist = tl.histogram(digit, 256) - tl.where(bins == 0, P_PAD - n_cand, 0)  # candidates only
-        at_least = n_cand - tl.cumsum(hist, 0) + hist  # candidates with digit >= d
-        d = tl.max(tl.where(at_least >= need, bins, 0), 0)
-        need -= tl.sum(tl.where(bins > d, hist, 0), 0)
+        d, need = _digit_at(hist, bins, need)
         prefix = prefix | (d.to(tl.int64) << shift)
     lo = prefix - 2147483648
     above = valid & (key > lo)

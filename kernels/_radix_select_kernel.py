@@ -8,7 +8,7 @@ that every chunk of the row adds to; its low 20 bits from the few keys that shar
 import triton
 import triton.language as tl
 
-from ._page_select_kernel import _edges, _sortable
+from ._page_select_kernel import _digit_at, _edges, _sortable
 
 # A row's histogram is hist[row, 0:4096], its candidate count hist[row, 4096] and the chunks of
 # pass 2 that have finished hist[row, 4097] (one zeroed buffer).
@@ -30,15 +30,12 @@ def _chunk_keys(s_ptr, n_ptr, row, t, P, SINK, LOCAL, HKV: tl.constexpr, CH: tl.
 def _first_digit(hist_ptr, bud_ptr, row):
     """(budget, d, above) of a row from its first-digit histogram: the budget capped at the
     row's valid keys, the threshold's first digit d (the largest bin with at least budget keys
-    at or above it; NBIN when the budget is 0), and how many keys lie above bin d."""
+    at or above it; 4096 when the budget is 0), and how many keys lie above bin d."""
     bins = tl.arange(0, 4096)
     hist = tl.load(hist_ptr + row * 4098 + bins)
-    n_valid = tl.sum(hist, 0)
-    budget = tl.minimum(tl.load(bud_ptr + row).to(tl.int32), n_valid)
-    at_least = n_valid - tl.cumsum(hist, 0) + hist  # keys with a first digit >= the bin's
-    d = tl.where(budget > 0, tl.max(tl.where(at_least >= budget, bins, 0), 0), 4096)
-    above = tl.sum(tl.where(bins > d, hist, 0), 0)
-    return budget, d, above
+    budget = tl.minimum(tl.load(bud_ptr + row).to(tl.int32), tl.sum(hist, 0))
+    d, rest = _digit_at(hist, bins, budget)
+    return budget, tl.where(budget > 0, d, 4096), budget - rest
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -91,9 +88,7 @@ def _low_digit(ckey_ptr, row, P, nc, prefix, need, SHIFT: tl.constexpr, WIDTH: t
         match = (k >> (SHIFT + WIDTH)) == (prefix >> (SHIFT + WIDTH))
         h += tl.histogram(((k >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32), 256, mask=m & match)
         i += TILE
-    at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h
-    dd = tl.max(tl.where(at_least >= need, bins, 0), 0)
-    need -= tl.sum(tl.where(bins > dd, h, 0), 0)
+    dd, need = _digit_at(h, bins, need)
     return prefix | (dd.to(tl.int64) << SHIFT), need
 
 
