@@ -50,6 +50,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--quest", nargs="*", metavar="BxCONTEXT",
                     help="time Quest's Select per step, old against fused, at these shapes (e.g. 4x131072)")
+    ap.add_argument("--radix-chunks", type=int, nargs="+", default=[256, 1024],
+                    help="pages per program of the radix Select's chunked passes (each timed, plain and fused)")
     ap.add_argument("--layers", type=int, default=32, help="--quest: layers per step")
     ap.add_argument("--chunks", type=int, nargs="*", default=[],
                     help="--quest: also time the fused Select with these pages per pass-1 program (default: select_chunk's)")
@@ -67,8 +69,8 @@ def main(argv=None) -> dict:
 
     S, hkv, B = args.page_size, 8, args.batch
     results = []
-    print("| pages | budgets | max budget pages | kernel | warps | us | us in a CUDA graph | same pages |\n"
-          "|---:|---|---:|---|---:|---:|---:|---|")
+    print("| pages | budgets | max budget pages | kernel | warps | chunk | us | us in a CUDA graph | same pages |\n"
+          "|---:|---|---:|---|---:|---:|---:|---:|---|")
     # The context's own page count, and a decode step's Select width past it (an eighth of a
     # power of two more: 128K tokens + 256 generated = 4104 pages, scored as 5120).
     for P in sorted({args.context // S, decode_width(args.context // S + 8)}):
@@ -79,13 +81,14 @@ def main(argv=None) -> dict:
                 "s-hplb widest layer": (-(-torch.tensor([max(hplb, key=max)], device="cuda") // S)).expand(B, -1).contiguous()}
         for name, budgets in rows.items():
             width = 1 + int(budgets.max()) + 2
-            runs = [("whole row", w, 0) for w in args.warps] + [("split rows", 0, SPLIT_CHUNK), ("radix rows", 0, 0),
-                                                          ("radix rows, fused", 0, 0)]
+            runs = [("whole row", w, 0) for w in args.warps] + [("split rows", 0, SPLIT_CHUNK)]
+            runs += [(f"radix rows{f}", 0, c) for c in args.radix_chunks for f in ("", ", fused")]
             whole = select_ragged(scores, n, 1, 2, budgets, width, chunk=0)
             for kernel, w, chunk in runs:
                 def call():
                     if kernel.startswith("radix rows"):  # kernels/radix_select.py: any budget
-                        return select_ragged_radix(scores, n, 1, 2, budgets, width, fused=kernel.endswith("fused"))
+                        return select_ragged_radix(scores, n, 1, 2, budgets, width, chunk=chunk,
+                                                   fused=kernel.endswith("fused"))
                     return select_ragged(scores, n, 1, 2, budgets, width, num_warps=w, chunk=chunk)
                 same = all(torch.equal(a, b) for a, b in zip(call(), whole))
                 us = 1e3 * triton.testing.do_bench(call, return_mode="median")
@@ -98,7 +101,7 @@ def main(argv=None) -> dict:
                 results.append({"pages": P, "budgets": name, "max_budget_pages": int(budgets.max()),
                                 "kernel": kernel, "warps": w, "chunk": chunk, "us": us, "graph_us": graph_us,
                                 "same": same, "auto": not kernel.startswith("radix") and split_chunk(P, width) == chunk})
-                print(f"| {P} | {name} | {int(budgets.max())} | {kernel} | {w or '-'} | {us:.1f} | {graph_us:.1f} "
+                print(f"| {P} | {name} | {int(budgets.max())} | {kernel} | {w or '-'} | {chunk or '-'} | {us:.1f} | {graph_us:.1f} "
                       f"| {same} |", flush=True)
     out = {"context": args.context, "batch": B, "gpu": torch.cuda.get_device_name(), "rows": results}
     write_result(os.path.join(args.out, "bench_select.json"), out)
