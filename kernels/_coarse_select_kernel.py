@@ -1,0 +1,119 @@
+"""Triton bodies of ``coarse_select.py`` (launchers, contract and the reasons live there)."""
+
+import triton
+import triton.language as tl
+
+from ._page_select_kernel import _edges, _quest_query, _quest_scores, _row_budget, _take_top
+
+
+@triton.jit(do_not_specialize=["T", "NC"])
+def _coarse_refresh(kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, crow_ptr, T, NC,
+                    stride_mn, stride_mh, stride_cn, stride_ch,
+                    GP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """Grid (T, Hkv): the first token of each run of one coarse row (tokens of a row sit next
+    to each other in a step) rebuilds that row from its GP page rows: cmin = min, cmax = max
+    over them (pages never written hold +inf / -inf and drop out). Row NC, the dump row, stays."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.load(crow_ptr + t)
+    prev = tl.load(crow_ptr + tl.maximum(t - 1, 0))
+    if ((t == 0) | (prev != c)) & (c < NC):
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D_PAD)
+        m = (offs_d < D)[None, :] & (offs_g >= 0)[:, None]
+        rows = c.to(tl.int64) * GP + offs_g
+        lo = tl.load(kmin_ptr + rows[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m,
+                     other=float("inf"))
+        hi = tl.load(kmax_ptr + rows[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m,
+                     other=float("-inf"))
+        at = c.to(tl.int64) * stride_cn + h * stride_ch + offs_d
+        tl.store(cmin_ptr + at, tl.min(lo, 0), mask=offs_d < D)
+        tl.store(cmax_ptr + at, tl.max(hi, 0), mask=offs_d < D)
+
+
+@triton.jit(do_not_specialize=["P", "PG", "W", "C"])
+def _coarse_select(q_ptr, kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, pages_ptr, n_ptr, bud_ptr, dense_ptr, held_ptr,
+                   gs_ptr, gsel_ptr, cs_ptr, ci_ptr, want_ptr, count_ptr,
+                   stride_qb, stride_qh, stride_mn, stride_mh, stride_cn, stride_ch, stride_pb,
+                   P, PG, W, C, SINK, LOCAL, FACTOR, margin,
+                   HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                   GP: tl.constexpr, TILE: tl.constexpr, PG_PAD: tl.constexpr, C_PAD: tl.constexpr,
+                   E_PAD: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_HELD: tl.constexpr):
+    """One program per (request, KV head) row: groups scored from the coarse bounds, the
+    best groups kept, their pages scored from the page bounds, the top budget of those
+    pages written with the sink and local pages (``coarse_select_ref``'s order)."""
+    row = tl.program_id(0).to(tl.int64)  # b * HKV + h
+    b = row // HKV
+    h = row % HKV
+    qsum, qabs = _quest_query(q_ptr, b, h, stride_qb, stride_qh, G, G_PAD, D, D_PAD)
+    n = tl.load(n_ptr + b).to(tl.int32)
+    s_end, l_start = _edges(n, SINK, LOCAL)
+    budget = tl.minimum(_row_budget(bud_ptr, dense_ptr, row, HKV, HAS_DENSE), l_start - s_end)
+    budget = tl.maximum(budget, 0)
+    # 1. Group scores, TILE groups at a time, into gs[row] (-inf: a group with no middle page).
+    t = 0
+    while t * TILE < PG:
+        g = t * TILE + tl.arange(0, TILE)
+        g_ok = (g < PG) & (g * GP < l_start) & ((g + 1) * GP > s_end)
+        # Coarse row of group g: its first page's row // GP (a group's page rows are consecutive).
+        first = tl.load(pages_ptr + b * stride_pb + g * GP, mask=g_ok, other=0)
+        crow = tl.where(first >= 0, first // GP, 0)
+        s = _quest_scores(cmin_ptr, cmax_ptr, crow, h, stride_cn, stride_ch, stride_cn, stride_ch, g_ok,
+                          qsum, qabs, D, D_PAD)
+        if HAS_HELD:  # hysteresis: a group with a held middle page scores as its held pages do
+            pg = g[:, None] * GP + tl.arange(0, GP)[None, :]
+            pm = g_ok[:, None] & (pg >= s_end) & (pg < l_start)
+            held = tl.load(held_ptr + row * P + pg, mask=pm, other=0)
+            s = s + tl.where(tl.max(held.to(tl.int32), 1) > 0, margin, 0.0)
+        tl.store(gs_ptr + row * PG + g, tl.where(g_ok, s, float("-inf")), mask=g < PG)
+        t += 1
+    tl.debug_barrier()
+    # 2. The best m groups (lowest group first on ties), m = ceil(budget * FACTOR / GP).
+    g = tl.arange(0, PG_PAD)
+    gsc = tl.load(gs_ptr + row * PG + g, mask=g < PG, other=float("-inf"))
+    g_valid = (g < PG) & (gsc > float("-inf"))
+    m = tl.minimum(tl.minimum((budget * FACTOR + GP - 1) // GP, tl.sum(g_valid.to(tl.int32), 0)), C // GP)
+    keep_g = _take_top(gsc, g_valid, m, PG_PAD)
+    at = tl.cumsum(keep_g.to(tl.int32), 0) - 1
+    tl.store(gsel_ptr + row * PG + at, g, mask=keep_g)
+    tl.debug_barrier()
+    # 3. The kept groups' pages, in page order, scored into cs/ci[row, :m * GP].
+    nc = m * GP
+    t = 0
+    while t * TILE < nc:
+        c = t * TILE + tl.arange(0, TILE)
+        c_ok = c < nc
+        grp = tl.load(gsel_ptr + row * PG + c // GP, mask=c_ok, other=0)
+        p = grp * GP + c % GP
+        ok = c_ok & (p >= s_end) & (p < l_start)
+        prow = tl.load(pages_ptr + b * stride_pb + p, mask=ok, other=0).to(tl.int64)
+        s = _quest_scores(kmin_ptr, kmax_ptr, prow, h, stride_mn, stride_mh, stride_mn, stride_mh, ok,
+                          qsum, qabs, D, D_PAD)
+        if HAS_HELD:
+            s = s + tl.where(tl.load(held_ptr + row * P + p, mask=ok, other=0) != 0, margin, 0.0)
+        tl.store(cs_ptr + row * C + c, tl.where(ok, s, float("-inf")), mask=c_ok)
+        tl.store(ci_ptr + row * C + c, p, mask=c_ok)
+        t += 1
+    tl.debug_barrier()
+    # 4. The top budget of those pages, written between the sink and the local pages.
+    c = tl.arange(0, C_PAD)
+    x = tl.load(cs_ptr + row * C + c, mask=c < nc, other=float("-inf"))
+    pg = tl.load(ci_ptr + row * C + c, mask=c < nc, other=0)
+    valid = (c < nc) & (x > float("-inf"))
+    take = tl.minimum(budget, tl.sum(valid.to(tl.int32), 0))
+    keep = _take_top(x, valid, take, C_PAD)
+    pos = s_end + tl.cumsum(keep.to(tl.int32), 0) - 1
+    tl.store(want_ptr + row * W + pos, pg.to(tl.int64), mask=keep & (pos < W))
+    kept = tl.sum(keep.to(tl.int32), 0)
+    e = tl.arange(0, E_PAD)
+    tl.store(want_ptr + row * W + e, e.to(tl.int64), mask=(e < s_end) & (e < W))
+    lp = l_start + e
+    lpos = s_end + kept + e
+    tl.store(want_ptr + row * W + lpos, lp.to(tl.int64), mask=(lp < n) & (lpos < W))
+    count = s_end + kept + (n - l_start)
+    w = 0
+    while w * TILE < W:
+        o = w * TILE + tl.arange(0, TILE)
+        tl.store(want_ptr + row * W + o, tl.full((TILE,), -1, tl.int64), mask=(o >= count) & (o < W))
+        w += 1
+    tl.store(count_ptr + row, count.to(tl.int64))
