@@ -52,6 +52,9 @@ def main(argv=None) -> dict:
                     help="time Quest's Select per step, old against fused, at these shapes (e.g. 4x131072)")
     ap.add_argument("--radix-chunks", type=int, nargs="+", default=[256, 1024],
                     help="pages per program of the radix Select's chunked passes (each timed, plain and fused)")
+    ap.add_argument("--coarse", nargs="*", default=["16:4", "16:2"], metavar="GP:FACTOR",
+                    help="--quest: also the two-level Select (kernels/coarse_select.py) at these groups of pages "
+                         "and candidate factors, timed and its recall of Quest's pages reported")
     ap.add_argument("--layers", type=int, default=32, help="--quest: layers per step")
     ap.add_argument("--chunks", type=int, nargs="*", default=[],
                     help="--quest: also time the fused Select with these pages per pass-1 program (default: select_chunk's)")
@@ -133,6 +136,20 @@ def quest_steps(args) -> dict:
             b = a + torch.rand(B, P, hkv, D, device=dev, generator=g)
             a[:, n:], b[:, n:] = float("inf"), float("-inf")
             quest.kmin[layer, :-1], quest.kmax[layer, :-1] = a.flatten(0, 1), b.flatten(0, 1)
+        coarse = {}
+        for spec in args.coarse:  # the same page bounds, and group bounds over them
+            gp, factor = map(int, spec.split(":"))
+            alg = get_algorithm("quest")(num_layers=L, num_kv_heads=hkv, head_dim=D, page_size=S, max_seqs=B,
+                                         max_pages_per_seq=P, device=dev, index_dtype="bfloat16",
+                                         coarse_pages=gp, coarse_factor=factor)
+            if alg.kmin.shape != quest.kmin.shape:
+                print(f"two-level {spec}: {P} pages a row are not whole groups; skipped")
+                continue
+            alg.kmin, alg.kmax = quest.kmin, quest.kmax
+            nc = alg.cmin.shape[1] - 1
+            alg.cmin[:, :-1] = quest.kmin[:, :-1].view(L, nc, gp, hkv, D).amin(2)
+            alg.cmax[:, :-1] = quest.kmax[:, :-1].view(L, nc, gp, hkv, D).amax(2)
+            coarse[spec] = alg
         q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16, generator=g)
         rows = torch.arange(B, device=dev)
         held = torch.rand(B, hkv, P, device=dev, generator=g) < 0.1
@@ -149,6 +166,12 @@ def quest_steps(args) -> dict:
                 runs = {"old": lambda: step(False), "fused": lambda: step(True)}
                 for chunk in args.chunks:
                     runs[f"chunk{chunk}"] = functools.partial(fused_at, quest, q, rows, plans, held, margin, chunk)
+                exact = step(False)
+                for spec, alg in coarse.items():
+                    runs[f"coarse{spec}"] = functools.partial(
+                        lambda a: [select_layer(a, i, q, rows, plans[i], held, margin) for i in range(L)], alg)
+                    row[f"coarse{spec}_recall"] = recall(runs[f"coarse{spec}"](), exact, plans[0].sink_pages,
+                                                         plans[0].local_pages, n)
                 for key, fn in runs.items():
                     row[f"{key}_eager_us"] = 1e3 * triton.testing.do_bench(fn, return_mode="median")
                     graph = torch.cuda.CUDAGraph()
@@ -161,11 +184,25 @@ def quest_steps(args) -> dict:
                       f"{row['old_graph_us']:.0f} | {row['fused_graph_us']:.0f} | {same} |", flush=True)
                 for chunk in args.chunks:
                     print(f"|   chunk {chunk} | | | | {row[f'chunk{chunk}_eager_us']:.0f} | | {row[f'chunk{chunk}_graph_us']:.0f} | |")
-        del quest
+                for spec in coarse:
+                    print(f"|   two-level {spec} | | | | {row[f'coarse{spec}_eager_us']:.0f} | | "
+                          f"{row[f'coarse{spec}_graph_us']:.0f} | recall {row[f'coarse{spec}_recall']:.3f} |", flush=True)
+        del quest, coarse
         torch.cuda.empty_cache()
     out = {"layers": L, "page_size": S, "chunks": args.chunks, "budget": args.budget, "gpu": torch.cuda.get_device_name(), "rows": results}
     write_result(os.path.join(args.out, "bench_select_quest.json"), out)
     return out
+
+
+def recall(got, exact, sink, local, n) -> float:
+    """Share of the exact Select's middle pages that ``got`` also selects, over every layer and
+    row (random bounds have no locality: a floor for what real keys give)."""
+    hit = total = 0
+    for (gw, _), (ew, _) in zip(got, exact):
+        mid = (ew >= sink) & (ew < n - local)
+        total += int(mid.sum())
+        hit += int((mid & (ew[..., :, None] == gw[..., None, :]).any(-1)).sum())
+    return hit / max(1, total)
 
 
 def fused_at(quest, q, rows, plans, held, margin, chunk):

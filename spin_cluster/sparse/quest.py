@@ -20,6 +20,15 @@ writes and reads of pages that have none, so that updates keep fixed shapes), in
 slack) so that the bounds stay bounds; it halves the bytes Select reads, which at 128K tokens
 and 2K budgets are more than Attention reads.
 
+Two-level Select (``sparse.options.coarse_pages``: GP > 0, a power of two; ``coarse_factor``,
+default 4): a second index of bounds over groups of GP pages (the min and max of their page
+rows, rebuilt after each append), and Select scores the groups, keeps the
+``ceil(budget * coarse_factor / GP)`` best per head and ranks only their pages, in one launch
+(``kernels/coarse_select.py``): at 128K tokens it reads about a tenth of the index bytes. Quest's
+exact top-k wherever the kept groups hold its top pages; an approximation elsewhere, measured
+in ``docs/accuracy.md``. Under the top-p rule or ``select_layer(fused=False)`` Select stays
+exact Quest.
+
 On CUDA, with one scoring block per page, many rows and narrow selections, Select runs whole
 in ``kernels/quest_select.py`` (``select_top``: scores, the hysteresis margin and the per-head
 top-k in two launches, the same pages as the separate steps); elsewhere the separate steps are
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from spin_cluster.kernels.coarse_select import coarse_refresh, coarse_select
 from spin_cluster.kernels.index_append import bounds_append_planned, plan_bounds_append
 from spin_cluster.kernels.page_select import MAX_ROW_PAGES, page_scores
 from spin_cluster.kernels.quest_select import fused_pays, quest_select
@@ -42,7 +52,7 @@ class Quest(SparseAlgorithm):
     graph_safe = True
     paged_index = True
 
-    def __init__(self, score_block_tokens: int = 0, **kw) -> None:
+    def __init__(self, score_block_tokens: int = 0, coarse_pages: int = 0, coarse_factor: int = 4, **kw) -> None:
         super().__init__(**kw)
         block = score_block_tokens or self.page_size
         if block < 1 or self.page_size % block:
@@ -50,11 +60,42 @@ class Quest(SparseAlgorithm):
                              f"page size {self.page_size}")
         self.block_tokens = block
         self.blocks_per_page = self.page_size // block
+        self.coarse_pages, self.coarse_factor = int(coarse_pages), int(coarse_factor)
+        GP = self.coarse_pages
+        if GP:
+            if GP < 2 or GP & (GP - 1):
+                raise ValueError(f"sparse.options.coarse_pages={coarse_pages}: must be 0 (off) or a power of two >= 2")
+            if self.blocks_per_page != 1:
+                raise ValueError("sparse.options.coarse_pages needs one scoring block per page (score_block_tokens unset)")
+            if self.coarse_factor < 1:
+                raise ValueError(f"sparse.options.coarse_factor={coarse_factor}: must be >= 1")
+        # A group's page rows must be consecutive: per request row, a stride of whole groups.
+        self._row_stride = -(-self.max_pages_per_seq // GP) * GP if GP else self.max_pages_per_seq
+        if GP and kw.get("index_pages") is None:
+            self.num_index_pages = self.max_seqs * self._row_stride
+        elif GP and self.num_index_pages % GP:
+            raise ValueError(f"sparse.options.coarse_pages={GP} must divide the index's {self.num_index_pages} pages "
+                             "(segments of cache.segment_pages)")
         n = self.num_index_pages * self.blocks_per_page + 1
         shape = (self.num_layers, n, self.num_kv_heads, self.head_dim)
         self.kmin = torch.full(shape, float("inf"), dtype=self.index_dtype, device=self.device)
         self.kmax = torch.full(shape, float("-inf"), dtype=self.index_dtype, device=self.device)
+        if GP:  # group bounds, the last row a dump row (pages with no index row fall in it)
+            cshape = (self.num_layers, self.num_index_pages // GP + 1, self.num_kv_heads, self.head_dim)
+            self.cmin = torch.full(cshape, float("inf"), dtype=self.index_dtype, device=self.device)
+            self.cmax = torch.full(cshape, float("-inf"), dtype=self.index_dtype, device=self.device)
         self._blocks: tuple | None = None  # (rows, n, [B, n] block rows) of the current step
+
+    def bind_pages(self, logical_ids, segment_pages):
+        if self.coarse_pages and segment_pages % self.coarse_pages:
+            raise ValueError(f"sparse.options.coarse_pages={self.coarse_pages} must divide the cache's segments of "
+                             f"{segment_pages} pages (cache.segment_pages)")
+        super().bind_pages(logical_ids, segment_pages)
+
+    def index_page_ids(self, rows, pages):
+        if self._logical_ids is None and self._row_stride != self.max_pages_per_seq:
+            return rows * self._row_stride + pages
+        return super().index_page_ids(rows, pages)
 
     def _score_blocks(self, rows, n):
         """[B, n] index rows of each request's first n scoring blocks. Every layer of a step
@@ -73,8 +114,10 @@ class Quest(SparseAlgorithm):
         return blocks
 
     def index_bytes_per_token(self) -> float:
-        # kmin and kmax: two D-wide bounds per scoring block
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kmin.element_size() / self.block_tokens
+        # kmin and kmax: two D-wide bounds per scoring block; two-level, per group of pages
+        # (plus the kept groups' page bounds, which follow the budget as the attention does)
+        tokens = self.block_tokens * (self.coarse_pages or 1)
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kmin.element_size() / tokens
 
     def on_append(self, layer, rows, positions, k):
         # rows, positions: [T]; k: [T, Hkv, D]
@@ -87,10 +130,19 @@ class Quest(SparseAlgorithm):
         pages = self.index_page_ids(rows, positions // S)
         blocks = torch.where(pages >= 0, pages * self.blocks_per_page + (positions % S) // self.block_tokens,
                              self.kmin.shape[1] - 1)
-        return plan_bounds_append(blocks, positions, self.block_tokens, self.kmin.shape[1], self.kmin.shape[2:])
+        plan = plan_bounds_append(blocks, positions, self.block_tokens, self.kmin.shape[1], self.kmin.shape[2:])
+        # Two-level: the group row of each token (the dump page row falls in the dump group row).
+        return (plan, blocks // self.coarse_pages) if self.coarse_pages else plan
 
     def append(self, layer, plan, k):
-        # One Triton launch on CUDA (bounds rounded outward in a 16-bit index), else torch ops.
+        # One Triton launch on CUDA (bounds rounded outward in a 16-bit index), else torch ops;
+        # two-level, one more: the touched group rows rebuilt from their pages' bounds.
+        if self.coarse_pages:
+            plan, groups = plan
+            bounds_append_planned(self.kmin[layer], self.kmax[layer], k, plan)
+            coarse_refresh(self.kmin[layer], self.kmax[layer], self.cmin[layer], self.cmax[layer], groups,
+                           self.coarse_pages)
+            return
         bounds_append_planned(self.kmin[layer], self.kmax[layer], k, plan)
 
     def score(self, layer, q, rows, num_pages):
@@ -107,7 +159,14 @@ class Quest(SparseAlgorithm):
     def select_top(self, layer, q, rows, plan, held, margin, force=False):
         # On CUDA, one page per scoring block, where it pays (``fused_pays``: many rows,
         # narrow selections): scores, margin and top-k in two launches
-        # (``kernels/quest_select.py``), else the separate steps.
+        # (``kernels/quest_select.py``), else the separate steps. Two-level: always its own
+        # Select (one launch on CUDA, its torch reference elsewhere).
+        if self.coarse_pages:
+            pages = self._score_blocks(rows, plan.max_pages)
+            return coarse_select(q, self.kmin[layer], self.kmax[layer], self.cmin[layer], self.cmax[layer], pages,
+                                 plan.num_pages, plan.sink_pages, plan.local_pages, plan.budget_pages,
+                                 plan.budget_width, self.coarse_pages, self.coarse_factor, held, margin,
+                                 plan.dense_rows, max_budget=plan.max_budget)
         if not q.is_cuda or self.blocks_per_page != 1 or plan.max_pages > MAX_ROW_PAGES:
             return None
         if not force and not fused_pays(q.shape[0] * self.num_kv_heads, plan.budget_width):

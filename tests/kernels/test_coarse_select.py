@@ -103,3 +103,37 @@ def test_candidates_and_bad_arguments():
     with pytest.raises(ValueError, match="power of two"):
         coarse_select_ref(q, kmin, kmax, cmin, cmax, pages, torch.tensor([37, 30]), 1, 1, torch.ones(2, 2, dtype=torch.long),
                           8, 3, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("batch", [4, 1])
+def test_kernel_equals_the_reference_at_llama_shapes(batch):
+    """128K tokens in pages of 32 (4104 pages, decode-width 4608), 8 KV heads of 4 query heads,
+    D 128, a bf16 index in groups of 16 pages; S-HPLB-wide budgets up to 540 pages; integer
+    values, so both sides' scores are exact; and the refresh kernel against its reference."""
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    dev, hkv, D, P, n, gp = "cuda", 8, 128, 4608, 4104, 16
+    nc = batch * P // gp
+    q = torch.randint(-3, 4, (batch, 4 * hkv, D), device=dev, generator=g).to(torch.bfloat16)
+    lo = torch.randint(-8, 8, (nc * gp + 1, hkv, D), device=dev, generator=g).float()
+    kmin = lo.to(torch.bfloat16)
+    kmax = (lo + torch.randint(0, 5, lo.shape, device=dev, generator=g)).to(torch.bfloat16)
+    pages = torch.arange(batch * P, device=dev).view(batch, P)
+    pages[:, n:] = nc * gp  # past the context: the dump row
+    kmin[-1], kmax[-1] = float("inf"), float("-inf")
+    cmin = torch.full((nc + 1, hkv, D), float("inf"), dtype=torch.bfloat16, device=dev)
+    cmax = torch.full_like(cmin, float("-inf"))
+    crow = torch.arange(nc, device=dev).repeat_interleave(3)
+    a, b = cmin.clone(), cmax.clone()
+    coarse_refresh(kmin, kmax, cmin, cmax, crow, gp)
+    coarse_refresh_ref(kmin, kmax, a, b, crow, gp)
+    assert torch.equal(cmin, a) and torch.equal(cmax, b)
+    budgets = torch.randint(8, 540, (batch, hkv), device=dev, generator=g)
+    held = torch.rand(batch, hkv, P, device=dev, generator=g) < 0.1
+    num_pages = torch.full((batch,), n, device=dev)
+    for factor, margin in ((4, 0.0), (2, 8.0)):
+        want = coarse_select_ref(q, kmin, kmax, cmin, cmax, pages, num_pages, 1, 2, budgets, 543, gp, factor,
+                                 held, margin)
+        got = coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, 1, 2, budgets, 543, gp, factor, held, margin)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])

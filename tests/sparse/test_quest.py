@@ -73,3 +73,60 @@ def test_scoring_blocks_bound_every_key_more_tightly(one_row):
     assert torch.equal(same.score(0, q, torch.tensor([1]), 4), coarse)
     with pytest.raises(ValueError, match="score_block_tokens"):
         _quest(score_block_tokens=3)
+
+
+def _decode_plan(n, budget, Hkv=2, sink=1, local=1):
+    from spin_cluster.sparse.select import SelectPlan
+    return SelectPlan(num_pages=torch.tensor(n), tail_len=torch.ones(len(n), dtype=torch.int32), sink_pages=sink,
+                      local_pages=local, budget_pages=torch.full((len(n), Hkv), budget), max_pages=max(n),
+                      max_budget=budget)
+
+
+@pytest.mark.parametrize("bound", [False, True])
+def test_two_level_select_keeping_every_group_is_quests(bound):
+    """Group bounds kept in step with the page bounds through appends (a prefill, decode
+    tokens, a reused row): with every group kept the two-level Select takes Quest's pages, and
+    with few groups kept only pages of the best groups."""
+    from spin_cluster.sparse.select import select_layer
+    g = torch.Generator().manual_seed(5)
+    P, S = 10, 4  # 10 pages a row: groups of 4 pages need a row stride of 12
+    sized = dict(index_pages=24) if bound else {}
+    plain, wide, narrow = (_quest(P=P, S=S, **sized, **o) for o in ({}, dict(coarse_pages=4, coarse_factor=100),
+                                                                     dict(coarse_pages=4, coarse_factor=1)))
+    if bound:  # the offloaded cache's segments of 4 pages, handed out in reverse
+        ids = torch.tensor([[2, 1, 0], [5, 4, 3]])
+        for alg in (plain, wide, narrow):
+            alg.bind_pages(ids, 4)
+    assert wide.cmin.shape[1] == 24 // 4 + 1  # 2 rows of 12 pages, or 6 segments of 4
+    rows = torch.tensor([0, 1])
+    old = torch.randn(20, 2, 8, generator=g) * 9
+    for alg in (plain, wide, narrow):
+        alg.on_append(0, torch.zeros(20, dtype=torch.long), torch.arange(20), old)
+    k = torch.randn(37, 2, 8, generator=torch.Generator().manual_seed(6))
+    for alg in (plain, wide, narrow):  # row 0 reused by a longer request; row 1 a prefill then decode tokens
+        alg.on_append(0, torch.zeros(37, dtype=torch.long), torch.arange(37), k)
+        alg.on_append(0, torch.ones(30, dtype=torch.long), torch.arange(30), k[:30] * 2)
+        for t in range(30, 36):
+            alg.on_append(0, torch.ones(1, dtype=torch.long), torch.tensor([t]), k[t:t + 1])
+    q = torch.randn(2, 4, 8, generator=g)
+    plan = _decode_plan([10, 9], 3)
+    exact = select_layer(plain, 0, q, rows, plan)
+    assert all(torch.equal(a, b) for a, b in zip(select_layer(wide, 0, q, rows, plan), exact))
+    want, count = select_layer(narrow, 0, q, rows, plan)
+    assert count.tolist() == exact[1].tolist()  # sink + 3 middle + local pages each
+    for b, n in enumerate([10, 9]):
+        for h in range(2):
+            middle = [p for p in want[b, h].tolist() if 0 < p < n - 1]
+            assert len({p // 4 for p in middle}) == 1  # factor 1, 3 pages: one group of 4 kept
+    with pytest.raises(ValueError, match="coarse_pages"):
+        _quest(coarse_pages=3)
+    with pytest.raises(ValueError, match="segment"):
+        _quest(coarse_pages=8, index_pages=32).bind_pages(torch.zeros(2, 1, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="divide the index"):
+        _quest(coarse_pages=8, index_pages=20)
+
+
+def test_two_level_at_a_whole_context_budget_gives_the_dense_tokens(offloaded_tokens, dense_tokens):
+    engine, tokens = offloaded_tokens({"algorithm": "quest", "budget": 256, "options": {"coarse_pages": 4}})
+    assert engine.runner.attention.algorithm.coarse_pages == 4
+    assert tokens == dense_tokens
