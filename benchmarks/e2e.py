@@ -102,6 +102,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     add_algorithm(ap, help="sparse modes' Select (graph-safe algorithms)")
     ap.add_argument("--resident-margin", type=float, default=0.0,
                     help="spin: sparse.resident_margin, Select's hysteresis in nats (0: off)")
+    ap.add_argument("--coarse-pages", type=int, default=0, metavar="GP",
+                    help="sparse modes, quest: two-level Select over groups of GP pages (sparse.options.coarse_pages; "
+                         "0: off)")
+    ap.add_argument("--coarse-factor", type=int, default=4,
+                    help="two-level Select: candidate pages per budgeted page (sparse.options.coarse_factor)")
     ap.add_argument("--per-head-shares", action="store_true",
                     help="spin: cache.per_head_shares, each head's buffer share sized by its own S-HPLB budget")
     ap.add_argument("--buffer-share", type=float, default=0.0,
@@ -158,6 +163,8 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
     # A bfloat16 index halves the bytes Select reads (Quest's bounds are rounded outward).
     cfg["sparse"] = {"algorithm": args.algorithm, "budget": args.budget, "local_tokens": 2 * args.page_size,
                      "sink_tokens": args.page_size, "options": {"index_dtype": "bfloat16"}}
+    if getattr(args, "coarse_pages", 0):
+        cfg["sparse"]["options"].update(coarse_pages=args.coarse_pages, coarse_factor=args.coarse_factor)
     if args.sparse_prefill:
         from spin_cluster.hplb.budget import synthetic_prefill_config
 
