@@ -224,7 +224,10 @@ def diagnose(cap: Capture, specs: Sequence[SelectSpec], needle_positions: Sequen
             for spec, algo in zip(specs, algos):
                 algo.on_append(layer, row.expand(n), torch.arange(n, device=device), k)
                 scores = algo.score(layer, q[None], row, P)  # [1, Hkv, P]
-                want, _ = select_pages(scores, False, plan, Hkv)  # [1, Hkv, K]
+                # The algorithm's own Select where it has one (Quest's two-level Select keeps
+                # pages of its best groups only); else the top-k of its scores.
+                picked = algo.select_top(layer, q[None], row, plan, None, 0.0)
+                want, _ = picked if picked is not None else select_pages(scores, False, plan, Hkv)  # [1, Hkv, K]
                 kept = torch.zeros(Hkv, P + 1, dtype=torch.bool, device=device)
                 kept.scatter_(1, torch.where(want[0] >= 0, want[0], P), True)
                 recalls[spec.label] = (mass * kept[:, :P]).sum(-1)  # [Hkv]
