@@ -31,11 +31,11 @@ def _coarse_refresh(kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, crow_ptr, T, NC,
         tl.store(cmax_ptr + at, tl.max(hi, 0), mask=offs_d < D)
 
 
-@triton.jit(do_not_specialize=["P", "PG", "W", "C"])
+@triton.jit(do_not_specialize=["P", "PG", "W", "C", "NC"])
 def _coarse_select(q_ptr, kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, pages_ptr, n_ptr, bud_ptr, dense_ptr, held_ptr,
                    gs_ptr, gsel_ptr, cs_ptr, ci_ptr, want_ptr, count_ptr,
                    stride_qb, stride_qh, stride_mn, stride_mh, stride_cn, stride_ch, stride_pb,
-                   P, PG, W, C, SINK, LOCAL, FACTOR, margin,
+                   P, PG, W, C, NC, SINK, LOCAL, FACTOR, margin,
                    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                    GP: tl.constexpr, TILE: tl.constexpr, PG_PAD: tl.constexpr, C_PAD: tl.constexpr,
                    E_PAD: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_HELD: tl.constexpr):
@@ -50,6 +50,22 @@ def _coarse_select(q_ptr, kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, pages_ptr, n_p
     s_end, l_start = _edges(n, SINK, LOCAL)
     budget = tl.minimum(_row_budget(bud_ptr, dense_ptr, row, HKV, HAS_DENSE), l_start - s_end)
     budget = tl.maximum(budget, 0)
+    # 0. The request's last group, the one its decode token changed, rebuilt from its pages'
+    #    bounds (the only writer of this head's row of it; ``Quest.plan_append``).
+    last = tl.load(pages_ptr + b * stride_pb + (n - 1) // GP * GP)
+    if (n > 0) & (last >= 0) & (last // GP < NC):  # not the dump row
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D_PAD)
+        m2 = (offs_d < D)[None, :] & (offs_g >= 0)[:, None]
+        c_last = last.to(tl.int64) // GP
+        prow = c_last * GP + offs_g
+        lo = tl.load(kmin_ptr + prow[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m2, other=float("inf"))
+        hi = tl.load(kmax_ptr + prow[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m2,
+                     other=float("-inf"))
+        at = c_last * stride_cn + h * stride_ch + offs_d
+        tl.store(cmin_ptr + at, tl.min(lo, 0), mask=offs_d < D)
+        tl.store(cmax_ptr + at, tl.max(hi, 0), mask=offs_d < D)
+    tl.debug_barrier()
     # 1. Group scores, TILE groups at a time, into gs[row] (-inf: a group with no middle page).
     t = 0
     while t * TILE < PG:

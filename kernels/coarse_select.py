@@ -15,8 +15,9 @@ when the groups kept are all of them: ``factor`` large); elsewhere an approximat
 loss the accuracy runs measure (``docs/accuracy.md``).
 
 Coarse bounds are a function of the page bounds: coarse row c holds the min and max over page
-rows c * GP .. c * GP + GP - 1 (``coarse_refresh``, after every append, for the rows its tokens
-touched). A page row never written holds (+inf, -inf) and drops out; a page row an earlier
+rows c * GP .. c * GP + GP - 1 (``coarse_refresh``, after an append, for the rows its tokens
+touched; in a decode step the Select itself first rebuilds each request's last group, the only
+one a decode token changes, so the step needs no refresh launch). A page row never written holds (+inf, -inf) and drops out; a page row an earlier
 request left behind only widens its group's bounds, which stay bounds. Page rows of a group
 must be consecutive: the index hands out pages in segments that GP divides.
 
@@ -28,7 +29,8 @@ must be consecutive: the index hands out pages in segments that GP divides.
     held         [B, Hkv, P] bool or None; margin: score units added to held pages (hysteresis;
                  a group with a held middle page gets it too)
     dense_rows   [B] bool or None: rows that take every middle page
-    returns      want [B, Hkv, W] int64, num_selected [B, Hkv] int64 (``select_ragged``'s form)
+    returns      want [B, Hkv, W] int64, num_selected [B, Hkv] int64 (``select_ragged``'s form);
+                 each request's last group's rows of cmin and cmax rebuilt in place
 
 ``coarse_select_ref`` is the same in torch ops (``page_scores_ref``, ``topk_ragged_ref`` and
 ``select_ragged_ref``); the Triton launch gives its pages (tested equal under the interpreter
@@ -109,6 +111,7 @@ def coarse_select_ref(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: i
     s_end = n.clamp(max=sink_pages)
     l_start = torch.maximum(n - local_pages, s_end)
     budget = torch.minimum(budgets.long(), (l_start - s_end)[..., 0]).clamp(min=0)  # [B, Hkv]
+    _refresh_last_groups(kmin, kmax, cmin, cmax, pages, num_pages, GP)
     g = torch.arange(PG, device=dev)
     first = pages[:, ::GP].long()  # [B, PG]
     gscore = page_scores_ref(q, cmin, cmax, torch.where(first >= 0, first // GP, 0))  # [B, Hkv, PG]
@@ -129,6 +132,18 @@ def coarse_select_ref(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: i
     cand.scatter_(-1, torch.where(kept >= 0, kept, PG), True)
     masked = torch.where(cand[..., p // GP], scores, float("-inf"))
     return select_ragged_ref(masked, num_pages, sink_pages, local_pages, budget, width)
+
+
+def _refresh_last_groups(kmin, kmax, cmin, cmax, pages, num_pages, group_pages: int) -> None:
+    """Each request's last group rebuilt from its pages' bounds (what a decode token changed)."""
+    n = num_pages.long()
+    last = pages.gather(1, ((n - 1).clamp(min=0) // group_pages * group_pages)[:, None])[:, 0]  # [B]
+    crow = torch.where((n > 0) & (last >= 0), last // group_pages, cmin.shape[0] - 1)
+    at = crow[:, None] * group_pages + torch.arange(group_pages, device=crow.device)  # [B, GP]
+    at = at.clamp(max=kmin.shape[0] - 1)  # the dump row's pages: the page dump row
+    # The dump row stays empty: its pages' bounds are the page dump row's (+inf, -inf).
+    cmin[crow] = kmin[at].float().amin(1).to(cmin.dtype)
+    cmax[crow] = kmax[at].float().amax(1).to(cmax.dtype)
 
 
 def _kernels():
@@ -175,7 +190,7 @@ def coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: int, 
         q, kmin, kmax, cmin, cmax, pages, num_pages, budgets.contiguous(), dense_arg, held_arg,
         gs, gsel, cs, ci, want, count,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), cmin.stride(0), cmin.stride(1), pages.stride(0),
-        P, PG, width, C, sink_pages, local_pages, factor, float(margin),
+        P, PG, width, C, cmin.shape[0] - 1, sink_pages, local_pages, factor, float(margin),
         HKV=hkv, G=g, G_PAD=next_pow2(g), D=D, D_PAD=max(16, next_pow2(D)), GP=GP, TILE=_TILE,
         PG_PAD=max(16, next_pow2(PG)), C_PAD=max(16, next_pow2(C)), E_PAD=max(16, next_pow2(max(sink_pages, local_pages, 1))),
         HAS_DENSE=dense_rows is not None, HAS_HELD=has_held, num_warps=8,

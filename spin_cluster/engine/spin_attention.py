@@ -171,6 +171,10 @@ class SpinAttention(PlannedCapture):
         if num_decode:
             rows = token_rows[:num_decode]
             select = self._layer_select_plans(self._decode_select(positions[:num_decode], pages))
+        # A decode step whose every layer runs a top-k Select (which may bring the index up to
+        # date for the decode tokens itself: ``SparseAlgorithm.plan_append``).
+        decode_only = (num_decode == positions.shape[0] and select is not None and select[0].top_p is None
+                       and select[0].max_budget > 0)
         slots = self.kv.directory.token_slots(token_rows, positions).flatten(1)  # [L, T * Hkv]
         gpu_slots = None
         if self.transfer.gpu_homes:
@@ -179,7 +183,7 @@ class SpinAttention(PlannedCapture):
         return SpinStepPlan(
             gpu_slots=gpu_slots,
             host_slots=slots.unbind(0),
-            append=self.algorithm.plan_append(token_rows, positions),
+            append=self.algorithm.plan_append(token_rows, positions, decode_only=decode_only),
             num_decode=num_decode,
             decode_rows=rows,
             select=select,

@@ -96,10 +96,12 @@ class SparseAlgorithm(ABC):
         and KV head (the step's byte budget: ``benchmarks/e2e.py``'s roofline). Default: none."""
         return 0.0
 
-    def plan_append(self, rows: torch.Tensor, positions: torch.Tensor):
+    def plan_append(self, rows: torch.Tensor, positions: torch.Tensor, decode_only: bool = False):
         """Once per step, before any layer's ``append``: whatever ``append`` needs from the
         step's [T] token rows and positions, computed once instead of once per layer.
-        Default: the two tensors themselves."""
+        ``decode_only``: every token is the newest of its request, one per request (a decode
+        step), so an algorithm whose Select brings up to date what a decode token changes may
+        leave that to it. Default: the two tensors themselves."""
         return rows, positions
 
     def append(self, layer: int, plan, k: torch.Tensor) -> None:

@@ -55,8 +55,8 @@ class LabelsQuest(SparseAlgorithm):
     def on_append(self, layer, rows, positions, k):
         self.append(layer, self.plan_append(rows, positions), k)
 
-    def plan_append(self, rows, positions):
-        return self.labels.plan_append(rows, positions), self.quest.plan_append(rows, positions)
+    def plan_append(self, rows, positions, decode_only=False):
+        return self.labels.plan_append(rows, positions), self.quest.plan_append(rows, positions, decode_only)
 
     def append(self, layer, plan, k):
         self.labels.append(layer, plan[0], k)

@@ -63,7 +63,7 @@ class Labels(SparseAlgorithm):
     def on_append(self, layer, rows, positions, k):
         self.append(layer, self.plan_append(rows, positions), k)
 
-    def plan_append(self, rows, positions):
+    def plan_append(self, rows, positions, decode_only=False):
         """Once per step: each row's written length (a request starting at position 0 resets
         it), and the flat label slot of each token."""
         self.lengths.index_fill_(0, torch.where(positions == 0, rows, self.max_seqs), 0)

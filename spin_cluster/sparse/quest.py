@@ -123,16 +123,20 @@ class Quest(SparseAlgorithm):
         # rows, positions: [T]; k: [T, Hkv, D]
         self.append(layer, self.plan_append(rows, positions), k)
 
-    def plan_append(self, rows, positions):
+    def plan_append(self, rows, positions, decode_only=False):
         """Once per step: [T] flat block row of each token and [T] positions (a token at a
-        block's start resets it), planned for the append of every layer."""
+        block's start resets it), planned for the append of every layer. Two-level: and the
+        group rows to rebuild, none in a decode step (the Select rebuilds each request's last
+        group, the only one its decode token changed, before it reads it)."""
         S = self.page_size
         pages = self.index_page_ids(rows, positions // S)
         blocks = torch.where(pages >= 0, pages * self.blocks_per_page + (positions % S) // self.block_tokens,
                              self.kmin.shape[1] - 1)
         plan = plan_bounds_append(blocks, positions, self.block_tokens, self.kmin.shape[1], self.kmin.shape[2:])
         # Two-level: the group row of each token (the dump page row falls in the dump group row).
-        return (plan, blocks // self.coarse_pages) if self.coarse_pages else plan
+        if not self.coarse_pages:
+            return plan
+        return plan, None if decode_only else blocks // self.coarse_pages
 
     def append(self, layer, plan, k):
         # One Triton launch on CUDA (bounds rounded outward in a 16-bit index), else torch ops;
@@ -140,8 +144,9 @@ class Quest(SparseAlgorithm):
         if self.coarse_pages:
             plan, groups = plan
             bounds_append_planned(self.kmin[layer], self.kmax[layer], k, plan)
-            coarse_refresh(self.kmin[layer], self.kmax[layer], self.cmin[layer], self.cmax[layer], groups,
-                           self.coarse_pages)
+            if groups is not None:
+                coarse_refresh(self.kmin[layer], self.kmax[layer], self.cmin[layer], self.cmax[layer], groups,
+                               self.coarse_pages)
             return
         bounds_append_planned(self.kmin[layer], self.kmax[layer], k, plan)
 

@@ -62,6 +62,25 @@ def test_hysteresis_and_dense_rows():
     assert torch.equal(want[1, :, :30], torch.arange(30).expand(2, -1))
 
 
+def test_the_last_group_is_rebuilt_before_it_is_scored():
+    # A decode token widened a page of each request's last group after the last refresh.
+    q, kmin, kmax, cmin, cmax, pages = _index(13)
+    num_pages = torch.tensor([37, 22])
+    for b, n in enumerate(num_pages.tolist()):
+        kmax[pages[b, n - 1]] += 50
+    outs = []
+    for impl in ("torch", "triton"):
+        c = (cmin.clone(), cmax.clone())
+        got = coarse_select(q, kmin, kmax, *c, pages, num_pages, 1, 0, torch.tensor([[3, 3], [3, 3]]), 8, GP, 1,
+                            impl=impl)
+        outs.append((got, c))
+    (want, (a, b)), (got, (x, y)) = outs
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(x, a) and torch.equal(y, b) and not torch.equal(b, cmax)
+    for b_, n in enumerate(num_pages.tolist()):  # local 0: the widened last pages' group wins
+        assert set(want[0][b_, :, 1:].flatten().tolist()) - {-1} <= set(range((n - 1) // GP * GP, n))
+
+
 def test_every_group_kept_is_quests_top_k():
     q, kmin, kmax, cmin, cmax, pages = _index(7)
     num_pages = torch.tensor([37, 33])

@@ -130,3 +130,28 @@ def test_two_level_at_a_whole_context_budget_gives_the_dense_tokens(offloaded_to
     engine, tokens = offloaded_tokens({"algorithm": "quest", "budget": 256, "options": {"coarse_pages": 4}})
     assert engine.runner.attention.algorithm.coarse_pages == 4
     assert tokens == dense_tokens
+
+
+def test_a_decode_step_leaves_the_last_group_to_the_select():
+    """Decode tokens appended without a refresh (``decode_only``): the two-level Select rebuilds
+    each request's last group first, so it selects what a refreshed index selects, step after
+    step across group boundaries, and leaves the same group bounds."""
+    from spin_cluster.sparse.select import select_layer
+    g = torch.Generator().manual_seed(8)
+    a, b = (_quest(P=16, S=2, coarse_pages=2, coarse_factor=1) for _ in range(2))
+    k = torch.randn(30, 2, 8, generator=g)
+    rows = torch.tensor([0, 1])
+    for alg in (a, b):
+        alg.on_append(0, torch.zeros(9, dtype=torch.long), torch.arange(9), k[:9])
+        alg.on_append(0, torch.ones(5, dtype=torch.long), torch.arange(5), -k[:5])
+    for t in range(12):  # row 0 from 9 tokens, row 1 from 5: pages of 2 tokens, groups of 2 pages
+        pos = torch.tensor([9 + t, 5 + t])
+        kt = torch.stack([k[9 + t], -k[5 + t]])
+        a.on_append(0, rows, pos, kt)
+        b.append(0, b.plan_append(rows, pos, decode_only=True), kt)
+        n = (pos // 2 + 1).tolist()
+        plan = _decode_plan(n, 2)
+        q = torch.randn(2, 4, 8, generator=g)
+        for x, y in zip(select_layer(a, 0, q, rows, plan), select_layer(b, 0, q, rows, plan)):
+            assert torch.equal(x, y), t
+    assert torch.equal(a.cmin, b.cmin) and torch.equal(a.cmax, b.cmax)
