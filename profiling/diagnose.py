@@ -131,12 +131,19 @@ class _AnswerCapture:
         self.q: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
+        # q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]; window: a sliding-window layer's span
         self.q[layer_id] = q[self.positions].float()
         self.k[layer_id] = k.float()
+        mask = None
+        if window is not None:  # causal and at most window - 1 tokens back (Gemma 3's local layers)
+            t = torch.arange(q.shape[0], device=q.device)
+            back = t[:, None] - t[None, :]
+            mask = (back >= 0) & (back < window)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+                                           v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=True)
         return o[0].transpose(0, 1)
 
 
