@@ -312,3 +312,20 @@ def test_window_layers_on_the_decode_kernel_give_the_gathered_path_tokens(gemma_
         paged._window_plan = lambda w: calls.append(w) or window_plan(w)
         assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == paged_tokens
         assert calls and set(calls) == {WINDOW}
+
+
+def test_two_level_quest_keeps_its_group_bounds_in_step(gemma_path):
+    """Quest's two-level Select on the global layers: prefill chunks refresh the group bounds
+    they touch, decode steps leave each request's last group to the Select; after a run every
+    group's bounds are exactly its pages' (the min and max over them)."""
+    engine = _engine(gemma_path, cache={"offload": True},
+                     sparse={"algorithm": "quest", "budget": 8, "budget_floor_tokens": 0, "sink_tokens": 4,
+                             "local_tokens": 4, "options": {"coarse_pages": 2, "coarse_factor": 1}})
+    alg = engine.runner.attention.algorithm
+    tokens = _generate(engine)
+    assert [len(t) for t in tokens] == [PARAMS.max_tokens] * len(PROMPTS)
+    L, N, H, D = alg.kmin.shape
+    pages = alg.kmin[:, :-1].view(L, (N - 1) // 2, 2, H, D)
+    assert torch.equal(alg.cmin[:, :-1], pages.amin(2))
+    assert torch.equal(alg.cmax[:, :-1], alg.kmax[:, :-1].view(L, (N - 1) // 2, 2, H, D).amax(2))
+    assert torch.isfinite(alg.cmin[:, :-1]).any()
