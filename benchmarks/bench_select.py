@@ -52,9 +52,10 @@ def main(argv=None) -> dict:
                     help="time Quest's Select per step, old against fused, at these shapes (e.g. 4x131072)")
     ap.add_argument("--radix-chunks", type=int, nargs="+", default=[256, 1024],
                     help="pages per program of the radix Select's chunked passes (each timed, plain and fused)")
-    ap.add_argument("--coarse", nargs="*", default=["16:4", "16:2"], metavar="GP:FACTOR",
+    ap.add_argument("--coarse", nargs="*", default=["16:4", "16:2"], metavar="GP:FACTOR[:TILE:WARPS]",
                     help="--quest: also the two-level Select (kernels/coarse_select.py) at these groups of pages "
-                         "and candidate factors, timed and its recall of Quest's pages reported")
+                         "and candidate factors (and loop tiles and warps a program), timed and its recall of "
+                         "Quest's pages reported")
     ap.add_argument("--layers", type=int, default=32, help="--quest: layers per step")
     ap.add_argument("--chunks", type=int, nargs="*", default=[],
                     help="--quest: also time the fused Select with these pages per pass-1 program (default: select_chunk's)")
@@ -138,7 +139,7 @@ def quest_steps(args) -> dict:
             quest.kmin[layer, :-1], quest.kmax[layer, :-1] = a.flatten(0, 1), b.flatten(0, 1)
         coarse = {}
         for spec in args.coarse:  # the same page bounds, and group bounds over them
-            gp, factor = map(int, spec.split(":"))
+            gp, factor, *launch = map(int, spec.split(":"))
             alg = get_algorithm("quest")(num_layers=L, num_kv_heads=hkv, head_dim=D, page_size=S, max_seqs=B,
                                          max_pages_per_seq=P, device=dev, index_dtype="bfloat16",
                                          coarse_pages=gp, coarse_factor=factor)
@@ -149,7 +150,7 @@ def quest_steps(args) -> dict:
             nc = alg.cmin.shape[1] - 1
             alg.cmin[:, :-1] = quest.kmin[:, :-1].view(L, nc, gp, hkv, D).amin(2)
             alg.cmax[:, :-1] = quest.kmax[:, :-1].view(L, nc, gp, hkv, D).amax(2)
-            coarse[spec] = alg
+            coarse[spec] = (alg, launch)
         q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16, generator=g)
         rows = torch.arange(B, device=dev)
         held = torch.rand(B, hkv, P, device=dev, generator=g) < 0.1
@@ -167,9 +168,8 @@ def quest_steps(args) -> dict:
                 for chunk in args.chunks:
                     runs[f"chunk{chunk}"] = functools.partial(fused_at, quest, q, rows, plans, held, margin, chunk)
                 exact = step(False)
-                for spec, alg in coarse.items():
-                    runs[f"coarse{spec}"] = functools.partial(
-                        lambda a: [select_layer(a, i, q, rows, plans[i], held, margin) for i in range(L)], alg)
+                for spec, (alg, launch) in coarse.items():
+                    runs[f"coarse{spec}"] = functools.partial(coarse_step, alg, launch, q, rows, plans, held, margin)
                     row[f"coarse{spec}_recall"] = recall(runs[f"coarse{spec}"](), exact, plans[0].sink_pages,
                                                          plans[0].local_pages, n)
                 for key, fn in runs.items():
@@ -192,6 +192,16 @@ def quest_steps(args) -> dict:
     out = {"layers": L, "page_size": S, "chunks": args.chunks, "budget": args.budget, "gpu": torch.cuda.get_device_name(), "rows": results}
     write_result(os.path.join(args.out, "bench_select_quest.json"), out)
     return out
+
+
+def coarse_step(alg, launch, q, rows, plans, held, margin):
+    """The two-level Select of every layer, with its loop tile and warps set when given."""
+    from spin_cluster.kernels import coarse_select as cs
+    from spin_cluster.sparse import select_layer
+
+    if launch:
+        cs._TILE, cs._WARPS = launch
+    return [select_layer(alg, i, q, rows, p, held, margin) for i, p in enumerate(plans)]
 
 
 def recall(got, exact, sink, local, n) -> float:

@@ -48,6 +48,7 @@ from .page_select import page_scores_ref, select_ragged_ref, topk_ragged_ref
 __all__ = ["coarse_candidates", "coarse_refresh", "coarse_refresh_ref", "coarse_select", "coarse_select_ref"]
 
 _TILE = 64  # groups or pages per iteration of a row's loops
+_WARPS = 8  # per program (one per request and KV head)
 
 
 def coarse_candidates(max_budget: int, num_pages: int, group_pages: int, factor: int) -> int:
@@ -193,6 +194,6 @@ def coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: int, 
         P, PG, width, C, cmin.shape[0] - 1, sink_pages, local_pages, factor, float(margin),
         HKV=hkv, G=g, G_PAD=next_pow2(g), D=D, D_PAD=max(16, next_pow2(D)), GP=GP, TILE=_TILE,
         PG_PAD=max(16, next_pow2(PG)), C_PAD=max(16, next_pow2(C)), E_PAD=max(16, next_pow2(max(sink_pages, local_pages, 1))),
-        HAS_DENSE=dense_rows is not None, HAS_HELD=has_held, num_warps=8,
+        HAS_DENSE=dense_rows is not None, HAS_HELD=has_held, num_warps=_WARPS,
     )
     return want, count
