@@ -33,7 +33,7 @@ def _coarse_refresh(kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, crow_ptr, T, NC,
 
 @triton.jit(do_not_specialize=["P", "PG", "W", "C", "NC"])
 def _coarse_select(q_ptr, kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, pages_ptr, n_ptr, bud_ptr, dense_ptr, held_ptr,
-                   gs_ptr, gsel_ptr, cs_ptr, ci_ptr, want_ptr, count_ptr,
+                   gs_ptr, cs_ptr, ci_ptr, want_ptr, count_ptr,
                    stride_qb, stride_qh, stride_mn, stride_mh, stride_cn, stride_ch, stride_pb,
                    P, PG, W, C, NC, SINK, LOCAL, FACTOR, margin,
                    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -90,17 +90,17 @@ def _coarse_select(q_ptr, kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, pages_ptr, n_p
     g_valid = (g < PG) & (gsc > float("-inf"))
     m = tl.minimum(tl.minimum((budget * FACTOR + GP - 1) // GP, tl.sum(g_valid.to(tl.int32), 0)), C // GP)
     keep_g = _take_top(gsc, g_valid, m, PG_PAD)
-    at = tl.cumsum(keep_g.to(tl.int32), 0) - 1
-    tl.store(gsel_ptr + row * PG + at, g, mask=keep_g)
-    tl.debug_barrier()
-    # 3. The kept groups' pages, in page order, scored into cs/ci[row, :m * GP].
+    at = tl.where(keep_g, tl.cumsum(keep_g.to(tl.int32), 0) - 1, -1)  # each kept group's place
+    # 3. The kept groups' pages, in page order, scored into cs/ci[row, :m * GP]: a tile holds
+    #    TILE / GP kept groups, found in registers (the j-th kept group: at == j).
     nc = m * GP
     t = 0
     while t * TILE < nc:
+        j = t * (TILE // GP) + tl.arange(0, TILE // GP)
+        grp = tl.sum(tl.where(at[None, :] == j[:, None], g[None, :], 0), 1)  # [TILE // GP]
+        p = tl.reshape(grp[:, None] * GP + tl.arange(0, GP)[None, :], [TILE])
         c = t * TILE + tl.arange(0, TILE)
         c_ok = c < nc
-        grp = tl.load(gsel_ptr + row * PG + c // GP, mask=c_ok, other=0)
-        p = grp * GP + c % GP
         ok = c_ok & (p >= s_end) & (p < l_start)
         prow = tl.load(pages_ptr + b * stride_pb + p, mask=ok, other=0).to(tl.int64)
         s = _quest_scores(kmin_ptr, kmax_ptr, prow, h, stride_mn, stride_mh, stride_mn, stride_mh, ok,

@@ -91,8 +91,8 @@ def _check(q, kmin, cmin, pages, num_pages, budgets, group_pages, factor):
     if pages.dim() != 2 or pages.shape[0] != B or num_pages.shape != (B,) or budgets.shape != (B, kmin.shape[1]):
         raise ValueError(f"pages [B, P], num_pages [B] and budgets [B, Hkv] for B={B}; got {tuple(pages.shape)}, "
                          f"{tuple(num_pages.shape)}, {tuple(budgets.shape)}")
-    if group_pages < 1 or group_pages & (group_pages - 1) or factor < 1:
-        raise ValueError(f"group_pages={group_pages} must be a power of two and factor={factor} >= 1")
+    if group_pages < 1 or group_pages & (group_pages - 1) or group_pages > 64 or factor < 1:
+        raise ValueError(f"group_pages={group_pages} must be a power of two up to 64 and factor={factor} >= 1")
 
 
 def _budgets(budgets, dense_rows, P):
@@ -180,7 +180,6 @@ def coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: int, 
     C = max(GP, coarse_candidates(max_budget, P, GP, factor))
     rows = B * hkv
     gs = torch.empty(rows, PG, dtype=torch.float32, device=dev)
-    gsel = torch.empty(rows, PG, dtype=torch.int32, device=dev)
     cs = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ci = torch.empty(rows, C, dtype=torch.int32, device=dev)
     has_held = held is not None and bool(margin)
@@ -189,7 +188,7 @@ def coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: int, 
     g = H // hkv
     _kernels()._coarse_select[(rows,)](
         q, kmin, kmax, cmin, cmax, pages, num_pages, budgets.contiguous(), dense_arg, held_arg,
-        gs, gsel, cs, ci, want, count,
+        gs, cs, ci, want, count,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), cmin.stride(0), cmin.stride(1), pages.stride(0),
         P, PG, width, C, cmin.shape[0] - 1, sink_pages, local_pages, factor, float(margin),
         HKV=hkv, G=g, G_PAD=next_pow2(g), D=D, D_PAD=max(16, next_pow2(D)), GP=GP, TILE=_TILE,

@@ -63,8 +63,9 @@ class Quest(SparseAlgorithm):
         self.coarse_pages, self.coarse_factor = int(coarse_pages), int(coarse_factor)
         GP = self.coarse_pages
         if GP:
-            if GP < 2 or GP & (GP - 1):
-                raise ValueError(f"sparse.options.coarse_pages={coarse_pages}: must be 0 (off) or a power of two >= 2")
+            if GP < 2 or GP & (GP - 1) or GP > 64:
+                raise ValueError(f"sparse.options.coarse_pages={coarse_pages}: must be 0 (off) or a power of two "
+                                 "in 2..64")
             if self.blocks_per_page != 1:
                 raise ValueError("sparse.options.coarse_pages needs one scoring block per page (score_block_tokens unset)")
             if self.coarse_factor < 1:
