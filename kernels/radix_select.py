@@ -27,8 +27,10 @@ A key is a score's float32 bits in an order-keeping unsigned form, so the thresh
 and the pages are ``select_ragged_ref``'s, tie rule included (tested equal). Pass 3 reads only
 the keys that share the threshold's top 12 bits (the sign, the exponent and 3 bits of the
 mantissa): a row's budget lies in one such bin. No host sync; shapes come from the arguments
-(CUDA-graph safe). Not yet chosen by the engine: it replaces ``select_ragged`` where
-``bench_select.py`` shows it faster on the GPU.
+(CUDA-graph safe). Not chosen by the engine: on an H100 (``docs/performance.md``, 2026-12-06)
+it took 43-62 us a layer at 128K against the whole-row kernel's 24-40 and the split-row
+kernel's 18 (fused, 43-90): the atomics and the launches cost more than the row's latency
+they spread.
 """
 
 from __future__ import annotations
