@@ -52,9 +52,10 @@ def main(argv=None) -> dict:
                     help="time Quest's Select per step, old against fused, at these shapes (e.g. 4x131072)")
     ap.add_argument("--radix-chunks", type=int, nargs="+", default=[256, 1024],
                     help="pages per program of the radix Select's chunked passes (each timed, plain and fused)")
-    ap.add_argument("--coarse", nargs="*", default=["16:4", "16:2"], metavar="GP:FACTOR[:TILE:WARPS]",
+    ap.add_argument("--coarse", nargs="*", default=["16:4", "16:2"], metavar="GP:FACTOR[:TILE:WARPS[:SPLIT]]",
                     help="--quest: also the two-level Select (kernels/coarse_select.py) at these groups of pages "
-                         "and candidate factors (and loop tiles and warps a program), timed and its recall of "
+                         "and candidate factors (and loop tiles and warps a program; SPLIT 1: group scores in a "
+                         "launch of their own), timed and its recall of "
                          "Quest's pages reported")
     ap.add_argument("--layers", type=int, default=32, help="--quest: layers per step")
     ap.add_argument("--chunks", type=int, nargs="*", default=[],
@@ -140,9 +141,10 @@ def quest_steps(args) -> dict:
         coarse = {}
         for spec in args.coarse:  # the same page bounds, and group bounds over them
             gp, factor, *launch = map(int, spec.split(":"))
+            split = len(launch) > 2 and bool(launch.pop())
             alg = get_algorithm("quest")(num_layers=L, num_kv_heads=hkv, head_dim=D, page_size=S, max_seqs=B,
                                          max_pages_per_seq=P, device=dev, index_dtype="bfloat16",
-                                         coarse_pages=gp, coarse_factor=factor)
+                                         coarse_pages=gp, coarse_factor=factor, coarse_split=split)
             if alg.kmin.shape != quest.kmin.shape:
                 print(f"two-level {spec}: {P} pages a row are not whole groups; skipped")
                 continue

@@ -38,10 +38,13 @@ def _coarse_select(q_ptr, kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, pages_ptr, n_p
                    P, PG, W, C, NC, SINK, LOCAL, FACTOR, margin,
                    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                    GP: tl.constexpr, TILE: tl.constexpr, PG_PAD: tl.constexpr, C_PAD: tl.constexpr,
-                   E_PAD: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_HELD: tl.constexpr):
+                   E_PAD: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_HELD: tl.constexpr,
+                   PRESCORED: tl.constexpr):
     """One program per (request, KV head) row: groups scored from the coarse bounds, the
     best groups kept, their pages scored from the page bounds, the top budget of those
-    pages written with the sink and local pages (``coarse_select_ref``'s order)."""
+    pages written with the sink and local pages (``coarse_select_ref``'s order). PRESCORED:
+    gs holds every group's score already (``page_scores`` over the group rows, many programs
+    a row), all but the last group's, which this program rescores once it has rebuilt it."""
     row = tl.program_id(0).to(tl.int64)  # b * HKV + h
     b = row // HKV
     h = row % HKV
@@ -52,41 +55,55 @@ def _coarse_select(q_ptr, kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, pages_ptr, n_p
     budget = tl.maximum(budget, 0)
     # 0. The request's last group, the one its decode token changed, rebuilt from its pages'
     #    bounds (the only writer of this head's row of it; ``Quest.plan_append``).
-    last = tl.load(pages_ptr + b * stride_pb + (n - 1) // GP * GP)
-    if (n > 0) & (last >= 0) & (last // GP < NC):  # not the dump row
-        offs_g = tl.arange(0, GP)
-        offs_d = tl.arange(0, D_PAD)
-        m2 = (offs_d < D)[None, :] & (offs_g >= 0)[:, None]
-        c_last = last.to(tl.int64) // GP
-        prow = c_last * GP + offs_g
-        lo = tl.load(kmin_ptr + prow[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m2, other=float("inf"))
-        hi = tl.load(kmax_ptr + prow[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m2,
-                     other=float("-inf"))
-        at = c_last * stride_cn + h * stride_ch + offs_d
-        tl.store(cmin_ptr + at, tl.min(lo, 0), mask=offs_d < D)
-        tl.store(cmax_ptr + at, tl.max(hi, 0), mask=offs_d < D)
+    g_last = (n - 1) // GP
+    last = tl.load(pages_ptr + b * stride_pb + g_last * GP)
+    fresh = (n > 0) & (last >= 0) & (last // GP < NC)  # not the dump row
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D_PAD)
+    m2 = (offs_d < D)[None, :] & (offs_g >= 0)[:, None] & fresh
+    c_last = last.to(tl.int64) // GP
+    prow = c_last * GP + offs_g
+    lo = tl.min(tl.load(kmin_ptr + prow[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m2,
+                        other=float("inf")), 0)
+    hi = tl.max(tl.load(kmax_ptr + prow[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m2,
+                        other=float("-inf")), 0)
+    at = c_last * stride_cn + h * stride_ch + offs_d
+    tl.store(cmin_ptr + at, lo.to(cmin_ptr.dtype.element_ty), mask=(offs_d < D) & fresh)
+    tl.store(cmax_ptr + at, hi.to(cmax_ptr.dtype.element_ty), mask=(offs_d < D) & fresh)
     tl.debug_barrier()
     # 1. Group scores, TILE groups at a time, into gs[row] (-inf: a group with no middle page).
-    t = 0
-    while t * TILE < PG:
-        g = t * TILE + tl.arange(0, TILE)
-        g_ok = (g < PG) & (g * GP < l_start) & ((g + 1) * GP > s_end)
-        # Coarse row of group g: its first page's row // GP (a group's page rows are consecutive).
-        first = tl.load(pages_ptr + b * stride_pb + g * GP, mask=g_ok, other=0)
-        crow = tl.where(first >= 0, first // GP, 0)
-        s = _quest_scores(cmin_ptr, cmax_ptr, crow, h, stride_cn, stride_ch, stride_cn, stride_ch, g_ok,
-                          qsum, qabs, D, D_PAD)
-        if HAS_HELD:  # hysteresis: a group with a held middle page scores as its held pages do
-            pg = g[:, None] * GP + tl.arange(0, GP)[None, :]
-            pm = g_ok[:, None] & (pg >= s_end) & (pg < l_start)
-            held = tl.load(held_ptr + row * P + pg, mask=pm, other=0)
-            s = s + tl.where(tl.max(held.to(tl.int32), 1) > 0, margin, 0.0)
-        tl.store(gs_ptr + row * PG + g, tl.where(g_ok, s, float("-inf")), mask=g < PG)
-        t += 1
+    if not PRESCORED:
+        t = 0
+        while t * TILE < PG:
+            g = t * TILE + tl.arange(0, TILE)
+            g_ok = (g < PG) & (g * GP < l_start) & ((g + 1) * GP > s_end)
+            # Coarse row of group g: its first page's row // GP (a group's page rows are consecutive).
+            first = tl.load(pages_ptr + b * stride_pb + g * GP, mask=g_ok, other=0)
+            crow = tl.where(first >= 0, first // GP, 0)
+            s = _quest_scores(cmin_ptr, cmax_ptr, crow, h, stride_cn, stride_ch, stride_cn, stride_ch, g_ok,
+                              qsum, qabs, D, D_PAD)
+            if HAS_HELD:  # hysteresis: a group with a held middle page scores as its held pages do
+                pg = g[:, None] * GP + tl.arange(0, GP)[None, :]
+                pm = g_ok[:, None] & (pg >= s_end) & (pg < l_start)
+                held = tl.load(held_ptr + row * P + pg, mask=pm, other=0)
+                s = s + tl.where(tl.max(held.to(tl.int32), 1) > 0, margin, 0.0)
+            tl.store(gs_ptr + row * PG + g, tl.where(g_ok, s, float("-inf")), mask=g < PG)
+            t += 1
     tl.debug_barrier()
     # 2. The best m groups (lowest group first on ties), m = ceil(budget * FACTOR / GP).
     g = tl.arange(0, PG_PAD)
     gsc = tl.load(gs_ptr + row * PG + g, mask=g < PG, other=float("-inf"))
+    if PRESCORED:  # the last group's score from its rebuilt bounds; the middle and the margin
+        written = hi >= lo
+        s_last = tl.sum(tl.where(written, (lo + hi) * 0.5, 0.0) * qsum + tl.where(written, (hi - lo) * 0.5, 0.0) * qabs, 0)
+        gsc = tl.where((g == g_last) & fresh, s_last, gsc)
+        g_ok = (g < PG) & (g * GP < l_start) & ((g + 1) * GP > s_end)
+        if HAS_HELD:
+            pg = g[:, None] * GP + tl.arange(0, GP)[None, :]
+            pm = g_ok[:, None] & (pg >= s_end) & (pg < l_start)
+            held = tl.load(held_ptr + row * P + pg, mask=pm, other=0)
+            gsc = gsc + tl.where(tl.max(held.to(tl.int32), 1) > 0, margin, 0.0)
+        gsc = tl.where(g_ok, gsc, float("-inf"))
     g_valid = (g < PG) & (gsc > float("-inf"))
     m = tl.minimum(tl.minimum((budget * FACTOR + GP - 1) // GP, tl.sum(g_valid.to(tl.int32), 0)), C // GP)
     keep_g = _take_top(gsc, g_valid, m, PG_PAD)

@@ -43,9 +43,9 @@ import torch
 
 from ._impl import resolve_impl
 from ._triton_support import interpreter_requested, load_kernel_module, next_pow2
-from .page_select import page_scores_ref, select_ragged_ref, topk_ragged_ref
+from .page_select import page_scores, page_scores_ref, select_ragged_ref, topk_ragged_ref
 
-__all__ = ["coarse_candidates", "coarse_refresh", "coarse_refresh_ref", "coarse_select", "coarse_select_ref"]
+__all__ = ["coarse_candidates", "group_rows", "coarse_refresh", "coarse_refresh_ref", "coarse_select", "coarse_select_ref"]
 
 _TILE = 64  # groups or pages per iteration of a row's loops
 _WARPS = 8  # per program (one per request and KV head)
@@ -55,6 +55,12 @@ def coarse_candidates(max_budget: int, num_pages: int, group_pages: int, factor:
     """Most candidate pages any row scores: its kept groups' pages."""
     groups = -(-num_pages // group_pages)
     return min(groups, -(-max_budget * factor // group_pages)) * group_pages
+
+
+def group_rows(pages, group_pages: int):
+    """[B, P / GP] the coarse row of each group of ``pages`` [B, P]: its first page's row // GP."""
+    first = pages[:, ::group_pages]
+    return torch.where(first >= 0, first // group_pages, 0).contiguous()
 
 
 def coarse_refresh_ref(kmin, kmax, cmin, cmax, crow, group_pages: int) -> None:
@@ -114,8 +120,7 @@ def coarse_select_ref(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: i
     budget = torch.minimum(budgets.long(), (l_start - s_end)[..., 0]).clamp(min=0)  # [B, Hkv]
     _refresh_last_groups(kmin, kmax, cmin, cmax, pages, num_pages, GP)
     g = torch.arange(PG, device=dev)
-    first = pages[:, ::GP].long()  # [B, PG]
-    gscore = page_scores_ref(q, cmin, cmax, torch.where(first >= 0, first // GP, 0))  # [B, Hkv, PG]
+    gscore = page_scores_ref(q, cmin, cmax, group_rows(pages, GP))  # [B, Hkv, PG]
     g_ok = (g * GP < l_start) & ((g + 1) * GP > s_end)  # [B, 1, PG]: a group with a middle page
     p = torch.arange(P, device=dev)
     middle = (p >= s_end) & (p < l_start)  # [B, 1, P]
@@ -153,10 +158,13 @@ def _kernels():
 
 def coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: int, local_pages: int, budgets,
                   width: int, group_pages: int, factor: int, held=None, margin: float = 0.0, dense_rows=None,
-                  *, max_budget: int | None = None, impl: str = "auto"):
+                  *, max_budget: int | None = None, split: bool = False, groups=None, impl: str = "auto"):
     """One launch (one program per request and KV head) on CUDA, else ``coarse_select_ref``.
     ``max_budget``: the widest budget of any row (sizes the candidate scratch; default the
-    widest of ``budgets``, read with a host sync)."""
+    widest of ``budgets``, read with a host sync). ``split``: the group scores first, in
+    ``page_scores``' many programs a row, then the rest (two launches: a row's stages run
+    one after another in its program, which at a few rows is the Select's latency);
+    ``groups``: [B, P / GP] each group's coarse row (``group_rows``; built here if None)."""
     if resolve_impl(impl, q.device) == "torch":
         return coarse_select_ref(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages, local_pages, budgets,
                                  width, group_pages, factor, held, margin, dense_rows)
@@ -179,7 +187,10 @@ def coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: int, 
     # at C / GP in the kernel; dense rows' budgets already cover their pages, as SelectPlan's).
     C = max(GP, coarse_candidates(max_budget, P, GP, factor))
     rows = B * hkv
-    gs = torch.empty(rows, PG, dtype=torch.float32, device=dev)
+    if split:
+        gs = page_scores(q, cmin, cmax, group_rows(pages, GP) if groups is None else groups, impl="triton")
+    else:
+        gs = torch.empty(rows, PG, dtype=torch.float32, device=dev)
     cs = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ci = torch.empty(rows, C, dtype=torch.int32, device=dev)
     has_held = held is not None and bool(margin)
@@ -193,6 +204,6 @@ def coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: int, 
         P, PG, width, C, cmin.shape[0] - 1, sink_pages, local_pages, factor, float(margin),
         HKV=hkv, G=g, G_PAD=next_pow2(g), D=D, D_PAD=max(16, next_pow2(D)), GP=GP, TILE=_TILE,
         PG_PAD=max(16, next_pow2(PG)), C_PAD=max(16, next_pow2(C)), E_PAD=max(16, next_pow2(max(sink_pages, local_pages, 1))),
-        HAS_DENSE=dense_rows is not None, HAS_HELD=has_held, num_warps=_WARPS,
+        HAS_DENSE=dense_rows is not None, HAS_HELD=has_held, PRESCORED=split, num_warps=_WARPS,
     )
     return want, count

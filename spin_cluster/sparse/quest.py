@@ -21,7 +21,7 @@ slack) so that the bounds stay bounds; it halves the bytes Select reads, which a
 and 2K budgets are more than Attention reads.
 
 Two-level Select (``sparse.options.coarse_pages``: GP > 0, a power of two; ``coarse_factor``,
-default 4): a second index of bounds over groups of GP pages (the min and max of their page
+default 4; ``coarse_split``: the group scores in a launch of their own, many programs a row): a second index of bounds over groups of GP pages (the min and max of their page
 rows, rebuilt after each append), and Select scores the groups, keeps the
 ``ceil(budget * coarse_factor / GP)`` best per head and ranks only their pages, in one launch
 (``kernels/coarse_select.py``): at 128K tokens it reads about a tenth of the index bytes. Quest's
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from spin_cluster.kernels.coarse_select import coarse_refresh, coarse_select
+from spin_cluster.kernels.coarse_select import coarse_refresh, coarse_select, group_rows
 from spin_cluster.kernels.index_append import bounds_append_planned, plan_bounds_append
 from spin_cluster.kernels.page_select import MAX_ROW_PAGES, page_scores
 from spin_cluster.kernels.quest_select import fused_pays, quest_select
@@ -52,7 +52,8 @@ class Quest(SparseAlgorithm):
     graph_safe = True
     paged_index = True
 
-    def __init__(self, score_block_tokens: int = 0, coarse_pages: int = 0, coarse_factor: int = 4, **kw) -> None:
+    def __init__(self, score_block_tokens: int = 0, coarse_pages: int = 0, coarse_factor: int = 4,
+                 coarse_split: bool = False, **kw) -> None:
         super().__init__(**kw)
         block = score_block_tokens or self.page_size
         if block < 1 or self.page_size % block:
@@ -60,7 +61,8 @@ class Quest(SparseAlgorithm):
                              f"page size {self.page_size}")
         self.block_tokens = block
         self.blocks_per_page = self.page_size // block
-        self.coarse_pages, self.coarse_factor = int(coarse_pages), int(coarse_factor)
+        self.coarse_pages, self.coarse_factor, self.coarse_split = int(coarse_pages), int(coarse_factor), bool(coarse_split)
+        self._groups: tuple | None = None  # (pages, [B, P / GP] group rows) of the current step
         GP = self.coarse_pages
         if GP:
             if GP < 2 or GP & (GP - 1) or GP > 64:
@@ -169,10 +171,15 @@ class Quest(SparseAlgorithm):
         # Select (one launch on CUDA, its torch reference elsewhere).
         if self.coarse_pages:
             pages = self._score_blocks(rows, plan.max_pages)
+            groups = None
+            if self.coarse_split:  # once per step, as the page rows
+                if self._groups is None or self._groups[0] is not pages:
+                    self._groups = (pages, group_rows(pages, self.coarse_pages))
+                groups = self._groups[1]
             return coarse_select(q, self.kmin[layer], self.kmax[layer], self.cmin[layer], self.cmax[layer], pages,
                                  plan.num_pages, plan.sink_pages, plan.local_pages, plan.budget_pages,
                                  plan.budget_width, self.coarse_pages, self.coarse_factor, held, margin,
-                                 plan.dense_rows, max_budget=plan.max_budget)
+                                 plan.dense_rows, max_budget=plan.max_budget, split=self.coarse_split, groups=groups)
         if not q.is_cuda or self.blocks_per_page != 1 or plan.max_pages > MAX_ROW_PAGES:
             return None
         if not force and not fused_pays(q.shape[0] * self.num_kv_heads, plan.budget_width):

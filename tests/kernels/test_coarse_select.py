@@ -34,9 +34,10 @@ def _index(seed, B=2, hkv=2, G=2, D=16, P=37, nc=24, dtype=torch.float32):
 
 def _both(*args, **kw):
     want = coarse_select_ref(*args, **kw)
-    got = coarse_select(*args, **kw, impl="triton")
-    assert torch.equal(got[1], want[1]), (got[1], want[1])
-    assert torch.equal(got[0], want[0]), (got[0], want[0])
+    for split in (False, True):  # one launch; group scores first in page_scores' programs
+        got = coarse_select(*args, **kw, split=split, impl="triton")
+        assert torch.equal(got[1], want[1]), (split, got[1], want[1])
+        assert torch.equal(got[0], want[0]), (split, got[0], want[0])
     return want
 
 
@@ -69,14 +70,15 @@ def test_the_last_group_is_rebuilt_before_it_is_scored():
     for b, n in enumerate(num_pages.tolist()):
         kmax[pages[b, n - 1]] += 50
     outs = []
-    for impl in ("torch", "triton"):
+    for impl, split in (("torch", False), ("triton", False), ("triton", True)):
         c = (cmin.clone(), cmax.clone())
         got = coarse_select(q, kmin, kmax, *c, pages, num_pages, 1, 0, torch.tensor([[3, 3], [3, 3]]), 8, GP, 1,
-                            impl=impl)
+                            split=split, impl=impl)
         outs.append((got, c))
-    (want, (a, b)), (got, (x, y)) = outs
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert torch.equal(x, a) and torch.equal(y, b) and not torch.equal(b, cmax)
+    (want, (a, b)), *rest = outs
+    for got, (x, y) in rest:
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(x, a) and torch.equal(y, b) and not torch.equal(b, cmax)
     for b_, n in enumerate(num_pages.tolist()):  # local 0: the widened last pages' group wins
         assert set(want[0][b_, :, 1:].flatten().tolist()) - {-1} <= set(range((n - 1) // GP * GP, n))
 
@@ -154,5 +156,7 @@ def test_kernel_equals_the_reference_at_llama_shapes(batch):
     for factor, margin in ((4, 0.0), (2, 8.0)):
         want = coarse_select_ref(q, kmin, kmax, cmin, cmax, pages, num_pages, 1, 2, budgets, 543, gp, factor,
                                  held, margin)
-        got = coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, 1, 2, budgets, 543, gp, factor, held, margin)
-        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+        for split in (False, True):
+            got = coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, 1, 2, budgets, 543, gp, factor, held,
+                                margin, split=split)
+            assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
