@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from ._page_select_kernel import _edges, _quest_query, _quest_scores, _row_budget, _take_top
+from ._page_select_kernel import _box_scores, _edges, _quest_query, _quest_scores, _row_budget, _take_top
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
@@ -17,18 +17,42 @@ def _coarse_refresh(kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, crow_ptr, T, NC,
     h = tl.program_id(1)
     c = tl.load(crow_ptr + t)
     prev = tl.load(crow_ptr + tl.maximum(t - 1, 0))
-    if ((t == 0) | (prev != c)) & (c < NC):
-        offs_g = tl.arange(0, GP)
-        offs_d = tl.arange(0, D_PAD)
-        m = (offs_d < D)[None, :] & (offs_g >= 0)[:, None]
-        rows = c.to(tl.int64) * GP + offs_g
-        lo = tl.load(kmin_ptr + rows[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m,
-                     other=float("inf"))
-        hi = tl.load(kmax_ptr + rows[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m,
-                     other=float("-inf"))
-        at = c.to(tl.int64) * stride_cn + h * stride_ch + offs_d
-        tl.store(cmin_ptr + at, tl.min(lo, 0), mask=offs_d < D)
-        tl.store(cmax_ptr + at, tl.max(hi, 0), mask=offs_d < D)
+    _rebuild_group(kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, c.to(tl.int64), h, ((t == 0) | (prev != c)) & (c < NC),
+                   stride_mn, stride_mh, stride_cn, stride_ch, GP, D, D_PAD)
+
+
+@triton.jit
+def _rebuild_group(kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, c, h, ok, stride_mn, stride_mh, stride_cn, stride_ch,
+                   GP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """Where ok: coarse row c of KV head h := the min and max over its GP page rows (pages
+    never written hold +inf / -inf and drop out). Returns the rebuilt (lo, hi) [D_PAD]."""
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D_PAD)
+    m = (offs_d < D)[None, :] & (offs_g >= 0)[:, None] & ok
+    rows = c * GP + offs_g
+    lo = tl.min(tl.load(kmin_ptr + rows[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m,
+                        other=float("inf")), 0)
+    hi = tl.max(tl.load(kmax_ptr + rows[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m,
+                        other=float("-inf")), 0)
+    at = c * stride_cn + h * stride_ch + offs_d
+    tl.store(cmin_ptr + at, lo.to(cmin_ptr.dtype.element_ty), mask=(offs_d < D) & ok)
+    tl.store(cmax_ptr + at, hi.to(cmax_ptr.dtype.element_ty), mask=(offs_d < D) & ok)
+    return lo, hi
+
+
+@triton.jit
+def _held_margin(held_ptr, row, P, g, g_ok, s_end, l_start, margin, GP: tl.constexpr):
+    """[len(g)] hysteresis of groups g: ``margin`` where a group holds a held middle page."""
+    pg = g[:, None] * GP + tl.arange(0, GP)[None, :]
+    pm = g_ok[:, None] & (pg >= s_end) & (pg < l_start)
+    held = tl.load(held_ptr + row * P + pg, mask=pm, other=0)
+    return tl.where(tl.max(held.to(tl.int32), 1) > 0, margin, 0.0)
+
+
+@triton.jit
+def _has_middle(g, PG, s_end, l_start, GP: tl.constexpr):
+    """Groups g that exist and hold a middle page (between the sink and the local pages)."""
+    return (g < PG) & (g * GP < l_start) & ((g + 1) * GP > s_end)
 
 
 @triton.jit(do_not_specialize=["P", "PG", "W", "C", "NC"])
@@ -58,35 +82,22 @@ def _coarse_select(q_ptr, kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, pages_ptr, n_p
     g_last = (n - 1) // GP
     last = tl.load(pages_ptr + b * stride_pb + g_last * GP)
     fresh = (n > 0) & (last >= 0) & (last // GP < NC)  # not the dump row
-    offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D_PAD)
-    m2 = (offs_d < D)[None, :] & (offs_g >= 0)[:, None] & fresh
-    c_last = last.to(tl.int64) // GP
-    prow = c_last * GP + offs_g
-    lo = tl.min(tl.load(kmin_ptr + prow[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m2,
-                        other=float("inf")), 0)
-    hi = tl.max(tl.load(kmax_ptr + prow[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m2,
-                        other=float("-inf")), 0)
-    at = c_last * stride_cn + h * stride_ch + offs_d
-    tl.store(cmin_ptr + at, lo.to(cmin_ptr.dtype.element_ty), mask=(offs_d < D) & fresh)
-    tl.store(cmax_ptr + at, hi.to(cmax_ptr.dtype.element_ty), mask=(offs_d < D) & fresh)
+    lo, hi = _rebuild_group(kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, last.to(tl.int64) // GP, h, fresh,
+                            stride_mn, stride_mh, stride_cn, stride_ch, GP, D, D_PAD)
     tl.debug_barrier()
     # 1. Group scores, TILE groups at a time, into gs[row] (-inf: a group with no middle page).
     if not PRESCORED:
         t = 0
         while t * TILE < PG:
             g = t * TILE + tl.arange(0, TILE)
-            g_ok = (g < PG) & (g * GP < l_start) & ((g + 1) * GP > s_end)
+            g_ok = _has_middle(g, PG, s_end, l_start, GP)
             # Coarse row of group g: its first page's row // GP (a group's page rows are consecutive).
             first = tl.load(pages_ptr + b * stride_pb + g * GP, mask=g_ok, other=0)
             crow = tl.where(first >= 0, first // GP, 0)
             s = _quest_scores(cmin_ptr, cmax_ptr, crow, h, stride_cn, stride_ch, stride_cn, stride_ch, g_ok,
                               qsum, qabs, D, D_PAD)
             if HAS_HELD:  # hysteresis: a group with a held middle page scores as its held pages do
-                pg = g[:, None] * GP + tl.arange(0, GP)[None, :]
-                pm = g_ok[:, None] & (pg >= s_end) & (pg < l_start)
-                held = tl.load(held_ptr + row * P + pg, mask=pm, other=0)
-                s = s + tl.where(tl.max(held.to(tl.int32), 1) > 0, margin, 0.0)
+                s = s + _held_margin(held_ptr, row, P, g, g_ok, s_end, l_start, margin, GP)
             tl.store(gs_ptr + row * PG + g, tl.where(g_ok, s, float("-inf")), mask=g < PG)
             t += 1
     tl.debug_barrier()
@@ -94,15 +105,12 @@ def _coarse_select(q_ptr, kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, pages_ptr, n_p
     g = tl.arange(0, PG_PAD)
     gsc = tl.load(gs_ptr + row * PG + g, mask=g < PG, other=float("-inf"))
     if PRESCORED:  # the last group's score from its rebuilt bounds; the middle and the margin
-        written = hi >= lo
-        s_last = tl.sum(tl.where(written, (lo + hi) * 0.5, 0.0) * qsum + tl.where(written, (hi - lo) * 0.5, 0.0) * qabs, 0)
+        # One row's score, in float32 as ``page_scores`` gives every other group's.
+        s_last = tl.sum(_box_scores(lo.to(tl.float32)[None, :], hi.to(tl.float32)[None, :], qsum, qabs), 0)
         gsc = tl.where((g == g_last) & fresh, s_last, gsc)
-        g_ok = (g < PG) & (g * GP < l_start) & ((g + 1) * GP > s_end)
+        g_ok = _has_middle(g, PG, s_end, l_start, GP)
         if HAS_HELD:
-            pg = g[:, None] * GP + tl.arange(0, GP)[None, :]
-            pm = g_ok[:, None] & (pg >= s_end) & (pg < l_start)
-            held = tl.load(held_ptr + row * P + pg, mask=pm, other=0)
-            gsc = gsc + tl.where(tl.max(held.to(tl.int32), 1) > 0, margin, 0.0)
+            gsc = gsc + _held_margin(held_ptr, row, P, g, g_ok, s_end, l_start, margin, GP)
         gsc = tl.where(g_ok, gsc, float("-inf"))
     g_valid = (g < PG) & (gsc > float("-inf"))
     m = tl.minimum(tl.minimum((budget * FACTOR + GP - 1) // GP, tl.sum(g_valid.to(tl.int32), 0)), C // GP)

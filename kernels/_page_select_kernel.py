@@ -46,6 +46,13 @@ def _quest_scores(kmin_ptr, kmax_ptr, rows, h, stride_mn, stride_mh, stride_xn, 
     m = p_ok[:, None] & (offs_d < D)[None, :]
     lo = tl.load(kmin_ptr + rows[:, None] * stride_mn + h * stride_mh + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
     hi = tl.load(kmax_ptr + rows[:, None] * stride_xn + h * stride_xh + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+    return _box_scores(lo, hi, qsum, qabs)
+
+
+@triton.jit
+def _box_scores(lo, hi, qsum, qabs):
+    """[BLOCK_P] float32 Quest scores of bounds lo, hi [BLOCK_P, D_PAD] (float32) for the
+    summed query (qsum, qabs) [D_PAD]."""
     written = hi >= lo  # never-written pages hold +inf / -inf
     center = tl.where(written, (lo + hi) * 0.5, 0.0)
     radius = tl.where(written, (hi - lo) * 0.5, 0.0)

@@ -83,10 +83,14 @@ def coarse_refresh(kmin, kmax, cmin, cmax, crow, group_pages: int, *, impl: str 
     T, (hkv, D) = crow.shape[0], kmin.shape[1:]
     if T == 0:
         return
-    if kmin.stride() != kmax.stride() or cmin.stride() != cmax.stride() or kmin.stride(2) != 1 or cmin.stride(2) != 1:
-        raise ValueError("kmin/kmax and cmin/cmax need one layout each, contiguous in the head dim")
+    _check_layout(kmin, kmax, cmin, cmax)
     _kernels()._coarse_refresh[(T, hkv)](kmin, kmax, cmin, cmax, crow, T, cmin.shape[0] - 1, kmin.stride(0), kmin.stride(1),
                                          cmin.stride(0), cmin.stride(1), GP=group_pages, D=D, D_PAD=next_pow2(D))
+
+
+def _check_layout(kmin, kmax, cmin, cmax):
+    if kmin.stride() != kmax.stride() or cmin.stride() != cmax.stride() or kmin.stride(2) != 1 or cmin.stride(2) != 1:
+        raise ValueError("kmin/kmax and cmin/cmax need one layout each, contiguous in the head dim")
 
 
 def _check(q, kmin, cmin, pages, num_pages, budgets, group_pages, factor):
@@ -178,8 +182,7 @@ def coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: int, 
     count = torch.empty(B, hkv, dtype=torch.int64, device=dev)
     if B == 0 or P == 0:
         return want.fill_(-1), count.zero_()
-    if kmin.stride() != kmax.stride() or cmin.stride() != cmax.stride() or kmin.stride(2) != 1 or cmin.stride(2) != 1:
-        raise ValueError("kmin/kmax and cmin/cmax need one layout each, contiguous in the head dim")
+    _check_layout(kmin, kmax, cmin, cmax)
     if max_budget is None:
         max_budget = int(_budgets(budgets, dense_rows, P).max())
     PG = -(-P // GP)

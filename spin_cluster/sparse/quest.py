@@ -144,14 +144,13 @@ class Quest(SparseAlgorithm):
     def append(self, layer, plan, k):
         # One Triton launch on CUDA (bounds rounded outward in a 16-bit index), else torch ops;
         # two-level, one more: the touched group rows rebuilt from their pages' bounds.
+        groups = None
         if self.coarse_pages:
             plan, groups = plan
-            bounds_append_planned(self.kmin[layer], self.kmax[layer], k, plan)
-            if groups is not None:
-                coarse_refresh(self.kmin[layer], self.kmax[layer], self.cmin[layer], self.cmax[layer], groups,
-                               self.coarse_pages)
-            return
         bounds_append_planned(self.kmin[layer], self.kmax[layer], k, plan)
+        if groups is not None:
+            coarse_refresh(self.kmin[layer], self.kmax[layer], self.cmin[layer], self.cmax[layer], groups,
+                           self.coarse_pages)
 
     def score(self, layer, q, rows, num_pages):
         # q: [B, H, D] -> [B, Hkv, num_pages]; Triton on CUDA, the torch reference elsewhere
