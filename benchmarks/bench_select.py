@@ -6,9 +6,8 @@
 Times ``select_ragged`` (edge masks, radix-select top-k, compaction: one program per
 (request, KV head)) on random scores at Llama-3.1-8B's 8 KV heads and 32-token pages, with
 uniform budgets and with S-HPLB's max-min shifted ones (the widest heads take ~8x the mean),
-for several warps per program, the split-row kernel (chunks of pages per program, then
-a merge per row) and the radix rows of ``kernels/radix_select.py`` (four launches whose grids
-follow the row, or two with ``fused``). Median of ``triton.testing.do_bench`` in microseconds, launched and replayed
+for several warps per program, and the split-row kernel (chunks of pages per program, then
+a merge per row). Median of ``triton.testing.do_bench`` in microseconds, launched and replayed
 from a CUDA graph (as a decode step runs it); each row checks its pages against the whole-row
 kernel's.
 
@@ -50,8 +49,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--quest", nargs="*", metavar="BxCONTEXT",
                     help="time Quest's Select per step, old against fused, at these shapes (e.g. 4x131072)")
-    ap.add_argument("--radix-chunks", type=int, nargs="+", default=[256, 1024],
-                    help="pages per program of the radix Select's chunked passes (each timed, plain and fused)")
     ap.add_argument("--coarse", nargs="*", default=["16:4", "16:2"], metavar="GP:FACTOR[:TILE:WARPS[:SPLIT]]",
                     help="--quest: also the two-level Select (kernels/coarse_select.py) at these groups of pages "
                          "and candidate factors (and loop tiles and warps a program; SPLIT 1: group scores in a "
@@ -70,7 +67,6 @@ def main(argv=None) -> dict:
 
     from spin_cluster.hplb.budget import synthetic_maxmin_budgets
     from spin_cluster.kernels.page_select import SPLIT_CHUNK, select_ragged, split_chunk
-    from spin_cluster.kernels.radix_select import select_ragged_radix
 
     S, hkv, B = args.page_size, 8, args.batch
     results = []
@@ -87,13 +83,9 @@ def main(argv=None) -> dict:
         for name, budgets in rows.items():
             width = 1 + int(budgets.max()) + 2
             runs = [("whole row", w, 0) for w in args.warps] + [("split rows", 0, SPLIT_CHUNK)]
-            runs += [(f"radix rows{f}", 0, c) for c in args.radix_chunks for f in ("", ", fused")]
             whole = select_ragged(scores, n, 1, 2, budgets, width, chunk=0)
             for kernel, w, chunk in runs:
                 def call():
-                    if kernel.startswith("radix rows"):  # kernels/radix_select.py: any budget
-                        return select_ragged_radix(scores, n, 1, 2, budgets, width, chunk=chunk,
-                                                   fused=kernel.endswith("fused"))
                     return select_ragged(scores, n, 1, 2, budgets, width, num_warps=w, chunk=chunk)
                 same = all(torch.equal(a, b) for a, b in zip(call(), whole))
                 us = 1e3 * triton.testing.do_bench(call, return_mode="median")
@@ -105,7 +97,7 @@ def main(argv=None) -> dict:
                 del graph
                 results.append({"pages": P, "budgets": name, "max_budget_pages": int(budgets.max()),
                                 "kernel": kernel, "warps": w, "chunk": chunk, "us": us, "graph_us": graph_us,
-                                "same": same, "auto": not kernel.startswith("radix") and split_chunk(P, width) == chunk})
+                                "same": same, "auto": split_chunk(P, width) == chunk})
                 print(f"| {P} | {name} | {int(budgets.max())} | {kernel} | {w or '-'} | {chunk or '-'} | {us:.1f} | {graph_us:.1f} "
                       f"| {same} |", flush=True)
     out = {"context": args.context, "batch": B, "gpu": torch.cuda.get_device_name(), "rows": results}

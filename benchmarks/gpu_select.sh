@@ -5,7 +5,7 @@
 #       separate steps against the fused kernel and the two-level Select at each GP:FACTOR of
 #       COARSE (default "16:4 16:2 8:4"), eager and replayed from a CUDA graph, with the two-level
 #       Select's recall of Quest's pages (random bounds: no locality, a floor);
-#   the ragged top-k alone (whole-row, split-row and radix rows) at 128K for each of BATCHES
+#   the ragged top-k alone (whole-row and split-row) at 128K for each of BATCHES
 #       (default "4 1").
 #   SPIN_COMMIT=<sha> bash benchmarks/gpu_select.sh
 # Results in $OUT: select.log, quest/bench_select_quest.json, ragged-b<B>/bench_select.json.
@@ -15,7 +15,7 @@ LOG="$OUT/select.log"
 gpu_record "$LOG"
 echo "commit ${SPIN_COMMIT:-unknown}" | tee -a "$LOG"
 (cd /tmp && timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$REPO/tests/kernels/test_coarse_select.py" \
-  "$REPO/tests/kernels/test_radix_select.py" "$REPO/tests/kernels/test_quest_select.py" 2>&1 | tail -12) | tee -a "$LOG"
+  "$REPO/tests/kernels/test_quest_select.py" 2>&1 | tail -12) | tee -a "$LOG"
 # shellcheck disable=SC2086
 timeout 300 python3 benchmarks/bench_select.py --quest ${QUEST:-4x131072 1x131072} --coarse ${COARSE:-16:4 16:2 8:4} \
   --out "$OUT/quest" 2>&1 | tee -a "$LOG"
