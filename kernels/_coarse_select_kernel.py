@@ -115,16 +115,21 @@ def _coarse_select(q_ptr, kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, pages_ptr, n_p
     g_valid = (g < PG) & (gsc > float("-inf"))
     m = tl.minimum(tl.minimum((budget * FACTOR + GP - 1) // GP, tl.sum(g_valid.to(tl.int32), 0)), C // GP)
     keep_g = _take_top(gsc, g_valid, m, PG_PAD)
-    at = tl.where(keep_g, tl.cumsum(keep_g.to(tl.int32), 0) - 1, -1)  # each kept group's place
-    # 3. The kept groups' pages, in page order, scored into cs/ci[row, :m * GP]: a tile holds
-    #    TILE / GP kept groups, found in registers (the j-th kept group: at == j).
+    # The kept groups in order, over the group scores (read above): gs[row, j] := the j-th.
+    # (Broadcasting a [TILE // GP] lookup to the tile's pages with tl.reshape fails Triton
+    # 3.6's layout pass on sm_90, and a lookup per page in registers grows with P / GP.)
+    at = tl.cumsum(keep_g.to(tl.int32), 0) - 1
+    tl.debug_barrier()
+    tl.store(gs_ptr + row * PG + at, g.to(tl.float32), mask=keep_g)
+    tl.debug_barrier()
+    # 3. The kept groups' pages, in page order, scored into cs/ci[row, :m * GP]: candidate c is
+    #    page c % GP of the (c // GP)-th kept group.
     nc = m * GP
     t = 0
     while t * TILE < nc:
-        j = t * (TILE // GP) + tl.arange(0, TILE // GP)
-        grp = tl.sum(tl.where(at[None, :] == j[:, None], g[None, :], 0), 1)  # [TILE // GP]
-        p = tl.reshape(grp[:, None] * GP + tl.arange(0, GP)[None, :], [TILE])
         c = t * TILE + tl.arange(0, TILE)
+        grp = tl.load(gs_ptr + row * PG + c // GP, mask=c < nc, other=0.0).to(tl.int32)
+        p = grp * GP + c % GP
         c_ok = c < nc
         ok = c_ok & (p >= s_end) & (p < l_start)
         prow = tl.load(pages_ptr + b * stride_pb + p, mask=ok, other=0).to(tl.int64)

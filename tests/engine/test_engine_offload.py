@@ -220,11 +220,13 @@ def test_per_head_shares_fit_more_requests_with_the_same_tokens(smollm2_path):
     uniform_slots = 26 * 30 * 3
     gib = _quest_kv_gib(3 * uniform_slots)  # three uniform full shares
     tokens, peak = {}, {}
-    for per_head in (False, True):
+    for per_head in (False, True, None):  # None, the default: on wherever it applies
         eng = _engine(smollm2_path, cache={"offload": True, "kv_cache_gib": gib, "per_head_shares": per_head,
                                            "buffer_share": 2}, sparse=sparse)
         b = eng.kv.buffer
-        assert b.max_share == 26 and b.per_head_widths == per_head
+        assert b.max_share == 26 and b.per_head_widths == (per_head is not False)
+        if per_head is None:
+            continue
         assert b.slots_for(26) == ((10 + 14 + 26) * 30 if per_head else uniform_slots)
         ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in PROMPTS * 2]
         out, peak[per_head] = {i: [] for i in ids}, 0
