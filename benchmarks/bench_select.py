@@ -110,6 +110,7 @@ def quest_steps(args) -> dict:
     import triton
 
     from spin_cluster.hplb.budget import synthetic_maxmin_budgets
+    from spin_cluster.kernels import coarse_select as cs
     from spin_cluster.sparse import SelectPlan, get_algorithm, select_layer
 
     S, hkv, H, D, L = args.page_size, 8, 32, 128, args.layers
@@ -144,7 +145,7 @@ def quest_steps(args) -> dict:
             nc = alg.cmin.shape[1] - 1
             alg.cmin[:, :-1] = quest.kmin[:, :-1].view(L, nc, gp, hkv, D).amin(2)
             alg.cmax[:, :-1] = quest.kmax[:, :-1].view(L, nc, gp, hkv, D).amax(2)
-            coarse[spec] = (alg, launch)
+            coarse[spec] = (alg, launch or [cs._TILE, cs._WARPS])  # the kernel's own unless named
         q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16, generator=g)
         rows = torch.arange(B, device=dev)
         held = torch.rand(B, hkv, P, device=dev, generator=g) < 0.1
@@ -193,8 +194,7 @@ def coarse_step(alg, launch, q, rows, plans, held, margin):
     from spin_cluster.kernels import coarse_select as cs
     from spin_cluster.sparse import select_layer
 
-    if launch:
-        cs._TILE, cs._WARPS = launch
+    cs._TILE, cs._WARPS = launch
     return [select_layer(alg, i, q, rows, p, held, margin) for i, p in enumerate(plans)]
 
 

@@ -53,12 +53,15 @@ def _dequantise_page(pages, scales, out, src, dst, S: tl.constexpr, D: tl.conste
     tl.store(out + dst * S * D + at, x.to(out.dtype.element_ty), mask=m)
 
 @triton.jit
-def _retrieve_pages_fp8(sk, sv, sks, svs, dk, dv, src_ids, dst_ids, S: tl.constexpr, D: tl.constexpr,
-              BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    i = tl.program_id(0)
-    src = tl.load(src_ids + i).to(tl.int64)
-    dst = tl.load(dst_ids + i).to(tl.int64)
-    if (src >= 0) & (dst >= 0):
-        _dequantise_page(sk, sks, dk, src, dst, S, D, BLOCK_S, BLOCK_D)
-        _dequantise_page(sv, svs, dv, src, dst, S, D, BLOCK_S, BLOCK_D)
+def _retrieve_pages_fp8(sk, sv, sks, svs, dk, dv, src_ids, dst_ids, M, S: tl.constexpr, D: tl.constexpr,
+              BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PAIRS: tl.constexpr):
+    """Pairs p * PAIRS .. p * PAIRS + PAIRS - 1 of M, one after another (``retrieve.py``'s
+    ``pairs_per_program``: few programs where most pairs are dead)."""
+    for j in tl.static_range(PAIRS):
+        i = tl.program_id(0) * PAIRS + j
+        src = tl.load(src_ids + i, mask=i < M, other=-1).to(tl.int64)
+        dst = tl.load(dst_ids + i, mask=i < M, other=-1).to(tl.int64)
+        if (src >= 0) & (dst >= 0):
+            _dequantise_page(sk, sks, dk, src, dst, S, D, BLOCK_S, BLOCK_D)
+            _dequantise_page(sv, svs, dv, src, dst, S, D, BLOCK_S, BLOCK_D)
 

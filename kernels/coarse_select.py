@@ -47,8 +47,12 @@ from .page_select import page_scores, page_scores_ref, select_ragged_ref, topk_r
 
 __all__ = ["coarse_candidates", "group_rows", "coarse_refresh", "coarse_refresh_ref", "coarse_select", "coarse_select_ref"]
 
-_TILE = 64  # groups or pages per iteration of a row's loops
-_WARPS = 8  # per program (one per request and KV head)
+# Groups or pages per iteration of a row's loops, and warps per program (one per request and
+# KV head). 128 and 16 against 64 and 8 on an H200 (Quest's Select of a 32-layer step, CUDA
+# graph, 4 x 128K, S-HPLB budgets, groups of 16 pages): 1842 against 2286 us split, and at
+# uniform budgets 1407 against 1426 (benchmarks/results/select/2026-12-06-h200-*).
+_TILE = 128
+_WARPS = 16
 
 
 def coarse_candidates(max_budget: int, num_pages: int, group_pages: int, factor: int) -> int:

@@ -28,6 +28,7 @@ import torch
 from ._impl import resolve_impl
 from ._triton_support import load_kernel_module, next_pow2
 from .offload import check_also, write_tokens_ref
+from .retrieve import pairs_per_program
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "retrieve_pages_fp8", "retrieve_pages_fp8_ref", "write_tokens_fp8",
            "write_tokens_fp8_ref"]
@@ -122,5 +123,7 @@ def retrieve_pages_fp8(src_k, src_v, src_k_scale, src_v_scale, dst_k, dst_v, src
         return
     _, retrieve = _kernels()
     S, D = src_k.shape[1:]
-    retrieve[(M,)](src_k.view(torch.uint8), src_v.view(torch.uint8), src_k_scale, src_v_scale, dst_k, dst_v,
-                   src_ids, dst_ids, S=S, D=D, BLOCK_S=next_pow2(S), BLOCK_D=next_pow2(D))
+    pairs = pairs_per_program(M)
+    retrieve[(-(-M // pairs),)](src_k.view(torch.uint8), src_v.view(torch.uint8), src_k_scale, src_v_scale, dst_k,
+                                dst_v, src_ids, dst_ids, M, S=S, D=D, BLOCK_S=next_pow2(S), BLOCK_D=next_pow2(D),
+                                PAIRS=pairs)

@@ -49,7 +49,7 @@ import torch
 from ._impl import resolve_impl
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2, triton_importable
 
-__all__ = ["retrieve_pages", "retrieve_pages_ref", "triton_available"]
+__all__ = ["pairs_per_program", "retrieve_pages", "retrieve_pages_ref", "triton_available"]
 
 _SUPPORTED_DTYPES = (
     torch.float32,
@@ -67,6 +67,20 @@ _ID_DTYPES = (torch.int32, torch.int64)
 # four 16-byte vectors of K and as many of V in flight.
 _MAX_BLOCK = 4096
 _NUM_WARPS = 4
+# Programs a launch aims at: past this many pairs each program takes several, one after
+# another (``_retrieve_kernel.py``): enough programs stay resident to keep PCIe and HBM busy
+# (16 of 4 warps per SM fill an H200), and a step whose pairs are mostly dead launches few.
+_PROGRAMS = 2048
+_MOST_PAIRS = 16
+
+
+def pairs_per_program(m: int) -> int:
+    """Pairs each program copies for a launch of m pairs: a power of two, 1 up to _PROGRAMS
+    pairs, at most _MOST_PAIRS."""
+    p = 1
+    while p < _MOST_PAIRS and m > _PROGRAMS * p:
+        p *= 2
+    return p
 
 
 # --------------------------------------------------------------------------------------
@@ -223,7 +237,8 @@ def retrieve_pages(
     num_warps: int | None = None,
     impl: str = "auto",
 ) -> None:
-    """Retrieve; the kernel runs one program per (src, dst) pair, K and V in one launch.
+    """Retrieve; the kernel runs one program per (src, dst) pair (several pairs each past
+    2048 pairs: ``pairs_per_program``), K and V in one launch.
 
     See the module docstring for the contract. Keyword-only:
       block      elements per chunk and tensor (power of 2); default
@@ -248,7 +263,8 @@ def retrieve_pages(
         raise ValueError(f"block must be a power of 2, got {block}")
     if M == 0 or page_numel == 0:
         return
-    kmod._retrieve_pages[(M,)](
+    pairs = pairs_per_program(M)
+    kmod._retrieve_pages[(-(-M // pairs),)](
         src_k,
         src_v,
         dst_k,
@@ -256,6 +272,7 @@ def retrieve_pages(
         src_ids,
         dst_ids,
         src_ids if count is None else count,  # unused without a count
+        M,
         src_k.stride(0),
         src_v.stride(0),
         dst_k.stride(0),
@@ -264,5 +281,6 @@ def retrieve_pages(
         BLOCK=block,
         NUM_CHUNKS=-(-page_numel // block),
         HAS_COUNT=count is not None,
+        PAIRS=pairs,
         num_warps=_NUM_WARPS if num_warps is None else num_warps,
     )

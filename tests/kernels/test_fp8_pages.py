@@ -84,6 +84,22 @@ def test_retrieve_impls():
     check_impls(retrieve_pages_fp8, retrieve_pages_fp8_ref, make, outputs=lambda _, args: [args[4], args[5]])
 
 
+def test_retrieve_with_several_pairs_per_program(monkeypatch):
+    """Programs of 8 pairs (the target lowered), M not a multiple: the reference's pages."""
+    import spin_cluster.kernels.retrieve as rt
+
+    monkeypatch.setattr(rt, "_PROGRAMS", 1)
+
+    def make():
+        pages = _pages()
+        k, v = _rows(N * S, seed=4)
+        write_tokens_fp8_ref(*pages, k, v, torch.arange(N * S))
+        src = torch.tensor([4, 0, -1, 2, 1, 1, 3, -1, 0])
+        return (*pages, torch.zeros(9, S, D), torch.zeros(9, S, D), src, torch.tensor([8, 0, 1, 2, 3, 4, 5, 6, 7])), {}
+    assert rt.pairs_per_program(9) == 16
+    check_impls(retrieve_pages_fp8, retrieve_pages_fp8_ref, make, outputs=lambda _, args: [args[4], args[5]])
+
+
 def test_bad_pages_are_refused():
     k, v = _rows(1)
     with pytest.raises(ValueError, match="float8_e4m3fn"):

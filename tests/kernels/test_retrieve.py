@@ -115,6 +115,30 @@ def test_random_ids_match_oracle(fn, dtype, id_dtype, S, D):
     assert torch.equal(dst_v.cpu(), exp_v)
 
 
+def test_pairs_per_program_grows_past_the_program_target():
+    assert [rt.pairs_per_program(m) for m in (1, 2048, 2049, 4097, 17408, 10**7)] == [1, 1, 2, 4, 16, 16]
+
+
+@needs_triton
+@pytest.mark.parametrize("with_count", [False, True])
+def test_several_pairs_per_program_match_the_oracle(monkeypatch, with_count):
+    """Programs taking 16 pairs each (the target lowered to 2 programs): the last program's
+    pairs past M, -1 holes and a count that ends inside a program all stay untouched."""
+    monkeypatch.setattr(rt, "_PROGRAMS", 2)
+    n_src, n_dst, M = 40, 40, 37
+    assert rt.pairs_per_program(M) == 16
+    gen = torch.Generator().manual_seed(3)
+    src_k, src_v, dst_k, dst_v = make_pools(n_src, n_dst, 2, 8, torch.float32, seed=3)
+    src_ids = torch.randint(0, n_src, (M,), generator=gen)
+    dst_ids = torch.randperm(n_dst, generator=gen)[:M]
+    src_ids[torch.tensor([0, 17, 36])] = -1
+    n = 29 if with_count else M
+    exp_k, exp_v = oracle(src_k.cpu(), src_v.cpu(), dst_k.cpu(), dst_v.cpu(), src_ids, dst_ids, n)
+    count = ids([n]) if with_count else None
+    retrieve_pages(src_k, src_v, dst_k, dst_v, src_ids.to(DEVICE), dst_ids.to(DEVICE), count, impl="triton")
+    assert torch.equal(dst_k.cpu(), exp_k) and torch.equal(dst_v.cpu(), exp_v)
+
+
 @needs_triton
 def test_strided_pages_and_large_chunks():
     """Pools that are views with a page stride > S*D, and a page split over chunks."""
