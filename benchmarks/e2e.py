@@ -107,9 +107,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                          "0: off)")
     ap.add_argument("--coarse-factor", type=int, default=4,
                     help="two-level Select: candidate pages per budgeted page (sparse.options.coarse_factor)")
-    ap.add_argument("--per-head-shares", action=argparse.BooleanOptionalAction, default=None,
-                    help="spin: cache.per_head_shares, each head's buffer share sized by its own S-HPLB budget "
-                         "(default: the cache's, on)")
+    ap.add_argument("--per-head-shares", action=argparse.BooleanOptionalAction, default=True,
+                    help="spin: cache.per_head_shares, each head's buffer share sized by its own S-HPLB budget")
     ap.add_argument("--buffer-share", type=float, default=0.0,
                     help="spin: cache.buffer_share, a share's cap as a multiple of the pages a step selects "
                          "(0: none, shares grow into every free slot of the GPU memory budget)")

@@ -111,11 +111,11 @@ class CacheConfig(ConfigSection):
     elastic_shares: StrictBool = Field(True, description=(
         "Size each newcomer's buffer share from the free slots and the queue behind it (down to "
         "its mandatory pages); false: every request takes buffer_pages_per_head or waits."))
-    per_head_shares: StrictBool | None = Field(None, description=(
+    per_head_shares: StrictBool = Field(True, description=(
         "With sparse.per_head_budgets (top-k): size each head's share by its own selection "
         "(buffer_share times sink + its budget + local) instead of the widest head's, so a "
-        "request's share takes a fraction of the slots and more requests fit the same GPU cap. "
-        "null (default): on wherever it applies. Sized by the widest head, the buffer of "
+        "request's share takes a fraction of the slots and more requests fit the same GPU cap "
+        "(without per-head top-k budgets it has no effect). Sized by the widest head, the buffer of "
         "max_num_seqs requests took 42 of 100 GiB at 4 x 128K on Llama-3.1-8B shapes and pushed "
         "a sixth of the pages to the host; by each head's own, 5 GiB, and every page stays home."))
     buffer_reuse: StrictBool = Field(True, description=(

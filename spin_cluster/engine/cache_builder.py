@@ -209,7 +209,7 @@ def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_c
     # Per-head widths need each head's own selection bounded by its budget: top-k over
     # per-head budgets (top-p lets a head take a layer's whole budget).
     sp = config.sparse
-    if (cc.per_head_shares is not False and not cc.buffer_pages_per_head and sp.per_head_budgets is not None
+    if (cc.per_head_shares and not cc.buffer_pages_per_head and sp.per_head_budgets is not None
             and sp.top_p is None and not algorithm.selects_all):
         head_mandatory = _head_mandatory_pages(config, mc.num_layers, max_pages)
         widths = [[min(max_pages, math.ceil(multiple * m)) for m in row] for row in head_mandatory]

@@ -220,9 +220,11 @@ def test_per_head_shares_fit_more_requests_with_the_same_tokens(smollm2_path):
     uniform_slots = 26 * 30 * 3
     gib = _quest_kv_gib(3 * uniform_slots)  # three uniform full shares
     tokens, peak = {}, {}
-    for per_head in (False, True, None):  # None, the default: on wherever it applies
-        eng = _engine(smollm2_path, cache={"offload": True, "kv_cache_gib": gib, "per_head_shares": per_head,
-                                           "buffer_share": 2}, sparse=sparse)
+    for per_head in (False, True, None):  # None: the cache's default, per-head shares
+        cache = {"offload": True, "kv_cache_gib": gib, "buffer_share": 2}
+        if per_head is not None:
+            cache["per_head_shares"] = per_head
+        eng = _engine(smollm2_path, cache=cache, sparse=sparse)
         b = eng.kv.buffer
         assert b.max_share == 26 and b.per_head_widths == (per_head is not False)
         if per_head is None:
