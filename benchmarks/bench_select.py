@@ -52,8 +52,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--coarse", nargs="*", default=["16:4", "16:2"], metavar="GP:FACTOR[:TILE:WARPS[:SPLIT]]",
                     help="--quest: also the two-level Select (kernels/coarse_select.py) at these groups of pages "
                          "and candidate factors (and loop tiles and warps a program; SPLIT 1: group scores in a "
-                         "launch of their own), timed and its recall of "
-                         "Quest's pages reported")
+                         "launch of their own), timed and its recall of Quest's pages reported")
     ap.add_argument("--layers", type=int, default=32, help="--quest: layers per step")
     ap.add_argument("--chunks", type=int, nargs="*", default=[],
                     help="--quest: also time the fused Select with these pages per pass-1 program (default: select_chunk's)")

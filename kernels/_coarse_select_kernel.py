@@ -128,9 +128,9 @@ def _coarse_select(q_ptr, kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, pages_ptr, n_p
     t = 0
     while t * TILE < nc:
         c = t * TILE + tl.arange(0, TILE)
-        grp = tl.load(gs_ptr + row * PG + c // GP, mask=c < nc, other=0.0).to(tl.int32)
-        p = grp * GP + c % GP
         c_ok = c < nc
+        grp = tl.load(gs_ptr + row * PG + c // GP, mask=c_ok, other=0.0).to(tl.int32)
+        p = grp * GP + c % GP
         ok = c_ok & (p >= s_end) & (p < l_start)
         prow = tl.load(pages_ptr + b * stride_pb + p, mask=ok, other=0).to(tl.int64)
         s = _quest_scores(kmin_ptr, kmax_ptr, prow, h, stride_mn, stride_mh, stride_mn, stride_mh, ok,

@@ -21,8 +21,9 @@ slack) so that the bounds stay bounds; it halves the bytes Select reads, which a
 and 2K budgets are more than Attention reads.
 
 Two-level Select (``sparse.options.coarse_pages``: GP > 0, a power of two; ``coarse_factor``,
-default 4; ``coarse_split``: the group scores in a launch of their own, many programs a row): a second index of bounds over groups of GP pages (the min and max of their page
-rows, rebuilt after each append), and Select scores the groups, keeps the
+default 4; ``coarse_split``: the group scores in a launch of their own, many programs a row):
+a second index of bounds over groups of GP pages (the min and max of their page rows, rebuilt
+after each append), and Select scores the groups, keeps the
 ``ceil(budget * coarse_factor / GP)`` best per head and ranks only their pages, in one launch
 (``kernels/coarse_select.py``): at 128K tokens it reads about a tenth of the index bytes. Quest's
 exact top-k wherever the kept groups hold its top pages; an approximation elsewhere, measured

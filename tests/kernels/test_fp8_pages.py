@@ -85,7 +85,8 @@ def test_retrieve_impls():
 
 
 def test_retrieve_with_several_pairs_per_program(monkeypatch):
-    """Programs of 8 pairs (the target lowered), M not a multiple: the reference's pages."""
+    """Programs of 16 pairs (the target lowered to one program), 9 pairs: the pairs past M
+    untouched, the reference's pages."""
     import spin_cluster.kernels.retrieve as rt
 
     monkeypatch.setattr(rt, "_PROGRAMS", 1)
