@@ -158,7 +158,7 @@ def _take_top2(x1, v1, x2, v2, budget, P1: tl.constexpr, P2: tl.constexpr):
 def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL,
                    HKV: tl.constexpr, P_PAD: tl.constexpr, W_PAD: tl.constexpr, TAIL: tl.constexpr):
     """TAIL > 0: the row is a tile of P_PAD pages and a tail tile of TAIL pages after it
-    (``page_select._row_tiles``), else one tile of P_PAD."""
+    (``page_select.row_tiles``), else one tile of P_PAD."""
     row = tl.program_id(0).to(tl.int64)  # b * HKV + h
     offs = tl.arange(0, P_PAD)
     n = tl.load(n_ptr + row // HKV)

@@ -44,7 +44,7 @@ import torch
 from ._impl import resolve_impl
 from ._triton_support import interpreter_requested, load_kernel_module
 
-__all__ = ["label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "select_ragged", "select_ragged_ref",
+__all__ = ["label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "row_tiles", "select_ragged", "select_ragged_ref",
            "topk_ragged", "topk_ragged_ref"]
 
 # One program holds a whole row of page scores in registers.
@@ -162,7 +162,7 @@ def _row_launch(P: int) -> tuple[int, int]:
     return p_pad, min(16, max(4, p_pad // 256))
 
 
-def _row_tiles(P: int) -> tuple[int, int, int]:
+def row_tiles(P: int) -> tuple[int, int, int]:
     """(P_PAD, TAIL, num_warps) of ``_select_ragged``: a row just past a power of two (a
     decode step's width rounded up: 5120 pages at 128K) is a tile of the power of two below
     it and a tail tile, not one tile twice the row; TAIL 0: one tile. On an H100 the
@@ -252,7 +252,7 @@ def select_ragged(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int
             HKV=hkv, C_PAD=c_pad, W_PAD=w_pad, HAS_DENSE=False, num_warps=warps,
         )
         return want, count
-    p_pad, tail, warps = _row_tiles(P)
+    p_pad, tail, warps = row_tiles(P)
     num_warps = num_warps or warps
     _kernels()._select_ragged[(B * hkv,)](
         scores, num_pages, budgets, want, count,

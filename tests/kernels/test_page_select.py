@@ -143,13 +143,13 @@ def test_split_row_select_equals_the_reference(sink, local, seed):
 
 
 def test_a_row_past_a_power_of_two_is_two_tiles():
-    from spin_cluster.kernels.page_select import _row_tiles
+    from spin_cluster.kernels.page_select import row_tiles
 
-    assert _row_tiles(5120)[:2] == (4096, 1024)  # a 128K decode width: not one tile of 8192
-    assert _row_tiles(4096)[:2] == (4096, 0)
-    assert _row_tiles(70)[:2] == (64, 16)
-    assert _row_tiles(7000)[:2] == (8192, 0)  # the tail would be as wide as the first tile
-    assert _row_tiles(12)[:2] == (16, 0)
+    assert row_tiles(5120)[:2] == (4096, 1024)  # a 128K decode width: not one tile of 8192
+    assert row_tiles(4096)[:2] == (4096, 0)
+    assert row_tiles(70)[:2] == (64, 16)
+    assert row_tiles(7000)[:2] == (8192, 0)  # the tail would be as wide as the first tile
+    assert row_tiles(12)[:2] == (16, 0)
 
 
 @pytest.mark.parametrize("P", [64, 70, 80])
