@@ -44,8 +44,8 @@ import torch
 from ._impl import resolve_impl
 from ._triton_support import interpreter_requested, load_kernel_module
 
-__all__ = ["label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "row_tiles", "select_ragged", "select_ragged_ref",
-           "topk_ragged", "topk_ragged_ref"]
+__all__ = ["label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "row_tiles", "select_ragged",
+           "select_ragged_ref", "topk_ragged", "topk_ragged_ref"]
 
 # One program holds a whole row of page scores in registers.
 MAX_ROW_PAGES = 16384
