@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from ._page_select_kernel import _box_scores, _edges, _quest_query, _quest_scores, _row_budget, _take_top
+from ._page_select_kernel import _box_scores, _edges, _quest_query, _quest_scores, _row_budget, _take_top, _take_top2
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
@@ -63,7 +63,7 @@ def _coarse_select(q_ptr, kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, pages_ptr, n_p
                    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                    GP: tl.constexpr, TILE: tl.constexpr, PG_PAD: tl.constexpr, C_PAD: tl.constexpr,
                    E_PAD: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_HELD: tl.constexpr,
-                   PRESCORED: tl.constexpr):
+                   PRESCORED: tl.constexpr, C_TAIL: tl.constexpr):
     """One program per (request, KV head) row: groups scored from the coarse bounds, the
     best groups kept, their pages scored from the page bounds, the top budget of those
     pages written with the sink and local pages (``coarse_select_ref``'s order). PRESCORED:
@@ -142,15 +142,31 @@ def _coarse_select(q_ptr, kmin_ptr, kmax_ptr, cmin_ptr, cmax_ptr, pages_ptr, n_p
         t += 1
     tl.debug_barrier()
     # 4. The top budget of those pages, written between the sink and the local pages.
+    #    C_TAIL > 0: the candidates as a tile of C_PAD and a tail tile after it (as
+    #    ``_select_ragged``: the widest S-HPLB row's 2136 candidates are 2048 + 128, not 4096).
     c = tl.arange(0, C_PAD)
     x = tl.load(cs_ptr + row * C + c, mask=c < nc, other=float("-inf"))
     pg = tl.load(ci_ptr + row * C + c, mask=c < nc, other=0)
     valid = (c < nc) & (x > float("-inf"))
-    take = tl.minimum(budget, tl.sum(valid.to(tl.int32), 0))
-    keep = _take_top(x, valid, take, C_PAD)
-    pos = s_end + tl.cumsum(keep.to(tl.int32), 0) - 1
-    tl.store(want_ptr + row * W + pos, pg.to(tl.int64), mask=keep & (pos < W))
-    kept = tl.sum(keep.to(tl.int32), 0)
+    if C_TAIL == 0:
+        take = tl.minimum(budget, tl.sum(valid.to(tl.int32), 0))
+        keep = _take_top(x, valid, take, C_PAD)
+        pos = s_end + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(want_ptr + row * W + pos, pg.to(tl.int64), mask=keep & (pos < W))
+        kept = tl.sum(keep.to(tl.int32), 0)
+    else:
+        c2 = C_PAD + tl.arange(0, C_TAIL)
+        x2 = tl.load(cs_ptr + row * C + c2, mask=c2 < nc, other=float("-inf"))
+        pg2 = tl.load(ci_ptr + row * C + c2, mask=c2 < nc, other=0)
+        valid2 = (c2 < nc) & (x2 > float("-inf"))
+        take = tl.minimum(budget, tl.sum(valid.to(tl.int32), 0) + tl.sum(valid2.to(tl.int32), 0))
+        keep, keep2 = _take_top2(x, valid, x2, valid2, take, C_PAD, C_TAIL)
+        pos = s_end + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(want_ptr + row * W + pos, pg.to(tl.int64), mask=keep & (pos < W))
+        kept = tl.sum(keep.to(tl.int32), 0)
+        pos2 = s_end + kept + tl.cumsum(keep2.to(tl.int32), 0) - 1
+        tl.store(want_ptr + row * W + pos2, pg2.to(tl.int64), mask=keep2 & (pos2 < W))
+        kept += tl.sum(keep2.to(tl.int32), 0)
     e = tl.arange(0, E_PAD)
     tl.store(want_ptr + row * W + e, e.to(tl.int64), mask=(e < s_end) & (e < W))
     lp = l_start + e

@@ -119,9 +119,46 @@ def _topk_ragged(s_ptr, bud_ptr, out_ptr, P, K, P_PAD: tl.constexpr):
     tl.store(out_ptr + row * K + pos, offs.to(tl.int64), mask=sel & (pos < K))
 
 
+@triton.jit
+def _take_top2(x1, v1, x2, v2, budget, P1: tl.constexpr, P2: tl.constexpr):
+    """``_take_top`` over a row held as two tiles, x1 [P1] then x2 [P2] (a row of P1 + P2
+    keys, where one power-of-two tile would pad it to 2 * P1): (keep1, keep2), ties to the
+    lowest index (every key of x1 before every key of x2)."""
+    key1 = _sortable(x1)
+    key2 = _sortable(x2)
+    u1 = key1 + 2147483648
+    u2 = key2 + 2147483648
+    bins = tl.arange(0, 256)
+    prefix = tl.full((), 0, tl.int64)
+    need = budget
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        c1 = v1 & ((u1 >> (shift + 8)) == (prefix >> (shift + 8)))
+        c2 = v2 & ((u2 >> (shift + 8)) == (prefix >> (shift + 8)))
+        d1 = tl.where(c1, (u1 >> shift) & 255, 0).to(tl.int32)
+        d2 = tl.where(c2, (u2 >> shift) & 255, 0).to(tl.int32)
+        n1 = tl.sum(c1.to(tl.int32), 0)
+        n2 = tl.sum(c2.to(tl.int32), 0)
+        hist = tl.histogram(d1, 256) + tl.histogram(d2, 256) - tl.where(bins == 0, P1 - n1 + P2 - n2, 0)
+        d, need = _digit_at(hist, bins, need)
+        prefix = prefix | (d.to(tl.int64) << shift)
+    lo = prefix - 2147483648
+    above1 = v1 & (key1 > lo)
+    above2 = v2 & (key2 > lo)
+    n_above = tl.sum(above1.to(tl.int32), 0) + tl.sum(above2.to(tl.int32), 0)
+    eq1 = v1 & (key1 == lo)
+    eq2 = v2 & (key2 == lo)
+    r1 = tl.cumsum(eq1.to(tl.int32), 0)
+    r2 = tl.sum(eq1.to(tl.int32), 0) + tl.cumsum(eq2.to(tl.int32), 0)
+    room = budget - n_above
+    return ((above1 | (eq1 & (r1 <= room))) & (budget > 0)), ((above2 | (eq2 & (r2 <= room))) & (budget > 0))
+
+
 @triton.jit(do_not_specialize=["P", "W"])
 def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL,
-                   HKV: tl.constexpr, P_PAD: tl.constexpr, W_PAD: tl.constexpr):
+                   HKV: tl.constexpr, P_PAD: tl.constexpr, W_PAD: tl.constexpr, TAIL: tl.constexpr):
+    """TAIL > 0: the row is a tile of P_PAD pages and a tail tile of TAIL pages after it
+    (``page_select.row_tiles``), else one tile of P_PAD."""
     row = tl.program_id(0).to(tl.int64)  # b * HKV + h
     offs = tl.arange(0, P_PAD)
     n = tl.load(n_ptr + row // HKV)
@@ -129,11 +166,29 @@ def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL
     edge = in_ctx & ((offs < SINK) | (offs >= n - LOCAL))  # sink and local pages
     x = tl.load(s_ptr + row * P + offs, mask=offs < P, other=float("-inf"))
     valid = in_ctx & ~edge & (x > float("-inf"))
-    budget = tl.minimum(tl.load(bud_ptr + row).to(tl.int32), tl.sum(valid.to(tl.int32), 0))
-    keep = edge | _take_top(x, valid, budget, P_PAD)
-    pos = tl.cumsum(keep.to(tl.int32), 0) - 1  # ascending page order
-    tl.store(want_ptr + row * W + pos, offs.to(tl.int64), mask=keep & (pos < W))
-    count = tl.sum(keep.to(tl.int32), 0)
+    if TAIL == 0:
+        budget = tl.minimum(tl.load(bud_ptr + row).to(tl.int32), tl.sum(valid.to(tl.int32), 0))
+        keep = edge | _take_top(x, valid, budget, P_PAD)
+        pos = tl.cumsum(keep.to(tl.int32), 0) - 1  # ascending page order
+        tl.store(want_ptr + row * W + pos, offs.to(tl.int64), mask=keep & (pos < W))
+        count = tl.sum(keep.to(tl.int32), 0)
+    else:
+        offs2 = P_PAD + tl.arange(0, TAIL)
+        in_ctx2 = offs2 < n
+        edge2 = in_ctx2 & ((offs2 < SINK) | (offs2 >= n - LOCAL))
+        x2 = tl.load(s_ptr + row * P + offs2, mask=offs2 < P, other=float("-inf"))
+        valid2 = in_ctx2 & ~edge2 & (x2 > float("-inf"))
+        n_valid = tl.sum(valid.to(tl.int32), 0) + tl.sum(valid2.to(tl.int32), 0)
+        budget = tl.minimum(tl.load(bud_ptr + row).to(tl.int32), n_valid)
+        top1, top2 = _take_top2(x, valid, x2, valid2, budget, P_PAD, TAIL)
+        keep = edge | top1
+        keep2 = edge2 | top2
+        pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(want_ptr + row * W + pos, offs.to(tl.int64), mask=keep & (pos < W))
+        kept = tl.sum(keep.to(tl.int32), 0)
+        pos2 = kept + tl.cumsum(keep2.to(tl.int32), 0) - 1
+        tl.store(want_ptr + row * W + pos2, offs2.to(tl.int64), mask=keep2 & (pos2 < W))
+        count = kept + tl.sum(keep2.to(tl.int32), 0)
     offs_w = tl.arange(0, W_PAD)
     tl.store(want_ptr + row * W + offs_w, tl.full((W_PAD,), -1, tl.int64), mask=(offs_w >= count) & (offs_w < W))
     tl.store(count_ptr + row, count.to(tl.int64))

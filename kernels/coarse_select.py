@@ -43,7 +43,7 @@ import torch
 
 from ._impl import resolve_impl
 from ._triton_support import interpreter_requested, load_kernel_module, next_pow2
-from .page_select import page_scores, page_scores_ref, select_ragged_ref, topk_ragged_ref
+from .page_select import page_scores, page_scores_ref, row_tiles, select_ragged_ref, topk_ragged_ref
 
 __all__ = ["coarse_candidates", "group_rows", "coarse_refresh", "coarse_refresh_ref", "coarse_select", "coarse_select_ref"]
 
@@ -204,13 +204,14 @@ def coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: int, 
     held_arg = held.contiguous().view(torch.uint8) if has_held else cs
     dense_arg = dense_rows.contiguous().view(torch.uint8) if dense_rows is not None else cs
     g = H // hkv
+    c_pad, c_tail, _ = row_tiles(C)
     _kernels()._coarse_select[(rows,)](
         q, kmin, kmax, cmin, cmax, pages, num_pages, budgets.contiguous(), dense_arg, held_arg,
         gs, cs, ci, want, count,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), cmin.stride(0), cmin.stride(1), pages.stride(0),
         P, PG, width, C, cmin.shape[0] - 1, sink_pages, local_pages, factor, float(margin),
         HKV=hkv, G=g, G_PAD=next_pow2(g), D=D, D_PAD=max(16, next_pow2(D)), GP=GP, TILE=_TILE,
-        PG_PAD=max(16, next_pow2(PG)), C_PAD=max(16, next_pow2(C)), E_PAD=max(16, next_pow2(max(sink_pages, local_pages, 1))),
+        PG_PAD=max(16, next_pow2(PG)), C_PAD=c_pad, C_TAIL=c_tail, E_PAD=max(16, next_pow2(max(sink_pages, local_pages, 1))),
         HAS_DENSE=dense_rows is not None, HAS_HELD=has_held, PRESCORED=split, num_warps=_WARPS,
     )
     return want, count

@@ -44,8 +44,8 @@ import torch
 from ._impl import resolve_impl
 from ._triton_support import interpreter_requested, load_kernel_module
 
-__all__ = ["label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "select_ragged", "select_ragged_ref",
-           "topk_ragged", "topk_ragged_ref"]
+__all__ = ["label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "row_tiles", "select_ragged",
+           "select_ragged_ref", "topk_ragged", "topk_ragged_ref"]
 
 # One program holds a whole row of page scores in registers.
 MAX_ROW_PAGES = 16384
@@ -162,6 +162,21 @@ def _row_launch(P: int) -> tuple[int, int]:
     return p_pad, min(16, max(4, p_pad // 256))
 
 
+def row_tiles(P: int) -> tuple[int, int, int]:
+    """(P_PAD, TAIL, num_warps) of ``_select_ragged``: a row just past a power of two (a
+    decode step's width rounded up: 5120 pages at 128K) is a tile of the power of two below
+    it and a tail tile, not one tile twice the row; TAIL 0: one tile. On an H100 the
+    one-tile radix select took 24 us a layer at 4096 pages and 40 at 5120 (padded to 8192)."""
+    p_pad, warps = _row_launch(P)
+    half = p_pad // 2
+    if P <= 16 or P == p_pad:
+        return p_pad, 0, warps
+    tail = 1 << max(4, (P - half - 1).bit_length())
+    if tail >= half:
+        return p_pad, 0, warps
+    return half, tail, _row_launch(half + tail)[1]
+
+
 def _check_select(scores, num_pages, sink_pages, local_pages, budgets, width):
     _check_topk(scores, budgets, 1)
     if num_pages.shape != scores.shape[:1]:
@@ -237,12 +252,12 @@ def select_ragged(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int
             HKV=hkv, C_PAD=c_pad, W_PAD=w_pad, HAS_DENSE=False, num_warps=warps,
         )
         return want, count
-    p_pad, warps = _row_launch(P)
+    p_pad, tail, warps = row_tiles(P)
     num_warps = num_warps or warps
     _kernels()._select_ragged[(B * hkv,)](
         scores, num_pages, budgets, want, count,
         P, width, sink_pages, local_pages,
-        HKV=hkv, P_PAD=p_pad, W_PAD=w_pad, num_warps=num_warps,
+        HKV=hkv, P_PAD=p_pad, W_PAD=w_pad, TAIL=tail, num_warps=num_warps,
     )
     return want, count
 

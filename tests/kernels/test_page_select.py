@@ -83,11 +83,13 @@ def test_bad_shapes_raise():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("index_dtype", [torch.float32, torch.bfloat16])
-def test_full_size_select_on_gpu(index_dtype):
-    """Llama-3.1-8B attention shapes at 128K tokens (8192 pages of 16), ragged budgets."""
+@pytest.mark.parametrize("P", [8192, 5120])
+def test_full_size_select_on_gpu(index_dtype, P):
+    """Llama-3.1-8B attention shapes at 128K tokens (8192 pages of 16; 5120 of 32 as a decode
+    step rounds them: two tiles), ragged budgets."""
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(3)
-    B, hkv, G, D, P = 2, 8, 4, 128, 8192
+    B, hkv, G, D = 2, 8, 4, 128
     a = torch.randn(B * P + 1, hkv, D, generator=g, device=dev)
     b = torch.randn(B * P + 1, hkv, D, generator=g, device=dev)
     kmin, kmax = torch.minimum(a, b).to(index_dtype), torch.maximum(a, b).to(index_dtype)
@@ -138,6 +140,30 @@ def test_split_row_select_equals_the_reference(sink, local, seed):
     ref_want, ref_count = select_ragged_ref(scores, num_pages, sink, local, budgets, width)
     assert torch.equal(count, ref_count)
     assert torch.equal(want, ref_want)
+
+
+def test_a_row_past_a_power_of_two_is_two_tiles():
+    from spin_cluster.kernels.page_select import row_tiles
+
+    assert row_tiles(5120)[:2] == (4096, 1024)  # a 128K decode width: not one tile of 8192
+    assert row_tiles(4096)[:2] == (4096, 0)
+    assert row_tiles(70)[:2] == (64, 16)
+    assert row_tiles(7000)[:2] == (8192, 0)  # the tail would be as wide as the first tile
+    assert row_tiles(12)[:2] == (16, 0)
+
+
+@pytest.mark.parametrize("P", [64, 70, 80])
+def test_ties_across_the_two_tiles_go_to_the_lowest_page(P):
+    """Equal scores on both sides of page 64 (the first tile's end): the lowest pages win, as
+    the reference's stable top-k gives; budgets that end inside the tie."""
+    scores = torch.zeros(2, 2, P)
+    scores[..., 60:P] = 1.0  # a tie from page 60 across the boundary to the row's end
+    scores[1, 1, P - 4] = 2.0
+    num_pages = torch.tensor([P, P - 3])
+    budgets = torch.tensor([[3, 6], [1, 9]])
+    want, count = select_ragged(scores, num_pages, 1, 2, budgets, 12, impl="triton")
+    ref_want, ref_count = select_ragged_ref(scores, num_pages, 1, 2, budgets, 12)
+    assert torch.equal(want, ref_want) and torch.equal(count, ref_count)
 
 
 def test_split_chunk_splits_long_rows_with_narrow_budgets_only():
