@@ -57,11 +57,15 @@ def _retrieve_pages_fp8(sk, sv, sks, svs, dk, dv, src_ids, dst_ids, M, S: tl.con
               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PAIRS: tl.constexpr):
     """Pairs p * PAIRS .. p * PAIRS + PAIRS - 1 of M, one after another (``retrieve.py``'s
     ``pairs_per_program``: few programs where most pairs are dead)."""
+    js = tl.arange(0, PAIRS)
+    at = tl.program_id(0) * PAIRS + js
+    srcs = tl.load(src_ids + at, mask=at < M, other=-1).to(tl.int64)  # one wait on memory a program
+    dsts = tl.load(dst_ids + at, mask=at < M, other=-1).to(tl.int64)
+    lives = (srcs >= 0) & (dsts >= 0)
     for j in tl.static_range(PAIRS):
-        i = tl.program_id(0) * PAIRS + j
-        src = tl.load(src_ids + i, mask=i < M, other=-1).to(tl.int64)
-        dst = tl.load(dst_ids + i, mask=i < M, other=-1).to(tl.int64)
-        if (src >= 0) & (dst >= 0):
+        if tl.sum(tl.where((js == j) & lives, 1, 0), 0) > 0:
+            src = tl.sum(tl.where(js == j, srcs, 0), 0)
+            dst = tl.sum(tl.where(js == j, dsts, 0), 0)
             _dequantise_page(sk, sks, dk, src, dst, S, D, BLOCK_S, BLOCK_D)
             _dequantise_page(sv, svs, dv, src, dst, S, D, BLOCK_S, BLOCK_D)
 
