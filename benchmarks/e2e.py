@@ -107,6 +107,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                          "0: off)")
     ap.add_argument("--coarse-factor", type=int, default=4,
                     help="two-level Select: candidate pages per budgeted page (sparse.options.coarse_factor)")
+    ap.add_argument("--coarse-split", action=argparse.BooleanOptionalAction, default=False,
+                    help="two-level Select: each scoring stage over many programs a row, two launches "
+                         "(sparse.options.coarse_split)")
     ap.add_argument("--per-head-shares", action=argparse.BooleanOptionalAction, default=True,
                     help="spin: cache.per_head_shares, each head's buffer share sized by its own S-HPLB budget")
     ap.add_argument("--buffer-share", type=float, default=0.0,
@@ -164,7 +167,8 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
     cfg["sparse"] = {"algorithm": args.algorithm, "budget": args.budget, "local_tokens": 2 * args.page_size,
                      "sink_tokens": args.page_size, "options": {"index_dtype": "bfloat16"}}
     if getattr(args, "coarse_pages", 0):
-        cfg["sparse"]["options"].update(coarse_pages=args.coarse_pages, coarse_factor=args.coarse_factor)
+        cfg["sparse"]["options"].update(coarse_pages=args.coarse_pages, coarse_factor=args.coarse_factor,
+                                        coarse_split=args.coarse_split)
     if args.sparse_prefill:
         from spin_cluster.hplb.budget import synthetic_prefill_config
 

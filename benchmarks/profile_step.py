@@ -410,7 +410,7 @@ def gpu_gaps(prof, min_ms: float = 0.5, top: int = 30) -> dict:
 _PARTS = (
     ("select", ("_page_scores", "_label_scores", "_select_ragged", "_topk_ragged", "_quest_append", "scatter_reduce",
                 "index_fill", "_strided_mass", "_quest_select_local", "_select_local", "_select_merge",
-                "_bounds_append", "_coarse_select", "_coarse_refresh")),
+                "_bounds_append", "_coarse_select", "_coarse_refresh", "_coarse_groups", "_coarse_pages")),
     ("retrieve", ("_buffer_lookup", "_retrieve_pages")),
     ("offload", ("_write_tokens",)),
     ("attention", ("_paged_decode", "_block_sparse_prefill", "flash", "fmha", "attention", "cudnn", "sdpa")),

@@ -43,7 +43,7 @@ import torch
 
 from ._impl import resolve_impl
 from ._triton_support import interpreter_requested, load_kernel_module, next_pow2
-from .page_select import page_scores, page_scores_ref, row_tiles, select_ragged_ref, topk_ragged_ref
+from .page_select import page_scores_ref, row_tiles, select_ragged_ref, topk_ragged_ref
 
 __all__ = ["coarse_candidates", "group_rows", "coarse_refresh", "coarse_refresh_ref", "coarse_select", "coarse_select_ref"]
 
@@ -53,6 +53,11 @@ __all__ = ["coarse_candidates", "group_rows", "coarse_refresh", "coarse_refresh_
 # uniform budgets 1407 against 1426 (benchmarks/results/select/2026-12-06-h200-*).
 _TILE = 128
 _WARPS = 16
+# The spread launches (``split``): groups scored a program in the first, candidate pages in
+# the second, and their warps (the second's last program ranks up to 2048 + 128 candidates).
+_SPREAD_GROUPS = 64
+_SPREAD_PAGES = 128
+_SPREAD_WARPS = (8, 16)
 
 
 def coarse_candidates(max_budget: int, num_pages: int, group_pages: int, factor: int) -> int:
@@ -166,13 +171,15 @@ def _kernels():
 
 def coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: int, local_pages: int, budgets,
                   width: int, group_pages: int, factor: int, held=None, margin: float = 0.0, dense_rows=None,
-                  *, max_budget: int | None = None, split: bool = False, groups=None, impl: str = "auto"):
-    """One launch (one program per request and KV head) on CUDA, else ``coarse_select_ref``.
-    ``max_budget``: the widest budget of any row (sizes the candidate scratch; default the
-    widest of ``budgets``, read with a host sync). ``split``: the group scores first, in
-    ``page_scores``' many programs a row, then the rest (two launches: a row's stages run
-    one after another in its program, which at a few rows is the Select's latency);
-    ``groups``: [B, P / GP] each group's coarse row (``group_rows``; built here if None)."""
+                  *, max_budget: int | None = None, split: bool = False, tickets=None, impl: str = "auto"):
+    """On CUDA the Triton Select, else ``coarse_select_ref``. ``split`` False: one launch, one
+    program per request and KV head, whose four stages run one after another (at a few rows,
+    the Select's latency). True: two launches, each of many programs a row (groups of
+    ``_SPREAD_GROUPS``, then candidates of ``_SPREAD_PAGES``), the row's last program to finish
+    each ranking what the others scored; ``tickets``: int32 [2 * B * Hkv] or more, zero, the
+    rows' counts of finished programs, which the launches leave zero (a persistent buffer
+    keeps a memset out of the step; None: a new one). ``max_budget``: the widest budget of any
+    row (sizes the candidate scratch; default the widest of ``budgets``, read with a host sync)."""
     if resolve_impl(impl, q.device) == "torch":
         return coarse_select_ref(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages, local_pages, budgets,
                                  width, group_pages, factor, held, margin, dense_rows)
@@ -194,24 +201,50 @@ def coarse_select(q, kmin, kmax, cmin, cmax, pages, num_pages, sink_pages: int, 
     # at C / GP in the kernel; dense rows' budgets already cover their pages, as SelectPlan's).
     C = max(GP, coarse_candidates(max_budget, P, GP, factor))
     rows = B * hkv
-    if split:
-        gs = page_scores(q, cmin, cmax, group_rows(pages, GP) if groups is None else groups, impl="triton")
-    else:
-        gs = torch.empty(rows, PG, dtype=torch.float32, device=dev)
+    gs = torch.empty(rows, PG, dtype=torch.float32, device=dev)
+    kg = torch.empty(rows, PG, dtype=torch.int32, device=dev)
     cs = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ci = torch.empty(rows, C, dtype=torch.int32, device=dev)
     has_held = held is not None and bool(margin)
     held_arg = held.contiguous().view(torch.uint8) if has_held else cs
     dense_arg = dense_rows.contiguous().view(torch.uint8) if dense_rows is not None else cs
+    budgets = budgets.contiguous()
     g = H // hkv
     c_pad, c_tail, _ = row_tiles(C)
-    _kernels()._coarse_select[(rows,)](
-        q, kmin, kmax, cmin, cmax, pages, num_pages, budgets.contiguous(), dense_arg, held_arg,
-        gs, cs, ci, want, count,
+    shape = dict(HKV=hkv, G=g, G_PAD=next_pow2(g), D=D, D_PAD=max(16, next_pow2(D)), GP=GP,
+                 HAS_DENSE=dense_rows is not None, HAS_HELD=has_held)
+    pg_pad = max(16, next_pow2(PG))
+    e_pad = max(16, next_pow2(max(sink_pages, local_pages, 1)))
+    if not split:
+        _kernels()._coarse_select[(rows,)](
+            q, kmin, kmax, cmin, cmax, pages, num_pages, budgets, dense_arg, held_arg,
+            gs, kg, cs, ci, want, count,
+            q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), cmin.stride(0), cmin.stride(1), pages.stride(0),
+            P, PG, width, C, cmin.shape[0] - 1, sink_pages, local_pages, factor, float(margin),
+            TILE=_TILE, PG_PAD=pg_pad, C_PAD=c_pad, C_TAIL=c_tail, E_PAD=e_pad, num_warps=_WARPS, **shape,
+        )
+        return want, count
+    if tickets is None:
+        tickets = torch.zeros(2 * rows, dtype=torch.int32, device=dev)
+    elif tickets.dtype != torch.int32 or tickets.numel() < 2 * rows:
+        raise ValueError(f"tickets must be int32 with at least {2 * rows} entries; got {tickets.dtype} "
+                         f"[{tickets.numel()}]")
+    m = torch.empty(rows, dtype=torch.int32, device=dev)
+    gt = _SPREAD_GROUPS
+    s1 = -(-PG // gt)
+    k = _kernels()
+    k._coarse_groups[(rows, s1)](
+        q, cmin, cmax, kmin, kmax, pages, num_pages, budgets, dense_arg, held_arg, gs, kg, m, tickets,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), cmin.stride(0), cmin.stride(1), pages.stride(0),
-        P, PG, width, C, cmin.shape[0] - 1, sink_pages, local_pages, factor, float(margin),
-        HKV=hkv, G=g, G_PAD=next_pow2(g), D=D, D_PAD=max(16, next_pow2(D)), GP=GP, TILE=_TILE,
-        PG_PAD=max(16, next_pow2(PG)), C_PAD=c_pad, C_TAIL=c_tail, E_PAD=max(16, next_pow2(max(sink_pages, local_pages, 1))),
-        HAS_DENSE=dense_rows is not None, HAS_HELD=has_held, PRESCORED=split, num_warps=_WARPS,
+        P, PG, C, cmin.shape[0] - 1, s1, sink_pages, local_pages, factor, float(margin),
+        GT=gt, PG_PAD=pg_pad, num_warps=_SPREAD_WARPS[0], **shape,
+    )
+    ct = _SPREAD_PAGES
+    s2 = -(-C // ct)
+    k._coarse_pages[(rows, s2)](
+        q, kmin, kmax, pages, num_pages, budgets, dense_arg, held_arg, kg, m, cs, ci, want, count, tickets[rows:],
+        q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), pages.stride(0),
+        P, PG, width, C, s2, sink_pages, local_pages, float(margin),
+        CT=ct, TILE=_TILE, C_PAD=c_pad, C_TAIL=c_tail, E_PAD=e_pad, num_warps=_SPREAD_WARPS[1], **shape,
     )
     return want, count

@@ -21,7 +21,8 @@ slack) so that the bounds stay bounds; it halves the bytes Select reads, which a
 and 2K budgets are more than Attention reads.
 
 Two-level Select (``sparse.options.coarse_pages``: GP > 0, a power of two; ``coarse_factor``,
-default 4; ``coarse_split``: the group scores in a launch of their own, many programs a row):
+default 4; ``coarse_split``: each of the row's two scoring stages spread over many programs, in
+two launches):
 a second index of bounds over groups of GP pages (the min and max of their page rows, rebuilt
 after each append), and Select scores the groups, keeps the
 ``ceil(budget * coarse_factor / GP)`` best per head and ranks only their pages, in one launch
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from spin_cluster.kernels.coarse_select import coarse_refresh, coarse_select, group_rows
+from spin_cluster.kernels.coarse_select import coarse_refresh, coarse_select
 from spin_cluster.kernels.index_append import bounds_append_planned, plan_bounds_append
 from spin_cluster.kernels.page_select import MAX_ROW_PAGES, page_scores
 from spin_cluster.kernels.quest_select import fused_pays, quest_select
@@ -63,7 +64,6 @@ class Quest(SparseAlgorithm):
         self.block_tokens = block
         self.blocks_per_page = self.page_size // block
         self.coarse_pages, self.coarse_factor, self.coarse_split = int(coarse_pages), int(coarse_factor), bool(coarse_split)
-        self._groups: tuple | None = None  # (pages, [B, P / GP] group rows) of the current step
         GP = self.coarse_pages
         if GP:
             if GP < 2 or GP & (GP - 1) or GP > 64:
@@ -89,6 +89,7 @@ class Quest(SparseAlgorithm):
             self.cmin = torch.full(cshape, float("inf"), dtype=self.index_dtype, device=self.device)
             self.cmax = torch.full(cshape, float("-inf"), dtype=self.index_dtype, device=self.device)
         self._blocks: tuple | None = None  # (rows, n, [B, n] block rows) of the current step
+        self._tickets = None
 
     def bind_pages(self, logical_ids, segment_pages):
         if self.coarse_pages and segment_pages % self.coarse_pages:
@@ -171,15 +172,15 @@ class Quest(SparseAlgorithm):
         # Select (one launch on CUDA, its torch reference elsewhere).
         if self.coarse_pages:
             pages = self._score_blocks(rows, plan.max_pages)
-            groups = None
-            if self.coarse_split:  # once per step, as the page rows
-                if self._groups is None or self._groups[0] is not pages:
-                    self._groups = (pages, group_rows(pages, self.coarse_pages))
-                groups = self._groups[1]
+            if self.coarse_split and self._tickets is None:
+                # The spread launches' counts of finished programs, zero between launches.
+                self._tickets = torch.zeros(2 * self.max_seqs * self.num_kv_heads, dtype=torch.int32,
+                                            device=self.device)
             return coarse_select(q, self.kmin[layer], self.kmax[layer], self.cmin[layer], self.cmax[layer], pages,
                                  plan.num_pages, plan.sink_pages, plan.local_pages, plan.budget_pages,
                                  plan.budget_width, self.coarse_pages, self.coarse_factor, held, margin,
-                                 plan.dense_rows, max_budget=plan.max_budget, split=self.coarse_split, groups=groups)
+                                 plan.dense_rows, max_budget=plan.max_budget, split=self.coarse_split,
+                                 tickets=self._tickets)
         if not q.is_cuda or self.blocks_per_page != 1 or plan.max_pages > MAX_ROW_PAGES:
             return None
         if not force and not fused_pays(q.shape[0] * self.num_kv_heads, plan.budget_width):

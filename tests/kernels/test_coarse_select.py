@@ -6,6 +6,7 @@ bounds after any append."""
 import pytest
 import torch
 
+from spin_cluster.kernels import coarse_select as cs
 from spin_cluster.kernels.coarse_select import (coarse_candidates, coarse_refresh, coarse_refresh_ref, coarse_select,
                                                 coarse_select_ref)
 from spin_cluster.kernels.page_select import page_scores_ref, select_ragged_ref
@@ -33,11 +34,23 @@ def _index(seed, B=2, hkv=2, G=2, D=16, P=37, nc=24, dtype=torch.float32):
 
 
 def _both(*args, **kw):
+    """The reference against the one launch and the spread launches, these at their own
+    programs' widths and at 4 groups and 8 candidates a program (several programs a row, so
+    that a row's ranking waits for programs that scored its other parts); the rows' counts
+    of finished programs are left zero for the next launch."""
     want = coarse_select_ref(*args, **kw)
-    for split in (False, True):  # one launch; group scores first in page_scores' programs
-        got = coarse_select(*args, **kw, split=split, impl="triton")
-        assert torch.equal(got[1], want[1]), (split, got[1], want[1])
-        assert torch.equal(got[0], want[0]), (split, got[0], want[0])
+    tickets = torch.zeros(2 * want[1].numel() + 3, dtype=torch.int32)
+    for split, widths in ((False, None), (True, None), (True, (4, 8))):
+        saved = cs._SPREAD_GROUPS, cs._SPREAD_PAGES
+        if widths:
+            cs._SPREAD_GROUPS, cs._SPREAD_PAGES = widths
+        try:
+            got = coarse_select(*args, **kw, split=split, tickets=tickets, impl="triton")
+        finally:
+            cs._SPREAD_GROUPS, cs._SPREAD_PAGES = saved
+        assert torch.equal(got[1], want[1]), (split, widths, got[1], want[1])
+        assert torch.equal(got[0], want[0]), (split, widths, got[0], want[0])
+        assert not tickets.any(), tickets
     return want
 
 
