@@ -107,7 +107,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                          "0: off)")
     ap.add_argument("--coarse-factor", type=int, default=4,
                     help="two-level Select: candidate pages per budgeted page (sparse.options.coarse_factor)")
-    ap.add_argument("--coarse-split", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--coarse-split", action=argparse.BooleanOptionalAction, default=True,
                     help="two-level Select: each scoring stage over many programs a row, two launches "
                          "(sparse.options.coarse_split)")
     ap.add_argument("--per-head-shares", action=argparse.BooleanOptionalAction, default=True,

@@ -21,11 +21,11 @@ slack) so that the bounds stay bounds; it halves the bytes Select reads, which a
 and 2K budgets are more than Attention reads.
 
 Two-level Select (``sparse.options.coarse_pages``: GP > 0, a power of two; ``coarse_factor``,
-default 4; ``coarse_split``: each of the row's two scoring stages spread over many programs, in
-two launches):
+default 4; ``coarse_split``, default on: each of the row's two scoring stages spread over many
+programs, in two launches; off: one launch, one program a row):
 a second index of bounds over groups of GP pages (the min and max of their page rows, rebuilt
 after each append), and Select scores the groups, keeps the
-``ceil(budget * coarse_factor / GP)`` best per head and ranks only their pages, in one launch
+``ceil(budget * coarse_factor / GP)`` best per head and ranks only their pages
 (``kernels/coarse_select.py``): at 128K tokens it reads about a tenth of the index bytes. Quest's
 exact top-k wherever the kept groups hold its top pages; an approximation elsewhere, measured
 in ``docs/accuracy.md``. Under the top-p rule or ``select_layer(fused=False)`` Select stays
@@ -55,7 +55,7 @@ class Quest(SparseAlgorithm):
     paged_index = True
 
     def __init__(self, score_block_tokens: int = 0, coarse_pages: int = 0, coarse_factor: int = 4,
-                 coarse_split: bool = False, **kw) -> None:
+                 coarse_split: bool = True, **kw) -> None:
         super().__init__(**kw)
         block = score_block_tokens or self.page_size
         if block < 1 or self.page_size % block:

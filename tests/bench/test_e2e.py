@@ -45,7 +45,10 @@ def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path, cap
     assert cache["per_head_shares"] is True and cache["buffer_share"] == 4.0
     args = bench["parse_args"](["--tiny", "--coarse-pages", "16", "--coarse-factor", "2"])
     options = bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["options"]
-    assert options == {"index_dtype": "bfloat16", "coarse_pages": 16, "coarse_factor": 2}
+    assert options == {"index_dtype": "bfloat16", "coarse_pages": 16, "coarse_factor": 2, "coarse_split": True}
+    args = bench["parse_args"](["--tiny", "--coarse-pages", "16", "--no-coarse-split"])
+    options = bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["options"]
+    assert options["coarse_split"] is False
 
 
 def test_tpot_counts_requests_the_deadline_cut_off():
