@@ -11,7 +11,7 @@
 #   needles-<len>   the four needle tasks, the same methods, $SAMPLES prompts each
 #   spin-<len>      the bundled `spin` config's Select (labels, floor 2048, hysteresis 0.5) at
 #                   SPIN_BUDGETS (default 1/16 and 1/32) on SPIN_TASKS (default passkey and the
-#                   needle tasks)
+#                   needle tasks); SPIN_ALGOS (default labels) to set others beside it
 #   profile.json    the model's per-head profile (quest-ranked, answer steps) at $LENGTHS
 #   hplb-<len>      HPLB_ALGOS (default quest) at HPLB_BUDGETS (default 1/16 and 1/32): uniform
 #                   against S-HPLB max-min budgets from the profile, on HPLB_TASKS (default passkey
@@ -55,7 +55,7 @@ for LEN in $LENGTHS; do
     --samples "$SAMPLES" "${METHODS[@]}" --max-tokens 32
   # shellcheck disable=SC2086  # the tasks split into words
   has spin && run "spin-$LEN" "${SPIN_TIMEOUT:-300}" --lengths "$LEN" --tasks ${SPIN_TASKS:-passkey ${NEEDLES[*]}} \
-    --samples "$SAMPLES" --algorithms labels --budgets ${SPIN_BUDGETS:-0.0625 0.03125} --budget-floor 2048 --resident-margin 0.5 --max-tokens 32
+    --samples "$SAMPLES" --algorithms ${SPIN_ALGOS:-labels} --budgets ${SPIN_BUDGETS:-0.0625 0.03125} --budget-floor 2048 --resident-margin 0.5 --max-tokens 32
 done
 if has hplb; then
   # shellcheck disable=SC2086  # the lengths split into words
