@@ -201,7 +201,7 @@ def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_c
         raise ValueError(f"a GPU buffer share of {share} pages per head is over {_MAX_SHARE} (the page -> "
                          f"column map is 16-bit): raise cache.page_size or set cache.buffer_share")
     slot_bytes = PagePool.bytes_per_page(S, mc.head_dim, dtype)
-    index_page_bytes = algorithm.index_bytes_per_token() * S  # one logical page, every layer and head
+    index_page_bytes = algorithm.index_bytes_held_per_token() * S  # one logical page, every layer and head
     held = index_page_bytes * algorithm.num_index_pages  # a paged index's probe holds none
     gpu_bytes = gpu_budget_bytes(config, device, held) - held
     per_column = mc.num_layers * mc.num_kv_heads

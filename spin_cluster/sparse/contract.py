@@ -96,6 +96,11 @@ class SparseAlgorithm(ABC):
         and KV head (the step's byte budget: ``benchmarks/e2e.py``'s roofline). Default: none."""
         return 0.0
 
+    def index_bytes_held_per_token(self) -> float:
+        """Bytes of index the GPU holds per context token, over every layer and KV head (what
+        the cache's memory split sets aside). Default: what one Select reads."""
+        return self.index_bytes_per_token()
+
     def plan_append(self, rows: torch.Tensor, positions: torch.Tensor, decode_only: bool = False):
         """Once per step, before any layer's ``append``: whatever ``append`` needs from the
         step's [T] token rows and positions, computed once instead of once per layer.

@@ -52,6 +52,9 @@ class LabelsQuest(SparseAlgorithm):
     def index_bytes_per_token(self) -> float:
         return self.labels.index_bytes_per_token() + self.quest.index_bytes_per_token()
 
+    def index_bytes_held_per_token(self) -> float:
+        return self.labels.index_bytes_held_per_token() + self.quest.index_bytes_held_per_token()
+
     def on_append(self, layer, rows, positions, k):
         self.append(layer, self.plan_append(rows, positions), k)
 

@@ -121,8 +121,15 @@ class Quest(SparseAlgorithm):
     def index_bytes_per_token(self) -> float:
         # kmin and kmax: two D-wide bounds per scoring block; two-level, per group of pages
         # (plus the kept groups' page bounds, which follow the budget as the attention does)
-        tokens = self.block_tokens * (self.coarse_pages or 1)
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kmin.element_size() / tokens
+        return self._bound_bytes() / (self.block_tokens * (self.coarse_pages or 1))
+
+    def index_bytes_held_per_token(self) -> float:
+        # Every page's bounds, and two-level the group bounds over them as well.
+        held = self._bound_bytes() / self.block_tokens
+        return held * (1 + 1 / self.coarse_pages) if self.coarse_pages else held
+
+    def _bound_bytes(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kmin.element_size()
 
     def on_append(self, layer, rows, positions, k):
         # rows, positions: [T]; k: [T, Hkv, D]

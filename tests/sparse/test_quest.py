@@ -155,3 +155,16 @@ def test_a_decode_step_leaves_the_last_group_to_the_select():
         for x, y in zip(select_layer(a, 0, q, rows, plan), select_layer(b, 0, q, rows, plan)):
             assert torch.equal(x, y), t
     assert torch.equal(a.cmin, b.cmin) and torch.equal(a.cmax, b.cmax)
+
+
+def test_two_level_index_is_held_whole_though_select_reads_a_sixteenth():
+    """The memory split sets aside what the GPU holds: every page's bounds and, two-level, the
+    group bounds over them, though one Select reads about the groups' share of them."""
+    plain, two = _quest(P=16), _quest(P=16, coarse_pages=4)
+    page = 2 * 1 * 2 * 8 * plain.kmin.element_size() / 4  # bytes per token: kmin + kmax over S
+    assert plain.index_bytes_held_per_token() == plain.index_bytes_per_token() == page
+    assert two.index_bytes_per_token() == page / 4
+    assert two.index_bytes_held_per_token() == page * (1 + 1 / 4)
+    held = (two.kmin.numel() + two.kmax.numel() + two.cmin.numel() + two.cmax.numel()) * two.kmin.element_size()
+    dump_rows = 4 * 2 * 8 * two.kmin.element_size()  # the last row of each of the four arrays
+    assert held == two.index_bytes_held_per_token() * two.page_size * two.num_index_pages + dump_rows
