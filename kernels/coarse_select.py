@@ -55,9 +55,12 @@ _TILE = 128
 _WARPS = 16
 # The spread launches (``split``): groups scored a program in the first, candidate pages in
 # the second, and their warps (the second's last program ranks up to 2048 + 128 candidates).
+# 4 and 8 warps against 8 and 16 on an H100 (Quest's Select of a 32-layer step, CUDA graph,
+# 4 x 128K, groups of 16): 879 against 950 us at uniform budgets, 1227 against 1336 at S-HPLB's
+# (benchmarks/results/select/2026-12-06-h100-bench-select-spread-warps-09615ed.json).
 _SPREAD_GROUPS = 64
 _SPREAD_PAGES = 128
-_SPREAD_WARPS = (8, 16)
+_SPREAD_WARPS = (4, 8)
 
 
 def coarse_candidates(max_budget: int, num_pages: int, group_pages: int, factor: int) -> int:
