@@ -89,7 +89,10 @@ class Quest(SparseAlgorithm):
             self.cmin = torch.full(cshape, float("inf"), dtype=self.index_dtype, device=self.device)
             self.cmax = torch.full(cshape, float("-inf"), dtype=self.index_dtype, device=self.device)
         self._blocks: tuple | None = None  # (rows, n, [B, n] block rows) of the current step
-        self._tickets = None
+        # The spread two-level Select's counts of finished programs a row, zero between
+        # launches: made here, not inside a CUDA graph's capture (nor as a memset node in it).
+        self._tickets = (torch.zeros(2 * self.max_seqs * self.num_kv_heads, dtype=torch.int32, device=self.device)
+                         if GP and self.coarse_split else None)
 
     def bind_pages(self, logical_ids, segment_pages):
         if self.coarse_pages and segment_pages % self.coarse_pages:
@@ -179,10 +182,6 @@ class Quest(SparseAlgorithm):
         # Select (one launch on CUDA, its torch reference elsewhere).
         if self.coarse_pages:
             pages = self._score_blocks(rows, plan.max_pages)
-            if self.coarse_split and self._tickets is None:
-                # The spread launches' counts of finished programs, zero between launches.
-                self._tickets = torch.zeros(2 * self.max_seqs * self.num_kv_heads, dtype=torch.int32,
-                                            device=self.device)
             return coarse_select(q, self.kmin[layer], self.kmax[layer], self.cmin[layer], self.cmax[layer], pages,
                                  plan.num_pages, plan.sink_pages, plan.local_pages, plan.budget_pages,
                                  plan.budget_width, self.coarse_pages, self.coarse_factor, held, margin,
