@@ -36,8 +36,8 @@ Launches (``coarse_select(split=...)``): one program a row doing the four stages
 launches of many programs a row, the first scoring groups and the second candidate pages, each
 ranked by the row's last program to finish. At a decode step's few rows the one program a row
 is the Select's latency: on an H100 at 128K and batch 1, 1.95 against 1.27 ms a 32-layer step
-(``docs/performance.md``). Why a count and not a second launch per ranking: a launch boundary
-costs as much as a ranking here, and the last program already holds the row's scores in L2.
+(``docs/performance.md``). A count, not a launch of its own, starts each ranking: two
+launches a layer instead of four in a chain of small ones.
 
 ``coarse_select_ref`` is the same in torch ops (``page_scores_ref``, ``topk_ragged_ref`` and
 ``select_ragged_ref``); the Triton launches give its pages (tested equal under the interpreter
