@@ -12,7 +12,11 @@ are kept (their bytes add up: ``index_bytes_per_token``), and each Select reads 
 
 A score here is a rank, not a logit: ``sparse.resident_margin`` (logits, scaled to score
 units by G sqrt(D)) becomes that many places of rank, e.g. 12 places at 0.5 nats for 3 query
-heads per KV head of D 64. Options: labels' ``channels``.
+heads per KV head of D 64. Options: labels' ``channels``; ``quest_layers`` and
+``labels_layers`` (layer indices, a list or "5,11"): layers ranked by that one Select alone
+(its ranks, so the margin keeps its meaning), chosen by measured recall where one ranking keeps
+less attention mass than the other (``profiling/diagnose.py``); the other layers take both.
+Both indexes are kept at every layer either way.
 """
 
 from __future__ import annotations
@@ -44,10 +48,22 @@ class LabelsQuest(SparseAlgorithm):
     name = "labels+quest"
     graph_safe = True
 
-    def __init__(self, channels: int = 0, model_path: str | None = None, **kw) -> None:
+    def __init__(self, channels: int = 0, model_path: str | None = None, quest_layers=(), labels_layers=(),
+                 **kw) -> None:
         super().__init__(**kw)
         self.labels = Labels(channels=channels, model_path=model_path, **kw)
         self.quest = Quest(**kw)
+        # The options name the model's layers (as ``diagnose`` reports them); the index serves
+        # ``model_layers`` (a Gemma 3 model's global layers only), and Select passes its position.
+        quest, labels = _layers(quest_layers, "quest"), _layers(labels_layers, "labels")
+        bad = sorted((quest | labels) - set(self.model_layers))
+        if bad:
+            raise ValueError(f"sparse.options: layers {bad} are not layers this index serves {list(self.model_layers)}")
+        both = sorted(quest & labels)
+        if both:
+            raise ValueError(f"sparse.options: layers {both} are in both quest_layers and labels_layers")
+        self.quest_layers = frozenset(i for i, m in enumerate(self.model_layers) if m in quest)
+        self.labels_layers = frozenset(i for i, m in enumerate(self.model_layers) if m in labels)
 
     def index_bytes_per_token(self) -> float:
         return self.labels.index_bytes_per_token() + self.quest.index_bytes_per_token()
@@ -70,4 +86,20 @@ class LabelsQuest(SparseAlgorithm):
         self.quest.on_free(row)
 
     def score(self, layer, q, rows, num_pages):
+        if layer in self.quest_layers:
+            return -page_ranks(self.quest.score(layer, q, rows, num_pages)).float()
+        if layer in self.labels_layers:
+            return -page_ranks(self.labels.score(layer, q, rows, num_pages)).float()
         return fuse_ranks(self.labels.score(layer, q, rows, num_pages), self.quest.score(layer, q, rows, num_pages))
+
+
+def _layers(value, name: str) -> frozenset[int]:
+    """Layer indices from an int, a list of ints or a comma-separated string ("5,11")."""
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    elif isinstance(value, int):
+        value = [value]
+    try:
+        return frozenset(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"sparse.options.{name}_layers={value!r}: layer indices, e.g. [5, 11] or \"5,11\"") from None

@@ -1,5 +1,6 @@
 """labels+quest: pages kept by either ranking (rank fusion of labels' and Quest's scores)."""
 
+import pytest
 import torch
 
 from spin_cluster.sparse import get_algorithm
@@ -52,3 +53,29 @@ def test_a_whole_context_budget_gives_the_dense_tokens(offloaded_tokens, dense_t
 def test_a_small_budget_serves_and_keeps_the_cache_whole(offloaded_tokens):
     engine, tokens = offloaded_tokens({"algorithm": "labels+quest", "budget": 8})  # 2 pages of 4 per head
     assert all(len(t) == 12 for t in tokens)  # the fixture checked the cache's integrity after the run
+
+
+def test_layers_named_in_the_options_take_one_ranking():
+    """quest_layers / labels_layers: those layers (the model's ids, where the index serves only
+    some of them) rank by that Select alone, in ranks; the others take the union."""
+    kw = dict(num_kv_heads=2, head_dim=8, page_size=4, max_seqs=2, max_pages_per_seq=4, device=torch.device("cpu"))
+    layers = dict(num_layers=3, model_layers=(5, 11, 17))
+    alg = get_algorithm("labels+quest")(**kw, **layers, quest_layers="11", labels_layers=[17])
+    labels, quest = get_algorithm("labels")(**kw, **layers), get_algorithm("quest")(**kw, **layers)
+    g = torch.Generator().manual_seed(3)
+    for layer in range(3):
+        k = torch.randn(13, 2, 8, generator=g)
+        for a in (alg, labels, quest):
+            a.on_append(layer, torch.full((13,), 1), torch.arange(13), k)
+    q = torch.randn(1, 4, 8, generator=g)
+    rows = torch.tensor([1])
+    a, b = labels.score(0, q, rows, 4), quest.score(0, q, rows, 4)
+    assert torch.equal(alg.score(0, q, rows, 4), fuse_ranks(a, b))  # layer 5: both
+    assert torch.equal(alg.score(1, q, rows, 4), -page_ranks(quest.score(1, q, rows, 4)).float())  # 11
+    assert torch.equal(alg.score(2, q, rows, 4), -page_ranks(labels.score(2, q, rows, 4)).float())  # 17
+    with pytest.raises(ValueError, match="not layers this index serves"):
+        get_algorithm("labels+quest")(**kw, **layers, quest_layers=[4])
+    with pytest.raises(ValueError, match="in both"):
+        get_algorithm("labels+quest")(**kw, **layers, quest_layers=[11], labels_layers="5,11")
+    with pytest.raises(ValueError, match="layer indices"):
+        get_algorithm("labels+quest")(**kw, **layers, quest_layers="x")
