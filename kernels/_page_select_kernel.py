@@ -77,6 +77,16 @@ def _digit_at(hist, bins, need):
 
 
 @triton.jit
+def _digit_hist(ukey, valid, prefix, shift, P_PAD: tl.constexpr):
+    """[256] histogram of digit ``shift`` of the valid keys of a tile of P_PAD that match the
+    digits found so far (``prefix`` above ``shift``)."""
+    cand = valid & ((ukey >> (shift + 8)) == (prefix >> (shift + 8)))
+    digit = tl.where(cand, (ukey >> shift) & 255, 0).to(tl.int32)
+    n_cand = tl.sum(cand.to(tl.int32), 0)
+    return tl.histogram(digit, 256) - tl.where(tl.arange(0, 256) == 0, P_PAD - n_cand, 0)  # candidates only
+
+
+@triton.jit
 def _take_top(x, valid, budget, P_PAD: tl.constexpr):
     """Mask of the ``budget`` largest valid entries of the row ``x`` (ties: lowest index).
 
@@ -91,11 +101,7 @@ def _take_top(x, valid, budget, P_PAD: tl.constexpr):
     need = budget
     for p in tl.static_range(4):
         shift = 24 - 8 * p
-        cand = valid & ((ukey >> (shift + 8)) == (prefix >> (shift + 8)))
-        digit = tl.where(cand, (ukey >> shift) & 255, 0).to(tl.int32)
-        n_cand = tl.sum(cand.to(tl.int32), 0)
-        hist = tl.histogram(digit, 256) - tl.where(bins == 0, P_PAD - n_cand, 0)  # candidates only
-        d, need = _digit_at(hist, bins, need)
+        d, need = _digit_at(_digit_hist(ukey, valid, prefix, shift, P_PAD), bins, need)
         prefix = prefix | (d.to(tl.int64) << shift)
     lo = prefix - 2147483648
     above = valid & (key > lo)
@@ -133,13 +139,7 @@ def _take_top2(x1, v1, x2, v2, budget, P1: tl.constexpr, P2: tl.constexpr):
     need = budget
     for p in tl.static_range(4):
         shift = 24 - 8 * p
-        c1 = v1 & ((u1 >> (shift + 8)) == (prefix >> (shift + 8)))
-        c2 = v2 & ((u2 >> (shift + 8)) == (prefix >> (shift + 8)))
-        d1 = tl.where(c1, (u1 >> shift) & 255, 0).to(tl.int32)
-        d2 = tl.where(c2, (u2 >> shift) & 255, 0).to(tl.int32)
-        n1 = tl.sum(c1.to(tl.int32), 0)
-        n2 = tl.sum(c2.to(tl.int32), 0)
-        hist = tl.histogram(d1, 256) + tl.histogram(d2, 256) - tl.where(bins == 0, P1 - n1 + P2 - n2, 0)
+        hist = _digit_hist(u1, v1, prefix, shift, P1) + _digit_hist(u2, v2, prefix, shift, P2)
         d, need = _digit_at(hist, bins, need)
         prefix = prefix | (d.to(tl.int64) << shift)
     lo = prefix - 2147483648
