@@ -2,12 +2,15 @@
 
 ``_write_tokens_fp8``: grid (M,), one program per K/V row: its scale (max |x| / 448), the
 row quantised to e4m3 and stored as bytes, the scale beside it. ``_retrieve_pages_fp8``:
-grid (M,), one program per page pair: the FP8 page and its scales read (from pinned host
-memory where the source is there), the page dequantised into the destination's dtype.
+grid (cdiv(M, PAIRS),), a program per PAIRS page pairs (``retrieve.py``'s ``pairs_per_program``),
+each live pair's FP8 page and its scales read (from pinned host memory where the source is
+there), the page dequantised into the destination's dtype.
 """
 
 import triton
 import triton.language as tl
+
+from ._retrieve_kernel import _pair_value, _program_pairs
 
 
 @triton.jit
@@ -57,15 +60,11 @@ def _retrieve_pages_fp8(sk, sv, sks, svs, dk, dv, src_ids, dst_ids, M, S: tl.con
               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PAIRS: tl.constexpr):
     """Pairs p * PAIRS .. p * PAIRS + PAIRS - 1 of M, one after another (``retrieve.py``'s
     ``pairs_per_program``: few programs where most pairs are dead)."""
-    js = tl.arange(0, PAIRS)
-    at = tl.program_id(0) * PAIRS + js
-    srcs = tl.load(src_ids + at, mask=at < M, other=-1).to(tl.int64)  # one wait on memory a program
-    dsts = tl.load(dst_ids + at, mask=at < M, other=-1).to(tl.int64)
-    lives = (srcs >= 0) & (dsts >= 0)
+    js, srcs, dsts, lives = _program_pairs(src_ids, dst_ids, M, PAIRS)
     for j in tl.static_range(PAIRS):
-        if tl.sum(tl.where((js == j) & lives, 1, 0), 0) > 0:
-            src = tl.sum(tl.where(js == j, srcs, 0), 0)
-            dst = tl.sum(tl.where(js == j, dsts, 0), 0)
+        if _pair_value(js, j, lives.to(tl.int32)) > 0:
+            src = _pair_value(js, j, srcs)
+            dst = _pair_value(js, j, dsts)
             _dequantise_page(sk, sks, dk, src, dst, S, D, BLOCK_S, BLOCK_D)
             _dequantise_page(sv, svs, dv, src, dst, S, D, BLOCK_S, BLOCK_D)
 

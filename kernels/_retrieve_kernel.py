@@ -32,6 +32,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _program_pairs(src_ids_ptr, dst_ids_ptr, n, PAIRS: tl.constexpr):
+    """(js, srcs, dsts, lives) [PAIRS]: this program's pairs of the first n, their ids in one
+    load each, so that a program of dead pairs waits on memory once (scalar loads pair by pair
+    waited PAIRS times: 9 us a layer of no bytes at 4 x 128K), and which of them are live."""
+    js = tl.arange(0, PAIRS)
+    at = tl.program_id(0) * PAIRS + js
+    srcs = tl.load(src_ids_ptr + at, mask=at < n, other=-1).to(tl.int64)
+    dsts = tl.load(dst_ids_ptr + at, mask=at < n, other=-1).to(tl.int64)
+    return js, srcs, dsts, (srcs >= 0) & (dsts >= 0)
+
+
+@triton.jit
+def _pair_value(js, j, x):
+    """Element j of the program's [PAIRS] vector x, as a scalar."""
+    return tl.sum(tl.where(js == j, x, 0), 0)
+
+
+@triton.jit
 def _retrieve_pages(
     src_k_ptr,
     src_v_ptr,
@@ -54,19 +72,13 @@ def _retrieve_pages(
     n = M
     if HAS_COUNT:
         n = tl.minimum(n, tl.load(count_ptr))
-    # The program's ids in one load each, so that a program of dead pairs waits on memory
-    # once (scalar loads pair by pair waited PAIRS times: 9 us a layer of no bytes at 4 x 128K).
-    js = tl.arange(0, PAIRS)
-    at = tl.program_id(0) * PAIRS + js
-    srcs = tl.load(src_ids_ptr + at, mask=at < n, other=-1).to(tl.int64)
-    dsts = tl.load(dst_ids_ptr + at, mask=at < n, other=-1).to(tl.int64)
-    lives = (srcs >= 0) & (dsts >= 0)
+    js, srcs, dsts, lives = _program_pairs(src_ids_ptr, dst_ids_ptr, n, PAIRS)
     offs = tl.arange(0, BLOCK)
     if tl.max(lives.to(tl.int32), 0) > 0:
         for j in tl.static_range(PAIRS):
-            src = tl.sum(tl.where(js == j, srcs, 0), 0)
-            dst = tl.sum(tl.where(js == j, dsts, 0), 0)
-            live = tl.sum(tl.where((js == j) & lives, 1, 0), 0) > 0
+            src = _pair_value(js, j, srcs)
+            dst = _pair_value(js, j, dsts)
+            live = _pair_value(js, j, lives.to(tl.int32)) > 0
             src_k_page = src_k_ptr + src * stride_src_k
             src_v_page = src_v_ptr + src * stride_src_v
             dst_k_page = dst_k_ptr + dst * stride_dst_k
