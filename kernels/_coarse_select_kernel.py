@@ -55,6 +55,13 @@ def _has_middle(g, PG, s_end, l_start, GP: tl.constexpr):
 
 
 @triton.jit
+def _middle_budget(bud_ptr, dense_ptr, row, s_end, l_start, HKV: tl.constexpr, HAS_DENSE: tl.constexpr):
+    """Middle pages row b * HKV + h takes: its budget (every page for a dense row), at most
+    the middle's pages."""
+    return tl.maximum(tl.minimum(_row_budget(bud_ptr, dense_ptr, row, HKV, HAS_DENSE), l_start - s_end), 0)
+
+
+@triton.jit
 def _row_setup(n_ptr, pages_ptr, bud_ptr, dense_ptr, row, b, stride_pb, NC, SINK, LOCAL,
                HKV: tl.constexpr, GP: tl.constexpr, HAS_DENSE: tl.constexpr):
     """(n, s_end, l_start, budget, g_last, last, fresh) of row b * HKV + h: its pages, the
@@ -62,7 +69,7 @@ def _row_setup(n_ptr, pages_ptr, bud_ptr, dense_ptr, row, b, stride_pb, NC, SINK
     changed): that group's first page row and whether it is to be rebuilt (not the dump row)."""
     n = tl.load(n_ptr + b).to(tl.int32)
     s_end, l_start = _edges(n, SINK, LOCAL)
-    budget = tl.maximum(tl.minimum(_row_budget(bud_ptr, dense_ptr, row, HKV, HAS_DENSE), l_start - s_end), 0)
+    budget = _middle_budget(bud_ptr, dense_ptr, row, s_end, l_start, HKV, HAS_DENSE)
     g_last = (n - 1) // GP
     last = tl.load(pages_ptr + b * stride_pb + g_last * GP)
     fresh = (n > 0) & (last >= 0) & (last // GP < NC)
@@ -269,7 +276,7 @@ def _coarse_pages(q_ptr, kmin_ptr, kmax_ptr, pages_ptr, n_ptr, bud_ptr, dense_pt
                           stride_mn, stride_mh, stride_pb, D, D_PAD, GP, HAS_HELD)
     tl.debug_barrier()
     if tl.atomic_add(tick_ptr + row, 1, sem="acq_rel") == S - 1:
-        budget = tl.maximum(tl.minimum(_row_budget(bud_ptr, dense_ptr, row, HKV, HAS_DENSE), l_start - s_end), 0)
+        budget = _middle_budget(bud_ptr, dense_ptr, row, s_end, l_start, HKV, HAS_DENSE)
         _write_top(cs_ptr, ci_ptr, want_ptr, count_ptr, row, nc, n, s_end, l_start, budget, C, W,
                    C_PAD, C_TAIL, E_PAD, TILE)
         tl.store(tick_ptr + row, 0)
