@@ -13,7 +13,8 @@
 #            the blocks, per-head fractions): the whole request, TTFT included [6]
 # plus the Select kernel alone (bench_select.py). Results in $OUT: e2e-<run>.{json,md},
 # bench_select.json, equal_memory.log. Env: RUNS (default "32k cap24 labels"; e.g. RUNS="128k
-# 32k" in one call, RUNS="cap24 labels online" in the next).
+# 32k" in one call, RUNS="cap24 labels online" in the next); E2E_ARGS: more e2e.py flags for
+# every run, e.g. "--coarse-pages 16" (Quest's two-level Select; the labels run ignores it).
 set -o pipefail
 source benchmarks/gpu_setup.sh
 LOG="$OUT/equal_memory.log"
@@ -21,9 +22,11 @@ gpu_record "$LOG"
 [ "${SELECT:-1}" = 1 ] && timeout 60 python3 -P -m spin_cluster.bench select --out "$OUT" 2>&1 | tee -a "$LOG"
 run() {  # name, deadline s, e2e.py flags
   local name=$1 deadline=$2; shift 2
+  local extra=(${E2E_ARGS})
+  [ "$name" = labels ] && extra=()  # Quest's options: labels takes none of them
   mkdir -p "/tmp/e2e-$name"
   timeout $(( deadline + 90 )) python3 -P -m spin_cluster.bench e2e --host-kv-gib 72 --deadline-s "$deadline" "${TOK[@]}" \
-    --out "/tmp/e2e-$name" "$@" 2>&1 | grep -v "^\[" | tee -a "$LOG"
+    --out "/tmp/e2e-$name" "$@" "${extra[@]}" 2>&1 | grep -v "^\[" | tee -a "$LOG"
   cp "/tmp/e2e-$name/e2e.json" "$OUT/e2e-$name.json"
   cp "/tmp/e2e-$name/e2e.md" "$OUT/e2e-$name.md" 2>/dev/null
 }
