@@ -11,7 +11,8 @@
 #   needles-<len>   the four needle tasks, the same methods, $SAMPLES prompts each
 #   spin-<len>      the bundled `spin` config's Select (labels, floor 2048, hysteresis 0.5) at
 #                   SPIN_BUDGETS (default 1/16 and 1/32) on SPIN_TASKS (default passkey and the
-#                   needle tasks); SPIN_ALGOS (default labels) to set others beside it
+#                   needle tasks); SPIN_ALGOS (default labels) to set others beside it, and
+#                   SPIN_OPTIONS their sparse.options, KEY=VALUE words (e.g. "quest_layers=11")
 #   profile.json    the model's per-head profile (quest-ranked, answer steps) at $LENGTHS
 #   hplb-<len>      HPLB_ALGOS (default quest) at HPLB_BUDGETS (default 1/16 and 1/32): uniform
 #                   against S-HPLB max-min budgets from the profile, on HPLB_TASKS (default passkey
@@ -42,6 +43,8 @@ MODEL=$("$PY" -c "from spin_cluster.model_store import prepare_model as p; print
 [ -d "$MODEL" ] || { echo "Gemma-3-270M could not be prepared: $MODEL"; exit 1; }
 METHODS=(--algorithms quest labels labels+quest --budgets 0.0625 0.03125 --budget-floor 2048)
 NEEDLES=(niah_single niah_multikey niah_multivalue niah_multiquery)
+SPIN_OPTS=()
+for kv in ${SPIN_OPTIONS}; do SPIN_OPTS+=(--option "$kv"); done
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 run() {  # name, timeout_s, eval arguments...
   local name=$1 limit=$2; shift 2
@@ -55,7 +58,8 @@ for LEN in $LENGTHS; do
     --samples "$SAMPLES" "${METHODS[@]}" --max-tokens 32
   # shellcheck disable=SC2086  # the tasks split into words
   has spin && run "spin-$LEN" "${SPIN_TIMEOUT:-300}" --lengths "$LEN" --tasks ${SPIN_TASKS:-passkey ${NEEDLES[*]}} \
-    --samples "$SAMPLES" --algorithms ${SPIN_ALGOS:-labels} --budgets ${SPIN_BUDGETS:-0.0625 0.03125} --budget-floor 2048 --resident-margin 0.5 --max-tokens 32
+    --samples "$SAMPLES" --algorithms ${SPIN_ALGOS:-labels} --budgets ${SPIN_BUDGETS:-0.0625 0.03125} --budget-floor 2048 --resident-margin 0.5 --max-tokens 32 \
+    "${SPIN_OPTS[@]}"
 done
 if has hplb; then
   # shellcheck disable=SC2086  # the lengths split into words
