@@ -207,7 +207,9 @@ class SegmentDirectory:
         """GPU bytes of the directory, host bytes of allocated level-2 entries, and the GPU
         bytes a flat table (one int32 per logical page) would take for the same capacity."""
         rows, L, Hkv, _ = self.directory.shape
-        allocated = len(self.owned_segment_ids())
+        # Every logical segment holds one segment per (layer, KV head): a count per request, not
+        # a walk over every id (the engine reads this each step, on the host).
+        allocated = self.segments_per_logical_segment * sum(map(len, self._request_to_segments.values()))
         return {
             "gpu": self.directory.numel() * _ENTRY_BYTES,
             "host": allocated * _ENTRY_BYTES,

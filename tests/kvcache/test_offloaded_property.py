@@ -89,3 +89,7 @@ def test_metadata_bytes_directory_is_a_segment_fraction_of_a_flat_table():
     assert m["gpu"] == m["flat_gpu"] // E
     kv.allocate("a", 5)  # 3 pages -> 2 segments per (layer, head)
     assert kv.metadata_bytes()["host"] == 2 * L * HKV * 4
+    kv.allocate("b", 1)  # 1 page -> 1 segment per (layer, head)
+    assert kv.metadata_bytes()["host"] == 3 * L * HKV * 4 == len(kv.directory.owned_segment_ids()) * 4
+    kv.free("a")
+    assert kv.metadata_bytes()["host"] == 1 * L * HKV * 4
