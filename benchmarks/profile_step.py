@@ -117,6 +117,25 @@ def main(argv=None) -> dict:
 
     if cuda and graphs_run is not None:
         runner.graphs.run = timed_run
+    # The host's time on the critical path: how long the GPU sits idle between one served step's
+    # last operation and the next one's first, waiting for the host to enqueue it. CUDA events
+    # at the start of each step's launch (before its input copy) and after its sampling and
+    # token copy: the GPU reaches the next start event at once when the host is ahead of it
+    # (pipelined decode), or only when the host gets there.
+    launch = engine._launch
+    marks: list[tuple] = []
+
+    def marked_launch(*a, **kw):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = launch(*a, **kw)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        marks.append((start, end))
+        return out
+
+    if cuda and piped:
+        engine._launch = marked_launch
     step_s = []
     for _ in range(args.steps):
         if not piped:
@@ -127,6 +146,8 @@ def main(argv=None) -> dict:
             sync()
         step_s.append(time.perf_counter() - t0)
     sync()
+    engine._launch = launch
+    host_gap_s = [marks[i][1].elapsed_time(marks[i + 1][0]) / 1e3 for i in range(len(marks) - 1)]
     runner.execute = execute
     if graphs_run is not None:
         runner.graphs.run = graphs_run
@@ -174,6 +195,8 @@ def main(argv=None) -> dict:
         "graphs": type(graphs).__name__ if graphs is not None else None,
         "graph_replays": getattr(graphs, "replays", None),
         "async_decode": piped, "step_s_median": statistics.median(step_s), "runner_s_median": statistics.median(runner_s),
+        "host_gap_s_median": statistics.median(host_gap_s) if host_gap_s else None,
+        "host_gap_s_max": max(host_gap_s) if host_gap_s else None,
         "eager_step_s": eager_s, "eager_profiled_step_s": eager_profiled_s,
         "replay": replay, "graph_gpu_s": replay_s,
         "kernel_s_sum": gpu_s, "num_kernels": sum(n for *_, n in rows),
@@ -193,6 +216,9 @@ def main(argv=None) -> dict:
           f"{1e3 * gpu_s:.2f} ms; buffer hit ratio {result['hit_ratio']}")
     if replay_s is not None:
         print(f"graph run on the GPU: {1e3 * replay_s:.2f} ms per served step (CUDA events around it)")
+    if host_gap_s:
+        print(f"host on the critical path: the GPU idle {1e3 * result['host_gap_s_median']:.3f} ms between served steps "
+              f"(median of {len(host_gap_s)}, max {1e3 * result['host_gap_s_max']:.3f}; CUDA events)")
     if replay:
         print(f"graph replay: {replay['kernels']} kernels taking {1e3 * replay['kernel_s']:.2f} ms over a GPU span of "
               f"{1e3 * replay['span_s']:.2f} ms")
