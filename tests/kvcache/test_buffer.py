@@ -153,3 +153,27 @@ def test_per_head_widths_are_checked():
         GpuBuffer(**kw, head_widths=[[3, 2]], head_mandatory=[[2, 1]])
     with pytest.raises(ValueError, match="mandatory"):
         GpuBuffer(**kw, head_widths=[[4, 1]], head_mandatory=[[2, 2]])
+
+
+def test_grow_gives_each_head_its_new_columns_in_order_without_touching_the_rest():
+    # Two layers, three heads of ragged widths; a share grown twice must equal the block a
+    # mask of the new columns gives (each head's columns past its old width, in layer, head,
+    # column order), keep the columns it had, and leave the other rows alone.
+    b = GpuBuffer(64, 2, 4, 2, 3, max_seqs=2, max_share=8, dtype=torch.float32, device="cpu", num_buckets=8,
+                  head_widths=[[8, 4, 2], [6, 8, 3]], head_mandatory=[[4, 2, 1], [3, 4, 1]])
+    b.attach(0, 2)
+    b.attach(1, 2)
+    other = b.res_slot[1].clone()
+    for old, share in ((2, 5), (5, 8)):
+        before = b.res_slot[0].clone()
+        free_before = b._free_slots.ids()
+        b.grow(0, share)
+        cols = torch.arange(8)
+        new = (cols < b.widths(share)[..., None]) & ~(cols < b.widths(old)[..., None])
+        taken = free_before[::-1][: int(new.sum())]  # the lowest free ids, in take's order
+        want = before.clone()
+        want[new] = torch.tensor(taken, dtype=torch.int32)
+        assert torch.equal(b.res_slot[0], want)
+        assert (b.res_slot[0] >= 0).sum(-1).tolist() == b.widths(share).tolist()
+    assert torch.equal(b.res_slot[1], other)
+    b.check_integrity({0, 1})
