@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--top", type=int, default=25, help="kernels listed")
     ap.add_argument("--mixed", type=int, default=0, metavar="N",
                     help="then prefill one more prompt of N tokens beside the batch, timed and profiled")
+    ap.add_argument("--drain", type=int, default=0, metavar="N",
+                    help="then end N requests of the batch one at a time (abort): each new batch size's first "
+                         "steps timed, and the first step of the last size profiled")
     ap.add_argument("--tiny", action="store_true")
     add_out_folder(ap)
     e2e.add_engine_args(ap)  # the engine's settings, as e2e.py
@@ -66,7 +69,7 @@ def main(argv=None) -> dict:
     # ceil(context / max_batched_tokens) + 1 steps beside the decode rows): none may finish
     # before the timed steps, or the batch measured is smaller than the one asked for.
     prefill_steps = args.batch * (-(-args.context // args.max_batched_tokens) + 1)
-    total = prefill_steps + args.warmup + args.steps + 4 + (8 if args.mixed else 0)
+    total = prefill_steps + args.warmup + args.steps + 4 + (8 if args.mixed else 0) + 3 * args.drain
     max_len = args.context + total + args.page_size
     folder = shape_folder(shape, max_len, args.tokenizer, prefix="profile-model-")
     engine = Engine(SpinConfig.from_dict(e2e.mode_config(args.mode, args, folder, max_len, shape)), progress=False)
@@ -209,6 +212,8 @@ def main(argv=None) -> dict:
     if args.mixed:
         result["mixed"] = mixed_prompt(engine, args.mixed, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
                                        sync, cuda, layers)
+    if args.drain:
+        result["drain"] = drain(engine, args.drain, sync, cuda)
     write_result(os.path.join(args.out, f"profile-{args.mode}-{args.context}.json"), result)
     print(f"{args.mode} context {args.context} batch {batch} on {result['gpu']}: step {1e3 * result['step_s_median']:.2f} ms "
           f"as served (runner {1e3 * result['runner_s_median']:.2f} ms{', launch only: pipelined' if piped else ''}, graphs: {result['graphs']}), "
@@ -235,11 +240,7 @@ def main(argv=None) -> dict:
               f"{1e3 * m['wall_s']:.1f} ms of wall time ({1e3 * m['profiled_wall_s']:.1f} ms profiled); kernels "
               f"{1e3 * m['kernel_s']:.1f} ms; {m['spilled_pages']} pages spilled per prompt")
         if m["gaps"]:
-            g = m["gaps"]
-            print(f"GPU idle {g['idle_ms']:.1f} of {g['span_ms']:.1f} ms (profiled); gaps >= 0.5 ms by host region: "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(g["idle_in_gaps_ms_by_region"].items(), key=lambda kv: -kv[1])))
-            for r in g["longest"][:12]:
-                print(f"  gap {r['ms']:.2f} ms in {r['region']} ({r['host_op']}) after {r['after_kernel'][:40]}")
+            print_gaps(m["gaps"])
         print("| part | ms |\n|---|---:|")
         for name, ms in sorted(m["parts_ms"].items(), key=lambda kv: -kv[1]):
             print(f"| {name} | {ms:.1f} |")
@@ -311,6 +312,57 @@ def _top_level(ev) -> bool:
     while parent is not None and parent.name.startswith(_HOST_LABEL):
         parent = parent.cpu_parent
     return parent is None
+
+
+def drain(engine, n: int, sync, cuda: bool, steps: int = 3) -> dict:
+    """A batch that shrinks, as it does when its requests finish: n times, one running request
+    ends (aborted) and the next ``steps`` steps are timed, each alone (synchronised: a new batch
+    size may run eagerly before its graph is captured); the first step of the last size runs
+    under the profiler: its kernels, the host side and the GPU's idle gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sizes = []
+    prof = py = None
+    n = min(n, len(engine.scheduler.running) - 1)  # one request stays
+    for i in range(n):
+        engine.abort(engine.scheduler.running[-1].request_id)
+        walls = []
+        for j in range(steps):
+            sync()
+            t0 = time.perf_counter()
+            if i == n - 1 and j == 0:
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                with labelled(engine), profile(activities=activities) as prof, host_profile() as py:
+                    engine.step()
+                    sync()
+            else:
+                engine.step()
+                sync()
+            walls.append(time.perf_counter() - t0)
+        sizes.append({"batch": engine.last_stats.num_running, "step_s": walls})
+        print(f"drain: batch {sizes[-1]['batch']}: steps " + ", ".join(f"{1e3 * w:.2f}" for w in walls)
+              + " ms" + (" (the first profiled)" if i == n - 1 else ""))
+    out = {"sizes": sizes}
+    if prof is not None:
+        rows = kernel_rows(prof, cuda)
+        out.update(kernel_s=sum(t for _, t, _ in rows), host_ops=host_rows(prof), python=py.text,
+                   gaps=gpu_gaps(prof) if cuda else None,
+                   top=[{"name": n_[:120], "s": t, "calls": c} for n_, t, c in rows[:15]])
+        print_host(out["host_ops"], out["python"], "the first step at the last batch size")
+        if out["gaps"]:
+            print_gaps(out["gaps"])
+        print("| kernel | ms | calls |\n|---|---:|---:|")
+        for r in out["top"]:
+            print(f"| {r['name'][:90]} | {1e3 * r['s']:.3f} | {r['calls']} |")
+    return out
+
+
+def print_gaps(g: dict) -> None:
+    """``gpu_gaps``' result: the GPU's idle time, by host region, and its longest gaps."""
+    print(f"GPU idle {g['idle_ms']:.1f} of {g['span_ms']:.1f} ms (profiled); gaps >= 0.5 ms by host region: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(g["idle_in_gaps_ms_by_region"].items(), key=lambda kv: -kv[1])))
+    for r in g["longest"][:12]:
+        print(f"  gap {r['ms']:.2f} ms in {r['region']} ({r['host_op']}) after {r['after_kernel'][:40]}")
 
 
 def mixed_prompt(engine, n: int, params, sync, cuda: bool, layers: int) -> dict:

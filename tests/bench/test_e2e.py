@@ -139,6 +139,18 @@ def test_profile_step_prices_a_prompt_beside_a_decoding_batch(tmp_path):
     assert mixed["spilled_pages"] > 0
 
 
+@pytest.mark.slow
+def test_profile_step_times_a_draining_batch(tmp_path):
+    """spin-cluster bench decode-step --drain N: requests of the batch end one at a time (one
+    stays), each new size's first steps timed and the last size's first step profiled."""
+    assert run("decode-step", ["--tiny", "--mode", "spin", "--drain", "5", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "profile-spin-256.json").read_text())
+    drain = result["drain"]
+    assert result["batch"] == 2 and [s["batch"] for s in drain["sizes"]] == [1]  # capped: one request stays
+    assert all(len(s["step_s"]) == 3 and min(s["step_s"]) > 0 for s in drain["sizes"])
+    assert drain["host_ops"] and "step" in drain["python"] and drain["top"] and drain["kernel_s"] > 0
+
+
 def test_gpu_gaps_charges_idle_time_to_the_open_host_region():
     """profile_step.gpu_gaps: idle time between kernels, the longest gaps named by the
     innermost labelled host region open when the GPU went idle."""
