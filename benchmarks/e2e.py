@@ -341,12 +341,22 @@ def warm_up(engine, mode: str, lengths: list[int], args, bandwidth: float | None
     cost that step seconds (Spin's first 128K decode row: 3.5 s of compiles in a prompt step,
     benchmarks/trace_compiles.py). Dense's batch-1 request at the longest offline length (32
     decode steps alone, against the roofline) is its warm-up of that length: its roofline is
-    returned (None for the other modes and at toy size)."""
+    returned (None for the other modes and at toy size). Then, as a served engine warms up
+    (``Engine.warm_up``), a draining batch where decode graphs serve one exact batch size
+    (Spin's): a decode step at every batch size, whose first run compiles kernels too."""
     from spin_cluster.engine import SamplingParams
+    from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
+    from spin_cluster.engine.warm_up import warm_batches, zero_totals
 
     engine.generate([[1000 + i for i in range(3 * args.page_size)]])  # the toy-size compiles
     if args.tiny:
         return None
+    if isinstance(engine.runner.graphs, SpinDecodeGraphs):
+        t0 = time.monotonic()
+        sizes = warm_batches(engine)
+        zero_totals(engine)
+        print(f"[{mode}] warmed decode steps at batch sizes {sizes[0] if sizes else 0}..1 in "
+              f"{time.monotonic() - t0:.1f} s", flush=True)
     measured = max(args.offline_lengths) if mode == "dense" else None
     found = None
     for n in sorted(set(lengths) | ({measured} if measured else set())):

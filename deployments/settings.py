@@ -68,8 +68,11 @@ class ServeOptions(ConfigSection):
         "Before a plain engine replica takes requests, run one made-up prompt of each power of "
         "two of tokens from 1024 up to the model's context (128K at most), with a few decode "
         "steps after each (`Engine.warm_up`), so that no request waits for the kernels' "
-        "per-length compiles; the replica is ready once it is done (the prefill of about twice "
-        "the context, e.g. ~25 s at 128K on an H200 at Llama-3.1-8B shapes). null: on for an "
+        "per-length compiles; on the offloaded (Spin) cache, whose decode graphs serve one exact "
+        "batch size, then a batch of made-up prompts that drains one request a step, so that "
+        "every batch size's compiles are done too; the replica is ready once it is done (the "
+        "prefill of about twice the context, e.g. ~25 s at 128K on an H200 at Llama-3.1-8B "
+        "shapes, and the draining batch's prompts). null: on for an "
         "engine on CUDA, off on the CPU (whose kernels compile nothing per length). "
         "Head-parallel replicas skip it."))
     ingress_num_cpus: float = Field(0.1, gt=0, description="Logical Ray CPUs of the ingress, > 0.")

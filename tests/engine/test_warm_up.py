@@ -50,3 +50,62 @@ def test_warm_up_skips_what_the_cache_cannot_hold_and_refuses_a_busy_engine(tiny
     engine.add_request("The capital of France is", PARAMS)
     with pytest.raises(RuntimeError, match="idle engine"):
         engine.warm_up()
+
+
+def test_warm_batches_decodes_at_every_batch_size_and_leaves_nothing_behind(tiny_llama_path):
+    """warm_batches: a batch of made-up prompts drains one request a step, so that a decode
+    step runs at every batch size from the largest down to one; no page stays held and the
+    engine's tokens for later requests are those of a fresh engine."""
+    want = [o.token_ids for o in _engine(tiny_llama_path, True).generate(PROMPTS, PARAMS)]
+    engine = _engine(tiny_llama_path, True)
+    decoded = []
+    execute = engine.runner.execute
+
+    def recording(chunks, *a):
+        if chunks and all(c.is_decode for c in chunks):
+            decoded.append(len(chunks))
+        return execute(chunks, *a)
+
+    engine.runner.execute = recording
+    assert warm_up.warm_batches(engine, sizes=3, length=40) == [3, 2, 1]
+    assert {3, 2, 1} <= set(decoded) and decoded[-1] == 1  # the last decode step: one row
+    assert not engine.has_unfinished() and engine.kv.request_ids() == []
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+    engine.check_integrity()
+    engine.runner.execute = execute
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == want
+
+
+def test_warm_batches_takes_no_more_prompts_than_the_cache_holds(tiny_llama_path):
+    engine = _engine(tiny_llama_path, True)
+    need = engine.kv.pages_for_tokens(150 + 8)
+    fits = engine.kv.num_total_pages // need
+    ran = warm_up.warm_batches(engine, sizes=fits + 5, length=150)
+    assert ran and ran[0] <= fits and ran == list(range(ran[0], 0, -1))
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+def test_batch_length_passes_the_floor_and_the_budget(tiny_llama_path, monkeypatch):
+    engine = _engine(tiny_llama_path, True)  # a budget of 16 tokens, no floor
+    assert warm_up.batch_length(engine) == min(engine.max_model_len - 64, warm_up.SHORTEST)
+    monkeypatch.setattr(warm_up, "SHORTEST", 8)
+    assert warm_up.batch_length(engine) == 33  # twice the budget, and one more
+    for floor, want in ((50, 101), (100, engine.max_model_len - 64)):  # twice the floor and one more, within the model
+        sparse = engine.config.sparse.model_copy(update={"budget_floor_tokens": floor})
+        monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"sparse": sparse}))
+        assert warm_up.batch_length(engine) == want
+
+
+def test_warm_up_drains_a_batch_where_graphs_serve_exact_batch_sizes(tiny_llama_path, monkeypatch):
+    """Spin's decode graphs (one per exact batch size, captured lazily) get the draining batch;
+    an engine without them does not."""
+    from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
+
+    calls = []
+    monkeypatch.setattr(warm_up, "warm_batches", lambda engine: calls.append(engine) or [])
+    engine = _engine(tiny_llama_path, True)
+    engine.warm_up([32])
+    assert calls == []  # the CPU engine has no decode graphs
+    engine.runner.graphs = SpinDecodeGraphs(engine.model, engine.runner.attention, 3, capture=False)
+    engine.warm_up([32])
+    assert calls == [engine]
