@@ -130,7 +130,7 @@ class GpuBuffer:
             self.res_col = torch.full((max_seqs, num_layers, num_kv_heads, max_pages), -1, dtype=torch.int16, device=device)
         self._full, self._min = _head_widths(head_widths, head_mandatory, num_layers, num_kv_heads, max_share)
         self._free_slots = FreeList(num_slots)
-        self._row_slots: dict[int, list[int]] = {}
+        self._row_slots: dict[int, set[int]] = {}  # each share's slots
         self._row_share: dict[int, int] = {}
         # Device counters, read once per step: lookups, hits, misses, evictions (a miss that
         # replaced a cached page rather than filling an empty column).
@@ -206,16 +206,22 @@ class GpuBuffer:
     def make_room(self, num_slots: int, floor: int) -> None:
         """Shrink running shares, widest first, towards ``floor`` columns (their least
         recently used columns first, see ``shrink``) until ``num_slots`` are free."""
+        # A share of s columns holds slots_for(s) slots, so the targets are the host's to
+        # choose; the shares then shrink together (``_shrink_rows``: one read of the dropped
+        # slots, not one host sync a share).
+        targets, free = {}, self.num_free_slots
         for row in sorted(self._row_share, key=lambda r: (-self._row_share[r], r)):
-            if self.num_free_slots >= num_slots:
-                return
+            if free >= num_slots:
+                break
             share = self._row_share[row]
             if share <= floor:
                 continue
             # The widest share, not below the floor, that frees enough (or the floor).
-            missing = num_slots - self.num_free_slots
-            target = self._widest_within(len(self._row_slots[row]) - missing, floor, share) or floor
-            self.shrink(row, target)
+            held = len(self._row_slots[row])
+            target = self._widest_within(held - (num_slots - free), floor, share) or floor
+            targets[row] = target
+            free += held - self.slots_for(target)
+        self._shrink_rows(targets)
 
     def spread_free(self) -> None:
         """Grow running shares into the free slots, up to an equal part of every slot each
@@ -236,25 +242,41 @@ class GpuBuffer:
         """Narrow the share of ``row`` to ``share`` columns: per (layer, head) the columns
         kept are the most recently used (empty columns count as oldest; ties: lower column
         first), moved to the front; the others' slots are freed and their pages forgotten."""
-        old = self._row_share[row]
-        if not 1 <= share <= old:
-            raise ValueError(f"cannot shrink a share of {old} columns to {share}")
-        slot, page, last = self.res_slot[row], self.res_page[row], self.res_last_use[row]  # [L, Hkv, C]
+        self._shrink_rows({row: share})
+
+    def _shrink_rows(self, targets: dict[int, int]) -> None:
+        """``shrink`` of several rows at once ({row: share}): the same columns kept and the
+        same slots freed, in the rows' order, with one read of the dropped slots."""
+        if not targets:
+            return
+        for row, share in targets.items():
+            old = self._row_share[row]
+            if not 1 <= share <= old:
+                raise ValueError(f"cannot shrink a share of {old} columns to {share}")
+        dev = self.res_slot.device
+        rows = torch.tensor(list(targets), device=dev)
+        slot, page, last = self.res_slot[rows], self.res_page[rows], self.res_last_use[rows]  # [R, L, Hkv, C]
         key = torch.where(slot >= 0, last, torch.iinfo(torch.int32).min)
         order = key.argsort(dim=-1, descending=True, stable=True)
         slot, page, last = (t.gather(-1, order) for t in (slot, page, last))
-        cols = torch.arange(self.max_share, device=slot.device)
-        keep = cols < self.widths(share).to(slot.device)[..., None]  # [L, Hkv, C]
-        dropped = slot[~keep & (slot >= 0)].tolist()
-        self.res_slot[row] = slot.masked_fill(~keep, -1)
-        self.res_page[row] = page.masked_fill(~keep, -1)
-        self.res_last_use[row] = last.masked_fill(~keep, _NEVER)
+        cols = torch.arange(self.max_share, device=dev)
+        widths = torch.stack([self.widths(share) for share in targets.values()]).to(dev)  # [R, L, Hkv]
+        keep = cols < widths[..., None]  # [R, L, Hkv, C]
+        drop = ~keep & (slot >= 0)
+        counts = drop.flatten(1).sum(1)
+        self.res_slot[rows] = slot.masked_fill(~keep, -1)
+        self.res_page[rows] = page.masked_fill(~keep, -1)
+        self.res_last_use[rows] = last.masked_fill(~keep, _NEVER)
         if self.res_col is not None:
-            self.res_col[row] = page_columns(self.res_page[row], self.res_col.shape[-1])
-        freed = set(dropped)
-        self._row_slots[row] = [s for s in self._row_slots[row] if s not in freed]
-        self._free_slots.give(dropped)
-        self._row_share[row] = share
+            self.res_col[rows] = page_columns(self.res_page[rows], self.res_col.shape[-1])
+        values = torch.cat([counts.to(slot.dtype), slot[drop]]).tolist()  # one host read
+        at = len(targets)
+        for (row, share), n in zip(targets.items(), values[:at]):
+            dropped = values[at : at + n]
+            at += n
+            self._row_slots[row].difference_update(dropped)
+            self._free_slots.give(dropped)
+            self._row_share[row] = share
 
     def grow(self, row: int, share: int) -> None:
         """Widen the share of ``row`` to ``share`` columns: the new columns (past each head's
@@ -273,7 +295,7 @@ class GpuBuffer:
         dev = self.res_slot.device
         self.res_slot[row].view(-1)[at.to(dev, non_blocking=True)] = torch.tensor(ids, dtype=torch.int32).to(
             dev, non_blocking=True)
-        self._row_slots[row].extend(ids)
+        self._row_slots[row].update(ids)
         self._row_share[row] = share
 
     def _new_columns(self, old: int, share: int) -> torch.Tensor:
@@ -299,7 +321,7 @@ class GpuBuffer:
         if n == 0 or n > len(self._free_slots):
             raise RuntimeError(f"cannot give a share of {share} columns ({self.num_free_slots} slots free)")
         ids = self._free_slots.take(n)
-        self._row_slots[row] = ids
+        self._row_slots[row] = set(ids)
         self._row_share[row] = share
         held = torch.arange(self.max_share) < self.widths(share)[..., None]  # [L, Hkv, C]: each head's first columns
         block = torch.full(held.shape, -1, dtype=torch.int32)
@@ -311,7 +333,7 @@ class GpuBuffer:
             self.res_col[row] = -1
 
     def detach(self, row: int) -> None:
-        self._free_slots.give(self._row_slots.pop(row, []))
+        self._free_slots.give(sorted(self._row_slots.pop(row, ())))  # lowest ids taken first
         self._row_share.pop(row, None)
         self.res_slot[row] = -1
         self.res_page[row] = -1

@@ -177,3 +177,40 @@ def test_grow_gives_each_head_its_new_columns_in_order_without_touching_the_rest
         assert (b.res_slot[0] >= 0).sum(-1).tolist() == b.widths(share).tolist()
     assert torch.equal(b.res_slot[1], other)
     b.check_integrity({0, 1})
+
+
+def test_shrinking_several_shares_at_once_equals_shrinking_them_one_by_one():
+    # Ragged head widths, shares filled by lookups at different times (so that each head keeps
+    # its most recent columns): the batched shrink keeps and frees exactly what per-row
+    # shrinks in the same order do, the free list included.
+    def filled():
+        b = GpuBuffer(96, 2, 4, 2, 3, max_seqs=3, max_share=8, dtype=torch.float32, device="cpu", num_buckets=8,
+                      head_widths=[[8, 4, 2], [6, 8, 3]], head_mandatory=[[4, 2, 1], [3, 4, 1]])
+        g = torch.Generator().manual_seed(0)
+        for row in range(3):
+            b.attach(row, 8)
+            for now in range(1, 5):
+                want = torch.randperm(20, generator=g)[:6].view(1, 1, 6).expand(1, 3, 6).clone()
+                want[:, 2, 2:] = -1
+                b.lookup(torch.tensor([row]), now % 2, want, now + 4 * row)
+        return b
+
+    one, together = filled(), filled()
+    one.shrink(2, 5)
+    one.shrink(0, 3)
+    together._shrink_rows({2: 5, 0: 3})
+    for name in ("res_slot", "res_page", "res_last_use"):
+        assert torch.equal(getattr(one, name), getattr(together, name)), name
+    assert one._free_slots.ids() == together._free_slots.ids()
+    assert (together.share_of(0), together.share_of(1), together.share_of(2)) == (3, 8, 5)
+    together.check_integrity({0, 1, 2})
+
+
+def test_make_room_frees_what_it_needs_from_the_widest_shares_down_to_the_floor():
+    b = _ragged(slots=64, max_seqs=4)
+    for row in range(4):
+        b.attach(row, 8 if row < 3 else 4)  # 14 + 14 + 14 + 7 slots of 64: 15 free
+    b.make_room(30, floor=4)  # 15 more: rows 0 and 1 to the floor (7 each), row 2 to 7 columns (13 slots)
+    assert b.num_free_slots == 30
+    assert [b.share_of(r) for r in range(4)] == [4, 4, 7, 4]
+    b.check_integrity({0, 1, 2, 3})
