@@ -119,7 +119,6 @@ class GpuBuffer:
         self.res_slot = torch.full(shape, -1, dtype=torch.int32, device=device)
         self.res_page = torch.full(shape, -1, dtype=torch.int32, device=device)
         self.res_last_use = torch.full(shape, _NEVER, dtype=torch.int32, device=device)
-        self._grow_columns: dict[tuple[int, int], torch.Tensor] = {}  # ``_new_columns``' cache
         # On CUDA, each share's page -> column map (logical page -> column holding it, -1), kept
         # in step with res_page by the lookup kernel: hits are found in O(1) per selected page
         # instead of comparing the selection with the whole share (max_pages: pages per request).
@@ -291,7 +290,7 @@ class GpuBuffer:
         ids = self._free_slots.take(n)
         # One indexed write on the device, queued behind the step in flight: no copy of the
         # share's block to the host and back, which waited for that step each time a request
-        # left and every other share grew (tens of ms a finished request at 16 x 32K).
+        # left and every other share grew.
         dev = self.res_slot.device
         self.res_slot[row].view(-1)[at.to(dev, non_blocking=True)] = torch.tensor(ids, dtype=torch.int32).to(
             dev, non_blocking=True)
@@ -300,21 +299,12 @@ class GpuBuffer:
 
     def _new_columns(self, old: int, share: int) -> torch.Tensor:
         """[n] int64 flat positions in a row's [L, Hkv, C] block of the columns a share of
-        ``share`` has and one of ``old`` has not, in (layer, head, column) order; cached, as
-        a spread grows every share by the same step."""
-        key = (old, share)
-        at = self._grow_columns.get(key)
-        if at is None:
-            lo, hi = self.widths(old).flatten(), self.widths(share).flatten()  # [L * Hkv]
-            counts = hi - lo
-            start = torch.arange(lo.numel()) * self.max_share + lo  # each head's first new column
-            first = torch.repeat_interleave(start, counts)
-            offset = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-            at = first + offset
-            if len(self._grow_columns) > 64:
-                self._grow_columns.clear()
-            self._grow_columns[key] = at
-        return at
+        ``share`` has and one of ``old`` has not, in (layer, head, column) order."""
+        lo, hi = self.widths(old).flatten(), self.widths(share).flatten()  # [L * Hkv]
+        counts = hi - lo
+        start = torch.arange(lo.numel()) * self.max_share + lo  # each head's first new column
+        offset = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        return torch.repeat_interleave(start, counts) + offset
 
     def attach(self, row: int, share: int) -> None:
         n = self.slots_for(share) if 1 <= share <= self.max_share else 0
