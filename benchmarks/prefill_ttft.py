@@ -75,8 +75,8 @@ def _prompt(T: int, seed: int) -> list[int]:
 
 
 def _kernel_class(name: str) -> str:
-    """``profile_step.kernel_part``, with sparse and dense attention told apart."""
-    from profile_step import kernel_part
+    """``profile_tools.kernel_part``, with sparse and dense attention told apart."""
+    from profile_tools import kernel_part
 
     part = kernel_part(name)
     if part == "attention":

@@ -152,13 +152,13 @@ def test_profile_step_times_a_draining_batch(tmp_path):
 
 
 def test_gpu_gaps_charges_idle_time_to_the_open_host_region():
-    """profile_step.gpu_gaps: idle time between kernels, the longest gaps named by the
+    """profile_tools.gpu_gaps: idle time between kernels, the longest gaps named by the
     innermost labelled host region open when the GPU went idle."""
     import sys
     from types import SimpleNamespace as NS
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import profile_step
+    import profile_tools
 
     def ev(name, start, end, device):
         return NS(name=name, time_range=NS(start=start, end=end), device_type=NS(name=device),
@@ -168,7 +168,7 @@ def test_gpu_gaps_charges_idle_time_to_the_open_host_region():
               ev("host:Engine.step", 0, 6000, "CPU"), ev("host:Kv.spill", 900, 2900, "CPU"),
               ev("host:Engine.step", 0, 6000, "CUDA"),  # a region's mirror on the GPU's timeline: not busy time
               ev("aten::sort", 1000, 2500, "CPU")]
-    gaps = profile_step.gpu_gaps(NS(events=lambda: events), min_ms=0.5)
+    gaps = profile_tools.gpu_gaps(NS(events=lambda: events), min_ms=0.5)
     assert gaps["span_ms"] == 5.0 and abs(gaps["idle_ms"] - 2.1) < 1e-9
     assert gaps["idle_in_gaps_ms_by_region"] == {"Kv.spill": 2.0}  # the 0.1 ms gap is under min_ms
     (longest,) = gaps["longest"]
