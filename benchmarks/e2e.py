@@ -110,6 +110,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--coarse-split", action=argparse.BooleanOptionalAction, default=True,
                     help="two-level Select: each scoring stage over many programs a row, two launches "
                          "(sparse.options.coarse_split)")
+    ap.add_argument("--sparse-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="sparse modes: more sparse.options, e.g. channels=0.5 or index_dtype=float8_e4m3fn "
+                         "(repeatable; over the bfloat16 index and the --coarse-* options)")
     ap.add_argument("--per-head-shares", action=argparse.BooleanOptionalAction, default=True,
                     help="spin: cache.per_head_shares, each head's buffer share sized by its own S-HPLB budget")
     ap.add_argument("--buffer-share", type=float, default=0.0,
@@ -169,6 +172,10 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
     if getattr(args, "coarse_pages", 0):
         cfg["sparse"]["options"].update(coarse_pages=args.coarse_pages, coarse_factor=args.coarse_factor,
                                         coarse_split=args.coarse_split)
+    if getattr(args, "sparse_option", None):
+        from spin_cluster.config import option_pairs
+
+        cfg["sparse"]["options"].update(option_pairs(args.sparse_option))
     if args.sparse_prefill:
         from spin_cluster.hplb.budget import synthetic_prefill_config
 

@@ -14,7 +14,9 @@
 # plus the Select kernel alone (bench_select.py). Results in $OUT: e2e-<run>.{json,md},
 # bench_select.json, equal_memory.log. Env: RUNS (default "32k cap24 labels"; e.g. RUNS="128k
 # 32k" in one call, RUNS="cap24 labels online" in the next); E2E_ARGS: more e2e.py flags for
-# every run, e.g. "--coarse-pages 16" (Quest's two-level Select; the labels run ignores it).
+# every run, e.g. "--coarse-pages 16" (Quest's two-level Select; the labels run ignores it);
+# LABELS_ARGS: the labels run's own, e.g. "--sparse-option channels=0.5 --sparse-option
+# index_dtype=float8_e4m3fn".
 set -o pipefail
 source benchmarks/gpu_setup.sh
 LOG="$OUT/equal_memory.log"
@@ -23,7 +25,7 @@ gpu_record "$LOG"
 run() {  # name, deadline s, e2e.py flags
   local name=$1 deadline=$2; shift 2
   local extra=(${E2E_ARGS})
-  [ "$name" = labels ] && extra=()  # Quest's options: labels takes none of them
+  [ "$name" = labels ] && extra=(${LABELS_ARGS})  # Quest's options: labels takes none of them
   mkdir -p "/tmp/e2e-$name"
   timeout $(( deadline + 90 )) python3 -P -m spin_cluster.bench e2e --host-kv-gib 72 --deadline-s "$deadline" "${TOK[@]}" \
     --out "/tmp/e2e-$name" "$@" "${extra[@]}" 2>&1 | grep -v "^\[" | tee -a "$LOG"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from spin_cluster.config import option_pairs
 from spin_cluster.profiling import ruler
 from spin_cluster.profiling.evaluate import EvalConfig
 
@@ -98,31 +99,10 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, dense_layers=args.dense_layers,
         page_size=args.page_size, max_tokens=args.max_tokens,
         max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens, device=args.device, dtype=args.dtype,
-        dense_threshold=args.dense_threshold, seed=args.seed, algorithm_options=_options(args.option),
+        dense_threshold=args.dense_threshold, seed=args.seed, algorithm_options=option_pairs(args.option),
         buffer_share=args.buffer_share, resident_margin=args.resident_margin, host_kv_dtype=args.host_kv_dtype,
         enforce_eager=args.enforce_eager,
     )
-
-
-def _options(pairs: list[str]) -> dict:
-    """KEY=VALUE strings -> {key: bool, int, float or str value}."""
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--option {pair!r}: write KEY=VALUE")
-        if value.lower() in ("true", "false"):
-            out[key] = value.lower() == "true"
-            continue
-        for cast in (int, float):
-            try:
-                out[key] = cast(value)
-                break
-            except ValueError:
-                continue
-        else:
-            out[key] = value
-    return out
 
 
 def run_eval(args: argparse.Namespace) -> int:

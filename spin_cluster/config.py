@@ -459,3 +459,25 @@ def _section_at(kind: Any, loc: tuple[Any, ...]) -> type[BaseModel] | None:
         if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
             return None
     return kind
+
+
+def option_pairs(pairs: list[str]) -> dict:
+    """KEY=VALUE strings (a command line's ``sparse.options``) -> {key: bool, int, float or str
+    value}."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"option {pair!r}: write KEY=VALUE")
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+            continue
+        for cast in (int, float):
+            try:
+                out[key] = cast(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = value
+    return out

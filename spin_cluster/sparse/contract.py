@@ -38,6 +38,10 @@ class SparseAlgorithm(ABC):
     # so that it can be sized by the pages the cache holds (``index_pages``, ``bind_pages``)
     # rather than by max_seqs x max_pages_per_seq.
     paged_index: ClassVar[bool] = False
+    # The index dtypes the algorithm's kernels take (``sparse.options.index_dtype``). An 8-bit
+    # float is for an index that is read as values (``labels``); bounds (Quest) must round
+    # outward, which their kernels do for the 16-bit types only.
+    index_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                  max_seqs: int, max_pages_per_seq: int, device: torch.device,
@@ -60,7 +64,7 @@ class SparseAlgorithm(ABC):
         self.device = device
         # Floating dtype of the algorithm's index tensors (``sparse.options.index_dtype``):
         # 16-bit halves the bytes Select reads per step, which at long context is most of them.
-        self.index_dtype = _index_dtype(index_dtype)
+        self.index_dtype = _index_dtype(index_dtype, self.index_dtypes, self.name)
         if index_pages is not None and not self.paged_index:
             raise ValueError(f"sparse algorithm {self.name!r} keeps its index per request row: it takes no index_pages")
         self.num_index_pages = max_seqs * max_pages_per_seq if index_pages is None else index_pages
@@ -133,13 +137,14 @@ class SparseAlgorithm(ABC):
         return None
 
 
-_INDEX_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_INDEX_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "float8_e4m3fn": torch.float8_e4m3fn}
 
 
-def _index_dtype(value: torch.dtype | str) -> torch.dtype:
+def _index_dtype(value: torch.dtype | str, allowed: Sequence[str], name: str) -> torch.dtype:
     dtype = _INDEX_DTYPES.get(value, value) if isinstance(value, str) else value
-    if dtype not in _INDEX_DTYPES.values():
-        raise ValueError(f"sparse.options.index_dtype={value!r}: choose one of {', '.join(_INDEX_DTYPES)}")
+    if dtype not in [_INDEX_DTYPES[a] for a in allowed]:
+        raise ValueError(f"sparse.options.index_dtype={value!r}: {name} takes one of {', '.join(allowed)}")
     return dtype
 
 

@@ -48,7 +48,7 @@ class LabelsQuest(SparseAlgorithm):
     name = "labels+quest"
     graph_safe = True
 
-    def __init__(self, channels: int = 0, model_path: str | None = None, quest_layers=(), labels_layers=(),
+    def __init__(self, channels: float = 0, model_path: str | None = None, quest_layers=(), labels_layers=(),
                  **kw) -> None:
         super().__init__(**kw)
         self.labels = Labels(channels=channels, model_path=model_path, **kw)

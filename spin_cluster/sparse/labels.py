@@ -6,14 +6,18 @@ fixed channels of its KV head, and a page scores its best token::
 The channels are chosen once per (layer, KV head) from the weights: the RoPE pairs (d, d + D/2)
 with the largest ``||W_k[d]|| * sum_g ||W_q[g, d]||`` (RoPE rotates within a pair, so a pair's
 magnitude survives it; ``sparq.weight_channels``). A model without a weights file (random
-weights for speed runs) gets evenly spaced pairs. ``sparse.options.channels``: r, even,
-default D/4.
+weights for speed runs) gets evenly spaced pairs. ``sparse.options.channels``: r, even, or a
+fraction of D under 1 (0.5: D/2, whatever the model's D), default D/4.
 
 Where Quest bounds a page by a box around its keys, which in 64-128 dimensions is far larger
 than any key in it, this scores the keys themselves. At 2K on SmolLM2 and 1/16 of the
 context, r = 16 of 64 channels scored 73 against dense 75 and Quest 19 (``docs/accuracy.md``,
 "Scoring keys one by one"). The price is the index: r/D of the K cache, read whole by every
 Select, against Quest's 2/S.
+
+An 8-bit index (``index_dtype: float8_e4m3fn``): the labels are values, not bounds, so they
+round to nearest, clamped to e4m3's +-448; it halves a 16-bit index's bytes, so that r = D/2
+reads what r = D/4 reads in bfloat16.
 
 Index layout: ``labels`` [L, R * P * S + 1, Hkv, r] in ``index_dtype`` (row-major over request
 rows and token positions; the last row absorbs masked-off writes); ``lengths`` [R + 1] tokens
@@ -33,17 +37,34 @@ from spin_cluster.sparse.contract import SparseAlgorithm, register
 from spin_cluster.sparse.sparq import weight_channels
 
 
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+
+
+def label_channels(channels: float, head_dim: int) -> int:
+    """r of ``sparse.options.channels``: 0 -> D/4 (at least 2); a fraction under 1 -> that
+    share of D, rounded to an even count (RoPE pairs); else the count itself."""
+    if channels == 0:
+        return max(2, head_dim // 4)
+    if 0 < channels < 1:
+        return max(2, 2 * round(head_dim * channels / 2))
+    if channels != int(channels):
+        raise ValueError(f"sparse.options.channels={channels}: a count of channels, or a fraction of D under 1")
+    return int(channels)
+
+
 @register
 class Labels(SparseAlgorithm):
     name = "labels"
     graph_safe = True
+    index_dtypes = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 
-    def __init__(self, channels: int = 0, model_path: str | None = None, **kw) -> None:
+    def __init__(self, channels: float = 0, model_path: str | None = None, **kw) -> None:
         super().__init__(**kw)
         D = self.head_dim
-        r = channels or max(2, D // 4)
+        r = label_channels(channels, D)
         if r % 2 or not 2 <= r <= D:
-            raise ValueError(f"sparse.options.channels={channels}: must be even and in 2..{D} (0: D/4)")
+            raise ValueError(f"sparse.options.channels={channels}: must be even and in 2..{D}, or a fraction of D "
+                             "under 1 (0: D/4)")
         self.channels = r
         if model_path and os.path.exists(os.path.join(model_path, "model.safetensors")):
             ids = weight_channels(model_path, self.model_layers, self.num_kv_heads, D, r)
@@ -73,7 +94,12 @@ class Labels(SparseAlgorithm):
     def append(self, layer, plan, k):
         # k: [T, Hkv, D] -> its labels [T, Hkv, r]
         ids = self.channel_ids[layer][None].expand(k.shape[0], -1, -1)
-        self.labels[layer].index_copy_(0, plan, k.gather(2, ids).to(self.index_dtype))
+        lab = k.gather(2, ids)
+        if self.index_dtype == torch.float8_e4m3fn:  # e4m3 has no inf: past +-448 a cast gives NaN
+            lab = lab.clamp(-FP8_MAX, FP8_MAX).to(self.index_dtype).view(torch.uint8)
+            self.labels[layer].view(torch.uint8).index_copy_(0, plan, lab)  # index_copy_ has no fp8 kernel
+            return
+        self.labels[layer].index_copy_(0, plan, lab.to(self.index_dtype))
 
     def score(self, layer, q, rows, num_pages):
         # q: [B, H, D] -> [B, Hkv, num_pages]

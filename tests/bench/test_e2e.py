@@ -49,6 +49,10 @@ def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path, cap
     args = bench["parse_args"](["--tiny", "--coarse-pages", "16", "--no-coarse-split"])
     options = bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["options"]
     assert options["coarse_split"] is False
+    args = bench["parse_args"](["--tiny", "--algorithm", "labels", "--sparse-option", "channels=0.5",
+                                "--sparse-option", "index_dtype=float8_e4m3fn"])
+    options = bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["options"]
+    assert options == {"index_dtype": "float8_e4m3fn", "channels": 0.5}
 
 
 def test_tpot_counts_requests_the_deadline_cut_off():

@@ -49,12 +49,13 @@ def test_append_and_score_never_synchronise(op_log):
     assert not log.syncs(), log.syncs()
 
 
-@pytest.mark.parametrize("S,rc", [(4, 8), (16, 6), (2, 4)])
-def test_triton_scorer_equals_reference(S, rc):
+@pytest.mark.parametrize("S,rc,dtype", [(4, 8, torch.float32), (16, 6, torch.float32), (2, 4, torch.float32),
+                                        (4, 8, torch.float8_e4m3fn)])
+def test_triton_scorer_equals_reference(S, rc, dtype):
     g = torch.Generator().manual_seed(S + rc)
     B, Hkv, R, P = 3, 2, 4, 5
     span = P * S
-    labels = torch.randn(R * span + 1, Hkv, rc, generator=g)
+    labels = torch.randn(R * span + 1, Hkv, rc, generator=g).to(dtype)
     qr = torch.randn(B, Hkv, rc, generator=g)
     rows = torch.tensor([2, 0, 3])
     lengths = torch.tensor([7, span, 1, 3 * S + 1, 0])  # rows 0..3 and the dump row
@@ -66,8 +67,9 @@ def test_triton_scorer_equals_reference(S, rc):
     assert torch.isinf(want[1, :, empty]).all() and torch.isfinite(want[0, :, 0]).all()
 
 
-def test_a_whole_context_budget_gives_the_dense_tokens(offloaded_tokens, dense_tokens):
-    engine, tokens = offloaded_tokens({"algorithm": "labels", "budget": 256})
+@pytest.mark.parametrize("options", [{}, {"index_dtype": "float8_e4m3fn", "channels": 0.5}])
+def test_a_whole_context_budget_gives_the_dense_tokens(offloaded_tokens, dense_tokens, options):
+    engine, tokens = offloaded_tokens({"algorithm": "labels", "budget": 256, "options": options})
     assert tokens == dense_tokens
 
 
@@ -79,6 +81,63 @@ def test_triton_scorer_equals_reference_at_llama_shapes():
     B, Hkv, rc, S, P = 4, 8, 32, 32, 1024
     span = P * S
     labels = torch.randn(B * span + 1, Hkv, rc, generator=g).bfloat16().cuda()
+    qr = torch.randn(B, Hkv, rc, generator=g).cuda()
+    rows = torch.tensor([3, 1, 0, 2]).cuda()
+    lengths = torch.tensor([span, span - 5, 100, 7 * S, 0]).cuda()
+    got = label_scores(qr, labels, rows, lengths, span, P, S, impl="triton")
+    torch.testing.assert_close(got, label_scores_ref(qr, labels, rows, lengths, span, P, S), rtol=1e-4, atol=1e-3)
+
+
+def test_a_fraction_of_the_head_dim_picks_that_share_of_channels():
+    assert _labels(channels=0.5).channels == 4  # D = 8
+    assert _labels(channels=0.25).channels == 2
+    assert _labels(channels=0).channels == 2
+    with pytest.raises(ValueError, match="channels"):
+        _labels(channels=2.5)
+
+
+def _fp8_labels():
+    return get_algorithm("labels")(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, max_seqs=2,
+                                   max_pages_per_seq=4, device=torch.device("cpu"), channels=8,
+                                   index_dtype="float8_e4m3fn")
+
+
+def test_an_fp8_index_scores_as_the_keys_rounded_to_fp8(one_row):
+    alg = _fp8_labels()
+    assert alg.labels.dtype == torch.float8_e4m3fn and alg.index_bytes_per_token() == 2 * 8
+    k, q = one_row(alg)
+    scores = alg.score(0, q, torch.tensor([1]), 4)
+    k8 = k.to(torch.float8_e4m3fn).float()
+    for h in range(2):
+        per_key = (q[0, 2 * h : 2 * h + 2] @ k8[:, h].T).sum(0)
+        best = torch.stack([per_key[4 * p : 4 * p + 4].max() for p in range(4)])
+        torch.testing.assert_close(scores[0, h, :4], best[:4], rtol=1e-5, atol=1e-5)
+
+
+def test_an_fp8_index_clamps_keys_past_its_range():
+    alg = _fp8_labels()
+    k = torch.full((4, 2, 8), 1e4)
+    k[1] = -1e4
+    alg.on_append(0, torch.zeros(4, dtype=torch.long), torch.arange(4), k)
+    held = alg.labels[0, :4].float()
+    assert torch.isfinite(held).all() and held.abs().max() == 448.0
+    assert torch.isfinite(alg.score(0, torch.ones(1, 4, 8), torch.tensor([0]), 1)).all()
+
+
+def test_only_labels_takes_an_fp8_index():
+    with pytest.raises(ValueError, match="quest takes one of"):
+        get_algorithm("quest")(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, max_seqs=2,
+                               max_pages_per_seq=4, device=torch.device("cpu"), index_dtype="float8_e4m3fn")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_scorer_reads_an_fp8_index():
+    """The Llama shapes above with r = 64 label channels in float8_e4m3fn."""
+    g = torch.Generator().manual_seed(1)
+    B, Hkv, rc, S, P = 4, 8, 64, 16, 2048
+    span = P * S
+    labels = torch.randn(B * span + 1, Hkv, rc, generator=g).to(torch.float8_e4m3fn).cuda()
     qr = torch.randn(B, Hkv, rc, generator=g).cuda()
     rows = torch.tensor([3, 1, 0, 2]).cuda()
     lengths = torch.tensor([span, span - 5, 100, 7 * S, 0]).cuda()
