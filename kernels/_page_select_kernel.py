@@ -91,24 +91,42 @@ def _take_top(x, valid, budget, P_PAD: tl.constexpr):
     """Mask of the ``budget`` largest valid entries of the row ``x`` (ties: lowest index).
 
     The threshold comes from a radix select: the largest key t with at least ``budget`` valid
-    keys >= t, found in four passes of 8 bits from the most significant, each a 256-bin
-    histogram of the keys that match the digits found so far (no sort; a bisection needs 33
-    counting passes)."""
-    key = _sortable(x)
-    ukey = key + 2147483648  # [0, 2^32), same order
+    keys >= t, found in passes of 8 bits from the most significant, each a 256-bin histogram
+    of the keys that match the digits found so far (no sort; a bisection needs 33 counting
+    passes). The passes stop once the digit's bin is taken whole (``_radix_cut``)."""
+    key = _sortable(x) + 2147483648  # [0, 2^32), same order
+    top, shift = _radix_cut(key, valid, key, valid, budget, P_PAD, P_PAD, False)
+    above = valid & ((key >> shift) > top)
+    n_above = tl.sum(above.to(tl.int32), 0)
+    equal = valid & ((key >> shift) == top)
+    eq_rank = tl.cumsum(equal.to(tl.int32), 0)  # 1-based among ties, lowest index first
+    return (above | (equal & (eq_rank <= budget - n_above))) & (budget > 0)
+
+
+@triton.jit
+def _radix_cut(u1, v1, u2, v2, budget, P1: tl.constexpr, P2: tl.constexpr, TWO: tl.constexpr):
+    """(top, shift): the ``budget`` largest valid keys of u1 (and of u2 when TWO; uint32
+    values held as int64) are those with ``u >> shift`` above ``top``, then the lowest-index ones equal to
+    it. Radix passes of 8 bits from the most significant; after a pass whose digit's bin is
+    needed whole (the keys above it and all of it make exactly ``budget``), the keys' upper
+    bits already split them and the later passes are skipped: scores are spread floats, so
+    two passes (sign, exponent and 7 mantissa bits) mostly do, against four."""
     bins = tl.arange(0, 256)
     prefix = tl.full((), 0, tl.int64)
     need = budget
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        d, need = _digit_at(_digit_hist(ukey, valid, prefix, shift, P_PAD), bins, need)
+    shift = tl.full((), 24, tl.int32)
+    done = tl.full((), 0, tl.int1)
+    while (shift >= 0) & (~done):
+        hist = _digit_hist(u1, v1, prefix, shift, P1)
+        if TWO:
+            hist += _digit_hist(u2, v2, prefix, shift, P2)
+        d, rest = _digit_at(hist, bins, need)
         prefix = prefix | (d.to(tl.int64) << shift)
-    lo = prefix - 2147483648
-    above = valid & (key > lo)
-    n_above = tl.sum(above.to(tl.int32), 0)
-    equal = valid & (key == lo)
-    eq_rank = tl.cumsum(equal.to(tl.int32), 0)  # 1-based among ties, lowest index first
-    return (above | (equal & (eq_rank <= budget - n_above))) & (budget > 0)
+        done = rest == tl.sum(tl.where(bins == d, hist, 0), 0)
+        need = rest
+        shift -= 8
+    shift += 8
+    return prefix >> shift, shift
 
 
 @triton.jit(do_not_specialize=["P", "K"])
@@ -130,24 +148,14 @@ def _take_top2(x1, v1, x2, v2, budget, P1: tl.constexpr, P2: tl.constexpr):
     """``_take_top`` over a row held as two tiles, x1 [P1] then x2 [P2] (a row of P1 + P2
     keys, where one power-of-two tile would pad it to 2 * P1): (keep1, keep2), ties to the
     lowest index (every key of x1 before every key of x2)."""
-    key1 = _sortable(x1)
-    key2 = _sortable(x2)
-    u1 = key1 + 2147483648
-    u2 = key2 + 2147483648
-    bins = tl.arange(0, 256)
-    prefix = tl.full((), 0, tl.int64)
-    need = budget
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = _digit_hist(u1, v1, prefix, shift, P1) + _digit_hist(u2, v2, prefix, shift, P2)
-        d, need = _digit_at(hist, bins, need)
-        prefix = prefix | (d.to(tl.int64) << shift)
-    lo = prefix - 2147483648
-    above1 = v1 & (key1 > lo)
-    above2 = v2 & (key2 > lo)
+    u1 = _sortable(x1) + 2147483648
+    u2 = _sortable(x2) + 2147483648
+    top, shift = _radix_cut(u1, v1, u2, v2, budget, P1, P2, True)
+    above1 = v1 & ((u1 >> shift) > top)
+    above2 = v2 & ((u2 >> shift) > top)
     n_above = tl.sum(above1.to(tl.int32), 0) + tl.sum(above2.to(tl.int32), 0)
-    eq1 = v1 & (key1 == lo)
-    eq2 = v2 & (key2 == lo)
+    eq1 = v1 & ((u1 >> shift) == top)
+    eq2 = v2 & ((u2 >> shift) == top)
     r1 = tl.cumsum(eq1.to(tl.int32), 0)
     r2 = tl.sum(eq1.to(tl.int32), 0) + tl.cumsum(eq2.to(tl.int32), 0)
     room = budget - n_above

@@ -73,6 +73,23 @@ def test_topk_ragged_keys_that_share_leading_bytes():
     assert torch.equal(topk_ragged(scores, budgets, 160, impl="triton"), topk_ragged_ref(scores, budgets, 160))
 
 
+@pytest.mark.parametrize("P", [64, 70])
+def test_a_threshold_the_first_bytes_settle_skips_the_later_passes(P):
+    """Scores 2^e of both signs split in their first one or two bytes: the radix passes stop
+    there (the digit's bin taken whole), and the pages are still the reference's, in one
+    tile and in two, with ties inside a settled bin and inside an unsettled one."""
+    g = torch.Generator().manual_seed(P)
+    sign = torch.where(torch.rand(2, 2, P, generator=g) < 0.3, -1.0, 1.0)
+    scores = sign * 2.0 ** torch.randint(-30, 30, (2, 2, P), generator=g).float()
+    scores[1, 0, 10:14] = 0.75  # a tie that one budget cuts through
+    budgets = torch.tensor([[1, 5], [12, P - 8]])
+    assert torch.equal(topk_ragged(scores, budgets, P, impl="triton"), topk_ragged_ref(scores, budgets, P))
+    num_pages = torch.tensor([P, P - 3])
+    want, count = select_ragged(scores, num_pages, 1, 2, budgets, P, impl="triton")
+    ref_want, ref_count = select_ragged_ref(scores, num_pages, 1, 2, budgets, P)
+    assert torch.equal(want, ref_want) and torch.equal(count, ref_count)
+
+
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="budgets"):
         topk_ragged_ref(torch.zeros(2, 3, 4), torch.zeros(2, 2), 2)
