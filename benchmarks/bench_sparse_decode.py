@@ -39,9 +39,16 @@ def main() -> None:
     add_algorithm(ap, help="the Select to time")
     ap.add_argument("--sink-tokens", type=int, default=16)
     ap.add_argument("--local-tokens", type=int, default=64)
+    ap.add_argument("--index-dtypes", nargs="+", default=["float32", "bfloat16"],
+                    choices=["float32", "bfloat16", "float8_e4m3fn"],
+                    help="the index dtypes timed (float8_e4m3fn: labels only)")
+    ap.add_argument("--channels", type=float, default=0,
+                    help="labels: sparse.options.channels (r, or a fraction of D under 1; 0: D/4)")
     add_shape(ap, page_size=16)
     add_out(ap)
     args = ap.parse_args()
+    if args.algorithm != "labels" and "float8_e4m3fn" in args.index_dtypes:
+        ap.error("--index-dtypes float8_e4m3fn: labels only (Quest's bounds round outward in 16 bits at least)")
 
     import torch
     import torch.nn.functional as F
@@ -103,8 +110,9 @@ def main() -> None:
         base = torch.arange(B * Hkv, device=dev).view(B, Hkv, 1) * P
         perm = torch.argsort(torch.rand(B, Hkv, P, device=dev), dim=-1)
         phys = base + perm  # [B, Hkv, P] physical page of each logical page
+        extra = {"channels": args.channels} if args.algorithm == "labels" else {}
         alg = get_algorithm(args.algorithm)(num_layers=1, num_kv_heads=Hkv, head_dim=D, page_size=S,
-                                            max_seqs=B, max_pages_per_seq=P, device=dev)
+                                            max_seqs=B, max_pages_per_seq=P, device=dev, **extra)
         for b in range(B):  # the index the engine's Index step would have built
             if args.algorithm == "quest":
                 pages_k = k_pages[phys[b]]  # [Hkv, P, S, D]
@@ -141,7 +149,7 @@ def main() -> None:
             select()
             attend()
 
-        for index_dtype in (torch.float32, torch.bfloat16):
+        for index_dtype in [getattr(torch, name) for name in args.index_dtypes]:
             if args.algorithm == "quest":
                 alg.kmin, alg.kmax = alg.kmin.to(index_dtype), alg.kmax.to(index_dtype)
             else:
@@ -156,6 +164,7 @@ def main() -> None:
             t_topk = graph_us(lambda: select_pages(scores, False, plan, Hkv))
             attn_gbs = 2 * tokens * D * k_dense.element_size() / (t_attn * 1e-6) / 1e9
             row = {"batch": B, "index_dtype": str(index_dtype).removeprefix("torch."),
+                   "channels": getattr(alg, "channels", None),
                    "dense_us": t_dense, "dense_paged_us": t_dense_paged, "score_us": t_score, "topk_us": t_topk, "select_us": t_sel, "attention_us": t_attn, "total_us": t_total,
                    "total_plain_us": t_plain, "speedup": t_dense / t_total,
                    "speedup_vs_paged": t_dense_paged / t_total,

@@ -28,7 +28,8 @@ run() {  # name, deadline s, e2e.py flags
   [ "$name" = labels ] && extra=(${LABELS_ARGS})  # Quest's options: labels takes none of them
   mkdir -p "/tmp/e2e-$name"
   timeout $(( deadline + 90 )) python3 -P -m spin_cluster.bench e2e --host-kv-gib 72 --deadline-s "$deadline" "${TOK[@]}" \
-    --out "/tmp/e2e-$name" "$@" "${extra[@]}" 2>&1 | grep -v "^\[" | tee -a "$LOG"
+    --out "/tmp/e2e-$name" "$@" "${extra[@]}" 2>&1 | tee "/tmp/e2e-$name/raw.log" | grep -v "^\[" | tee -a "$LOG"
+  grep -a "warmed" "/tmp/e2e-$name/raw.log" | tee -a "$LOG"  # the start-up warm-up's cost
   cp "/tmp/e2e-$name/e2e.json" "$OUT/e2e-$name.json"
   cp "/tmp/e2e-$name/e2e.md" "$OUT/e2e-$name.md" 2>/dev/null
 }
