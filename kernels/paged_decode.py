@@ -56,7 +56,10 @@ _LOG2E = 1.4426950408889634
 # 4 * 132 = 528 programs. Measured there (B=1, Hkv=8, 128K tokens): 64 splits (512 programs)
 # read K/V at ~4.06 TB/s, 80 splits (640, two waves) ~3.2 TB/s, 32 splits ~3.3 TB/s.
 _PROGRAMS_PER_SM = 4
-_MIN_TOKENS_PER_SPLIT = 256  # below this a split costs more than it saves
+# Below this a split costs more than it saves. 128, not 256: Spin's rows are a head's selected
+# tokens (~2K), where 16 splits of 128 beat 8 of 256 (H100, bench_paged_decode.py --sweep,
+# 2026-12-06: 10.9 against 12.3 us at B=4 x 2048 tokens, 6.7 against 9.2 at B=1).
+_MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
 _SPLIT_COST_TOKENS = 128  # fixed cost of one program (set-up, partial write), in tokens read
 _SPLIT_MIN_GAIN = 0.01  # more splits only for an estimated gain above 1%

@@ -171,6 +171,9 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 8, 300, 132) <= math.ceil(300 / pd._MIN_TOKENS_PER_SPLIT)
     assert choose_num_splits(1, 8, 0, 132) == 1
     assert choose_num_splits(1, 1, 10**7, 132) == pd._MAX_SPLITS
+    # A sparse step's rows (a head's ~2K selected tokens): splits of 128 tokens, one wave.
+    assert choose_num_splits(4, 8, 2048, 132) == 16
+    assert choose_num_splits(1, 8, 4096, 132) == 32
 
 
 # --------------------------------------------------------------------------------------
