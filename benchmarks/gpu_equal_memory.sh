@@ -6,8 +6,8 @@
 #   128k     4 x 128K prompts, 100 GiB (all KV fits both): the headline, with dense's batch-1 roofline [4]
 #   32k      16 x 32K prompts, 100 GiB (all KV fits both) [3]
 #   cap24    4 x 128K prompts, 24 GiB (dense holds one request; Spin's shares shrink) [3.5]
-#   labels   4 x 128K prompts, 100 GiB, Spin with the bundled config's Select: labels with
-#            Select's hysteresis (resident_margin 0.5) [2]
+#   labels   4 x 128K prompts, 100 GiB, Spin with the bundled config's Select: labels in e4m3
+#            with Select's hysteresis (resident_margin 0.5) [2]
 #   online   4 x 32K prompts arriving at 2, 1 and 0.5 requests/s, 100 GiB, dense and Spin [2.5]
 #   prefill  4 x 128K and the online arrivals, 100 GiB, Spin with block-sparse prefill (1/8 of
 #            the blocks, per-head fractions): the whole request, TTFT included [6]
@@ -15,8 +15,9 @@
 # bench_select.json, equal_memory.log. Env: RUNS (default "32k cap24 labels"; e.g. RUNS="128k
 # 32k" in one call, RUNS="cap24 labels online" in the next); E2E_ARGS: more e2e.py flags for
 # every run, e.g. "--coarse-pages 16" (Quest's two-level Select; the labels run ignores it);
-# LABELS_ARGS: the labels run's own, e.g. "--sparse-option channels=0.5 --sparse-option
-# index_dtype=float8_e4m3fn".
+# LABELS_ARGS: the labels run's own (default the bundled config's e4m3 labels, "--sparse-option
+# index_dtype=float8_e4m3fn"; "--sparse-option index_dtype=bfloat16" gives the runs before
+# 2026-12-06's; add e.g. "--sparse-option channels=0.5").
 set -o pipefail
 source benchmarks/gpu_setup.sh
 LOG="$OUT/equal_memory.log"
@@ -25,7 +26,7 @@ gpu_record "$LOG"
 run() {  # name, deadline s, e2e.py flags
   local name=$1 deadline=$2; shift 2
   local extra=(${E2E_ARGS})
-  [ "$name" = labels ] && extra=(${LABELS_ARGS})  # Quest's options: labels takes none of them
+  [ "$name" = labels ] && extra=(${LABELS_ARGS---sparse-option index_dtype=float8_e4m3fn})  # not Quest's options
   mkdir -p "/tmp/e2e-$name"
   timeout $(( deadline + 90 )) python3 -P -m spin_cluster.bench e2e --host-kv-gib 72 --deadline-s "$deadline" "${TOK[@]}" \
     --out "/tmp/e2e-$name" "$@" "${extra[@]}" 2>&1 | tee "/tmp/e2e-$name/raw.log" | grep -v "^\[" | tee -a "$LOG"
