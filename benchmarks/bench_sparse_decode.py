@@ -47,8 +47,11 @@ def main() -> None:
     add_shape(ap, page_size=16)
     add_out(ap)
     args = ap.parse_args()
-    if args.algorithm != "labels" and "float8_e4m3fn" in args.index_dtypes:
-        ap.error("--index-dtypes float8_e4m3fn: labels only (Quest's bounds round outward in 16 bits at least)")
+    from spin_cluster.sparse import SelectPlan, get_algorithm, select_pages
+
+    taken = get_algorithm(args.algorithm).index_dtypes  # the algorithm's own list (an 8-bit float: labels only)
+    if not set(args.index_dtypes) <= set(taken):
+        ap.error(f"--index-dtypes: {args.algorithm} takes {', '.join(taken)}")
 
     import torch
     import torch.nn.functional as F
@@ -58,7 +61,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_sparse_decode needs a CUDA GPU")
     from spin_cluster.kernels.paged_decode import paged_decode_attention
-    from spin_cluster.sparse import SelectPlan, get_algorithm, select_pages
 
     torch.manual_seed(0)
     dev = torch.device("cuda")

@@ -43,13 +43,15 @@ FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
 def label_channels(channels: float, head_dim: int) -> int:
     """r of ``sparse.options.channels``: 0 -> D/4 (at least 2); a fraction under 1 -> that
-    share of D, rounded to an even count (RoPE pairs); else the count itself."""
+    share of D, rounded to an even count (RoPE pairs); else the count itself, even and in
+    2..D."""
     if channels == 0:
         return max(2, head_dim // 4)
     if 0 < channels < 1:
         return max(2, 2 * round(head_dim * channels / 2))
-    if channels != int(channels):
-        raise ValueError(f"sparse.options.channels={channels}: a count of channels, or a fraction of D under 1")
+    if channels != int(channels) or channels % 2 or not 2 <= channels <= head_dim:
+        raise ValueError(f"sparse.options.channels={channels}: must be even and in 2..{head_dim}, or a fraction "
+                         "of D under 1 (0: D/4)")
     return int(channels)
 
 
@@ -62,11 +64,7 @@ class Labels(SparseAlgorithm):
     def __init__(self, channels: float = 0, model_path: str | None = None, **kw) -> None:
         super().__init__(**kw)
         D = self.head_dim
-        r = label_channels(channels, D)
-        if r % 2 or not 2 <= r <= D:
-            raise ValueError(f"sparse.options.channels={channels}: must be even and in 2..{D}, or a fraction of D "
-                             "under 1 (0: D/4)")
-        self.channels = r
+        r = self.channels = label_channels(channels, D)
         if model_path and os.path.exists(os.path.join(model_path, "model.safetensors")):
             ids = weight_channels(model_path, self.model_layers, self.num_kv_heads, D, r)
         else:  # no weights to rank the channels by: evenly spaced RoPE pairs

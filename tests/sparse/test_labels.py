@@ -7,10 +7,16 @@ from spin_cluster.kernels.page_select import label_scores, label_scores_ref
 from spin_cluster.sparse import get_algorithm
 
 
-def _labels(channels=8, P=4, S=4, Hkv=2, D=8, R=2, model_path=None):
+def _labels(channels=8, P=4, S=4, Hkv=2, D=8, R=2, model_path=None, index_dtype="float32"):
     return get_algorithm("labels")(num_layers=1, num_kv_heads=Hkv, head_dim=D, page_size=S, max_seqs=R,
                                    max_pages_per_seq=P, device=torch.device("cpu"), channels=channels,
-                                   model_path=model_path)
+                                   model_path=model_path, index_dtype=index_dtype)
+
+
+def _best_key_of_each_page(k, q, h):
+    """[4] KV head h's best q.k of each page of 4 keys (``one_row``'s 2 query heads a KV head)."""
+    per_key = (q[0, 2 * h : 2 * h + 2] @ k[:, h].T).sum(0)
+    return torch.stack([per_key[4 * p : 4 * p + 4].max() for p in range(4)])
 
 
 def test_all_channels_score_each_page_by_its_best_key(one_row):
@@ -18,9 +24,7 @@ def test_all_channels_score_each_page_by_its_best_key(one_row):
     k, q = one_row(alg)  # 13 keys in row 1, G = 2
     scores = alg.score(0, q, torch.tensor([1]), 4)
     for h in range(2):
-        per_key = (q[0, 2 * h : 2 * h + 2] @ k[:, h].T).sum(0)
-        best = torch.stack([per_key[4 * p : 4 * p + 4].max() for p in range(4)])
-        torch.testing.assert_close(scores[0, h], best, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(scores[0, h], _best_key_of_each_page(k, q, h), rtol=1e-5, atol=1e-5)
 
 
 def test_a_new_request_in_a_row_forgets_the_old_tokens():
@@ -75,12 +79,14 @@ def test_a_whole_context_budget_gives_the_dense_tokens(offloaded_tokens, dense_t
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_triton_scorer_equals_reference_at_llama_shapes():
-    """4 requests x 8 KV heads, 32K tokens in pages of 32, 32 label channels in bf16."""
-    g = torch.Generator().manual_seed(0)
-    B, Hkv, rc, S, P = 4, 8, 32, 32, 1024
+@pytest.mark.parametrize("rc,S,P,dtype", [(32, 32, 1024, torch.bfloat16), (64, 16, 2048, torch.float8_e4m3fn)])
+def test_triton_scorer_equals_reference_at_llama_shapes(rc, S, P, dtype):
+    """4 requests x 8 KV heads, 32K tokens: pages of 32 and 32 label channels in bf16, and
+    pages of 16 and 64 channels in float8_e4m3fn."""
+    g = torch.Generator().manual_seed(rc)
+    B, Hkv = 4, 8
     span = P * S
-    labels = torch.randn(B * span + 1, Hkv, rc, generator=g).bfloat16().cuda()
+    labels = torch.randn(B * span + 1, Hkv, rc, generator=g).to(dtype).cuda()
     qr = torch.randn(B, Hkv, rc, generator=g).cuda()
     rows = torch.tensor([3, 1, 0, 2]).cuda()
     lengths = torch.tensor([span, span - 5, 100, 7 * S, 0]).cuda()
@@ -96,26 +102,18 @@ def test_a_fraction_of_the_head_dim_picks_that_share_of_channels():
         _labels(channels=2.5)
 
 
-def _fp8_labels():
-    return get_algorithm("labels")(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, max_seqs=2,
-                                   max_pages_per_seq=4, device=torch.device("cpu"), channels=8,
-                                   index_dtype="float8_e4m3fn")
-
-
 def test_an_fp8_index_scores_as_the_keys_rounded_to_fp8(one_row):
-    alg = _fp8_labels()
+    alg = _labels(index_dtype="float8_e4m3fn")
     assert alg.labels.dtype == torch.float8_e4m3fn and alg.index_bytes_per_token() == 2 * 8
     k, q = one_row(alg)
     scores = alg.score(0, q, torch.tensor([1]), 4)
     k8 = k.to(torch.float8_e4m3fn).float()
     for h in range(2):
-        per_key = (q[0, 2 * h : 2 * h + 2] @ k8[:, h].T).sum(0)
-        best = torch.stack([per_key[4 * p : 4 * p + 4].max() for p in range(4)])
-        torch.testing.assert_close(scores[0, h, :4], best[:4], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(scores[0, h], _best_key_of_each_page(k8, q, h), rtol=1e-5, atol=1e-5)
 
 
 def test_an_fp8_index_clamps_keys_past_its_range():
-    alg = _fp8_labels()
+    alg = _labels(index_dtype="float8_e4m3fn")
     k = torch.full((4, 2, 8), 1e4)
     k[1] = -1e4
     alg.on_append(0, torch.zeros(4, dtype=torch.long), torch.arange(4), k)
@@ -129,17 +127,3 @@ def test_only_labels_takes_an_fp8_index():
         get_algorithm("quest")(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, max_seqs=2,
                                max_pages_per_seq=4, device=torch.device("cpu"), index_dtype="float8_e4m3fn")
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_triton_scorer_reads_an_fp8_index():
-    """The Llama shapes above with r = 64 label channels in float8_e4m3fn."""
-    g = torch.Generator().manual_seed(1)
-    B, Hkv, rc, S, P = 4, 8, 64, 16, 2048
-    span = P * S
-    labels = torch.randn(B * span + 1, Hkv, rc, generator=g).to(torch.float8_e4m3fn).cuda()
-    qr = torch.randn(B, Hkv, rc, generator=g).cuda()
-    rows = torch.tensor([3, 1, 0, 2]).cuda()
-    lengths = torch.tensor([span, span - 5, 100, 7 * S, 0]).cuda()
-    got = label_scores(qr, labels, rows, lengths, span, P, S, impl="triton")
-    torch.testing.assert_close(got, label_scores_ref(qr, labels, rows, lengths, span, P, S), rtol=1e-4, atol=1e-3)
