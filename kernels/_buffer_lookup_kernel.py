@@ -34,7 +34,7 @@ import triton.language as tl
 
 # The layer (0, 1 and 16 were each a variant), the step's stamp and the selection's width are
 # runtime integers that change from call to call (``_page_select_kernel``'s note).
-@triton.jit(do_not_specialize=["now_val", "layer", "K", "C"])
+@triton.jit(do_not_specialize=["now_val", "layer", "K", "C", "uncounted_row"])
 def _buffer_lookup(
     want_ptr, rows_ptr, res_page_ptr, res_slot_ptr, last_use_ptr, res_col_ptr,
     slots_out, miss_dst_out, miss_out, counters_ptr,
@@ -43,7 +43,7 @@ def _buffer_lookup(
     col_stride_row, col_stride_layer, col_stride_head,
     K, C, NUM_HEADS,
     dir_ptr, dir_stride_row, dir_stride_layer, dir_stride_head, first_gpu, gpu_slot_offset, gpu_last_use_ptr,
-    num_sel_ptr, tail_ptr, src_out, lens_out, tail_slot_out,
+    num_sel_ptr, tail_ptr, src_out, lens_out, tail_slot_out, uncounted_row,
     NUM_BUCKETS: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr, NKC: tl.constexpr, NCC: tl.constexpr,
     NB_PAD: tl.constexpr, REUSE: tl.constexpr, NOW_FROM_PTR: tl.constexpr,
     RESOLVE: tl.constexpr, HOMES: tl.constexpr, SEGMENT_PAGES: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -196,10 +196,11 @@ def _buffer_lookup(
     if RESOLVE:
         tl.store(lens_out + pid, (n_sel - 1) * PAGE_SIZE + tail)
         tl.store(tail_slot_out + pid, tail_slot * PAGE_SIZE + (tail - 1))
-    tl.atomic_add(counters_ptr + 0, n_valid.to(tl.int64))
-    tl.atomic_add(counters_ptr + 1, (n_valid - need).to(tl.int64))
-    tl.atomic_add(counters_ptr + 2, need.to(tl.int64))
-    tl.atomic_add(counters_ptr + 3, evicted.to(tl.int64))
+    if row != uncounted_row:  # (a padding row's lookups are not the step's)
+        tl.atomic_add(counters_ptr + 0, n_valid.to(tl.int64))
+        tl.atomic_add(counters_ptr + 1, (n_valid - need).to(tl.int64))
+        tl.atomic_add(counters_ptr + 2, need.to(tl.int64))
+        tl.atomic_add(counters_ptr + 3, evicted.to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["layer", "num_pages"])

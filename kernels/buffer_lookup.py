@@ -11,7 +11,8 @@ Shapes (``spin_cluster.kvcache.buffer`` owns the policy and documents it):
                             step with res_page (``page_columns`` builds it)
     rows     : [B] int64    the decode rows
     want     : [B, Hkv, K]  int logical pages selected this step, -1 padding (distinct per head)
-    counters : [4] int64    += lookups, hits, misses, evictions
+    counters : [4] int64    += lookups, hits, misses, evictions (of every row but
+                            ``uncounted_row``, an optional keyword: a padding row's)
     now      : int, or a 1-element int tensor on want's device (the step index; a tensor
                lets a captured CUDA graph read each step's value)
     returns  slots [B, Hkv, K] int32 (0 where invalid), miss_dst [B*Hkv*K] int64 (slot to
@@ -71,21 +72,21 @@ WARPS = 4  # warps per program
 
 def buffer_lookup(res_page, res_slot, last_use, rows, layer: int, want, now: int, counters,
                   num_buckets: int = 64, reuse: bool = True, *, res_col, chunk: int = 0, col_chunk: int = 0,
-                  warps: int = 0, impl: str = "auto"):
+                  warps: int = 0, impl: str = "auto", uncounted_row: int = -1):
     """``chunk``: columns and selected pages at a time (power of 2 >= 16; default ``CHUNK``;
     the kernel's only); ``col_chunk``: columns at a time alone (selected pages as by default);
     ``warps``: per program (default ``WARPS``; the kernel's only).
     ``impl``: "auto", "triton" or "torch" (``kernels._impl``)."""
     if resolve_impl(impl, want.device) == "torch":
         return buffer_lookup_ref(res_page, res_slot, last_use, rows, layer, want, now, counters,
-                                 num_buckets, reuse, res_col)
+                                 num_buckets, reuse, res_col, uncounted_row)
     slots, miss_dst, miss = _launch(res_page, res_slot, last_use, rows, layer, want, now, counters, num_buckets,
-                                    reuse, res_col, chunk, col_chunk, warps)
+                                    reuse, res_col, chunk, col_chunk, warps, uncounted_row=uncounted_row)
     return slots, miss_dst, miss.bool()
 
 
 def _launch(res_page, res_slot, last_use, rows, layer, want, now, counters, num_buckets, reuse, res_col,
-            chunk, col_chunk, warps, resolve=None):
+            chunk, col_chunk, warps, resolve=None, uncounted_row=-1):
     """The kernel's one launch; ``resolve``: (homes, num_selected, tail_len) for
     ``resolve_selected``. Returns slots, miss_dst, miss (int8) and (resolve) src, lens, tail_slot."""
     _check(res_page, res_slot, last_use, rows, want, counters, now)
@@ -127,7 +128,7 @@ def _launch(res_page, res_slot, last_use, rows, layer, want, now, counters, num_
         want, rows.contiguous(), res_page, res_slot, last_use, res_col, slots, miss_dst, miss, counters,
         scratch[0], scratch[1], scratch[2], now if now_from_ptr else counters, 0 if now_from_ptr else int(now),
         int(layer), res_page.stride(0), res_page.stride(1), res_page.stride(2),
-        res_col.stride(0), res_col.stride(1), res_col.stride(2), K, C, H, *dir_args,
+        res_col.stride(0), res_col.stride(1), res_col.stride(2), K, C, H, *dir_args, int(uncounted_row),
         NUM_BUCKETS=num_buckets, KB=kb, CB=chunk, NKC=-(-K // kb), NCC=-(-C // chunk),
         NB_PAD=max(16, next_pow2(num_buckets)), REUSE=reuse, NOW_FROM_PTR=now_from_ptr,
         RESOLVE=resolve is not None, HOMES=resolve is not None and resolve[0].gpu_last_use is not None,
@@ -152,20 +153,21 @@ class HomeMap:
 
 def resolve_selected(res_page, res_slot, last_use, rows, layer: int, want, num_selected, tail_len, now, counters,
                      homes: HomeMap, num_buckets: int = 64, reuse: bool = True, *, res_col, chunk: int = 0,
-                     col_chunk: int = 0, warps: int = 0, impl: str = "auto"):
+                     col_chunk: int = 0, warps: int = 0, impl: str = "auto", uncounted_row: int = -1):
     """The module docstring's second contract; arguments as ``buffer_lookup``'s."""
     _check_resolve(want, num_selected, rows, tail_len, homes)
     if resolve_impl(impl, want.device) == "torch":
         return resolve_selected_ref(res_page, res_slot, last_use, rows, layer, want, num_selected, tail_len, now,
-                                    counters, homes, num_buckets, reuse, res_col)
+                                    counters, homes, num_buckets, reuse, res_col, uncounted_row)
     slots, miss_dst, _, src, lens, tail_slot = _launch(
         res_page, res_slot, last_use, rows, layer, want, now, counters, num_buckets, reuse, res_col, chunk,
-        col_chunk, warps, resolve=(homes, num_selected, tail_len))
+        col_chunk, warps, resolve=(homes, num_selected, tail_len), uncounted_row=uncounted_row)
     return slots, miss_dst, src, lens, tail_slot
 
 
 def resolve_selected_ref(res_page, res_slot, last_use, rows, layer: int, want, num_selected, tail_len, now,
-                         counters, homes: HomeMap, num_buckets: int = 64, reuse: bool = True, res_col=None):
+                         counters, homes: HomeMap, num_buckets: int = 64, reuse: bool = True, res_col=None,
+                         uncounted_row: int = -1):
     _check_resolve(want, num_selected, rows, tail_len, homes)
     E = homes.segment_pages
     safe = want.clamp(min=0).long()
@@ -180,7 +182,7 @@ def resolve_selected_ref(res_page, res_slot, last_use, rows, layer: int, want, n
         homes.gpu_last_use.index_copy_(0, stamp, now_t.to(torch.int32).expand(stamp.numel()))
         want = torch.where(home, -1, want)
     slots, miss_dst, miss = buffer_lookup_ref(res_page, res_slot, last_use, rows, layer, want, now, counters,
-                                              num_buckets, reuse, res_col)
+                                              num_buckets, reuse, res_col, uncounted_row)
     if at_home is not None:
         slots = torch.where(at_home >= 0, at_home, slots).int()
     src, lens, tail_slot = _epilogue_ref(want, seg * E + safe % E, slots, miss, num_selected, tail_len,
@@ -272,7 +274,7 @@ def _check_map(res_col, res_page):
 
 
 def buffer_lookup_ref(res_page, res_slot, last_use, rows, layer: int, want, now: int, counters,
-                      num_buckets: int = 64, reuse: bool = True, res_col=None):
+                      num_buckets: int = 64, reuse: bool = True, res_col=None, uncounted_row: int = -1):
     _check(res_page, res_slot, last_use, rows, want, counters, now)
     B, Hkv, K = want.shape
     C = res_page.shape[-1]
@@ -308,8 +310,9 @@ def buffer_lookup_ref(res_page, res_slot, last_use, rows, layer: int, want, now:
     if res_col is not None and reuse:  # the map follows the shares
         _check_map(res_col, res_page)
         res_col[rows, layer] = page_columns(res_page[rows, layer], res_col.shape[-1])
-    evicted = (victims & (page >= 0)).sum()
-    counters += torch.stack([valid.sum(), hit.sum(), miss.sum(), evicted])
+    counted = (rows != uncounted_row)[:, None, None]  # [B, 1, 1]
+    evicted = (victims & (page >= 0) & counted).sum()
+    counters += torch.stack([(valid & counted).sum(), (hit & counted).sum(), (miss & counted).sum(), evicted])
     return torch.where(valid, slots, 0).int(), torch.where(miss, slots.long(), -1).view(-1), miss
 
 

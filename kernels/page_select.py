@@ -299,7 +299,9 @@ def label_scores_ref(qr, labels, rows, lengths, span: int, num_pages: int, page_
     tokens written per row."""
     _check_labels(qr, labels, rows, lengths, span, num_pages, page_size)
     n = num_pages * page_size
-    at = rows[:, None] * span + torch.arange(n, device=qr.device)  # [B, n]
+    # (A row's unwritten tokens are masked below; the padding row's, past the requests' rows,
+    # would reach past the labels' last entry, its one token.)
+    at = (rows[:, None] * span + torch.arange(n, device=qr.device)).clamp_(max=labels.shape[0] - 1)  # [B, n]
     s = torch.einsum("bhr,bnhr->bhn", qr.float(), labels[at].float())  # [B, Hkv, n]
     written = torch.arange(n, device=qr.device) < lengths[rows][:, None]  # [B, n]
     s = s.masked_fill(~written[:, None, :], float("-inf"))

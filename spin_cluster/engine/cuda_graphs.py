@@ -8,10 +8,11 @@ layer). The model runner holds a ``DecodeGraphRunner`` when its backend offers o
                       batch size, captured at start-up; the plan lives in persistent buffers
                       (``DecodeInputs``) filled before each replay; padding rows decode
                       nothing and write their K/V to a scratch page.
-    SpinDecodeGraphs  ``PlannedCapture``: the offloaded Spin cache. One graph per (batch
-                      size, Select width), captured the first time that shape runs; the plan
+    SpinDecodeGraphs  ``PlannedCapture``: the offloaded Spin cache. One graph per (padded
+                      batch size, Select width), captured once that shape repeats; the plan
                       is built inside the graph from device tensors (Offload, Index, Select,
-                      Retrieve and the sparse attention all captured).
+                      Retrieve and the sparse attention all captured); padding entries decode
+                      a one-token request of the backend's own (``padding_row``).
 
 Backends build the runner; the runner knows them only through these two interfaces (both
 ``AttentionBackend``s, which a backend subclasses to offer graphs), so this module imports
@@ -173,33 +174,50 @@ class PlannedCapture(AttentionBackend):
     def replayed(self) -> None:
         """A graph replayed a step: host bookkeeping an eager step does in ``end_step``."""
 
+    def padding_row(self) -> int | None:
+        """A row whose decode steps touch no request's state (its own page, Index entries and
+        buffer share), with which a batch is padded up to a captured graph's size; None: the
+        backend has none, and a graph serves one exact batch size."""
+        return None
+
     def decode_graphs(self, model: torch.nn.Module, max_batch: int, progress: bool = False):
         return SpinDecodeGraphs(model, self, max_batch) if self.graph_safe else None
 
 
 class SpinDecodeGraphs(DecodeGraphRunner):
-    """CUDA graphs of decode-only steps on the offloaded cache, one per (batch size B, Select
-    width P in pages: ``PlannedCapture.decode_pages``), captured lazily.
+    """CUDA graphs of decode-only steps on the offloaded cache, one per (padded batch size B,
+    Select width P in pages: ``PlannedCapture.decode_pages``), captured lazily.
 
     A step's inputs (token ids, positions, rows) are copied into persistent buffers; the
     graph builds the step plan from them on the device (``step_plan``) and runs the model.
     What changes between steps lives in device memory the graph reads: the step index, the
-    directory, the Index, the buffer's shares. Batches are not padded (a padding row would
-    touch a real row's shares), so a graph serves one exact batch size; P comes in eighths of
-    a power of two, so a request growing from 32K to 128K tokens meets about 16 widths.
+    directory, the Index, the buffer's shares. P comes in eighths of a power of two, so a
+    request growing from 32K to 128K tokens meets about 16 widths.
+
+    Batches are padded with the backend's padding row (``PlannedCapture.padding_row``: a
+    one-token request of its own that nobody runs), as vLLM pads: a batch of B requests runs
+    as the smallest size in ``cuda_graph_batch_sizes`` that holds it, or, while that size has
+    no graph yet, in the smallest captured graph of its width that holds it. A draining batch
+    (its requests finishing one by one) thereby replays the full batch's graph instead of
+    running an eager step at every size it passes: an eager step costs several graph
+    replays in launches (48 to 117 ms against 8.8 at 16 x 32K on an H200). A padding entry
+    costs its GEMM rows and a one-page Select and attention. Without a padding row a graph
+    serves one exact batch size.
 
     A shape's steps run eagerly until it has run ``capture_after`` steps in a row (the first
     compiles its kernels: nothing may compile during a capture), then its graph is captured;
     capturing records the launches without running them, so state is not touched twice. A
-    capture costs several eager steps, so a batch that changes every step (a draining batch,
-    its requests finishing one by one) is not captured at every size it passes. At most
-    ``max_graphs`` graphs are kept: past that, new shapes run eagerly. All graphs share one
-    memory pool (they replay one at a time, and a graph's output is read before the next
-    replay).
+    capture costs several eager steps, so a batch that changes every step is not captured at
+    every size it passes; a size that a larger graph serves padded is captured only after
+    ``capture_after_padded`` steps in a row (one request decoding alone for long gets its own
+    graph; a drain does not pay for captures). At most ``max_graphs`` graphs are kept: past
+    that, new shapes run eagerly. All graphs share one memory pool (they replay one at a
+    time, and a graph's output is read before the next replay).
     """
 
     def __init__(self, model: torch.nn.Module, attention: PlannedCapture, max_batch: int,
-                 max_graphs: int = 256, capture: bool = True, capture_after: int = 2) -> None:
+                 max_graphs: int = 256, capture: bool = True, capture_after: int = 2,
+                 capture_after_padded: int = 16) -> None:
         self.model = model
         self.attention = attention
         self.max_batch = max_batch
@@ -207,7 +225,10 @@ class SpinDecodeGraphs(DecodeGraphRunner):
         # capture=False runs the same static path eagerly (tests of the path on the CPU).
         self.capture = capture
         self.capture_after = capture_after
-        self._streak: tuple[tuple[int, int] | None, int] = (None, 0)  # (last eager shape, steps in a row)
+        self.capture_after_padded = capture_after_padded
+        self._streak: tuple[tuple[int, int] | None, int] = (None, 0)  # (last shape, steps in a row)
+        self.padding_row = attention.padding_row()
+        self.sizes = cuda_graph_batch_sizes(max_batch) if self.padding_row is not None else None
         dev = attention.device
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
@@ -216,6 +237,7 @@ class SpinDecodeGraphs(DecodeGraphRunner):
         self._hidden: dict[tuple[int, int], torch.Tensor] = {}
         self._pool = None
         self.replays = 0  # steps that replayed a graph
+        self.padded_replays = 0  # of which with padding entries
         self.captures = 0
 
     @property
@@ -234,29 +256,50 @@ class SpinDecodeGraphs(DecodeGraphRunner):
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
             chunks: list[ScheduledChunk]) -> torch.Tensor:
         B = len(chunks)
-        key = (B, self.attention.decode_pages(max(c.start for c in chunks) + 1))
+        pages = self.attention.decode_pages(max(c.start for c in chunks) + 1)
+        key = (B if self.sizes is None else next(s for s in self.sizes if s >= B), pages)
+        served = self._served_by(key, B)  # a captured graph that holds the batch, or None
+        if served is not None and served != key and self._should_capture(key, self.capture_after_padded):
+            served = None  # a size that stays: run it eagerly once, and capture its own graph
+        size = key[0] if served is None else served[0]
         self.input_ids[:B].copy_(input_ids)
         self.positions[:B].copy_(positions)
         self.rows[:B].copy_(rows)
+        if size > B:  # padding entries: token 0 at position 0 of the padding row
+            self.input_ids[B:size].zero_()
+            self.positions[B:size].zero_()
+            self.rows[B:size].fill_(self.padding_row)
         self.attention.advance()
-        graph = self._graphs.get(key)
-        if graph is not None:
-            graph.replay()
+        if served is not None:
+            self._graphs[served].replay()
             self.replays += 1
+            self.padded_replays += served[0] > B
             self.attention.replayed()
-            return self._hidden[key]
+            return self._hidden[served][:B]
         hidden = self._forward(*key)
-        if self._should_capture(key):
+        if key not in self._graphs and self._should_capture(key):
             self._capture(key)
-        return hidden
+        return hidden[:B]
 
-    def _should_capture(self, key: tuple[int, int]) -> bool:
-        """After an eager step of ``key``: whether to capture it now (``capture_after`` eager
-        steps of it in a row, room for one more graph)."""
+    def _served_by(self, key: tuple[int, int], B: int) -> tuple[int, int] | None:
+        """The captured graph a batch of B requests runs in: its own size's, else (with a
+        padding row) the smallest captured one of the same width that holds B."""
+        if key in self._graphs:
+            return key
+        if self.padding_row is None:
+            return None
+        larger = [k for k in self._graphs if k[1] == key[1] and k[0] >= B]
+        return min(larger) if larger else None
+
+    def _should_capture(self, key: tuple[int, int], after: int | None = None) -> bool:
+        """Count a step of ``key`` (eager, or served padded by a larger graph): whether to
+        capture it now (``after`` steps of it in a row, by default ``capture_after``; room for
+        one more graph)."""
         last, streak = self._streak
         streak = streak + 1 if key == last else 1
         self._streak = (key, streak)
-        return self.capture and streak >= self.capture_after and len(self._graphs) < self.max_graphs
+        after = self.capture_after if after is None else after
+        return self.capture and streak >= after and len(self._graphs) < self.max_graphs
 
     def _forward(self, B: int, pages: int) -> torch.Tensor:
         """The decode step of the first B buffered tokens, from device tensors only."""

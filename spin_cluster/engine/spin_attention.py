@@ -248,6 +248,10 @@ class SpinAttention(PlannedCapture):
         each request's whole context, a shape that grows every step)."""
         return self.device.type == "cuda" and self.algorithm.graph_safe and not self.dense_layers
 
+    def padding_row(self) -> int | None:
+        """The offloaded cache's padding row (``OffloadedKVManager.padding_row``)."""
+        return self.kv.padding_row()
+
     def replayed(self) -> None:
         """A CUDA graph replayed a decode step (``SpinDecodeGraphs``): host bookkeeping that
         an eager step does in ``end_step``. Nothing here; a head-parallel rank reads its layer

@@ -99,12 +99,15 @@ class GpuBuffer:
         head_widths: list[list[int]] | None = None,
         head_mandatory: list[list[int]] | None = None,
         num_home_pages: int = 0,
+        padding_row: int | None = None,
     ) -> None:
         """head_widths: [L][Hkv] full share width of each head (the widest == ``max_share``),
         with head_mandatory [L][Hkv] the pages each selects per step; None: one width.
         num_home_pages: GPU pages that are pages' homes (``homes.py``), kept in the same page
         array after the buffer's slots, so that attention reads a home page and a cached host
-        page through one slot index."""
+        page through one slot index. padding_row: a row (< max_seqs) whose share is one
+        column per head on slots of its own, after the home pages, for the padding entries
+        of a decode batch (``OffloadedKVManager.padding_row``); None: no such row."""
         self.num_layers = num_layers
         # False: lookups forget what a share holds, so every selected page is a miss.
         self.reuse = reuse
@@ -113,8 +116,10 @@ class GpuBuffer:
         self.num_buckets = num_buckets
         # [N_slots + N_home, S, D] each: the buffer's slots, then the GPU home pages
         self._num_slots = num_slots
-        self.k_slots = torch.zeros(num_slots + num_home_pages, page_size, head_dim, dtype=dtype, device=device)
-        self.v_slots = torch.zeros(num_slots + num_home_pages, page_size, head_dim, dtype=dtype, device=device)
+        num_pad = 0 if padding_row is None else num_layers * num_kv_heads
+        total = num_slots + num_home_pages + num_pad
+        self.k_slots = torch.zeros(total, page_size, head_dim, dtype=dtype, device=device)
+        self.v_slots = torch.zeros(total, page_size, head_dim, dtype=dtype, device=device)
         shape = (max_seqs, num_layers, num_kv_heads, max_share)
         self.res_slot = torch.full(shape, -1, dtype=torch.int32, device=device)
         self.res_page = torch.full(shape, -1, dtype=torch.int32, device=device)
@@ -134,6 +139,12 @@ class GpuBuffer:
         # Device counters, read once per step: lookups, hits, misses, evictions (a miss that
         # replaced a cached page rather than filling an empty column).
         self.counters = torch.zeros(4, dtype=torch.int64, device=device)
+        self.padding_row = padding_row
+        if padding_row is not None:
+            if not 0 <= padding_row < max_seqs:
+                raise ValueError(f"padding_row={padding_row} is not a row of {max_seqs}")
+            pad_ids = torch.arange(num_slots + num_home_pages, total, dtype=torch.int32)
+            self.res_slot[padding_row, :, :, 0] = pad_ids.view(num_layers, num_kv_heads).to(self.res_slot.device)
 
     @property
     def page_bytes(self) -> int:
@@ -346,7 +357,8 @@ class GpuBuffer:
         """
         counters = self.counters if count else torch.zeros_like(self.counters)
         slots, miss_dst, miss = buffer_lookup(self.res_page, self.res_slot, self.res_last_use, rows, layer, want, now,
-                                   counters, num_buckets=self.num_buckets, reuse=self.reuse, res_col=self.res_col)
+                                              counters, num_buckets=self.num_buckets, reuse=self.reuse,
+                                              res_col=self.res_col, uncounted_row=self._uncounted)
         # The caller pairs miss_dst with the host pages (it knows the directory).
         return Lookup(slots=slots, miss_dst=miss_dst), miss
 
@@ -357,7 +369,12 @@ class GpuBuffer:
         as ``lookup`` does. Returns (slots, miss_dst, src, lens, tail_slot) as documented there."""
         return resolve_selected(self.res_page, self.res_slot, self.res_last_use, rows, layer, want, num_selected,
                                 tail_len, now, self.counters, homes, num_buckets=self.num_buckets, reuse=self.reuse,
-                                res_col=self.res_col)
+                                res_col=self.res_col, uncounted_row=self._uncounted)
+
+    @property
+    def _uncounted(self) -> int:
+        """The row whose lookups the counters leave out (the padding row's), -1: none."""
+        return -1 if self.padding_row is None else self.padding_row
 
     def install_plan(self, row: int, first_token: int, num_tokens: int, page_size: int) -> "InstallPlan | None":
         """Which pages of a prefill chunk (tokens first_token .. +num_tokens of ``row``) to keep
@@ -427,6 +444,11 @@ class GpuBuffer:
 
     def check_integrity(self, live_rows: set[int]) -> None:
         check_partition([s for ids in self._row_slots.values() for s in ids], self._free_slots, "buffer slots")
+        if self.padding_row is not None:
+            slots = self.res_slot[self.padding_row].cpu()
+            pad = torch.arange(self.k_slots.shape[0] - slots[..., 0].numel(), self.k_slots.shape[0], dtype=torch.int32)
+            if not torch.equal(slots[..., 0].flatten(), pad) or bool((slots[..., 1:] != -1).any()):
+                raise AssertionError("the padding row's share is not its own one column per head")
         if set(self._row_slots) - live_rows:
             raise AssertionError(f"buffer shares held by rows without a request: {sorted(set(self._row_slots) - live_rows)}")
         for row, ids in self._row_slots.items():

@@ -47,9 +47,11 @@ class SegmentDirectory:
         max_pages_per_seq: int,
         max_seqs: int,
         device: torch.device | str,
+        reserved_rows: int = 0,
     ) -> None:
         """host: where segments come from (``allocate`` / ``free``): the host tier alone, or
-        both tiers (``PageHomes``)."""
+        both tiers (``PageHomes``). reserved_rows: rows after the ``max_seqs`` requests' that
+        ``add`` gives only when asked for by number (the offloaded cache's padding row)."""
         self.host = host
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -59,16 +61,17 @@ class SegmentDirectory:
         self.max_segments_per_seq = -(-max_pages_per_seq // self.segment_pages)
         # [R, L, Hkv, n_seg] int32
         self.directory = torch.full(
-            (max_seqs, num_layers, num_kv_heads, self.max_segments_per_seq), -1, dtype=torch.int32, device=device
+            (max_seqs + reserved_rows, num_layers, num_kv_heads, self.max_segments_per_seq), -1, dtype=torch.int32, device=device
         )
         self._free_rows = FreeList(max_seqs)
+        self._reserved_rows = set(range(max_seqs, max_seqs + reserved_rows))
         self._request_to_row: dict[str, int] = {}
         # Host mirror: request -> one list of L*Hkv segment ids per logical segment, [L, Hkv] order.
         self._request_to_segments: dict[str, list[list[int]]] = {}
         # [R, n_seg] int32 logical segment ids (-1: none yet), and their free list: never
         # empty while the tiers have segments for a logical segment.
         self.num_logical_segments = host.num_segments // self.segments_per_logical_segment
-        self.logical_ids = torch.full((max_seqs, self.max_segments_per_seq), -1, dtype=torch.int32, device=device)
+        self.logical_ids = torch.full((max_seqs + reserved_rows, self.max_segments_per_seq), -1, dtype=torch.int32, device=device)
         self._free_logical = FreeList(self.num_logical_segments)
         self._request_to_logical: dict[str, list[int]] = {}
 
@@ -88,10 +91,16 @@ class SegmentDirectory:
     def request_ids(self) -> list[str]:
         return list(self._request_to_row)
 
-    def add(self, request_id: str) -> int:
+    def add(self, request_id: str, row: int | None = None) -> int:
+        """A row for the request: the lowest free one, or ``row``, a reserved row."""
         if request_id in self._request_to_row:
             raise KeyError(f"request {request_id!r} already has a directory row")
-        row = self._free_rows.take(1)[0]
+        if row is None:
+            row = self._free_rows.take(1)[0]
+        elif row in self._reserved_rows:
+            self._reserved_rows.remove(row)
+        else:
+            raise ValueError(f"row {row} is not a free reserved row")
         self._request_to_row[request_id] = row
         self._request_to_segments[request_id] = []
         self._request_to_logical[request_id] = []
@@ -100,7 +109,10 @@ class SegmentDirectory:
     def remove(self, request_id: str) -> list[int]:
         """Drop the request; return its segment ids for their tiers to free."""
         row = self._request_to_row.pop(request_id)
-        self._free_rows.give([row])
+        if row < self._free_rows.total:
+            self._free_rows.give([row])
+        else:
+            self._reserved_rows.add(row)
         self.directory[row] = -1
         self.logical_ids[row] = -1
         self._free_logical.give(self._request_to_logical.pop(request_id))

@@ -77,14 +77,18 @@ class OffloadedKVManager(KVCache):
             allow_empty=num_gpu_segments > 0,
         )
         self.homes = PageHomes(self.host, num_gpu_segments, num_buffer_slots, device)
+        # One row past the requests' is the padding row's (``padding_row``).
         self.directory = SegmentDirectory(
-            self.homes, num_layers, num_kv_heads, page_size, -(-max_model_len // page_size), max_seqs, device
+            self.homes, num_layers, num_kv_heads, page_size, -(-max_model_len // page_size), max_seqs, device,
+            reserved_rows=1,
         )
         self.buffer = GpuBuffer(
-            num_buffer_slots, page_size, head_dim, num_layers, num_kv_heads, max_seqs,
+            num_buffer_slots, page_size, head_dim, num_layers, num_kv_heads, max_seqs + 1,
             buffer_pages_per_head, dtype, device, num_buckets, reuse, max_pages=-(-max_model_len // page_size),
             head_widths=head_widths, head_mandatory=head_mandatory, num_home_pages=num_gpu_segments * segment_pages,
+            padding_row=max_seqs,
         )
+        self._padding: int | None = None  # the padding row once it holds its page
         # Segments moved GPU -> host since start (``spill``).
         self.num_spilled_segments = 0
 
@@ -198,6 +202,32 @@ class OffloadedKVManager(KVCache):
             v = buf.v_slots.index_select(0, slots).reshape(-1, D)
             self.host.write(k, v, flat)
 
+    # ---- the padding row ----------------------------------------------------------------------
+
+    # Its directory entry's name: no request id the engine gives (those are printable).
+    _PADDING_ID = "\x00padding"
+
+    def padding_row(self) -> int | None:
+        """The row that pads a decode batch up to a captured CUDA graph's size
+        (``SpinDecodeGraphs``), or None if the tiers have no segment for it.
+
+        It is a one-token request that nobody runs: a padding entry decodes token 0 at
+        position 0 of this row, so every op of the step (Offload, the Index, Select, Retrieve,
+        attention) treats it as a real request and touches nothing but its own page, its Index
+        entries and its own share: one column per head on slots of its own
+        (``GpuBuffer(padding_row=)``), outside the elastic shares, whose lookups the hit and
+        miss counters leave out. Many entries of one batch may pad with it: they compute the
+        same K/V and write the same values. Its page is taken once, when first asked for (one
+        segment of every layer and head), and kept; ``request_ids`` does not list it."""
+        if self._padding is None:
+            need = self.directory.num_new_segments(self._PADDING_ID, 1)
+            if not self.homes.can_allocate(need):
+                return None
+            row = self.directory.add(self._PADDING_ID, row=self.buffer.padding_row)
+            self.homes.mark_used(self.directory.grow(self._PADDING_ID, 1))
+            self._padding = row
+        return self._padding
+
     def free(self, request_id: str) -> None:
         if request_id in self.directory:
             row = self.directory.row(request_id)
@@ -210,7 +240,7 @@ class OffloadedKVManager(KVCache):
         return request_id in self.directory
 
     def request_ids(self) -> list[str]:
-        return self.directory.request_ids()
+        return [r for r in self.directory.request_ids() if r != self._PADDING_ID]
 
     def row(self, request_id: str) -> int:
         return self.directory.row(request_id)

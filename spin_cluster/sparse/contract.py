@@ -32,7 +32,11 @@ class SparseAlgorithm(ABC):
     selects_all: ClassVar[bool] = False
     # True when ``plan_append``, ``append``, ``score`` and ``select_top`` are fixed-shape
     # device work with no host sync and no per-step Python state, so that a CUDA graph of a
-    # decode step can capture them (``model.cuda_graphs`` on the offloaded cache).
+    # decode step can capture them (``model.cuda_graphs`` on the offloaded cache). Such an
+    # algorithm also serves row ``max_seqs``, the cache's padding row
+    # (``OffloadedKVManager.padding_row``): one token at position 0, which an index per row
+    # keeps in its last entry (the one that absorbs masked-off writes) and a paged index
+    # (``index_page_ids``) in the page the cache gives it.
     graph_safe: ClassVar[bool] = False
     # True when the index is kept per logical page and addressed through ``index_page_ids``,
     # so that it can be sized by the pages the cache holds (``index_pages``, ``bind_pages``)

@@ -21,7 +21,8 @@ the same Gemma-3-270M pass keys as float32 and bfloat16, and at 4 x 128K on an H
 scoring a layer against 108.1 in bfloat16 and 189.5 in float32 (``docs/performance.md``).
 
 Index layout: ``labels`` [L, R * P * S + 1, Hkv, r] in ``index_dtype`` (row-major over request
-rows and token positions; the last row absorbs masked-off writes); ``lengths`` [R + 1] tokens
+rows and token positions; the last row absorbs masked-off writes, and is the one token of
+the cache's padding row, row R, ``OffloadedKVManager.padding_row``); ``lengths`` [R + 1] tokens
 written per row, updated once per step in ``plan_append``. On CUDA the scores are one Triton
 launch per layer (``kernels.page_select.label_scores``); every op is fixed-shape, so decode
 steps run in CUDA graphs.

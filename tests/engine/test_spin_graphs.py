@@ -65,7 +65,11 @@ def test_static_decode_path_equals_the_plain_path_on_the_cpu(smollm2_path, algor
     assert tokens == want_tokens
     assert counters == want_counters  # same lookups, hits, misses and evictions
     assert counters[3] > 0  # the shares were tight enough to evict
-    assert {b for b, _ in calls} == {1, 2, 3, 4}  # every batch size took the static path
+    # Every step took the static path; three requests ran padded to four with the padding
+    # row, which the counters leave out and which holds no request's state.
+    assert {b for b, _ in calls} == {1, 2, 4}
+    assert static.padding_row == eng.kv.padding_row() == 8  # the row past max_num_seqs'
+    assert eng.kv.request_ids() == []
     assert static.num_graphs == 0
 
 
@@ -100,3 +104,59 @@ def test_spin_graphs_capture_a_shape_only_once_it_repeats(smollm2_path):
     assert [graphs._should_capture((3, 32)) for _ in range(2)] == [False, True]  # a new width: its own streak
     graphs.max_graphs = 0
     assert not graphs._should_capture((3, 32))
+
+
+class _Graph:
+    """A captured graph's stand-in: counts its replays."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def test_a_draining_batch_replays_the_full_batchs_graph_padded(smollm2_path):
+    """A batch smaller than a captured graph of its width runs in that graph, its tail rows
+    the padding row's (token 0 at position 0); a smaller size that stays for
+    ``capture_after_padded`` steps gets its own graph. On the CPU the graphs are stand-ins."""
+    eng = _engine(smollm2_path)
+    graphs = SpinDecodeGraphs(eng.model, eng.runner.attention, max_batch=8, capture_after_padded=3)
+    pad = graphs.padding_row
+    assert pad == 8 and graphs.sizes == [1, 2, 4, 8]
+    full = _Graph()
+    graphs._graphs[(8, 16)] = full
+    graphs._hidden[(8, 16)] = torch.arange(8.0)[:, None]
+    eager, captured = [], []
+    graphs._forward = lambda B, P: eager.append((B, P)) or torch.zeros(B, 1)
+
+    def capture(key):
+        captured.append(key)
+        graphs._graphs[key], graphs._hidden[key] = _Graph(), torch.zeros(key[0], 1)
+
+    graphs._capture = capture
+
+    class Chunk:
+        def __init__(self, start):
+            self.start, self.is_decode = start, True
+
+    def step(B, start=20):
+        ids = torch.arange(B) + 100
+        out = graphs.run(ids, torch.full((B,), start), torch.arange(B), [Chunk(start)] * B)
+        assert out.shape[0] == B
+        return out
+
+    for B in (7, 5, 3):  # the drain: every size in the full batch's graph
+        assert torch.equal(step(B), torch.arange(float(B))[:, None])
+        assert graphs.rows[B:].tolist() == [pad] * (8 - B)
+        assert graphs.positions[B:].tolist() == [0] * (8 - B) and graphs.input_ids[B:].tolist() == [0] * (8 - B)
+    assert full.replays == 3 and graphs.padded_replays == 3 and eager == []
+    for _ in range(2):  # one request alone: padded twice, then its own graph (eager once, captured)
+        step(1)
+    assert eager == [] and captured == []
+    step(1)
+    assert eager == [(1, 16)] and captured == [(1, 16)]
+    step(1)
+    assert graphs._graphs[(1, 16)].replays == 1 and full.replays == 5
+    step(3, start=200)  # a new width: no graph holds it; eager, padded to 4
+    assert eager[-1] == (4, 64) and graphs.rows[3] == pad

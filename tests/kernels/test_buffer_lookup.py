@@ -119,6 +119,27 @@ def test_kernel_in_several_chunks_equals_reference(case, reuse):
     assert counters[2] > 0 and (counters[3] > 0 or not reuse)  # misses, and evictions of held pages
 
 
+def test_an_uncounted_rows_lookups_update_its_share_but_not_the_counters():
+    """``uncounted_row`` (the padding row's): its lookups resolve and update its share as
+    any row's, and the counters hold the other rows' alone, in the kernel and the reference."""
+    case = (3, 2, 2, 12, 6, 10, [2, 0], 1, 20)  # rows 2 and 0
+
+    def lookup(impl, keep=slice(None), **kw):
+        page, slot, last, rows, layer, want, now = make_case(*case, seed=4)
+        counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+        out = buffer_lookup(page, slot, last, rows[keep], layer, want[keep], now, counters,
+                            res_col=page_columns(page, 40), impl=impl, **kw)
+        return out, (page, last), counters
+
+    for impl in ("triton", "torch"):
+        out, shares, counters = lookup(impl, uncounted_row=2)
+        all_out, all_shares, all_counters = lookup(impl)
+        assert all(torch.equal(x, y) for x, y in zip(out + shares, all_out + all_shares)), impl
+        _, _, row0 = lookup(impl, keep=slice(1, 2))
+        assert torch.equal(counters, row0) and counters[0] > 0, impl  # row 2's lookups left out
+        assert all_counters[0] > counters[0], impl
+
+
 def test_the_kernel_needs_the_page_map():
     a = list(make_case(2, 1, 1, 20, 18, 20, [1], 0, 9, seed=5))
     counters = torch.zeros(4, dtype=torch.int64, device=DEVICE)

@@ -145,3 +145,32 @@ def test_on_gpu_names_the_pages_at_home_on_the_gpu():
     kv.allocate("b", 2)  # page 1 of a spills
     table = kv.directory.directory[kv.row("a"), 0]  # [Hkv, n_seg]
     assert kv.homes.on_gpu(table, 4).tolist() == [[True, False, True, False]]  # page 3: not allocated
+
+
+def test_the_padding_row_is_a_one_token_request_of_its_own_outside_the_requests():
+    """``padding_row``: the row past max_seqs' with one page (taken once, kept) and one buffer
+    column of its own, listed by no request API; the max_seqs requests' rows, shares and
+    capacity are as without it, and spilling may move its page like any other."""
+    kv = _manager(num_host=10, num_gpu=3, num_kv_heads=2, slots=24)
+    assert kv.padding_row() == kv.padding_row() == 4  # max_seqs=4: row 4
+    assert kv.request_ids() == [] and kv.num_free_pages == 11  # one segment a head (2) of 13
+    pad_slots = kv.buffer.res_slot[4, 0, :, 0].tolist()
+    assert pad_slots == [24 + 3, 24 + 3 + 1]  # after the 24 buffer slots and the 3 home pages
+    assert (kv.buffer.res_slot[4, :, :, 1:] == -1).all()
+    assert kv.buffer.num_free_slots == kv.buffer.num_slots == 24  # no buffer slot of the shares'
+    for i in range(4):
+        assert kv.can_allocate(f"r{i}", 2)
+        kv.allocate(f"r{i}", 1)
+    assert [kv.row(f"r{i}") for i in range(4)] == [0, 1, 2, 3]
+    assert not kv.can_allocate("r4", 1)  # still max_seqs requests
+    kv.check_integrity()
+    kv.allocate("r0", 4)  # more pages than the GPU has free: the coldest segments spill
+    kv.check_integrity()
+    for i in range(4):
+        kv.free(f"r{i}")
+    assert kv.request_ids() == [] and kv.padding_row() == 4
+    assert kv.buffer.num_free_slots == kv.buffer.num_slots
+    kv.check_integrity()
+    kv.buffer.res_slot[4, 0, 1, 0] = 0  # a share that lost its own slot is caught
+    with pytest.raises(AssertionError, match="padding row"):
+        kv.check_integrity()

@@ -84,8 +84,9 @@ def _select_and_retrieve(kv, rid, num_tokens, seed, now):
 def test_metadata_bytes_directory_is_a_segment_fraction_of_a_flat_table():
     kv = _manager()
     m = kv.metadata_bytes()
-    # flat: 4 rows x 2 layers x 2 heads x 16 pages x 4 B; directory: 16 pages / E=2 segments
-    assert m["flat_gpu"] == 4 * 2 * 2 * 16 * 4
+    # flat: 5 rows (4 requests' and the padding row) x 2 layers x 2 heads x 16 pages x 4 B;
+    # directory: 16 pages / E=2 segments
+    assert m["flat_gpu"] == 5 * 2 * 2 * 16 * 4
     assert m["gpu"] == m["flat_gpu"] // E
     kv.allocate("a", 5)  # 3 pages -> 2 segments per (layer, head)
     assert kv.metadata_bytes()["host"] == 2 * L * HKV * 4
