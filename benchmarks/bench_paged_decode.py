@@ -18,6 +18,12 @@ visits its pages in shuffled order (scattered pages, as in a long-running server
 order-free over keys so the output still equals SDPA's), with ``--contiguous-pages`` in order.
 ``kernel/cg`` (CUDA graph replay) does not flush L2 between runs; ``do_bench`` does.
 ``--sweep`` times the kernel over block_n / num_warps / num_stages / num_splits instead.
+``--per-head-budget TOKENS`` times Spin's rows instead: each KV head attends its own number of
+tokens, a layer's S-HPLB budget (``synthetic_maxmin_budgets``, the e2e benchmark's: TOKENS a
+head on average) plus 80 sink and local tokens, for every layer of ``--layers``, with the
+split count of ``choose_num_splits`` (every row cut in as many slices) against balanced
+splits (``split_tokens``: equal slices, a row as many as it needs); us per layer and per
+step (every layer), in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -76,6 +82,9 @@ def main() -> None:
         help="instead of the table, time the kernel (in a CUDA graph) over block_n x num_warps "
         "x num_stages x num_splits for each (B, ctx) and print the best settings",
     )
+    ap.add_argument("--per-head-budget", type=int, default=0,
+                    help="time per-head lengths from S-HPLB budgets of this mean (tokens a head) instead")
+    ap.add_argument("--layers", type=int, default=32, help="--per-head-budget: the budgets' layers")
     add_out(ap, help="write the table's rows (or the sweep's best settings) as JSON here")
     args = ap.parse_args()
 
@@ -120,6 +129,10 @@ def main() -> None:
             return f"{'n/a':>9} {'':>6}"
         return f"{us:9.1f} {nbytes / (us * 1e-6) / 1e9:6.0f}"
 
+    if args.per_head_budget:
+        result["per_head"] = per_head(pd, bench_graph, args, props.multi_processor_count, dtype)
+        save(args, result)
+        return
     for B in args.batches:
         for T in args.contexts:
             if T % S:
@@ -203,6 +216,56 @@ def main() -> None:
             del k_dense, v_dense, k_pages, v_pages, block_tables, out
             torch.cuda.empty_cache()
     save(args, result)
+
+
+def per_head(pd, bench, args, sms: int, dtype) -> list[dict]:
+    """``--per-head-budget``: every layer's per-head lengths, proportional against balanced
+    splits; one row per (B, context)."""
+    import torch
+
+    from spin_cluster.hplb.budget import synthetic_maxmin_budgets
+
+    H, Hkv, D, S = args.heads, args.kv_heads, args.head_dim, args.page_size
+    budgets = torch.tensor(synthetic_maxmin_budgets(args.layers, Hkv, args.per_head_budget, S))  # [L, Hkv]
+    rows = []
+    print(f"per-head lengths: S-HPLB budgets of {args.per_head_budget} tokens a head on average + 80, "
+          f"{args.layers} layers (widest {int(budgets.max())})")
+    for B in args.batches:
+        for T in args.contexts:
+            lens_all = (budgets + 80).clamp(max=T).to(torch.int32)  # [L, Hkv]
+            W = int(lens_all.max())
+            P = -(-W // S)
+            dev = torch.device("cuda")
+            pool = B * Hkv * P
+            k_pages = torch.randn(pool, S, D, device=dev, dtype=dtype)
+            v_pages = torch.randn_like(k_pages)
+            tables = torch.randperm(pool, device=dev).view(B, Hkv, P).to(torch.int32)
+            q = torch.randn(B, H, D, device=dev, dtype=dtype)
+            out = torch.empty_like(q)
+            t_prop = t_bal = 0.0
+            nbytes = 0
+            for layer in range(args.layers):
+                lens = lens_all[layer].to(dev)[None].expand(B, Hkv).contiguous()
+                width = int(lens_all[layer].max())
+                nbytes += 2 * int(lens.sum()) * D * k_pages.element_size()
+                splits = pd.choose_num_splits(B, Hkv, width, sms)
+                tokens = pd.balanced_split_tokens(B, Hkv, float(lens_all[layer].float().mean()), width, sms)
+                t_prop += bench(lambda: pd.paged_decode_attention(q, k_pages, v_pages, tables, lens, out=out,
+                                                                  num_splits=splits, max_seq_len=width))
+                t_bal += bench(lambda: pd.paged_decode_attention(q, k_pages, v_pages, tables, lens, out=out,
+                                                                 split_tokens=tokens, max_seq_len=width))
+                want = pd.paged_decode_attention_ref(q, k_pages, v_pages, tables, lens)
+                err = (out.float() - want.float()).abs().max().item()
+                if err > 0.05:
+                    raise SystemExit(f"layer {layer}: balanced splits differ from the reference by {err}")
+            gbs = [nbytes / (t * 1e-6) / 1e9 for t in (t_prop, t_bal)]
+            print(f"B={B} ctx={T}: {args.layers} layers, proportional {t_prop:.1f} us ({gbs[0]:.0f} GB/s), "
+                  f"balanced {t_bal:.1f} us ({gbs[1]:.0f} GB/s): {t_prop / t_bal:.2f}x", flush=True)
+            rows.append({"batch": B, "context": T, "layers": args.layers, "kv_bytes": nbytes,
+                         "proportional_us": t_prop, "balanced_us": t_bal})
+            del k_pages, v_pages
+            torch.cuda.empty_cache()
+    return rows
 
 
 def sweep(pd, bench, nbytes, B, T, splits, q, k_pages, v_pages, block_tables, seq_lens, out) -> dict:

@@ -111,7 +111,7 @@ def _attend_block(
 # batch: as runtime integers (not specialised on being 1 or a multiple of 16, nor the split count a
 # constexpr) they leave one compile for every step, where a new value once compiled a variant
 # inside a served step (about 0.7 s on the H200).
-@triton.jit(do_not_specialize=["stride_btb", "stride_bth", "max_pages"])
+@triton.jit(do_not_specialize=["stride_btb", "stride_bth", "max_pages", "split_blocks"])
 def _paged_decode_fwd(
     q_ptr,
     k_ptr,
@@ -137,6 +137,7 @@ def _paged_decode_fwd(
     stride_ob,
     stride_oh,
     max_pages,  # block_tables.shape[2]
+    split_blocks,  # > 0: every split takes this many blocks (balanced); 0: a row's blocks / num_splits
     HKV: tl.constexpr,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
@@ -163,6 +164,8 @@ def _paged_decode_fwd(
     n_blocks = tl.cdiv(seq_len, BLOCK_N)
     num_splits = tl.num_programs(1)
     blocks_per_split = tl.cdiv(n_blocks - first_blk, num_splits)
+    if split_blocks > 0:
+        blocks_per_split = split_blocks
     blk_start = first_blk + split * blocks_per_split
     blk_end = tl.minimum(blk_start + blocks_per_split, n_blocks)
 
@@ -210,35 +213,49 @@ def _paged_decode_fwd(
         )
     else:
         # Scratch layout: part_o [B, H, num_splits, D], part_lse [B, H, num_splits], contiguous.
+        # Balanced splits past a row's blocks write nothing: the reduce reads a row's own
+        # split count (at the widest heads' count, most of a narrow head's splits are empty).
+        written = g_mask & ((split_blocks == 0) | (blk_start < n_blocks))
         row = (b64 * (HKV * G) + heads) * num_splits + split  # [G_PAD]
         tl.store(
             part_o_ptr + row[:, None] * D + offs_d[None, :],
             o,
-            mask=g_mask[:, None] & d_mask[None, :],
+            mask=written[:, None] & d_mask[None, :],
         )
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+        tl.store(part_lse_ptr + row, lse, mask=written)
 
 
-@triton.jit(do_not_specialize=["NUM_SPLITS"])  # one compile per power-of-two SPLITS_PAD
+# One compile per power-of-two SPLITS_PAD.
+@triton.jit(do_not_specialize=["NUM_SPLITS", "split_blocks", "stride_slb", "stride_slh"])
 def _paged_decode_reduce(
     part_o_ptr,
     part_lse_ptr,
     out_ptr,
+    sl_ptr,
     stride_ob,
     stride_oh,
+    stride_slb,
+    stride_slh,
     NUM_SPLITS,
+    split_blocks,  # as the main kernel's: > 0, a row's splits are its blocks / split_blocks
     H: tl.constexpr,
+    G: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)  # b * H + h
     b = pid // H
     h = pid % H
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    s_mask = offs_s < NUM_SPLITS
+    num_splits = NUM_SPLITS
+    if split_blocks > 0:
+        seq_len = tl.load(sl_ptr + b * stride_slb + (h // G) * stride_slh)
+        num_splits = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), split_blocks)
+    s_mask = offs_s < num_splits
     d_mask = offs_d < D
     row0 = pid.to(tl.int64) * NUM_SPLITS
 

@@ -36,6 +36,7 @@ This module imports only torch (and Triton, lazily): it must not import ``spin_c
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -45,6 +46,7 @@ from .paged_decode_checks import check_inputs, host_lens, resolve_scale
 __all__ = [
     "paged_decode_attention",
     "paged_decode_attention_ref",
+    "balanced_split_tokens",
     "choose_num_splits",
     "triton_available",
 ]
@@ -185,7 +187,7 @@ def triton_available() -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -215,6 +217,18 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: i
     return best
 
 
+def balanced_split_tokens(batch: int, num_kv_heads: int, mean_tokens: float, max_tokens: int, num_sms: int,
+                          block_n: int = 64) -> int:
+    """``split_tokens`` for rows of ``mean_tokens`` on average and ``max_tokens`` at most: the
+    total cut into about a wave of programs (``_PROGRAMS_PER_SM`` a SM), no split under
+    ``_MIN_TOKENS_PER_SPLIT`` tokens, and no row over ``_MAX_SPLITS`` splits (the reduce
+    merges a row's splits as one tile), rounded up to ``block_n``."""
+    total = batch * num_kv_heads * max(1.0, mean_tokens)
+    tokens = max(_MIN_TOKENS_PER_SPLIT, math.ceil(total / (_PROGRAMS_PER_SM * num_sms)),
+                 -(-max(1, max_tokens) // _MAX_SPLITS))
+    return -(-tokens // block_n) * block_n
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -230,6 +244,7 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     key_starts: torch.Tensor | None = None,
+    split_tokens: int | None = None,
 ) -> torch.Tensor:
     """Triton paged decode attention. See the module docstring for the layout (``key_starts``
     included: blocks wholly before a row's first key are not visited).
@@ -237,6 +252,13 @@ def paged_decode_attention(
     Keyword-only tuning knobs:
       num_splits   split each request's tokens over this many programs (flash-decoding,
                    merged by a second kernel); default from :func:`choose_num_splits`.
+      split_tokens balanced splits instead: every split takes this many tokens (a multiple
+                   of ``block_n``) of its row, and a row takes as many splits as its length
+                   needs (the launch: as many as the longest, ``max_seq_len``, needs). Rows
+                   of very different lengths (S-HPLB's per-head budgets) then cost in
+                   proportion to their tokens, where equal split counts leave the longest
+                   row's programs the step's critical path; see :func:`balanced_split_tokens`.
+                   Not with ``key_starts`` or ``num_splits``.
       block_n      tokens per inner iteration (power of 2, >= 16); default 64 (32 if D > 128).
       max_seq_len  host-side upper bound on ``seq_lens`` for the split heuristic; default
                    the block-table capacity ``P * S``. Not used for correctness.
@@ -264,9 +286,18 @@ def paged_decode_attention(
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of 2 >= 16, got {block_n}")
 
+    split_blocks = 0
+    max_tokens = P * S if max_seq_len is None else min(int(max_seq_len), P * S)
+    if split_tokens is not None:
+        if num_splits is not None or key_starts is not None:
+            raise ValueError("split_tokens takes neither num_splits nor key_starts")
+        if split_tokens < block_n or split_tokens % block_n:
+            raise ValueError(f"split_tokens={split_tokens} must be a positive multiple of block_n={block_n}")
+        split_blocks = split_tokens // block_n
+        # (at least two: one split writes the output directly, and a row then must have one)
+        num_splits = max(2, -(-max_tokens // split_tokens))
     if num_splits is None:
-        max_tokens = P * S if max_seq_len is None else min(int(max_seq_len), P * S)
-        sms = _num_sms(q.device.index or 0) if q.device.type == "cuda" else 4
+        sms = num_sms(q.device.index or 0) if q.device.type == "cuda" else 4
         num_splits = choose_num_splits(B, Hkv, max_tokens, sms)
     num_splits = int(num_splits)
     if not 1 <= num_splits <= 1024:
@@ -318,6 +349,7 @@ def paged_decode_attention(
         out.stride(0),
         out.stride(1),
         P,
+        split_blocks,
         HKV=Hkv,
         G=G,
         G_PAD=G_PAD,
@@ -337,13 +369,19 @@ def paged_decode_attention(
             part_o,
             part_lse,
             out,
+            seq_lens,
             out.stride(0),
             out.stride(1),
+            seq_lens.stride(0),
+            seq_lens.stride(1) if seq_lens.dim() == 2 else 0,
             num_splits,
+            split_blocks,
             H=H,
+            G=G,
             D=D,
             D_PAD=D_PAD,
             SPLITS_PAD=next_pow2(num_splits),
+            BLOCK_N=block_n,
             num_warps=4,
         )
     return out

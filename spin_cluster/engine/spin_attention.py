@@ -32,6 +32,7 @@ from spin_cluster.dense_attention import decode_impl, prefill_attention
 from spin_cluster.engine.backend import BackendParts
 from spin_cluster.engine.cuda_graphs import PlannedCapture
 from spin_cluster.engine.scheduler import ScheduledChunk
+from spin_cluster.kernels import paged_decode
 from spin_cluster.kvcache.buffer import InstallPlan
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.kvcache.transfer import Transfer
@@ -110,6 +111,13 @@ class SpinAttention(PlannedCapture):
                     f"[{kv.num_layers}, {kv.num_kv_heads}] (layers x KV heads)"
                 )
             self._layer_budgets = ((table + S - 1) // S).to(dev)
+        # Per-head budgets give a layer's heads rows of very different lengths (the widest
+        # several times the mean): the Triton decode kernel then splits rows into equal
+        # slices, so that the widest heads' programs are not the step's critical path
+        # (``paged_decode.balanced_split_tokens``), one split length per (batch, width).
+        self._balanced = (self._layer_budgets is not None and dev.type == "cuda"
+                          and self._decode is paged_decode.paged_decode_attention)
+        self._split_tokens: dict[tuple[int, int, int], int] = {}
 
     def mandatory_pages(self, context_tokens: int) -> int:
         """Pages a head selects per step at most: sink + budget + local."""
@@ -309,7 +317,20 @@ class SpinAttention(PlannedCapture):
         D = q.shape[-1]
         slots, lens = self.transfer.retrieve(rows, layer, want, num_selected, sel.tail_len, self.now,
                                              k.reshape(-1, D), v.reshape(-1, D))
-        self._decode(q, buf.k_slots, buf.v_slots, slots, lens, out=out)
+        kw = {"split_tokens": self._balanced_split(q.shape[0], slots.shape[-1], sel.max_pages)} if self._balanced else {}
+        self._decode(q, buf.k_slots, buf.v_slots, slots, lens, out=out, **kw)
+
+    def _balanced_split(self, batch: int, width: int, pages: int) -> int:
+        """The decode kernel's split length for ``batch`` rows selecting up to ``width`` pages
+        a head, at contexts of up to ``pages`` pages (a head's mean from its budgets)."""
+        key = (batch, width, pages)
+        if key not in self._split_tokens:
+            S = self.kv.page_size
+            mean = self.mean_attended_pages(pages * S) * S
+            sms = paged_decode.num_sms(self.device.index or 0)
+            self._split_tokens[key] = paged_decode.balanced_split_tokens(
+                batch, self.kv.num_kv_heads, mean, width * S, sms)
+        return self._split_tokens[key]
 
     def _resident(self, rows: torch.Tensor, layer: int, num_pages: int) -> torch.Tensor:
         """[B, Hkv, num_pages] bool: pages a step reads without a transfer (at home on the GPU,

@@ -321,3 +321,31 @@ def test_per_head_seq_lens(dtype, num_splits):
         one = paged_decode_attention_ref(q, kp, vp, bt, per_head[:, h].contiguous())
         assert_close(ref[:, h * G : (h + 1) * G], one[:, h * G : (h + 1) * G], REF_TOL[dtype])
     assert ref[1, 4:6].abs().max() == 0  # a head with no tokens gives zeros
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_balanced_splits_equal_the_reference(dtype):
+    """``split_tokens``: fixed-length splits, a row taking as many as its length needs (heads
+    of very different lengths, one empty, one a split's exact multiple), equal the reference
+    and the proportional splits."""
+    q, kp, vp, bt, lens = make_case([40, 23, 17], num_kv_heads=3, group=2, dtype=dtype, seed=7)
+    per_head = torch.tensor([[40, 1, 16], [23, 9, 0], [17, 32, 5]], dtype=torch.int32, device=q.device)
+    ref = paged_decode_attention_ref(q, kp, vp, bt, per_head)
+    for split_tokens in (16, 32):  # 3 and 2 splits for the longest row
+        got = paged_decode_attention(q, kp, vp, bt, per_head, block_n=16, split_tokens=split_tokens)
+        assert_close(got, ref, KERNEL_TOL[dtype])
+    assert paged_decode_attention(q, kp, vp, bt, per_head, block_n=16, split_tokens=16)[1, 4:6].abs().max() == 0
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        paged_decode_attention(q, kp, vp, bt, per_head, block_n=16, split_tokens=24)
+    with pytest.raises(ValueError, match="neither"):
+        paged_decode_attention(q, kp, vp, bt, per_head, block_n=16, split_tokens=16, num_splits=2)
+
+
+def test_balanced_split_tokens():
+    # A wave of programs (4 a SM): 4 x 8 heads of 2112 tokens on 132 SMs -> 128 tokens a split.
+    assert pd.balanced_split_tokens(4, 8, 2112, 17152, 132) == 320  # the widest head: <= 64 splits
+    assert pd.balanced_split_tokens(4, 8, 2112, 2112, 132) == 128
+    assert pd.balanced_split_tokens(16, 8, 2112, 2112, 132) == 512  # 270K tokens over 528 programs
+    assert pd.balanced_split_tokens(1, 8, 100, 100, 132) == 128  # never under the floor
+    assert pd.balanced_split_tokens(16, 8, 2112, 2112, 132, block_n=32) % 32 == 0
