@@ -19,10 +19,12 @@ def _engine(path, graphs=True, **cache_sparse):
 
 
 def test_decode_layers_never_synchronise_with_the_host(smollm2_path):
-    # Pages of 4 tokens and shares of 12 pages per head: 60 new tokens outgrow the share, so
-    # the checked layers evict.
+    # Pages of 4 tokens and shares of 12 pages per head, every page's home on the host (GPU
+    # home pages are read in place, never looked up): 60 new tokens outgrow the share, so the
+    # checked layers evict.
     # Eager steps (no CUDA graphs): every layer's forward runs here, checked.
-    eng = _engine(smollm2_path, graphs=False, cache={"offload": True, "page_size": 4, "buffer_pages_per_head": 12},
+    eng = _engine(smollm2_path, graphs=False, cache={"offload": True, "page_size": 4, "buffer_pages_per_head": 12,
+                                                     "gpu_home_fraction": 0.0},
                   sparse={"algorithm": "streaming", "budget": 32, "sink_tokens": 4, "local_tokens": 8})
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     for p in PROMPTS:
