@@ -349,8 +349,8 @@ def warm_up(engine, mode: str, lengths: list[int], args, bandwidth: float | None
     benchmarks/trace_compiles.py). Dense's batch-1 request at the longest offline length (32
     decode steps alone, against the roofline) is its warm-up of that length: its roofline is
     returned (None for the other modes and at toy size). Then, as a served engine warms up
-    (``Engine.warm_up``), a draining batch where decode graphs serve one exact batch size
-    (Spin's): a decode step at every batch size, whose first run compiles kernels too."""
+    (``Engine.warm_up``), a draining batch where decode graphs are captured lazily (Spin's):
+    a decode step at every batch size, whose first run compiles kernels too."""
     from spin_cluster.engine import SamplingParams
     from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
     from spin_cluster.engine.warm_up import warm_batches, zero_totals

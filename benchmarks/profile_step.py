@@ -12,7 +12,8 @@ batch's prompts are prefilled, then ``--warmup`` decode steps capture the graphs
 that prefill it beside the running batch (mixed steps, always eager) are timed and profiled:
 what a prompt costs a loaded server, spills included when the GPU is full. With ``--drain
 N``, N requests then end one at a time and each new batch size's first steps are timed (a
-Spin graph serves one exact batch size, so a new size runs eagerly first), the last size's
+Spin batch runs in the smallest captured graph that holds it, padded, or eagerly where none
+does), the last size's
 first step profiled. The served steps also give the host's time on the critical path: the
 GPU's idle time between one step's sampling and the next step's launch (CUDA events).
 Output: a table on stdout and ``profile-<mode>-<context>.json`` in --out.

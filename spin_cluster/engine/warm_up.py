@@ -4,13 +4,14 @@ class, a few decode steps after each. Kernels compile a variant per size class o
 autotunes per class): a class first met by a served request costs its step about a second a
 kernel on a GPU, seconds in the first long request's time to first token.
 
-Then, where decode graphs serve one exact batch size and are captured lazily (Spin's), a
-batch that drains: decode steps at every batch size from the largest down to one. Some
-kernels compile a variant per batch size class too (the split count of the decode
-attention's reduction, Retrieve's pairs per program), and a size first met by a served step
-runs eagerly with whatever it compiles: steps of 40-120 ms, against 9 ms, while a batch of
-16 x 32K requests finished on an H200. Dense captures a graph of every batch size at
-start-up, which runs each size once the same way.
+Then, where decode graphs are captured lazily (Spin's, one per padded batch size and
+Select width), a batch that drains: decode steps at every batch size from the largest down
+to one. Some kernels compile a variant per batch size class too (the split count of the
+decode attention's reduction, Retrieve's pairs per program), and a size first met by a
+served step that no captured graph holds runs eagerly with whatever it compiles (steps of
+40-120 ms, against 9 ms, as a batch of 16 x 32K requests finished on an H200 before
+batches were padded). Dense captures a graph of every batch size at start-up, which runs
+each size once the same way.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def warm_lengths(engine, max_tokens: int = 4) -> list[int]:
 @torch.inference_mode()
 def warm_up(engine, lengths: Sequence[int] | None = None, max_tokens: int = 4) -> list[int]:
     """Run one made-up prompt of each of ``lengths`` (default ``warm_lengths``) on an idle
-    ``Engine``, ``max_tokens`` decode steps after each, then (where decode graphs serve one
-    exact batch size) a draining batch (``warm_batches``), then zero the engine's running
+    ``Engine``, ``max_tokens`` decode steps after each, then (where decode graphs are captured
+    lazily) a draining batch (``warm_batches``), then zero the engine's running
     totals so that they count served requests only. The prompts share no prefix with each other or with text
     (their ids walk the vocabulary from different starts); in a cache with prefix caching
     their pages stay as idle cached pages, free to take. Returns the lengths run."""

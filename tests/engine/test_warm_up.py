@@ -96,8 +96,8 @@ def test_batch_length_passes_the_floor_and_the_budget(tiny_llama_path, monkeypat
         assert warm_up.batch_length(engine) == want
 
 
-def test_warm_up_drains_a_batch_where_graphs_serve_exact_batch_sizes(tiny_llama_path, monkeypatch):
-    """Spin's decode graphs (one per exact batch size, captured lazily) get the draining batch;
+def test_warm_up_drains_a_batch_where_graphs_are_captured_lazily(tiny_llama_path, monkeypatch):
+    """Spin's decode graphs (captured lazily) get the draining batch;
     an engine without them does not."""
     from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
 
