@@ -114,8 +114,18 @@ def warm_batches(engine, sizes: int | None = None, length: int | None = None) ->
             break
         engine.step()
     ran = []
-    for rid in reversed(ids):
-        ran.append(len(sched.running))
-        engine.step()
-        engine.abort(rid)
+    # No graph is captured meanwhile: the made-up prompts' Select width is not a served
+    # request's, and a graph of it would only hold memory (the steps compile the kernels).
+    lazy = isinstance(graphs, SpinDecodeGraphs)
+    capture = lazy and graphs.capture
+    if lazy:
+        graphs.capture = False
+    try:
+        for rid in reversed(ids):
+            ran.append(len(sched.running))
+            engine.step()
+            engine.abort(rid)
+    finally:
+        if lazy:
+            graphs.capture = capture
     return ran

@@ -109,3 +109,20 @@ def test_warm_up_drains_a_batch_where_graphs_are_captured_lazily(tiny_llama_path
     engine.runner.graphs = SpinDecodeGraphs(engine.model, engine.runner.attention, 3, capture=False)
     engine.warm_up([32])
     assert calls == [engine]
+
+
+def test_warm_batches_capture_no_graph(tiny_llama_path):
+    """The draining batch's made-up prompts have a Select width no served request has: no
+    graph is captured from them (the graphs' capture flag is off meanwhile, then restored)."""
+    from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
+
+    engine = _engine(tiny_llama_path, True)
+    graphs = engine.runner.graphs = SpinDecodeGraphs(engine.model, engine.runner.attention, 3)
+    seen = []
+    graphs._capture = lambda key: seen.append(key)  # (a CUDA capture; never reached here)
+    step = engine.step
+    engine.step = lambda: seen.append(graphs.capture) or step()
+    assert warm_up.warm_batches(engine, sizes=3, length=40) == [3, 2, 1]
+    assert seen[-3:] == [False] * 3  # the draining steps ran with capture off
+    assert not [k for k in seen if isinstance(k, tuple)] and graphs.num_graphs == 0
+    assert graphs.capture  # restored
