@@ -143,8 +143,8 @@ class GpuBuffer:
         if padding_row is not None:
             if not 0 <= padding_row < max_seqs:
                 raise ValueError(f"padding_row={padding_row} is not a row of {max_seqs}")
-            pad_ids = torch.arange(num_slots + num_home_pages, total, dtype=torch.int32)
-            self.res_slot[padding_row, :, :, 0] = pad_ids.view(num_layers, num_kv_heads).to(self.res_slot.device)
+            self._pad_slots = torch.arange(num_slots + num_home_pages, total, dtype=torch.int32)
+            self.res_slot[padding_row, :, :, 0] = self._pad_slots.view(num_layers, num_kv_heads).to(self.res_slot.device)
 
     @property
     def page_bytes(self) -> int:
@@ -446,8 +446,7 @@ class GpuBuffer:
         check_partition([s for ids in self._row_slots.values() for s in ids], self._free_slots, "buffer slots")
         if self.padding_row is not None:
             slots = self.res_slot[self.padding_row].cpu()
-            pad = torch.arange(self.k_slots.shape[0] - slots[..., 0].numel(), self.k_slots.shape[0], dtype=torch.int32)
-            if not torch.equal(slots[..., 0].flatten(), pad) or bool((slots[..., 1:] != -1).any()):
+            if not torch.equal(slots[..., 0].flatten(), self._pad_slots) or bool((slots[..., 1:] != -1).any()):
                 raise AssertionError("the padding row's share is not its own one column per head")
         if set(self._row_slots) - live_rows:
             raise AssertionError(f"buffer shares held by rows without a request: {sorted(set(self._row_slots) - live_rows)}")

@@ -88,7 +88,6 @@ class OffloadedKVManager(KVCache):
             head_widths=head_widths, head_mandatory=head_mandatory, num_home_pages=num_gpu_segments * segment_pages,
             padding_row=max_seqs,
         )
-        self._padding: int | None = None  # the padding row once it holds its page
         # Segments moved GPU -> host since start (``spill``).
         self.num_spilled_segments = 0
 
@@ -219,14 +218,12 @@ class OffloadedKVManager(KVCache):
         miss counters leave out. Many entries of one batch may pad with it: they compute the
         same K/V and write the same values. Its page is taken once, when first asked for (one
         segment of every layer and head), and kept; ``request_ids`` does not list it."""
-        if self._padding is None:
-            need = self.directory.num_new_segments(self._PADDING_ID, 1)
-            if not self.homes.can_allocate(need):
+        if self._PADDING_ID not in self.directory:
+            if not self.homes.can_allocate(self.directory.num_new_segments(self._PADDING_ID, 1)):
                 return None
-            row = self.directory.add(self._PADDING_ID, row=self.buffer.padding_row)
+            self.directory.add(self._PADDING_ID, row=self.buffer.padding_row)
             self.homes.mark_used(self.directory.grow(self._PADDING_ID, 1))
-            self._padding = row
-        return self._padding
+        return self.directory.row(self._PADDING_ID)
 
     def free(self, request_id: str) -> None:
         if request_id in self.directory:
