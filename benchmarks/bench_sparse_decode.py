@@ -44,6 +44,10 @@ def main() -> None:
                     help="the index dtypes timed (float8_e4m3fn: labels only)")
     ap.add_argument("--channels", type=float, default=0,
                     help="labels: sparse.options.channels (r, or a fraction of D under 1; 0: D/4)")
+    ap.add_argument("--label-tiles", type=int, nargs="*", default=[],
+                    help="labels: also time the scorer alone at these label values a program "
+                         "(kernels.page_select.label_scores' tile_values; the default 8192 is timed anyway), "
+                         "and a decode step's label write, one launch against the four torch ops")
     add_shape(ap, page_size=16)
     add_out(ap)
     args = ap.parse_args()
@@ -164,13 +168,28 @@ def main() -> None:
             scores = alg.score(0, q, rows, P)
             t_score = graph_us(lambda: alg.score(0, q, rows, P))
             t_topk = graph_us(lambda: select_pages(scores, False, plan, Hkv))
+            tiles = {}
+            if args.algorithm == "labels" and args.label_tiles:
+                from spin_cluster.kernels.page_select import LABEL_TILE_VALUES, label_append, label_scores
+
+                qr = alg.query_labels(0, q)
+                for tile in sorted({*args.label_tiles, LABEL_TILE_VALUES}):
+                    tiles[tile] = graph_us(lambda: label_scores(qr, alg.labels[0], rows, alg.lengths, alg.span, P, S,
+                                                                tile_values=tile))
+                k_new = torch.randn(B, 3 * Hkv, D, device=dev, dtype=dtype)[:, Hkv:2 * Hkv]  # a fused QKV's K
+                slots = rows * alg.span + T - 1
+                for impl in ("torch", "triton"):
+                    tiles[f"append_{impl}"] = graph_us(lambda: label_append(alg.labels[0], k_new, alg.channel_ids[0],
+                                                                            slots, impl=impl))
+                print("   label scorer us by tile values: " + ", ".join(f"{t}: {u:.1f}" for t, u in tiles.items()),
+                      flush=True)
             attn_gbs = 2 * tokens * D * k_dense.element_size() / (t_attn * 1e-6) / 1e9
             row = {"batch": B, "index_dtype": str(index_dtype).removeprefix("torch."),
                    "channels": getattr(alg, "channels", None),
                    "dense_us": t_dense, "dense_paged_us": t_dense_paged, "score_us": t_score, "topk_us": t_topk, "select_us": t_sel, "attention_us": t_attn, "total_us": t_total,
                    "total_plain_us": t_plain, "speedup": t_dense / t_total,
                    "speedup_vs_paged": t_dense_paged / t_total,
-                   "select_share": t_sel / (t_sel + t_attn), "attention_gbs": attn_gbs,
+                   "select_share": t_sel / (t_sel + t_attn), "attention_gbs": attn_gbs, "label_tiles_us": tiles,
                    "attention_of_copy": attn_gbs / copy_gbs, "selected_tokens_per_head": tokens / (B * Hkv)}
             results["rows"].append(row)
             print(f"{B:>3} {row['index_dtype']:>8} | {t_dense:9.1f} {t_dense_paged:9.1f} | {t_score:8.1f} {t_topk:8.1f} {t_sel:9.1f} "

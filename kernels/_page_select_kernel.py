@@ -206,27 +206,54 @@ def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL
 @triton.jit(do_not_specialize=["P"])
 def _label_scores(qr_ptr, labels_ptr, rows_ptr, lengths_ptr, out_ptr,
                   stride_qb, stride_qh, stride_ln, stride_lh, span, P,
-                  HKV: tl.constexpr, RC: tl.constexpr, RC_PAD: tl.constexpr, S: tl.constexpr,
-                  BLOCK_P: tl.constexpr):
-    """Page scores from a label cache: per (request, KV head) and page, the largest
+                  HKV: tl.constexpr, HKV_PAD: tl.constexpr, RC: tl.constexpr, RC_PAD: tl.constexpr,
+                  S: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Page scores from a label cache: per request b, KV head and page, the largest
     qr . label_t over the page's written tokens (qr: the query summed over the KV head's
-    query heads, in the label channels)."""
-    pid = tl.program_id(0)  # b * HKV + h
-    b = pid // HKV
-    h = pid % HKV
+    query heads, in the label channels). Grid (B, cdiv(P, BLOCK_P)): a program takes a block
+    of pages for every KV head at once, so that its tile [BLOCK_P * S, HKV, RC] is one
+    contiguous run of the index (a token's labels of all heads sit side by side; one program
+    per head read every r-th run of bytes, each line of the index by Hkv / 4 programs)."""
+    b = tl.program_id(0)
     row = tl.load(rows_ptr + b).to(tl.int64)
     n_tok = tl.load(lengths_ptr + row)
+    offs_h = tl.arange(0, HKV_PAD)
     offs_c = tl.arange(0, RC_PAD)
-    c_ok = offs_c < RC
-    q = tl.load(qr_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    hc_ok = (offs_h < HKV)[:, None] & (offs_c < RC)[None, :]
+    q = tl.load(qr_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh + offs_c[None, :], mask=hc_ok,
+                other=0.0).to(tl.float32)  # [HKV_PAD, RC_PAD]
+    tokens = tl.program_id(1) * (BLOCK_P * S) + tl.arange(0, BLOCK_P * S)  # [BLOCK_P * S]
+    ok = (tokens < P * S) & (tokens < n_tok)
+    ptrs = (labels_ptr + (row * span + tokens)[:, None, None] * stride_ln + offs_h[None, :, None] * stride_lh
+            + offs_c[None, None, :])
+    lab = tl.load(ptrs, mask=ok[:, None, None] & hc_ok[None, :, :], other=0.0).to(tl.float32)
+    s = tl.sum(lab * q[None, :, :], axis=2)  # [BLOCK_P * S, HKV_PAD]
+    s = tl.where(ok[:, None], s, float("-inf"))
+    best = tl.max(tl.reshape(s, [BLOCK_P, S, HKV_PAD]), axis=1)  # [BLOCK_P, HKV_PAD]
     pages = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    tokens = pages[:, None] * S + tl.arange(0, S)[None, :]  # [BLOCK_P, S]
-    ok = (pages[:, None] < P) & (tokens < n_tok)
-    ptrs = labels_ptr + (row * span + tokens)[:, :, None] * stride_ln + h * stride_lh + offs_c[None, None, :]
-    lab = tl.load(ptrs, mask=ok[:, :, None] & c_ok[None, None, :], other=0.0).to(tl.float32)  # [BLOCK_P, S, RC_PAD]
-    s = tl.sum(lab * q[None, None, :], axis=2)  # [BLOCK_P, S]
-    s = tl.where(ok, s, float("-inf"))
-    tl.store(out_ptr + pid.to(tl.int64) * P + pages, tl.max(s, axis=1), mask=pages < P)
+    at = (b.to(tl.int64) * HKV + offs_h[None, :]) * P + pages[:, None]
+    tl.store(out_ptr + at, best, mask=(pages < P)[:, None] & (offs_h < HKV)[None, :])
+
+
+@triton.jit
+def _label_append(k_ptr, ids_ptr, slots_ptr, labels_ptr, stride_kt, stride_kh, stride_ln, stride_lh,
+                  HKV: tl.constexpr, HKV_PAD: tl.constexpr, RC: tl.constexpr, RC_PAD: tl.constexpr,
+                  FP8: tl.constexpr):
+    """Grid (T,): token t's labels, k[t, h, ids[h, c]] for every KV head h and channel c, into
+    labels[slots[t]] (FP8: clamped to e4m3's +-448, rounded to nearest, stored as its bytes)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    offs_h = tl.arange(0, HKV_PAD)
+    offs_c = tl.arange(0, RC_PAD)
+    m = (offs_h < HKV)[:, None] & (offs_c < RC)[None, :]
+    ids = tl.load(ids_ptr + offs_h[:, None] * RC + offs_c[None, :], mask=m, other=0)
+    x = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + ids, mask=m, other=0.0)
+    at = labels_ptr + slot * stride_ln + offs_h[:, None] * stride_lh + offs_c[None, :]
+    if FP8:
+        y = tl.clamp(x.to(tl.float32), -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(at, y.to(tl.uint8, bitcast=True), mask=m)
+    else:
+        tl.store(at, x.to(labels_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit

@@ -44,11 +44,12 @@ import torch
 from ._impl import resolve_impl
 from ._triton_support import interpreter_requested, load_kernel_module
 
-__all__ = ["label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "row_tiles", "select_ragged",
+__all__ = ["label_append", "label_append_ref", "label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "row_tiles", "select_ragged",
            "select_ragged_ref", "topk_ragged", "topk_ragged_ref"]
 
 # One program holds a whole row of page scores in registers.
 MAX_ROW_PAGES = 16384
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # e4m3's largest value, 448
 
 
 def _check_scores(q, kmin, kmax, pages):
@@ -308,26 +309,75 @@ def label_scores_ref(qr, labels, rows, lengths, span: int, num_pages: int, page_
     return s.view(*s.shape[:2], num_pages, page_size).amax(-1)
 
 
+# Label values a scoring program reads: at Llama-3.1-8B's shapes (8 KV heads of r = 32) one
+# page of 32 tokens for all heads, 8 KiB in e4m3.
+LABEL_TILE_VALUES = 8192
+
+
+def label_block_pages(page_size: int, hkv: int, rc: int, tile_values: int = LABEL_TILE_VALUES) -> int:
+    """Pages one scoring program takes: a power of two, about ``tile_values`` label values
+    (every KV head's r of each token), at least one page."""
+    per_page = page_size * (1 << max(0, (hkv - 1).bit_length())) * (1 << max(2, (rc - 1).bit_length()))
+    return 1 << max(0, (tile_values // per_page).bit_length() - 1)
+
+
 def label_scores(qr, labels, rows, lengths, span: int, num_pages: int, page_size: int, *,
-                 impl: str = "auto") -> torch.Tensor:
-    """Triton ``label_scores_ref``: one program per (request, KV head) and block of pages,
-    a block's labels read as one [pages, S, r] tile."""
+                 impl: str = "auto", tile_values: int = LABEL_TILE_VALUES, num_warps: int = 4) -> torch.Tensor:
+    """Triton ``label_scores_ref``: one program per request and block of pages
+    (``label_block_pages``), every KV head's labels of the block read as one contiguous tile."""
     if resolve_impl(impl, qr.device) == "torch":
         return label_scores_ref(qr, labels, rows, lengths, span, num_pages, page_size)
     _check_labels(qr, labels, rows, lengths, span, num_pages, page_size)
     if qr.device.type != "cuda" and not interpreter_requested():
         raise ValueError("the Triton label scorer needs CUDA tensors (or TRITON_INTERPRET=1); use label_scores_ref")
-    if labels.stride(2) != 1 or qr.stride(2) != 1:
-        raise ValueError("labels and qr must be contiguous in their last dimension")
+    if labels.stride(2) != 1 or labels.stride(1) != labels.shape[2] or qr.stride(2) != 1:
+        raise ValueError("labels must be contiguous in their last two dimensions, qr in its last")
     B, hkv, rc = qr.shape
     out = torch.empty(B, hkv, num_pages, dtype=torch.float32, device=qr.device)
     if B == 0 or num_pages == 0:
         return out
-    rc_pad = 1 << max(2, (rc - 1).bit_length())
-    block_p = max(1, 512 // (page_size * rc_pad) * 4)  # about 2K label values per tile
-    block_p = 1 << (block_p.bit_length() - 1)
-    _kernels()._label_scores[(B * hkv, -(-num_pages // block_p))](
+    block_p = label_block_pages(page_size, hkv, rc, tile_values)
+    _kernels()._label_scores[(B, -(-num_pages // block_p))](
         qr, labels, rows, lengths, out, qr.stride(0), qr.stride(1), labels.stride(0), labels.stride(1),
-        span, num_pages, HKV=hkv, RC=rc, RC_PAD=rc_pad, S=page_size, BLOCK_P=block_p,
+        span, num_pages, HKV=hkv, HKV_PAD=1 << max(0, (hkv - 1).bit_length()), RC=rc,
+        RC_PAD=1 << max(2, (rc - 1).bit_length()), S=page_size, BLOCK_P=block_p, num_warps=num_warps,
     )
     return out
+
+
+def label_append_ref(labels: torch.Tensor, k: torch.Tensor, channel_ids: torch.Tensor, slots: torch.Tensor) -> None:
+    """labels [N, Hkv, r] (float, or float8_e4m3fn: clamped to +-448, rounded to nearest)
+    at rows slots [T] := k [T, Hkv, D] in the channels channel_ids [Hkv, r] of each head."""
+    _check_append(labels, k, channel_ids, slots)
+    lab = k.gather(2, channel_ids[None].expand(k.shape[0], -1, -1))
+    if labels.dtype == torch.float8_e4m3fn:  # e4m3 has no inf: past +-448 a cast gives NaN
+        lab = lab.clamp(-FP8_MAX, FP8_MAX).to(labels.dtype).view(torch.uint8)
+        labels.view(torch.uint8).index_copy_(0, slots, lab)  # index_copy_ takes no fp8 (CPU)
+        return
+    labels.index_copy_(0, slots, lab.to(labels.dtype))
+
+
+def label_append(labels: torch.Tensor, k: torch.Tensor, channel_ids: torch.Tensor, slots: torch.Tensor, *,
+                 impl: str = "auto") -> None:
+    """Triton ``label_append_ref``: one launch (a program per token) where the reference
+    takes four (gather, clamp, cast, copy) each layer of each step."""
+    if resolve_impl(impl, k.device) == "torch":
+        return label_append_ref(labels, k, channel_ids, slots)
+    _check_append(labels, k, channel_ids, slots)
+    if k.shape[0] == 0:
+        return
+    hkv, rc = channel_ids.shape
+    fp8 = labels.dtype == torch.float8_e4m3fn
+    _kernels()._label_append[(k.shape[0],)](
+        k, channel_ids, slots, labels.view(torch.uint8) if fp8 else labels, k.stride(0), k.stride(1),
+        labels.stride(0), labels.stride(1), HKV=hkv, HKV_PAD=1 << max(0, (hkv - 1).bit_length()), RC=rc,
+        RC_PAD=1 << max(0, (rc - 1).bit_length()), FP8=fp8,
+    )
+
+
+def _check_append(labels, k, channel_ids, slots):
+    if k.dim() != 3 or channel_ids.shape != (k.shape[1], labels.shape[2]) or labels.shape[1] != k.shape[1]:
+        raise ValueError(f"k must be [T, Hkv, D], channel_ids [Hkv, r] and labels [N, Hkv, r]; got "
+                         f"{tuple(k.shape)}, {tuple(channel_ids.shape)}, {tuple(labels.shape)}")
+    if slots.shape != (k.shape[0],) or k.stride(2) != 1 or not channel_ids.is_contiguous():
+        raise ValueError("slots must be [T], k contiguous in its last dimension and channel_ids contiguous")

@@ -23,9 +23,10 @@ scoring a layer against 108.1 in bfloat16 and 189.5 in float32 (``docs/performan
 Index layout: ``labels`` [L, R * P * S + 1, Hkv, r] in ``index_dtype`` (row-major over request
 rows and token positions; the last row absorbs masked-off writes, and is the one token of
 the cache's padding row, row R, ``OffloadedKVManager.padding_row``); ``lengths`` [R + 1] tokens
-written per row, updated once per step in ``plan_append``. On CUDA the scores are one Triton
-launch per layer (``kernels.page_select.label_scores``); every op is fixed-shape, so decode
-steps run in CUDA graphs.
+written per row, updated once per step in ``plan_append``. On CUDA a layer's labels are
+written in one Triton launch (``kernels.page_select.label_append``) and scored in one
+(``label_scores``: a program per request and page, all KV heads, so it reads the index in
+contiguous runs); every op is fixed-shape, so decode steps run in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -34,12 +35,9 @@ import os
 
 import torch
 
-from spin_cluster.kernels.page_select import label_scores
+from spin_cluster.kernels.page_select import label_append, label_scores
 from spin_cluster.sparse.contract import SparseAlgorithm, register
 from spin_cluster.sparse.sparq import weight_channels
-
-
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
 
 def label_channels(channels: float, head_dim: int) -> int:
@@ -92,18 +90,17 @@ class Labels(SparseAlgorithm):
         return rows * self.span + positions
 
     def append(self, layer, plan, k):
-        # k: [T, Hkv, D] -> its labels [T, Hkv, r]
-        ids = self.channel_ids[layer][None].expand(k.shape[0], -1, -1)
-        lab = k.gather(2, ids)
-        if self.index_dtype == torch.float8_e4m3fn:  # e4m3 has no inf: past +-448 a cast gives NaN
-            lab = lab.clamp(-FP8_MAX, FP8_MAX).to(self.index_dtype).view(torch.uint8)
-            self.labels[layer].view(torch.uint8).index_copy_(0, plan, lab)  # index_copy_ takes no fp8 (CPU)
-            return
-        self.labels[layer].index_copy_(0, plan, lab.to(self.index_dtype))
+        # k: [T, Hkv, D] -> its labels [T, Hkv, r] at rows ``plan`` (one launch on CUDA)
+        label_append(self.labels[layer], k, self.channel_ids[layer], plan)
+
+    def query_labels(self, layer, q):
+        """q [B, H, D] -> [B, Hkv, r]: the query summed over each KV head's query heads, in the
+        head's label channels (what a label is scored against)."""
+        B, H, D = q.shape
+        qs = q.float().view(B, self.num_kv_heads, H // self.num_kv_heads, D).sum(2)  # [B, Hkv, D]
+        return qs.gather(2, self.channel_ids[layer][None].expand(B, -1, -1))
 
     def score(self, layer, q, rows, num_pages):
         # q: [B, H, D] -> [B, Hkv, num_pages]
-        B, H, D = q.shape
-        qs = q.float().view(B, self.num_kv_heads, H // self.num_kv_heads, D).sum(2)  # [B, Hkv, D]
-        qr = qs.gather(2, self.channel_ids[layer][None].expand(B, -1, -1))  # [B, Hkv, r]
-        return label_scores(qr, self.labels[layer], rows, self.lengths, self.span, num_pages, self.page_size)
+        return label_scores(self.query_labels(layer, q), self.labels[layer], rows, self.lengths, self.span, num_pages,
+                            self.page_size)

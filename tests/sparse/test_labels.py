@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from spin_cluster.kernels.page_select import label_scores, label_scores_ref
+from spin_cluster.kernels.page_select import (
+    label_append,
+    label_append_ref,
+    label_block_pages,
+    label_scores,
+    label_scores_ref,
+)
 from spin_cluster.sparse import get_algorithm
 
 
@@ -53,11 +59,14 @@ def test_append_and_score_never_synchronise(op_log):
     assert not log.syncs(), log.syncs()
 
 
-@pytest.mark.parametrize("S,rc,dtype", [(4, 8, torch.float32), (16, 6, torch.float32), (2, 4, torch.float32),
-                                        (4, 8, torch.float8_e4m3fn)])
-def test_triton_scorer_equals_reference(S, rc, dtype):
+@pytest.mark.parametrize("S,rc,Hkv,dtype,tile", [(4, 8, 2, torch.float32, 8192), (16, 6, 2, torch.float32, 8192),
+                                                  (2, 4, 2, torch.float32, 8192), (4, 8, 2, torch.float8_e4m3fn, 8192),
+                                                  (4, 6, 3, torch.float32, 64), (8, 4, 1, torch.bfloat16, 32)])
+def test_triton_scorer_equals_reference(S, rc, Hkv, dtype, tile):
+    # tile: values a program reads (64 and 32: blocks of 1 and 2 pages with every head; 8192: the
+    # whole row); Hkv 3 pads its heads to 4, r = 6 its channels to 8.
     g = torch.Generator().manual_seed(S + rc)
-    B, Hkv, R, P = 3, 2, 4, 5
+    B, R, P = 3, 4, 5
     span = P * S
     labels = torch.randn(R * span + 1, Hkv, rc, generator=g).to(dtype)
     qr = torch.randn(B, Hkv, rc, generator=g)
@@ -65,10 +74,17 @@ def test_triton_scorer_equals_reference(S, rc, dtype):
     lengths = torch.tensor([7, span, 1, 3 * S + 1, 0])  # rows 0..3 and the dump row
     for num_pages in (P, 2):
         want = label_scores_ref(qr, labels, rows, lengths, span, num_pages, S)
-        got = label_scores(qr, labels, rows, lengths, span, num_pages, S, impl="triton")
+        got = label_scores(qr, labels, rows, lengths, span, num_pages, S, impl="triton", tile_values=tile)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     empty = [p for p in range(2) if p * S >= 7]  # row 0 wrote 7 tokens: later pages hold none
     assert torch.isinf(want[1, :, empty]).all() and torch.isfinite(want[0, :, 0]).all()
+
+
+def test_scoring_blocks_hold_about_the_tile_in_whole_pages():
+    assert label_block_pages(32, 8, 32) == 1  # Llama-3.1-8B at r = D/4: a page of 8 KiB in e4m3
+    assert label_block_pages(16, 1, 64) == 8  # Gemma-3-270M
+    assert label_block_pages(16, 3, 6, tile_values=64) == 1 and label_block_pages(4, 3, 6, tile_values=256) == 2
+    assert label_block_pages(64, 16, 64) == 1  # a page past the tile: still one
 
 
 @pytest.mark.parametrize("options", [{}, {"index_dtype": "float8_e4m3fn", "channels": 0.5}])
@@ -92,6 +108,25 @@ def test_triton_scorer_equals_reference_at_llama_shapes(rc, S, P, dtype):
     lengths = torch.tensor([span, span - 5, 100, 7 * S, 0]).cuda()
     got = label_scores(qr, labels, rows, lengths, span, P, S, impl="triton")
     torch.testing.assert_close(got, label_scores_ref(qr, labels, rows, lengths, span, P, S), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_triton_append_equals_reference_at_llama_shapes(dtype):
+    """A decode step's and a prefill chunk's keys (bf16, the K of a fused QKV output) into
+    labels of 32 channels of 8 KV heads: the same bytes as the reference."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(128, generator=g)[:32] for _ in range(8)]).cuda()
+    for T in (4, 2048):
+        qkv = (torch.randn(T, 48, 128, generator=g) * 64).to(torch.bfloat16).cuda()
+        k = qkv[:, 32:40]
+        slots = torch.randperm(4096, generator=g)[:T].cuda()
+        got, want = (torch.zeros(4097, 8, 32, dtype=dtype, device="cuda") for _ in range(2))
+        label_append(got, k, ids, slots, impl="triton")
+        label_append_ref(want, k, ids, slots)
+        assert torch.equal(got.view(torch.uint8) if dtype == torch.float8_e4m3fn else got,
+                           want.view(torch.uint8) if dtype == torch.float8_e4m3fn else want)
 
 
 def test_a_fraction_of_the_head_dim_picks_that_share_of_channels():
