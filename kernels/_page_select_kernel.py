@@ -204,16 +204,17 @@ def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL
 
 
 @triton.jit(do_not_specialize=["P"])
-def _label_scores(qr_ptr, labels_ptr, rows_ptr, lengths_ptr, out_ptr,
-                  stride_qb, stride_qh, stride_ln, stride_lh, span, P,
+def _label_scores(qr_ptr, labels_ptr, rows_ptr, lengths_ptr, held_ptr, out_ptr,
+                  stride_qb, stride_qh, stride_ln, stride_lh, span, P, margin,
                   HKV: tl.constexpr, HKV_PAD: tl.constexpr, RC: tl.constexpr, RC_PAD: tl.constexpr,
-                  S: tl.constexpr, BLOCK_P: tl.constexpr):
+                  S: tl.constexpr, BLOCK_P: tl.constexpr, HAS_HELD: tl.constexpr):
     """Page scores from a label cache: per request b, KV head and page, the largest
     qr . label_t over the page's written tokens (qr: the query summed over the KV head's
     query heads, in the label channels). Grid (B, cdiv(P, BLOCK_P)): a program takes a block
     of pages for every KV head at once, so that its tile [BLOCK_P * S, HKV, RC] is one
     contiguous run of the index (a token's labels of all heads sit side by side; one program
-    per head read every r-th run of bytes, each line of the index by Hkv / 4 programs)."""
+    per head read every r-th run of bytes, each line of the index by Hkv / 4 programs).
+    HAS_HELD: ``margin`` added to the pages held_ptr [B, Hkv, P] flags (Select's hysteresis)."""
     b = tl.program_id(0)
     row = tl.load(rows_ptr + b).to(tl.int64)
     n_tok = tl.load(lengths_ptr + row)
@@ -232,7 +233,10 @@ def _label_scores(qr_ptr, labels_ptr, rows_ptr, lengths_ptr, out_ptr,
     best = tl.max(tl.reshape(s, [BLOCK_P, S, HKV_PAD]), axis=1)  # [BLOCK_P, HKV_PAD]
     pages = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     at = (b.to(tl.int64) * HKV + offs_h[None, :]) * P + pages[:, None]
-    tl.store(out_ptr + at, best, mask=(pages < P)[:, None] & (offs_h < HKV)[None, :])
+    out_ok = (pages < P)[:, None] & (offs_h < HKV)[None, :]
+    if HAS_HELD:
+        best += tl.where(tl.load(held_ptr + at, mask=out_ok, other=0) != 0, margin, 0.0)
+    tl.store(out_ptr + at, best, mask=out_ok)
 
 
 @triton.jit

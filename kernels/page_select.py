@@ -279,8 +279,10 @@ def split_chunk(P: int, width: int) -> int:
 
 # ---- label-cache scores ------------------------------------------------------------------------
 
-def _check_labels(qr, labels, rows, lengths, span, num_pages, page_size):
+def _check_labels(qr, labels, rows, lengths, span, num_pages, page_size, held=None):
     B, hkv, rc = qr.shape
+    if held is not None and (held.shape != (B, hkv, num_pages) or held.dtype != torch.bool):
+        raise ValueError(f"held must be a bool [{B}, {hkv}, {num_pages}]; got {held.dtype} {tuple(held.shape)}")
     if labels.dim() != 3 or labels.shape[1:] != (hkv, rc):
         raise ValueError(f"labels must be [N, {hkv}, {rc}] like qr [B, Hkv, r]; got {tuple(labels.shape)}")
     if rows.shape != (B,) or lengths.dim() != 1:
@@ -291,14 +293,16 @@ def _check_labels(qr, labels, rows, lengths, span, num_pages, page_size):
         raise ValueError(f"page_size={page_size}: the label scorer needs a power of 2")
 
 
-def label_scores_ref(qr, labels, rows, lengths, span: int, num_pages: int, page_size: int) -> torch.Tensor:
+def label_scores_ref(qr, labels, rows, lengths, span: int, num_pages: int, page_size: int,
+                     held: torch.Tensor | None = None, margin: float = 0.0) -> torch.Tensor:
     """[B, Hkv, num_pages]: per page, the largest ``qr . labels[t]`` over its written tokens
-    (-inf for a page with none).
+    (-inf for a page with none), plus ``margin`` where ``held`` [B, Hkv, num_pages] (bool:
+    the pages the GPU buffer holds, Select's hysteresis) is set.
 
     qr [B, Hkv, r] (a query summed over its KV head's query heads, in the label channels);
     labels [N, Hkv, r] (row-major, ``span`` tokens per request row); rows [B]; lengths [R]
     tokens written per row."""
-    _check_labels(qr, labels, rows, lengths, span, num_pages, page_size)
+    _check_labels(qr, labels, rows, lengths, span, num_pages, page_size, held)
     n = num_pages * page_size
     # (A row's unwritten tokens are masked below; the padding row's, past the requests' rows,
     # would reach past the labels' last entry, its one token.)
@@ -306,7 +310,8 @@ def label_scores_ref(qr, labels, rows, lengths, span: int, num_pages: int, page_
     s = torch.einsum("bhr,bnhr->bhn", qr.float(), labels[at].float())  # [B, Hkv, n]
     written = torch.arange(n, device=qr.device) < lengths[rows][:, None]  # [B, n]
     s = s.masked_fill(~written[:, None, :], float("-inf"))
-    return s.view(*s.shape[:2], num_pages, page_size).amax(-1)
+    s = s.view(*s.shape[:2], num_pages, page_size).amax(-1)
+    return s if held is None else s + (held * margin).to(s.dtype)
 
 
 # Label values a scoring program reads: at Llama-3.1-8B's shapes (8 KV heads of r = 32) one
@@ -321,13 +326,15 @@ def label_block_pages(page_size: int, hkv: int, rc: int, tile_values: int = LABE
     return 1 << max(0, (tile_values // per_page).bit_length() - 1)
 
 
-def label_scores(qr, labels, rows, lengths, span: int, num_pages: int, page_size: int, *,
+def label_scores(qr, labels, rows, lengths, span: int, num_pages: int, page_size: int,
+                 held: torch.Tensor | None = None, margin: float = 0.0, *,
                  impl: str = "auto", tile_values: int = LABEL_TILE_VALUES, num_warps: int = 4) -> torch.Tensor:
     """Triton ``label_scores_ref``: one program per request and block of pages
-    (``label_block_pages``), every KV head's labels of the block read as one contiguous tile."""
+    (``label_block_pages``), every KV head's labels of the block read as one contiguous tile;
+    the hysteresis added in the same launch."""
     if resolve_impl(impl, qr.device) == "torch":
-        return label_scores_ref(qr, labels, rows, lengths, span, num_pages, page_size)
-    _check_labels(qr, labels, rows, lengths, span, num_pages, page_size)
+        return label_scores_ref(qr, labels, rows, lengths, span, num_pages, page_size, held, margin)
+    _check_labels(qr, labels, rows, lengths, span, num_pages, page_size, held)
     if qr.device.type != "cuda" and not interpreter_requested():
         raise ValueError("the Triton label scorer needs CUDA tensors (or TRITON_INTERPRET=1); use label_scores_ref")
     if labels.stride(2) != 1 or labels.stride(1) != labels.shape[2] or qr.stride(2) != 1:
@@ -338,9 +345,10 @@ def label_scores(qr, labels, rows, lengths, span: int, num_pages: int, page_size
         return out
     block_p = label_block_pages(page_size, hkv, rc, tile_values)
     _kernels()._label_scores[(B, -(-num_pages // block_p))](
-        qr, labels, rows, lengths, out, qr.stride(0), qr.stride(1), labels.stride(0), labels.stride(1),
-        span, num_pages, HKV=hkv, HKV_PAD=1 << max(0, (hkv - 1).bit_length()), RC=rc,
-        RC_PAD=1 << max(2, (rc - 1).bit_length()), S=page_size, BLOCK_P=block_p, num_warps=num_warps,
+        qr, labels, rows, lengths, out if held is None else held.contiguous(), out, qr.stride(0), qr.stride(1),
+        labels.stride(0), labels.stride(1), span, num_pages, float(margin), HKV=hkv,
+        HKV_PAD=1 << max(0, (hkv - 1).bit_length()), RC=rc, RC_PAD=1 << max(2, (rc - 1).bit_length()), S=page_size,
+        BLOCK_P=block_p, HAS_HELD=held is not None, num_warps=num_warps,
     )
     return out
 

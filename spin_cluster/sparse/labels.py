@@ -37,6 +37,7 @@ import torch
 
 from spin_cluster.kernels.page_select import label_append, label_scores
 from spin_cluster.sparse.contract import SparseAlgorithm, register
+from spin_cluster.sparse.select import select_pages
 from spin_cluster.sparse.sparq import weight_channels
 
 
@@ -100,7 +101,14 @@ class Labels(SparseAlgorithm):
         qs = q.float().view(B, self.num_kv_heads, H // self.num_kv_heads, D).sum(2)  # [B, Hkv, D]
         return qs.gather(2, self.channel_ids[layer][None].expand(B, -1, -1))
 
-    def score(self, layer, q, rows, num_pages):
-        # q: [B, H, D] -> [B, Hkv, num_pages]
+    def score(self, layer, q, rows, num_pages, held=None, margin=0.0):
+        # q: [B, H, D] -> [B, Hkv, num_pages]; ``margin`` added to the ``held`` pages
         return label_scores(self.query_labels(layer, q), self.labels[layer], rows, self.lengths, self.span, num_pages,
-                            self.page_size)
+                            self.page_size, held, margin)
+
+    def select_top(self, layer, q, rows, plan, held, margin, force=False):
+        # With the hysteresis on CUDA: its margin added in the scoring launch, then the top-k
+        # as the separate steps take it (two launches a layer fewer, the same pages).
+        if held is None or not (q.is_cuda or force):
+            return None
+        return select_pages(self.score(layer, q, rows, plan.max_pages, held, margin), False, plan, self.num_kv_heads)

@@ -76,8 +76,34 @@ def test_triton_scorer_equals_reference(S, rc, Hkv, dtype, tile):
         want = label_scores_ref(qr, labels, rows, lengths, span, num_pages, S)
         got = label_scores(qr, labels, rows, lengths, span, num_pages, S, impl="triton", tile_values=tile)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        held = torch.rand(B, Hkv, num_pages, generator=g) < 0.5  # the hysteresis, in the same launch
+        got = label_scores(qr, labels, rows, lengths, span, num_pages, S, held, 2.5, impl="triton", tile_values=tile)
+        torch.testing.assert_close(got, want + 2.5 * held, rtol=1e-5, atol=1e-5)
     empty = [p for p in range(2) if p * S >= 7]  # row 0 wrote 7 tokens: later pages hold none
     assert torch.isinf(want[1, :, empty]).all() and torch.isfinite(want[0, :, 0]).all()
+
+
+def test_select_top_takes_the_pages_of_the_separate_steps():
+    """``select_top`` (the margin in the scoring launch, forced on the CPU) against the scores,
+    the margin added and ``select_pages``: page for page, per-head budgets, a short row."""
+    from spin_cluster.sparse import SelectPlan, select_layer
+
+    g = torch.Generator().manual_seed(5)
+    alg = _labels(P=6, S=4, R=3)
+    alg.on_append(0, torch.tensor([0] * 24 + [2] * 13), torch.cat([torch.arange(24), torch.arange(13)]),
+                  torch.randn(37, 2, 8, generator=g))
+    q, rows = torch.randn(2, 4, 8, generator=g), torch.tensor([0, 2])
+    plan = SelectPlan(num_pages=torch.tensor([6, 4]), tail_len=torch.tensor([4, 1], dtype=torch.int32),
+                      sink_pages=1, local_pages=1, budget_pages=torch.tensor([[2, 1], [1, 3]]), max_pages=6,
+                      max_budget=3)
+    held = torch.rand(2, 2, 6, generator=g) < 0.5
+    with pytest.raises(ValueError, match="held must be"):
+        alg.score(0, q, rows, 6, held[..., :5], 1.0)
+    assert alg.select_top(0, q, rows, plan, held, 1.0) is None  # on the CPU: the separate steps
+    for margin in (0.0, 0.7, 50.0):
+        old = select_layer(alg, 0, q, rows, plan, held, margin, fused=False)
+        new = select_layer(alg, 0, q, rows, plan, held, margin, fused=True)
+        assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
 
 
 def test_scoring_blocks_hold_about_the_tile_in_whole_pages():
@@ -127,6 +153,41 @@ def test_triton_append_equals_reference_at_llama_shapes(dtype):
         label_append_ref(want, k, ids, slots)
         assert torch.equal(got.view(torch.uint8) if dtype == torch.float8_e4m3fn else got,
                            want.view(torch.uint8) if dtype == torch.float8_e4m3fn else want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("B", [1, 4])
+def test_select_top_equals_the_separate_steps_on_gpu(B):
+    """Llama-3.1-8B shapes at 32K, e4m3 labels, S-HPLB budgets, the margin: ``select_layer``
+    with the margin in the scoring launch and without, page for page, eager and in a graph."""
+    from spin_cluster.hplb.budget import synthetic_maxmin_budgets
+    from spin_cluster.sparse import SelectPlan, select_layer
+
+    dev = torch.device("cuda")
+    hkv, H, D, S, T = 8, 32, 128, 32, 32768
+    P = T // S
+    alg = get_algorithm("labels")(num_layers=1, num_kv_heads=hkv, head_dim=D, page_size=S, max_seqs=B,
+                                  max_pages_per_seq=P, device=dev, index_dtype="float8_e4m3fn")
+    g = torch.Generator(device=dev).manual_seed(2)
+    for b in range(B):
+        alg.on_append(0, torch.full((T,), b, device=dev), torch.arange(T, device=dev),
+                      torch.randn(T, hkv, D, device=dev, generator=g).to(torch.bfloat16))
+    q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16, generator=g)
+    rows = torch.arange(B, device=dev).flip(0)
+    budgets = -(-torch.tensor(synthetic_maxmin_budgets(B, hkv, 2048, S), device=dev) // S)
+    plan = SelectPlan(num_pages=torch.full((B,), P, device=dev), tail_len=torch.full((B,), S, dtype=torch.int32,
+                      device=dev), sink_pages=1, local_pages=2, budget_pages=budgets, max_pages=P,
+                      max_budget=int(budgets.max()))
+    held = torch.rand(B, hkv, P, device=dev, generator=g) < 0.2
+    old = select_layer(alg, 0, q, rows, plan, held, 0.5, fused=False)
+    new = select_layer(alg, 0, q, rows, plan, held, 0.5)
+    assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = select_layer(alg, 0, q, rows, plan, held, 0.5)
+    graph.replay()
+    assert torch.equal(out[0], old[0]) and torch.equal(out[1], old[1])
 
 
 def test_a_fraction_of_the_head_dim_picks_that_share_of_channels():
