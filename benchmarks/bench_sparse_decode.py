@@ -172,9 +172,10 @@ def main() -> None:
             if args.algorithm == "labels" and args.label_tiles:
                 from spin_cluster.kernels.page_select import LABEL_TILE_VALUES, label_append, label_scores
 
+                qr = alg.query_labels(0, q)
                 for tile in sorted({*args.label_tiles, LABEL_TILE_VALUES}):
-                    tiles[tile] = graph_us(lambda: label_scores(q, alg.channel_ids[0], alg.labels[0], rows, alg.lengths,
-                                                                alg.span, P, S, tile_values=tile))
+                    tiles[tile] = graph_us(lambda: label_scores(qr, alg.labels[0], rows, alg.lengths, alg.span, P, S,
+                                                                tile_values=tile))
                 k_new = torch.randn(B, 3 * Hkv, D, device=dev, dtype=dtype)[:, Hkv:2 * Hkv]  # a fused QKV's K
                 slots = rows * alg.span + T - 1
                 for impl in ("torch", "triton"):

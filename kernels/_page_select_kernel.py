@@ -204,15 +204,13 @@ def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL
 
 
 @triton.jit(do_not_specialize=["P"])
-def _label_scores(q_ptr, ids_ptr, labels_ptr, rows_ptr, lengths_ptr, held_ptr, out_ptr,
+def _label_scores(qr_ptr, labels_ptr, rows_ptr, lengths_ptr, held_ptr, out_ptr,
                   stride_qb, stride_qh, stride_ln, stride_lh, span, P, margin,
-                  HKV: tl.constexpr, HKV_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                  RC: tl.constexpr, RC_PAD: tl.constexpr, S: tl.constexpr, BLOCK_P: tl.constexpr,
-                  HAS_HELD: tl.constexpr):
+                  HKV: tl.constexpr, HKV_PAD: tl.constexpr, RC: tl.constexpr, RC_PAD: tl.constexpr,
+                  S: tl.constexpr, BLOCK_P: tl.constexpr, HAS_HELD: tl.constexpr):
     """Page scores from a label cache: per request b, KV head and page, the largest
-    qr . label_t over the page's written tokens (qr: the query summed over the KV head's G
-    query heads, in its label channels ids_ptr [Hkv, RC]; each program gathers it from q,
-    a few KiB from L2, where three torch ops a layer took ~8 us on an H100). Grid (B, cdiv(P, BLOCK_P)): a program takes a block
+    qr . label_t over the page's written tokens (qr: the query summed over the KV head's
+    query heads, in the label channels). Grid (B, cdiv(P, BLOCK_P)): a program takes a block
     of pages for every KV head at once, so that its tile [BLOCK_P * S, HKV, RC] is one
     contiguous run of the index (a token's labels of all heads sit side by side; one program
     per head read every r-th run of bytes, each line of the index by Hkv / 4 programs).
@@ -223,12 +221,8 @@ def _label_scores(q_ptr, ids_ptr, labels_ptr, rows_ptr, lengths_ptr, held_ptr, o
     offs_h = tl.arange(0, HKV_PAD)
     offs_c = tl.arange(0, RC_PAD)
     hc_ok = (offs_h < HKV)[:, None] & (offs_c < RC)[None, :]
-    ids = tl.load(ids_ptr + offs_h[:, None] * RC + offs_c[None, :], mask=hc_ok, other=0)  # [HKV_PAD, RC_PAD]
-    offs_g = tl.arange(0, G_PAD)
-    heads = offs_h[:, None, None] * G + offs_g[None, :, None]  # [HKV_PAD, G_PAD, 1] query heads
-    q_ok = hc_ok[:, None, :] & (offs_g < G)[None, :, None]
-    q = tl.sum(tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads * stride_qh + ids[:, None, :], mask=q_ok,
-                       other=0.0).to(tl.float32), axis=1)  # [HKV_PAD, RC_PAD]
+    q = tl.load(qr_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh + offs_c[None, :], mask=hc_ok,
+                other=0.0).to(tl.float32)  # [HKV_PAD, RC_PAD]
     tokens = tl.program_id(1) * (BLOCK_P * S) + tl.arange(0, BLOCK_P * S)  # [BLOCK_P * S]
     ok = (tokens < P * S) & (tokens < n_tok)
     ptrs = (labels_ptr + (row * span + tokens)[:, None, None] * stride_ln + offs_h[None, :, None] * stride_lh

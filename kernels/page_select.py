@@ -44,7 +44,7 @@ import torch
 from ._impl import resolve_impl
 from ._triton_support import interpreter_requested, load_kernel_module
 
-__all__ = ["label_append", "label_append_ref", "label_scores", "label_scores_ref", "query_labels", "page_scores", "page_scores_ref", "row_tiles", "select_ragged",
+__all__ = ["label_append", "label_append_ref", "label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "row_tiles", "select_ragged",
            "select_ragged_ref", "topk_ragged", "topk_ragged_ref"]
 
 # One program holds a whole row of page scores in registers.
@@ -279,14 +279,12 @@ def split_chunk(P: int, width: int) -> int:
 
 # ---- label-cache scores ------------------------------------------------------------------------
 
-def _check_labels(q, channel_ids, labels, rows, lengths, span, num_pages, page_size, held=None):
-    B, H, D = q.shape
-    hkv, rc = channel_ids.shape
-    if H % hkv or labels.dim() != 3 or labels.shape[1:] != (hkv, rc):
-        raise ValueError(f"q [B, H, D], channel_ids [Hkv, r] and labels [N, Hkv, r] disagree: {tuple(q.shape)}, "
-                         f"{tuple(channel_ids.shape)}, {tuple(labels.shape)}")
+def _check_labels(qr, labels, rows, lengths, span, num_pages, page_size, held=None):
+    B, hkv, rc = qr.shape
     if held is not None and (held.shape != (B, hkv, num_pages) or held.dtype != torch.bool):
         raise ValueError(f"held must be a bool [{B}, {hkv}, {num_pages}]; got {held.dtype} {tuple(held.shape)}")
+    if labels.dim() != 3 or labels.shape[1:] != (hkv, rc):
+        raise ValueError(f"labels must be [N, {hkv}, {rc}] like qr [B, Hkv, r]; got {tuple(labels.shape)}")
     if rows.shape != (B,) or lengths.dim() != 1:
         raise ValueError("rows must be [B] and lengths [R]")
     if num_pages * page_size > span:
@@ -295,30 +293,21 @@ def _check_labels(q, channel_ids, labels, rows, lengths, span, num_pages, page_s
         raise ValueError(f"page_size={page_size}: the label scorer needs a power of 2")
 
 
-def query_labels(q: torch.Tensor, channel_ids: torch.Tensor) -> torch.Tensor:
-    """q [B, H, D] -> qr [B, Hkv, r] float32: the query summed over each KV head's query heads,
-    in the head's label channels channel_ids [Hkv, r] (what its labels are scored against)."""
-    B, H, D = q.shape
-    hkv = channel_ids.shape[0]
-    return q.float().view(B, hkv, H // hkv, D).sum(2).gather(2, channel_ids[None].expand(B, -1, -1))
-
-
-def label_scores_ref(q, channel_ids, labels, rows, lengths, span: int, num_pages: int, page_size: int,
+def label_scores_ref(qr, labels, rows, lengths, span: int, num_pages: int, page_size: int,
                      held: torch.Tensor | None = None, margin: float = 0.0) -> torch.Tensor:
     """[B, Hkv, num_pages]: per page, the largest ``qr . labels[t]`` over its written tokens
     (-inf for a page with none), plus ``margin`` where ``held`` [B, Hkv, num_pages] (bool:
     the pages the GPU buffer holds, Select's hysteresis) is set.
 
-    q [B, H, D] and channel_ids [Hkv, r] give qr (``query_labels``); labels [N, Hkv, r]
-    (row-major, ``span`` tokens per request row); rows [B]; lengths [R] tokens written per
-    row."""
-    _check_labels(q, channel_ids, labels, rows, lengths, span, num_pages, page_size, held)
-    qr = query_labels(q, channel_ids)
+    qr [B, Hkv, r] (a query summed over its KV head's query heads, in the label channels);
+    labels [N, Hkv, r] (row-major, ``span`` tokens per request row); rows [B]; lengths [R]
+    tokens written per row."""
+    _check_labels(qr, labels, rows, lengths, span, num_pages, page_size, held)
     n = num_pages * page_size
     # (A row's unwritten tokens are masked below; the padding row's, past the requests' rows,
     # would reach past the labels' last entry, its one token.)
     at = (rows[:, None] * span + torch.arange(n, device=qr.device)).clamp_(max=labels.shape[0] - 1)  # [B, n]
-    s = torch.einsum("bhr,bnhr->bhn", qr, labels[at].float())  # [B, Hkv, n]
+    s = torch.einsum("bhr,bnhr->bhn", qr.float(), labels[at].float())  # [B, Hkv, n]
     written = torch.arange(n, device=qr.device) < lengths[rows][:, None]  # [B, n]
     s = s.masked_fill(~written[:, None, :], float("-inf"))
     s = s.view(*s.shape[:2], num_pages, page_size).amax(-1)
@@ -337,32 +326,29 @@ def label_block_pages(page_size: int, hkv: int, rc: int, tile_values: int = LABE
     return 1 << max(0, (tile_values // per_page).bit_length() - 1)
 
 
-def label_scores(q, channel_ids, labels, rows, lengths, span: int, num_pages: int, page_size: int,
+def label_scores(qr, labels, rows, lengths, span: int, num_pages: int, page_size: int,
                  held: torch.Tensor | None = None, margin: float = 0.0, *,
                  impl: str = "auto", tile_values: int = LABEL_TILE_VALUES, num_warps: int = 4) -> torch.Tensor:
-    """Triton ``label_scores_ref`` in one launch: one program per request and block of pages
-    (``label_block_pages``), every KV head's labels of the block read as one contiguous tile,
-    the query gathered and the hysteresis added in the same program."""
-    if resolve_impl(impl, q.device) == "torch":
-        return label_scores_ref(q, channel_ids, labels, rows, lengths, span, num_pages, page_size, held, margin)
-    _check_labels(q, channel_ids, labels, rows, lengths, span, num_pages, page_size, held)
-    if q.device.type != "cuda" and not interpreter_requested():
+    """Triton ``label_scores_ref``: one program per request and block of pages
+    (``label_block_pages``), every KV head's labels of the block read as one contiguous tile;
+    the hysteresis added in the same launch."""
+    if resolve_impl(impl, qr.device) == "torch":
+        return label_scores_ref(qr, labels, rows, lengths, span, num_pages, page_size, held, margin)
+    _check_labels(qr, labels, rows, lengths, span, num_pages, page_size, held)
+    if qr.device.type != "cuda" and not interpreter_requested():
         raise ValueError("the Triton label scorer needs CUDA tensors (or TRITON_INTERPRET=1); use label_scores_ref")
-    if labels.stride(2) != 1 or labels.stride(1) != labels.shape[2] or q.stride(2) != 1:
-        raise ValueError("labels must be contiguous in their last two dimensions, q in its last")
-    B, H, _ = q.shape
-    hkv, rc = channel_ids.shape
-    out = torch.empty(B, hkv, num_pages, dtype=torch.float32, device=q.device)
+    if labels.stride(2) != 1 or labels.stride(1) != labels.shape[2] or qr.stride(2) != 1:
+        raise ValueError("labels must be contiguous in their last two dimensions, qr in its last")
+    B, hkv, rc = qr.shape
+    out = torch.empty(B, hkv, num_pages, dtype=torch.float32, device=qr.device)
     if B == 0 or num_pages == 0:
         return out
     block_p = label_block_pages(page_size, hkv, rc, tile_values)
-    G = H // hkv
     _kernels()._label_scores[(B, -(-num_pages // block_p))](
-        q, channel_ids.contiguous(), labels, rows, lengths, out if held is None else held.contiguous(), out,
-        q.stride(0), q.stride(1), labels.stride(0), labels.stride(1), span, num_pages, float(margin), HKV=hkv,
-        HKV_PAD=1 << max(0, (hkv - 1).bit_length()), G=G, G_PAD=1 << max(0, (G - 1).bit_length()), RC=rc,
-        RC_PAD=1 << max(2, (rc - 1).bit_length()), S=page_size, BLOCK_P=block_p, HAS_HELD=held is not None,
-        num_warps=num_warps,
+        qr, labels, rows, lengths, out if held is None else held.contiguous(), out, qr.stride(0), qr.stride(1),
+        labels.stride(0), labels.stride(1), span, num_pages, float(margin), HKV=hkv,
+        HKV_PAD=1 << max(0, (hkv - 1).bit_length()), RC=rc, RC_PAD=1 << max(2, (rc - 1).bit_length()), S=page_size,
+        BLOCK_P=block_p, HAS_HELD=held is not None, num_warps=num_warps,
     )
     return out
 

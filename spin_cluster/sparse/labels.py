@@ -26,8 +26,8 @@ the cache's padding row, row R, ``OffloadedKVManager.padding_row``); ``lengths``
 written per row, updated once per step in ``plan_append``. On CUDA a layer's labels are
 written in one Triton launch (``kernels.page_select.label_append``) and scored in one
 (``label_scores``: a program per request and page for all KV heads, so that it reads the
-index in contiguous runs, with the query's channels gathered and the hysteresis added in the
-same program); every op is fixed-shape, so decode steps run in CUDA graphs.
+index in contiguous runs, with the hysteresis added in the same program); every op is
+fixed-shape, so decode steps run in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -95,9 +95,18 @@ class Labels(SparseAlgorithm):
         # k: [T, Hkv, D] -> its labels [T, Hkv, r] at rows ``plan`` (one launch on CUDA)
         label_append(self.labels[layer], k, self.channel_ids[layer], plan)
 
+    def query_labels(self, layer, q):
+        """q [B, H, D] -> [B, Hkv, r]: the query summed over each KV head's query heads, in the
+        head's label channels (what a label is scored against). Two launches; not in the
+        scoring kernel: gathered there by each of its programs (a request's pages), it took
+        the scorer from 48.3 to 116.8 us a layer at 4 x 128K on an H100 (``docs/performance.md``)."""
+        B, H, D = q.shape
+        qs = q.view(B, self.num_kv_heads, H // self.num_kv_heads, D).sum(2, dtype=torch.float32)  # [B, Hkv, D]
+        return qs.gather(2, self.channel_ids[layer][None].expand(B, -1, -1))
+
     def score(self, layer, q, rows, num_pages, held=None, margin=0.0):
         # q: [B, H, D] -> [B, Hkv, num_pages]; ``margin`` added to the ``held`` pages
-        return label_scores(q, self.channel_ids[layer], self.labels[layer], rows, self.lengths, self.span, num_pages,
+        return label_scores(self.query_labels(layer, q), self.labels[layer], rows, self.lengths, self.span, num_pages,
                             self.page_size, held, margin)
 
     def select_top(self, layer, q, rows, plan, held, margin, force=False):

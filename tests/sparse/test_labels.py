@@ -69,18 +69,15 @@ def test_triton_scorer_equals_reference(S, rc, Hkv, dtype, tile):
     B, R, P = 3, 4, 5
     span = P * S
     labels = torch.randn(R * span + 1, Hkv, rc, generator=g).to(dtype)
-    D = rc + 3  # the query's head dim, r of its channels chosen per KV head; 2 query heads a KV head
-    q = torch.randn(B, 2 * Hkv, D, generator=g)
-    ids = torch.stack([torch.randperm(D, generator=g)[:rc] for _ in range(Hkv)])
+    qr = torch.randn(B, Hkv, rc, generator=g)
     rows = torch.tensor([2, 0, 3])
     lengths = torch.tensor([7, span, 1, 3 * S + 1, 0])  # rows 0..3 and the dump row
     for num_pages in (P, 2):
-        want = label_scores_ref(q, ids, labels, rows, lengths, span, num_pages, S)
-        got = label_scores(q, ids, labels, rows, lengths, span, num_pages, S, impl="triton", tile_values=tile)
+        want = label_scores_ref(qr, labels, rows, lengths, span, num_pages, S)
+        got = label_scores(qr, labels, rows, lengths, span, num_pages, S, impl="triton", tile_values=tile)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         held = torch.rand(B, Hkv, num_pages, generator=g) < 0.5  # the hysteresis, in the same launch
-        got = label_scores(q, ids, labels, rows, lengths, span, num_pages, S, held, 2.5, impl="triton",
-                           tile_values=tile)
+        got = label_scores(qr, labels, rows, lengths, span, num_pages, S, held, 2.5, impl="triton", tile_values=tile)
         torch.testing.assert_close(got, want + 2.5 * held, rtol=1e-5, atol=1e-5)
     empty = [p for p in range(2) if p * S >= 7]  # row 0 wrote 7 tokens: later pages hold none
     assert torch.isinf(want[1, :, empty]).all() and torch.isfinite(want[0, :, 0]).all()
@@ -132,12 +129,11 @@ def test_triton_scorer_equals_reference_at_llama_shapes(rc, S, P, dtype):
     B, Hkv = 4, 8
     span = P * S
     labels = torch.randn(B * span + 1, Hkv, rc, generator=g).to(dtype).cuda()
-    q = torch.randn(B, 4 * Hkv, 128, generator=g).to(torch.bfloat16).cuda()
-    ids = torch.stack([torch.randperm(128, generator=g)[:rc] for _ in range(Hkv)]).cuda()
+    qr = torch.randn(B, Hkv, rc, generator=g).cuda()
     rows = torch.tensor([3, 1, 0, 2]).cuda()
     lengths = torch.tensor([span, span - 5, 100, 7 * S, 0]).cuda()
-    got = label_scores(q, ids, labels, rows, lengths, span, P, S, impl="triton")
-    torch.testing.assert_close(got, label_scores_ref(q, ids, labels, rows, lengths, span, P, S), rtol=1e-4, atol=1e-3)
+    got = label_scores(qr, labels, rows, lengths, span, P, S, impl="triton")
+    torch.testing.assert_close(got, label_scores_ref(qr, labels, rows, lengths, span, P, S), rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.gpu
