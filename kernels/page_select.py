@@ -42,14 +42,14 @@ from __future__ import annotations
 import torch
 
 from ._impl import resolve_impl
-from ._triton_support import interpreter_requested, load_kernel_module
+from ._triton_support import interpreter_requested, load_kernel_module, next_pow2
+from .fp8_pages import FP8_MAX
 
 __all__ = ["label_append", "label_append_ref", "label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "row_tiles", "select_ragged",
            "select_ragged_ref", "topk_ragged", "topk_ragged_ref"]
 
 # One program holds a whole row of page scores in registers.
 MAX_ROW_PAGES = 16384
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # e4m3's largest value, 448
 
 
 def _check_scores(q, kmin, kmax, pages):
@@ -322,7 +322,7 @@ LABEL_TILE_VALUES = 8192
 def label_block_pages(page_size: int, hkv: int, rc: int, tile_values: int = LABEL_TILE_VALUES) -> int:
     """Pages one scoring program takes: a power of two, about ``tile_values`` label values
     (every KV head's r of each token), at least one page."""
-    per_page = page_size * (1 << max(0, (hkv - 1).bit_length())) * (1 << max(2, (rc - 1).bit_length()))
+    per_page = page_size * next_pow2(hkv) * max(4, next_pow2(rc))
     return 1 << max(0, (tile_values // per_page).bit_length() - 1)
 
 
@@ -347,7 +347,7 @@ def label_scores(qr, labels, rows, lengths, span: int, num_pages: int, page_size
     _kernels()._label_scores[(B, -(-num_pages // block_p))](
         qr, labels, rows, lengths, out if held is None else held.contiguous(), out, qr.stride(0), qr.stride(1),
         labels.stride(0), labels.stride(1), span, num_pages, float(margin), HKV=hkv,
-        HKV_PAD=1 << max(0, (hkv - 1).bit_length()), RC=rc, RC_PAD=1 << max(2, (rc - 1).bit_length()), S=page_size,
+        HKV_PAD=next_pow2(hkv), RC=rc, RC_PAD=max(4, next_pow2(rc)), S=page_size,
         BLOCK_P=block_p, HAS_HELD=held is not None, num_warps=num_warps,
     )
     return out
@@ -378,8 +378,7 @@ def label_append(labels: torch.Tensor, k: torch.Tensor, channel_ids: torch.Tenso
     fp8 = labels.dtype == torch.float8_e4m3fn
     _kernels()._label_append[(k.shape[0],)](
         k, channel_ids, slots, labels.view(torch.uint8) if fp8 else labels, k.stride(0), k.stride(1),
-        labels.stride(0), labels.stride(1), HKV=hkv, HKV_PAD=1 << max(0, (hkv - 1).bit_length()), RC=rc,
-        RC_PAD=1 << max(0, (rc - 1).bit_length()), FP8=fp8,
+        labels.stride(0), labels.stride(1), HKV=hkv, HKV_PAD=next_pow2(hkv), RC=rc, RC_PAD=next_pow2(rc), FP8=fp8,
     )
 
 
