@@ -49,11 +49,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--quest", nargs="*", metavar="BxCONTEXT",
                     help="time Quest's Select per step, old against fused, at these shapes (e.g. 4x131072)")
-    ap.add_argument("--coarse", nargs="*", default=["16:4", "16:2"], metavar="GP:FACTOR[:TILE:WARPS[:SPLIT[:GROUPS]]]",
+    ap.add_argument("--coarse", nargs="*", default=["16:4", "16:2"], metavar="GP:FACTOR[:TILE:WARPS[:SPLIT[:GROUPS[:WARPS1]]]]",
                     help="--quest: also the two-level Select (kernels/coarse_select.py) at these groups of pages "
                          "and candidate factors (and loop tiles and warps a program; SPLIT 1: the spread launches, "
-                         "TILE candidates and GROUPS groups a program, WARPS the second launch's and half the "
-                         "first's), timed and its recall of Quest's pages reported")
+                         "TILE candidates and GROUPS groups a program, WARPS the second launch's and WARPS1 the "
+                         "first's, by default half of WARPS and at least 4), timed and its recall of Quest's pages reported")
     ap.add_argument("--layers", type=int, default=32, help="--quest: layers per step")
     ap.add_argument("--chunks", type=int, nargs="*", default=[],
                     help="--quest: also time the fused Select with these pages per pass-1 program (default: select_chunk's)")
@@ -136,6 +136,7 @@ def quest_steps(args) -> dict:
             gp, factor, *launch = map(int, spec.split(":"))
             split = len(launch) > 2 and bool(launch[2])
             groups = launch[3] if len(launch) > 3 else cs._SPREAD_GROUPS
+            warps1 = launch[4] if len(launch) > 4 else None
             launch = launch[:2]
             alg = get_algorithm("quest")(num_layers=L, num_kv_heads=hkv, head_dim=D, page_size=S, max_seqs=B,
                                          max_pages_per_seq=P, device=dev, index_dtype="bfloat16",
@@ -150,7 +151,7 @@ def quest_steps(args) -> dict:
             # the kernel's own unless named; split: TILE is the candidates a program scores,
             # WARPS the second launch's warps (half for the first), GROUPS the groups a program
             coarse[spec] = (alg, (*(launch or ([cs._SPREAD_PAGES, cs._SPREAD_WARPS[1]] if split else
-                                               [cs._TILE, cs._WARPS])), groups))
+                                               [cs._TILE, cs._WARPS])), groups, warps1))
         q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16, generator=g)
         rows = torch.arange(B, device=dev)
         held = torch.rand(B, hkv, P, device=dev, generator=g) < 0.1
@@ -199,9 +200,10 @@ def coarse_step(alg, launch, q, rows, plans, held, margin):
     from spin_cluster.kernels import coarse_select as cs
     from spin_cluster.sparse import select_layer
 
-    tile, warps, groups = launch
+    tile, warps, groups, warps1 = launch
     if alg.coarse_split:
-        cs._SPREAD_PAGES, cs._SPREAD_WARPS, cs._SPREAD_GROUPS = tile, (max(4, warps // 2), warps), groups
+        first = max(4, warps // 2) if warps1 is None else warps1
+        cs._SPREAD_PAGES, cs._SPREAD_WARPS, cs._SPREAD_GROUPS = tile, (first, warps), groups
     else:
         cs._TILE, cs._WARPS = tile, warps
     return [select_layer(alg, i, q, rows, p, held, margin) for i, p in enumerate(plans)]

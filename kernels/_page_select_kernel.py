@@ -67,67 +67,94 @@ def _sortable(x):
 
 
 @triton.jit
-def _digit_at(hist, bins, need):
-    """One radix digit of a threshold: the largest bin d of the histogram with at least
-    ``need`` keys at or above it, and what is still needed once the keys above bin d are
-    taken: (d, need - keys in bins > d)."""
-    at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with a digit >= the bin's
-    d = tl.max(tl.where(at_least >= need, bins, 0), 0)
-    return d, need - tl.sum(tl.where(bins > d, hist, 0), 0)
+def _bit_length(x):
+    """Bits of x, an int64 in [0, 2^52): 0 for 0, else floor(log2(x)) + 1 (the exponent of
+    x as a float64, which holds it exactly)."""
+    e = (x.to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 2047
+    return tl.where(x > 0, e - 1022, 0).to(tl.int32)
 
 
 @triton.jit
-def _digit_hist(ukey, valid, prefix, shift, P_PAD: tl.constexpr):
-    """[256] histogram of digit ``shift`` of the valid keys of a tile of P_PAD that match the
-    digits found so far (``prefix`` above ``shift``)."""
-    cand = valid & ((ukey >> (shift + 8)) == (prefix >> (shift + 8)))
-    digit = tl.where(cand, (ukey >> shift) & 255, 0).to(tl.int32)
-    n_cand = tl.sum(cand.to(tl.int32), 0)
-    return tl.histogram(digit, 256) - tl.where(tl.arange(0, 256) == 0, P_PAD - n_cand, 0)  # candidates only
+def _digit_hist(ukey, valid, prefix, shift, upper):
+    """[256] histogram of bits [shift, upper) (at most 8) of the valid keys whose bits from
+    ``upper`` up match ``prefix``'s (the digits found so far)."""
+    cand = valid & ((ukey >> upper) == (prefix >> upper))
+    digit = ((ukey >> shift) & ((1 << (upper - shift)) - 1)).to(tl.int32)
+    return tl.histogram(digit, 256, mask=cand)
 
 
 @triton.jit
 def _take_top(x, valid, budget, P_PAD: tl.constexpr):
-    """Mask of the ``budget`` largest valid entries of the row ``x`` (ties: lowest index).
-
-    The threshold comes from a radix select: the largest key t with at least ``budget`` valid
-    keys >= t, found in passes of 8 bits from the most significant, each a 256-bin histogram
-    of the keys that match the digits found so far (no sort; a bisection needs 33 counting
-    passes). The passes stop once the digit's bin is taken whole (``_radix_cut``)."""
+    """Mask of the ``budget`` largest valid entries of the row ``x`` (ties: lowest index;
+    budget at most the valid entries). The threshold is a radix select (``_radix_cut``)."""
     key = _sortable(x) + 2147483648  # [0, 2^32), same order
-    top, shift = _radix_cut(key, valid, key, valid, budget, P_PAD, P_PAD, False)
+    top, shift, need = _radix_cut(key, valid, key, valid, budget, P_PAD, P_PAD, False)
     above = valid & ((key >> shift) > top)
-    n_above = tl.sum(above.to(tl.int32), 0)
     equal = valid & ((key >> shift) == top)
     eq_rank = tl.cumsum(equal.to(tl.int32), 0)  # 1-based among ties, lowest index first
-    return (above | (equal & (eq_rank <= budget - n_above))) & (budget > 0)
+    return (above | (equal & (eq_rank <= need))) & (budget > 0)
+
+
+@triton.jit
+def _span(hi_a, lo_a, n_a, hi_b, lo_b, n_b):
+    """Combine of (largest key, smallest key, count)."""
+    return tl.maximum(hi_a, hi_b), tl.minimum(lo_a, lo_b), n_a + n_b
+
+
+@triton.jit
+def _last_bin(d_a, at_a, in_a, d_b, at_b, in_b):
+    """Combine keeping the larger bin index with its two counts."""
+    b = d_b > d_a
+    return tl.where(b, d_b, d_a), tl.where(b, at_b, at_a), tl.where(b, in_b, in_a)
 
 
 @triton.jit
 def _radix_cut(u1, v1, u2, v2, budget, P1: tl.constexpr, P2: tl.constexpr, TWO: tl.constexpr):
-    """(top, shift): the ``budget`` largest valid keys of u1 (and of u2 when TWO; uint32
-    values held as int64) are those with ``u >> shift`` above ``top``, then the lowest-index
-    ones equal to it. Radix passes of 8 bits from the most significant; after a pass whose
-    digit's bin is needed whole (the keys above it and all of it make exactly ``budget``),
-    the keys' upper bits already split them and the later passes are skipped: scores are
-    spread floats, so two passes (sign, exponent and 7 mantissa bits) mostly do, not four
-    (a 10% faster two-level Select with S-HPLB budgets on an H100, ``docs/performance.md``)."""
+    """(top, shift, need): the ``budget`` largest valid keys of u1 (and of u2 when TWO; uint32
+    values held as int64) are those with ``u >> shift`` above ``top`` and the ``need``
+    lowest-index ones equal to it (need = budget - the keys above).
+
+    A radix select, no sort (a bisection needs 33 counting passes): passes of up to 8 bits
+    from the most significant, each a 256-bin histogram of the keys that match the digits found
+    so far, and the largest digit d with at least ``need`` keys at or above it. Two things keep
+    the passes few, as one program ranks a row and each block-wide reduction is a barrier on
+    the step's latency path:
+      * the first pass starts at the highest bit where the valid keys differ (their largest
+        and smallest keys tell it): the bits above it are the same in every key. Scores of
+        one sign and a few octaves share their sign and upper exponent bits, which a pass
+        from bit 31 spent a whole pass on.
+      * the passes stop once bin d is needed whole (the keys above it and all of it make
+        exactly ``budget``): spread scores are split after two passes, mostly.
+    A pass costs a histogram, a scan and one reduction: the keys at or above each bin come
+    from the scan and the count the last pass left (bin d's), and d with its two counts from
+    one reduction of three operands (``_last_bin``), as the keys' span and count before the
+    passes (``_span``)."""
     bins = tl.arange(0, 256)
-    prefix = tl.full((), 0, tl.int64)
+    hi, lo, total = tl.reduce((tl.where(v1, u1, 0), tl.where(v1, u1, 4294967295), v1.to(tl.int32)), 0, _span)
+    if TWO:
+        hi2, lo2, total2 = tl.reduce((tl.where(v2, u2, 0), tl.where(v2, u2, 4294967295), v2.to(tl.int32)), 0, _span)
+        hi, lo, total = _span(hi, lo, total, hi2, lo2, total2)
+    upper = _bit_length(hi ^ lo)  # bits from here up: the same in every valid key
+    prefix = (hi >> upper) << upper
+    shift = upper
     need = budget
-    shift = tl.full((), 24, tl.int32)
-    done = tl.full((), 0, tl.int1)
-    while (shift >= 0) & (~done):
-        hist = _digit_hist(u1, v1, prefix, shift, P1)
+    done = upper == 0  # every valid key the same (or none): the ties decide
+    while ~done:
+        shift = tl.maximum(upper - 8, 0)
+        hist = _digit_hist(u1, v1, prefix, shift, upper)
         if TWO:
-            hist += _digit_hist(u2, v2, prefix, shift, P2)
-        d, rest = _digit_at(hist, bins, need)
+            hist += _digit_hist(u2, v2, prefix, shift, upper)
+        at_least = total - tl.cumsum(hist, 0) + hist  # candidates with a digit >= the bin's
+        # d: the last bin with at_least >= need (bin 0 if none), with its two counts
+        d, at_d, in_d = tl.reduce((tl.where((at_least >= need) | (bins == 0), bins, -1), at_least, hist), 0,
+                                  _last_bin)
+        rest = need - (at_d - in_d)  # what bin d must still give
         prefix = prefix | (d.to(tl.int64) << shift)
-        done = rest == tl.sum(tl.where(bins == d, hist, 0), 0)
+        done = (rest == in_d) | (shift == 0)
         need = rest
-        shift -= 8
-    shift += 8
-    return prefix >> shift, shift
+        total = in_d
+        upper = shift
+    return prefix >> shift, shift, need
 
 
 @triton.jit(do_not_specialize=["P", "K"])
@@ -151,15 +178,13 @@ def _take_top2(x1, v1, x2, v2, budget, P1: tl.constexpr, P2: tl.constexpr):
     lowest index (every key of x1 before every key of x2)."""
     u1 = _sortable(x1) + 2147483648
     u2 = _sortable(x2) + 2147483648
-    top, shift = _radix_cut(u1, v1, u2, v2, budget, P1, P2, True)
+    top, shift, room = _radix_cut(u1, v1, u2, v2, budget, P1, P2, True)
     above1 = v1 & ((u1 >> shift) > top)
     above2 = v2 & ((u2 >> shift) > top)
-    n_above = tl.sum(above1.to(tl.int32), 0) + tl.sum(above2.to(tl.int32), 0)
     eq1 = v1 & ((u1 >> shift) == top)
     eq2 = v2 & ((u2 >> shift) == top)
     r1 = tl.cumsum(eq1.to(tl.int32), 0)
     r2 = tl.sum(eq1.to(tl.int32), 0) + tl.cumsum(eq2.to(tl.int32), 0)
-    room = budget - n_above
     return ((above1 | (eq1 & (r1 <= room))) & (budget > 0)), ((above2 | (eq2 & (r2 <= room))) & (budget > 0))
 
 

@@ -92,6 +92,31 @@ def test_a_threshold_the_first_bytes_settle_skips_the_later_passes(P):
     assert torch.equal(want, ref_want) and torch.equal(count, ref_count)
 
 
+@pytest.mark.parametrize("P", [64, 70])
+def test_the_first_pass_starts_where_the_keys_differ(P):
+    """The radix starts at the highest bit where a row's valid keys differ: rows of one sign
+    within an octave or a few (the window starts mid-exponent), keys that differ only in
+    their last bits (a last pass narrower than 8 bits), every key equal (no pass: the ties
+    decide), one valid key, and -inf pages around them. In one tile and in two."""
+    g = torch.Generator().manual_seed(P)
+    scores = torch.full((3, 2, P), float("-inf"))
+    scores[0, 0] = 50 + 350 * torch.rand(P, generator=g)  # one sign, three octaves
+    scores[0, 1] = 1.5 + 0.1 * torch.rand(P, generator=g)  # within one octave
+    ulp = torch.randint(0, 5, (P,), generator=g, dtype=torch.int32)
+    scores[1, 0] = (torch.tensor(1.0).view(torch.int32) + ulp).view(torch.float32)  # last 3 bits only
+    scores[1, 1, ::3] = 2.5  # every valid key equal, -inf between them
+    scores[2, 0, 7] = -3.0  # one valid key
+    scores[2, 1] = -(1 + torch.rand(P, generator=g))  # negative, one octave
+    scores[2, 1, 20:30] = -1.25  # a tie the budget may cut
+    budgets = torch.tensor([[9, 30], [17, 8], [1, 14]])
+    k = P - 2
+    assert torch.equal(topk_ragged(scores, budgets, k, impl="triton"), topk_ragged_ref(scores, budgets, k))
+    num_pages = torch.tensor([P, P - 3, P])
+    want, count = select_ragged(scores, num_pages, 1, 2, budgets, P, impl="triton")
+    ref_want, ref_count = select_ragged_ref(scores, num_pages, 1, 2, budgets, P)
+    assert torch.equal(want, ref_want) and torch.equal(count, ref_count)
+
+
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="budgets"):
         topk_ragged_ref(torch.zeros(2, 3, 4), torch.zeros(2, 2), 2)
