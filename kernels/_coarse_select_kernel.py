@@ -141,7 +141,7 @@ def _write_top(cs_ptr, ci_ptr, want_ptr, count_ptr, row, nc, n, s_end, l_start, 
         keep = _take_top(x, valid, take, C_PAD)
         pos = s_end + tl.cumsum(keep.to(tl.int32), 0) - 1
         tl.store(want_ptr + row * W + pos, pg.to(tl.int64), mask=keep & (pos < W))
-        kept = tl.sum(keep.to(tl.int32), 0)
+        kept = take  # the radix select keeps exactly take
     else:
         c2 = C_PAD + tl.arange(0, C_TAIL)
         x2 = tl.load(cs_ptr + row * C + c2, mask=c2 < nc, other=float("-inf"), cache_modifier=".cg")
@@ -154,7 +154,7 @@ def _write_top(cs_ptr, ci_ptr, want_ptr, count_ptr, row, nc, n, s_end, l_start, 
         kept = tl.sum(keep.to(tl.int32), 0)
         pos2 = s_end + kept + tl.cumsum(keep2.to(tl.int32), 0) - 1
         tl.store(want_ptr + row * W + pos2, pg2.to(tl.int64), mask=keep2 & (pos2 < W))
-        kept += tl.sum(keep2.to(tl.int32), 0)
+        kept = take
     e = tl.arange(0, E_PAD)
     tl.store(want_ptr + row * W + e, e.to(tl.int64), mask=(e < s_end) & (e < W))
     lp = l_start + e

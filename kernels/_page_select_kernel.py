@@ -198,6 +198,8 @@ def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL
     n = tl.load(n_ptr + row // HKV)
     in_ctx = offs < n
     edge = in_ctx & ((offs < SINK) | (offs >= n - LOCAL))  # sink and local pages
+    s_end, l_start = _edges(n, SINK, LOCAL)
+    n_edge = s_end + n - l_start
     x = tl.load(s_ptr + row * P + offs, mask=offs < P, other=float("-inf"))
     valid = in_ctx & ~edge & (x > float("-inf"))
     if TAIL == 0:
@@ -205,7 +207,7 @@ def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL
         keep = edge | _take_top(x, valid, budget, P_PAD)
         pos = tl.cumsum(keep.to(tl.int32), 0) - 1  # ascending page order
         tl.store(want_ptr + row * W + pos, offs.to(tl.int64), mask=keep & (pos < W))
-        count = tl.sum(keep.to(tl.int32), 0)
+        count = n_edge + tl.maximum(budget, 0)  # the radix select keeps exactly budget
     else:
         offs2 = P_PAD + tl.arange(0, TAIL)
         in_ctx2 = offs2 < n
@@ -222,7 +224,7 @@ def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL
         kept = tl.sum(keep.to(tl.int32), 0)
         pos2 = kept + tl.cumsum(keep2.to(tl.int32), 0) - 1
         tl.store(want_ptr + row * W + pos2, offs2.to(tl.int64), mask=keep2 & (pos2 < W))
-        count = kept + tl.sum(keep2.to(tl.int32), 0)
+        count = n_edge + tl.maximum(budget, 0)
     offs_w = tl.arange(0, W_PAD)
     tl.store(want_ptr + row * W + offs_w, tl.full((W_PAD,), -1, tl.int64), mask=(offs_w >= count) & (offs_w < W))
     tl.store(count_ptr + row, count.to(tl.int64))
