@@ -101,8 +101,7 @@ def _keep_groups(gs_ptr, kg_ptr, row, PG, C, budget, FACTOR, GP: tl.constexpr, P
     gsc = tl.load(gs_ptr + row * PG + g, mask=g < PG, other=float("-inf"), cache_modifier=".cg")
     g_valid = (g < PG) & (gsc > float("-inf"))
     m = tl.minimum(tl.minimum((budget * FACTOR + GP - 1) // GP, tl.sum(g_valid.to(tl.int32), 0)), C // GP)
-    keep_g = _take_top(gsc, g_valid, m, PG_PAD)
-    at = tl.cumsum(keep_g.to(tl.int32), 0) - 1
+    keep_g, at = _take_top(gsc, g_valid, m, g < 0, PG_PAD)
     tl.store(kg_ptr + row * PG + at, g, mask=keep_g)
     return m
 
@@ -138,8 +137,8 @@ def _write_top(cs_ptr, ci_ptr, want_ptr, count_ptr, row, nc, n, s_end, l_start, 
     valid = (c < nc) & (x > float("-inf"))
     if C_TAIL == 0:
         take = tl.minimum(budget, tl.sum(valid.to(tl.int32), 0))
-        keep = _take_top(x, valid, take, C_PAD)
-        pos = s_end + tl.cumsum(keep.to(tl.int32), 0) - 1
+        keep, pos = _take_top(x, valid, take, c < 0, C_PAD)
+        pos += s_end
         tl.store(want_ptr + row * W + pos, pg.to(tl.int64), mask=keep & (pos < W))
         kept = take  # the radix select keeps exactly take
     else:
@@ -148,11 +147,10 @@ def _write_top(cs_ptr, ci_ptr, want_ptr, count_ptr, row, nc, n, s_end, l_start, 
         pg2 = tl.load(ci_ptr + row * C + c2, mask=c2 < nc, other=0, cache_modifier=".cg")
         valid2 = (c2 < nc) & (x2 > float("-inf"))
         take = tl.minimum(budget, tl.sum(valid.to(tl.int32), 0) + tl.sum(valid2.to(tl.int32), 0))
-        keep, keep2 = _take_top2(x, valid, x2, valid2, take, C_PAD, C_TAIL)
-        pos = s_end + tl.cumsum(keep.to(tl.int32), 0) - 1
+        keep, pos, keep2, pos2 = _take_top2(x, valid, c < 0, x2, valid2, c2 < 0, take, C_PAD, C_TAIL)
+        pos += s_end
+        pos2 += s_end
         tl.store(want_ptr + row * W + pos, pg.to(tl.int64), mask=keep & (pos < W))
-        kept = tl.sum(keep.to(tl.int32), 0)
-        pos2 = s_end + kept + tl.cumsum(keep2.to(tl.int32), 0) - 1
         tl.store(want_ptr + row * W + pos2, pg2.to(tl.int64), mask=keep2 & (pos2 < W))
         kept = take
     e = tl.arange(0, E_PAD)

@@ -61,9 +61,10 @@ def _box_scores(lo, hi, qsum, qabs):
 
 @triton.jit
 def _sortable(x):
-    """float32 -> int64 key with the same order (finite values and +-inf)."""
+    """float32 -> uint32 key with the same order (finite values and +-inf): 32-bit keys, as
+    the radix passes' per-key shifts and compares cost twice as much on int64."""
     bits = x.to(tl.int32, bitcast=True)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.uint32, bitcast=True) ^ 0x80000000
 
 
 @triton.jit
@@ -77,22 +78,56 @@ def _bit_length(x):
 @triton.jit
 def _digit_hist(ukey, valid, prefix, shift, upper):
     """[256] histogram of bits [shift, upper) (at most 8) of the valid keys whose bits from
-    ``upper`` up match ``prefix``'s (the digits found so far)."""
-    cand = valid & ((ukey >> upper) == (prefix >> upper))
-    digit = ((ukey >> shift) & ((1 << (upper - shift)) - 1)).to(tl.int32)
+    ``upper`` up (upper <= 32; prefix an int64) match ``prefix``'s: the digits found so far."""
+    high = ((tl.full((), 4294967295, tl.int64) >> upper) << upper).to(tl.uint32)  # no 32-bit shift by 32
+    cand = valid & ((ukey & high) == prefix.to(tl.uint32))
+    digit = ((ukey >> shift.to(tl.uint32)) & ((1 << (upper - shift)) - 1).to(tl.uint32)).to(tl.int32)
     return tl.histogram(digit, 256, mask=cand)
 
 
 @triton.jit
-def _take_top(x, valid, budget, P_PAD: tl.constexpr):
-    """Mask of the ``budget`` largest valid entries of the row ``x`` (ties: lowest index;
-    budget at most the valid entries). The threshold is a radix select (``_radix_cut``)."""
-    key = _sortable(x) + 2147483648  # [0, 2^32), same order
+def _take_top(x, valid, budget, always, P_PAD: tl.constexpr):
+    """(keep, pos) over a row x [P_PAD]: keep = ``always`` (entries that are not valid ones,
+    e.g. the sink and local pages) and the ``budget`` largest valid entries (ties: lowest
+    index; budget at most the valid entries); pos = a kept entry's place among the kept, in
+    index order (0-based). The threshold is a radix select (``_radix_cut``), the places one
+    scan (``_places``)."""
+    key = _sortable(x)
     top, shift, need = _radix_cut(key, valid, key, valid, budget, P_PAD, P_PAD, False)
-    above = valid & ((key >> shift) > top)
-    equal = valid & ((key >> shift) == top)
-    eq_rank = tl.cumsum(equal.to(tl.int32), 0)  # 1-based among ties, lowest index first
-    return (above | (equal & (eq_rank <= need))) & (budget > 0)
+    keep, pos, _ = _places(key, valid, always, top, shift, need, budget, 0)
+    return keep, pos
+
+
+@triton.jit
+def _take_top2(x1, v1, a1, x2, v2, a2, budget, P1: tl.constexpr, P2: tl.constexpr):
+    """``_take_top`` over a row held as two tiles, x1 [P1] then x2 [P2] (a row of P1 + P2
+    keys, where one power-of-two tile would pad it to 2 * P1): (keep1, pos1, keep2, pos2),
+    ties to the lowest index (every key of x1 before every key of x2)."""
+    u1 = _sortable(x1)
+    u2 = _sortable(x2)
+    top, shift, need = _radix_cut(u1, v1, u2, v2, budget, P1, P2, True)
+    keep1, pos1, packed1 = _places(u1, v1, a1, top, shift, need, budget, 0)
+    keep2, pos2, _ = _places(u2, v2, a2, top, shift, need, budget, tl.sum(packed1, 0))
+    return keep1, pos1, keep2, pos2
+
+
+@triton.jit
+def _places(key, valid, always, top, shift, need, budget, base):
+    """(keep, pos, packed) of one tile of a ranked row (``_radix_cut``'s top, shift and need):
+    kept for sure are ``always`` and the keys above the threshold, then the first ``need``
+    keys equal to it. Both counts run in one scan, packed in a uint32 (the sure ones times
+    2^16 plus the tied ones: rows of fewer than 2^16 entries, 2M tokens at 32-token pages);
+    ``base``: the packed counts of the tiles before this one."""
+    on = budget > 0
+    k = key >> shift.to(tl.uint32)
+    t = top.to(tl.uint32)
+    sure = always | (valid & (k > t) & on)
+    equal = valid & (k == t) & on
+    packed = sure.to(tl.uint32) * 65536 + equal.to(tl.uint32)
+    c = base + tl.cumsum(packed, 0)
+    ties = (c & 65535).to(tl.int32)
+    keep = sure | (equal & (ties <= need))
+    return keep, (c >> 16).to(tl.int32) + tl.minimum(ties, need) - 1, packed
 
 
 @triton.jit
@@ -110,9 +145,9 @@ def _last_bin(d_a, at_a, in_a, d_b, at_b, in_b):
 
 @triton.jit
 def _radix_cut(u1, v1, u2, v2, budget, P1: tl.constexpr, P2: tl.constexpr, TWO: tl.constexpr):
-    """(top, shift, need): the ``budget`` largest valid keys of u1 (and of u2 when TWO; uint32
-    values held as int64) are those with ``u >> shift`` above ``top`` and the ``need``
-    lowest-index ones equal to it (need = budget - the keys above).
+    """(top, shift, need): the ``budget`` largest valid keys of u1 (and of u2 when TWO; uint32)
+    are those with ``u >> shift`` above ``top`` and the ``need`` lowest-index ones equal to it
+    (need = budget - the keys above); top and shift as int64 and int32 scalars.
 
     A radix select, no sort (a bisection needs 33 counting passes): passes of up to 8 bits
     from the most significant, each a 256-bin histogram of the keys that match the digits found
@@ -130,11 +165,14 @@ def _radix_cut(u1, v1, u2, v2, budget, P1: tl.constexpr, P2: tl.constexpr, TWO: 
     one reduction of three operands (``_last_bin``), as the keys' span and count before the
     passes (``_span``)."""
     bins = tl.arange(0, 256)
-    hi, lo, total = tl.reduce((tl.where(v1, u1, 0), tl.where(v1, u1, 4294967295), v1.to(tl.int32)), 0, _span)
+    hi, lo, total = tl.reduce((tl.where(v1, u1, tl.zeros_like(u1)), tl.where(v1, u1, tl.full(u1.shape, 4294967295, tl.uint32)),
+                               v1.to(tl.int32)), 0, _span)
     if TWO:
-        hi2, lo2, total2 = tl.reduce((tl.where(v2, u2, 0), tl.where(v2, u2, 4294967295), v2.to(tl.int32)), 0, _span)
+        hi2, lo2, total2 = tl.reduce((tl.where(v2, u2, tl.zeros_like(u2)), tl.where(v2, u2, tl.full(u2.shape, 4294967295, tl.uint32)),
+                                      v2.to(tl.int32)), 0, _span)
         hi, lo, total = _span(hi, lo, total, hi2, lo2, total2)
-    upper = _bit_length(hi ^ lo)  # bits from here up: the same in every valid key
+    hi = hi.to(tl.int64)
+    upper = _bit_length(hi ^ lo.to(tl.int64))  # bits from here up: the same in every valid key
     prefix = (hi >> upper) << upper
     shift = upper
     need = budget
@@ -166,26 +204,8 @@ def _topk_ragged(s_ptr, bud_ptr, out_ptr, P, K, P_PAD: tl.constexpr):
     valid = ok & (x > float("-inf"))
     n_valid = tl.sum(valid.to(tl.int32), 0)
     budget = tl.minimum(tl.minimum(tl.load(bud_ptr + row), K), n_valid)
-    sel = _take_top(x, valid, budget, P_PAD)
-    pos = tl.cumsum(sel.to(tl.int32), 0) - 1  # ascending page order
+    sel, pos = _take_top(x, valid, budget, offs < 0, P_PAD)  # pos: ascending page order
     tl.store(out_ptr + row * K + pos, offs.to(tl.int64), mask=sel & (pos < K))
-
-
-@triton.jit
-def _take_top2(x1, v1, x2, v2, budget, P1: tl.constexpr, P2: tl.constexpr):
-    """``_take_top`` over a row held as two tiles, x1 [P1] then x2 [P2] (a row of P1 + P2
-    keys, where one power-of-two tile would pad it to 2 * P1): (keep1, keep2), ties to the
-    lowest index (every key of x1 before every key of x2)."""
-    u1 = _sortable(x1) + 2147483648
-    u2 = _sortable(x2) + 2147483648
-    top, shift, room = _radix_cut(u1, v1, u2, v2, budget, P1, P2, True)
-    above1 = v1 & ((u1 >> shift) > top)
-    above2 = v2 & ((u2 >> shift) > top)
-    eq1 = v1 & ((u1 >> shift) == top)
-    eq2 = v2 & ((u2 >> shift) == top)
-    r1 = tl.cumsum(eq1.to(tl.int32), 0)
-    r2 = tl.sum(eq1.to(tl.int32), 0) + tl.cumsum(eq2.to(tl.int32), 0)
-    return ((above1 | (eq1 & (r1 <= room))) & (budget > 0)), ((above2 | (eq2 & (r2 <= room))) & (budget > 0))
 
 
 @triton.jit(do_not_specialize=["P", "W"])
@@ -204,8 +224,7 @@ def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL
     valid = in_ctx & ~edge & (x > float("-inf"))
     if TAIL == 0:
         budget = tl.minimum(tl.load(bud_ptr + row).to(tl.int32), tl.sum(valid.to(tl.int32), 0))
-        keep = edge | _take_top(x, valid, budget, P_PAD)
-        pos = tl.cumsum(keep.to(tl.int32), 0) - 1  # ascending page order
+        keep, pos = _take_top(x, valid, budget, edge, P_PAD)  # pos: ascending page order
         tl.store(want_ptr + row * W + pos, offs.to(tl.int64), mask=keep & (pos < W))
         count = n_edge + tl.maximum(budget, 0)  # the radix select keeps exactly budget
     else:
@@ -216,13 +235,8 @@ def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL
         valid2 = in_ctx2 & ~edge2 & (x2 > float("-inf"))
         n_valid = tl.sum(valid.to(tl.int32), 0) + tl.sum(valid2.to(tl.int32), 0)
         budget = tl.minimum(tl.load(bud_ptr + row).to(tl.int32), n_valid)
-        top1, top2 = _take_top2(x, valid, x2, valid2, budget, P_PAD, TAIL)
-        keep = edge | top1
-        keep2 = edge2 | top2
-        pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+        keep, pos, keep2, pos2 = _take_top2(x, valid, edge, x2, valid2, edge2, budget, P_PAD, TAIL)
         tl.store(want_ptr + row * W + pos, offs.to(tl.int64), mask=keep & (pos < W))
-        kept = tl.sum(keep.to(tl.int32), 0)
-        pos2 = kept + tl.cumsum(keep2.to(tl.int32), 0) - 1
         tl.store(want_ptr + row * W + pos2, offs2.to(tl.int64), mask=keep2 & (pos2 < W))
         count = n_edge + tl.maximum(budget, 0)
     offs_w = tl.arange(0, W_PAD)
@@ -330,8 +344,7 @@ def _select_local(s_ptr, n_ptr, bud_ptr, cs_ptr, ci_ptr, P, SINK, LOCAL, KC,
 def _chunk_candidates(x, valid, budget, offs, cs_ptr, ci_ptr, base, KC, CHUNK: tl.constexpr, KC_PAD: tl.constexpr):
     """The top ``budget`` valid entries of a chunk's scores x [CHUNK] (page ids offs), in page
     order, at cs/ci [base, base + KC); -inf / -1 after them."""
-    keep = _take_top(x, valid, budget, CHUNK)
-    pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+    keep, pos = _take_top(x, valid, budget, offs < 0, CHUNK)
     tl.store(cs_ptr + base + pos, x, mask=keep)
     tl.store(ci_ptr + base + pos, offs, mask=keep)
     offs_k = tl.arange(0, KC_PAD)
@@ -355,10 +368,10 @@ def _select_merge(cs_ptr, ci_ptr, n_ptr, bud_ptr, dense_ptr, want_ptr, count_ptr
     ids = tl.load(ci_ptr + row * C + offs, mask=offs < C, other=-1)
     valid = (ids >= 0) & (x > float("-inf"))
     budget = tl.minimum(_row_budget(bud_ptr, dense_ptr, row, HKV, HAS_DENSE), tl.sum(valid.to(tl.int32), 0))
-    keep = _take_top(x, valid, budget, C_PAD)
-    pos = s_end + tl.cumsum(keep.to(tl.int32), 0) - 1
+    keep, pos = _take_top(x, valid, budget, offs < 0, C_PAD)
+    pos += s_end
     tl.store(want_ptr + row * W + pos, ids.to(tl.int64), mask=keep & (pos < W))
-    mid = tl.sum(keep.to(tl.int32), 0)
+    mid = tl.maximum(budget, 0)  # the radix select keeps exactly budget
     offs_w = tl.arange(0, W_PAD)
     # sink pages at [0, s_end), local pages right after the middle ones, then -1
     local_at = s_end + mid
