@@ -38,6 +38,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("profile-engine", "profile_engine.py", "an engine step's wall time and the torch profiler's top ops",
               "profiles"),
     Benchmark("select", "bench_select.py", "Select's top-k kernel alone at a decode step's shape", "select"),
+    Benchmark("kernel-sass", "kernel_sass.py", "Select's ranking kernels compiled for a GPU offline: barriers and "
+              "instructions per kernel (no GPU needed)", "select"),
     Benchmark("lookup", "bench_buffer_lookup.py", "the GPU buffer's lookup kernel alone, at steps with misses",
               "decode"),
     Benchmark("paged-decode", "bench_paged_decode.py", "paged decode attention kernel on a GPU", "decode"),
