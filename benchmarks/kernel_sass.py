@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from spin_cluster.bench.args import add_budget_tokens, add_out, save  # noqa: E402
+from spin_cluster.bench.args import LLAMA_31_8B_ATTENTION, add_budget_tokens, add_out, save  # noqa: E402
 
 # Pointer arguments by name (the rest are float32); their element types only pick the loads' widths.
 _POINTERS = {"want_ptr": "*i64", "count_ptr": "*i64", "out_ptr": "*i64", "ci_ptr": "*i32", "kg_ptr": "*i32",
@@ -108,15 +108,20 @@ def main(argv=None) -> list:
     gp, factor = 16, 4
     c = max(gp, cs.coarse_candidates(budget_pages, pages, gp, factor))
     c_pad, c_tail, _ = row_tiles(c)
-    shape = dict(HKV=8, G=4, G_PAD=4, D=128, D_PAD=128, GP=gp, HAS_DENSE=False, HAS_HELD=False)
+    hkv, D = LLAMA_31_8B_ATTENTION["kv_heads"], LLAMA_31_8B_ATTENTION["head_dim"]
+    g = LLAMA_31_8B_ATTENTION["heads"] // hkv
+    sink, local = 1, 2  # pages, as e2e.py runs Quest
+    # the two-level Select's constexprs as coarse_select() derives them
+    shape = dict(HKV=hkv, G=g, G_PAD=next_pow2(g), D=D, D_PAD=max(16, next_pow2(D)), GP=gp, HAS_DENSE=False,
+                 HAS_HELD=False)
     launches = [
         ("_topk_ragged", ps_k._topk_ragged, dict(P_PAD=next_pow2(pages)), warps),
-        ("_select_ragged", ps_k._select_ragged, dict(HKV=8, P_PAD=p_pad, W_PAD=next_pow2(budget_pages + 3), TAIL=tail),
-         warps),  # W: the budget, 1 sink and 2 local pages
+        ("_select_ragged", ps_k._select_ragged,
+         dict(HKV=hkv, P_PAD=p_pad, W_PAD=next_pow2(budget_pages + sink + local), TAIL=tail), warps),
         ("_coarse_groups", cs_k._coarse_groups,
          dict(GT=cs._SPREAD_GROUPS, PG_PAD=max(16, next_pow2(-(-pages // gp))), **shape), cs._SPREAD_WARPS[0]),
         ("_coarse_pages", cs_k._coarse_pages,
-         dict(CT=cs._SPREAD_PAGES, TILE=cs._TILE, C_PAD=c_pad, C_TAIL=c_tail, E_PAD=16, **shape), cs._SPREAD_WARPS[1]),
+         dict(CT=cs._SPREAD_PAGES, TILE=cs._TILE, C_PAD=c_pad, C_TAIL=c_tail, E_PAD=max(16, next_pow2(max(sink, local, 1))), **shape), cs._SPREAD_WARPS[1]),
     ]
     rows = []
     print(f"sm_{args.arch}, {pages} pages a row, {c} candidates; kernels from {args.kernels or 'this checkout'}")

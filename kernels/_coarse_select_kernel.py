@@ -101,7 +101,7 @@ def _keep_groups(gs_ptr, kg_ptr, row, PG, C, budget, FACTOR, GP: tl.constexpr, P
     gsc = tl.load(gs_ptr + row * PG + g, mask=g < PG, other=float("-inf"), cache_modifier=".cg")
     g_valid = (g < PG) & (gsc > float("-inf"))
     m = tl.minimum(tl.minimum((budget * FACTOR + GP - 1) // GP, tl.sum(g_valid.to(tl.int32), 0)), C // GP)
-    keep_g, at = _take_top(gsc, g_valid, m, g < 0, PG_PAD)
+    keep_g, at = _take_top(gsc, g_valid, m, g < 0)
     tl.store(kg_ptr + row * PG + at, g, mask=keep_g)
     return m
 
@@ -137,7 +137,7 @@ def _write_top(cs_ptr, ci_ptr, want_ptr, count_ptr, row, nc, n, s_end, l_start, 
     valid = (c < nc) & (x > float("-inf"))
     if C_TAIL == 0:
         take = tl.minimum(budget, tl.sum(valid.to(tl.int32), 0))
-        keep, pos = _take_top(x, valid, take, c < 0, C_PAD)
+        keep, pos = _take_top(x, valid, take, c < 0)
         pos += s_end
         tl.store(want_ptr + row * W + pos, pg.to(tl.int64), mask=keep & (pos < W))
         kept = take  # the radix select keeps exactly take
@@ -147,7 +147,7 @@ def _write_top(cs_ptr, ci_ptr, want_ptr, count_ptr, row, nc, n, s_end, l_start, 
         pg2 = tl.load(ci_ptr + row * C + c2, mask=c2 < nc, other=0, cache_modifier=".cg")
         valid2 = (c2 < nc) & (x2 > float("-inf"))
         take = tl.minimum(budget, tl.sum(valid.to(tl.int32), 0) + tl.sum(valid2.to(tl.int32), 0))
-        keep, pos, keep2, pos2 = _take_top2(x, valid, c < 0, x2, valid2, c2 < 0, take, C_PAD, C_TAIL)
+        keep, pos, keep2, pos2 = _take_top2(x, valid, c < 0, x2, valid2, c2 < 0, take)
         pos += s_end
         pos2 += s_end
         tl.store(want_ptr + row * W + pos, pg.to(tl.int64), mask=keep & (pos < W))

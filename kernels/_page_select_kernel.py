@@ -86,26 +86,26 @@ def _digit_hist(ukey, valid, prefix, shift, upper):
 
 
 @triton.jit
-def _take_top(x, valid, budget, always, P_PAD: tl.constexpr):
-    """(keep, pos) over a row x [P_PAD]: keep = ``always`` (entries that are not valid ones,
+def _take_top(x, valid, budget, always):
+    """(keep, pos) over a row x (one tile): keep = ``always`` (entries that are not valid ones,
     e.g. the sink and local pages) and the ``budget`` largest valid entries (ties: lowest
     index; budget at most the valid entries); pos = a kept entry's place among the kept, in
     index order (0-based). The threshold is a radix select (``_radix_cut``), the places one
     scan (``_places``)."""
     key = _sortable(x)
-    top, shift, need = _radix_cut(key, valid, key, valid, budget, P_PAD, P_PAD, False)
+    top, shift, need = _radix_cut(key, valid, key, valid, budget, False)
     keep, pos, _ = _places(key, valid, always, top, shift, need, budget, 0)
     return keep, pos
 
 
 @triton.jit
-def _take_top2(x1, v1, a1, x2, v2, a2, budget, P1: tl.constexpr, P2: tl.constexpr):
-    """``_take_top`` over a row held as two tiles, x1 [P1] then x2 [P2] (a row of P1 + P2
-    keys, where one power-of-two tile would pad it to 2 * P1): (keep1, pos1, keep2, pos2),
+def _take_top2(x1, v1, a1, x2, v2, a2, budget):
+    """``_take_top`` over a row held as two tiles, x1 then x2 (a row of P1 + P2 keys, where
+    one power-of-two tile would pad it to 2 * P1): (keep1, pos1, keep2, pos2),
     ties to the lowest index (every key of x1 before every key of x2)."""
     u1 = _sortable(x1)
     u2 = _sortable(x2)
-    top, shift, need = _radix_cut(u1, v1, u2, v2, budget, P1, P2, True)
+    top, shift, need = _radix_cut(u1, v1, u2, v2, budget, True)
     keep1, pos1, packed1 = _places(u1, v1, a1, top, shift, need, budget, 0)
     keep2, pos2, _ = _places(u2, v2, a2, top, shift, need, budget, tl.sum(packed1, 0))
     return keep1, pos1, keep2, pos2
@@ -137,6 +137,13 @@ def _span(hi_a, lo_a, n_a, hi_b, lo_b, n_b):
 
 
 @triton.jit
+def _key_span(u, valid):
+    """(largest, smallest, count) of a tile's valid uint32 keys, in one reduction."""
+    return tl.reduce((tl.where(valid, u, tl.zeros_like(u)), tl.where(valid, u, tl.full(u.shape, 4294967295, tl.uint32)),
+                      valid.to(tl.int32)), 0, _span)
+
+
+@triton.jit
 def _last_bin(d_a, at_a, in_a, d_b, at_b, in_b):
     """Combine keeping the larger bin index with its two counts."""
     b = d_b > d_a
@@ -144,7 +151,7 @@ def _last_bin(d_a, at_a, in_a, d_b, at_b, in_b):
 
 
 @triton.jit
-def _radix_cut(u1, v1, u2, v2, budget, P1: tl.constexpr, P2: tl.constexpr, TWO: tl.constexpr):
+def _radix_cut(u1, v1, u2, v2, budget, TWO: tl.constexpr):
     """(top, shift, need): the ``budget`` largest valid keys of u1 (and of u2 when TWO; uint32)
     are those with ``u >> shift`` above ``top`` and the ``need`` lowest-index ones equal to it
     (need = budget - the keys above); top and shift as int64 and int32 scalars.
@@ -165,11 +172,9 @@ def _radix_cut(u1, v1, u2, v2, budget, P1: tl.constexpr, P2: tl.constexpr, TWO: 
     one reduction of three operands (``_last_bin``), as the keys' span and count before the
     passes (``_span``)."""
     bins = tl.arange(0, 256)
-    hi, lo, total = tl.reduce((tl.where(v1, u1, tl.zeros_like(u1)), tl.where(v1, u1, tl.full(u1.shape, 4294967295, tl.uint32)),
-                               v1.to(tl.int32)), 0, _span)
+    hi, lo, total = _key_span(u1, v1)
     if TWO:
-        hi2, lo2, total2 = tl.reduce((tl.where(v2, u2, tl.zeros_like(u2)), tl.where(v2, u2, tl.full(u2.shape, 4294967295, tl.uint32)),
-                                      v2.to(tl.int32)), 0, _span)
+        hi2, lo2, total2 = _key_span(u2, v2)
         hi, lo, total = _span(hi, lo, total, hi2, lo2, total2)
     hi = hi.to(tl.int64)
     upper = _bit_length(hi ^ lo.to(tl.int64))  # bits from here up: the same in every valid key
@@ -204,7 +209,7 @@ def _topk_ragged(s_ptr, bud_ptr, out_ptr, P, K, P_PAD: tl.constexpr):
     valid = ok & (x > float("-inf"))
     n_valid = tl.sum(valid.to(tl.int32), 0)
     budget = tl.minimum(tl.minimum(tl.load(bud_ptr + row), K), n_valid)
-    sel, pos = _take_top(x, valid, budget, offs < 0, P_PAD)  # pos: ascending page order
+    sel, pos = _take_top(x, valid, budget, offs < 0)  # pos: ascending page order
     tl.store(out_ptr + row * K + pos, offs.to(tl.int64), mask=sel & (pos < K))
 
 
@@ -217,25 +222,25 @@ def _select_ragged(s_ptr, n_ptr, bud_ptr, want_ptr, count_ptr, P, W, SINK, LOCAL
     offs = tl.arange(0, P_PAD)
     n = tl.load(n_ptr + row // HKV)
     in_ctx = offs < n
-    edge = in_ctx & ((offs < SINK) | (offs >= n - LOCAL))  # sink and local pages
     s_end, l_start = _edges(n, SINK, LOCAL)
     n_edge = s_end + n - l_start
+    edge = in_ctx & ((offs < s_end) | (offs >= l_start))  # sink and local pages
     x = tl.load(s_ptr + row * P + offs, mask=offs < P, other=float("-inf"))
     valid = in_ctx & ~edge & (x > float("-inf"))
     if TAIL == 0:
         budget = tl.minimum(tl.load(bud_ptr + row).to(tl.int32), tl.sum(valid.to(tl.int32), 0))
-        keep, pos = _take_top(x, valid, budget, edge, P_PAD)  # pos: ascending page order
+        keep, pos = _take_top(x, valid, budget, edge)  # pos: ascending page order
         tl.store(want_ptr + row * W + pos, offs.to(tl.int64), mask=keep & (pos < W))
         count = n_edge + tl.maximum(budget, 0)  # the radix select keeps exactly budget
     else:
         offs2 = P_PAD + tl.arange(0, TAIL)
         in_ctx2 = offs2 < n
-        edge2 = in_ctx2 & ((offs2 < SINK) | (offs2 >= n - LOCAL))
+        edge2 = in_ctx2 & ((offs2 < s_end) | (offs2 >= l_start))
         x2 = tl.load(s_ptr + row * P + offs2, mask=offs2 < P, other=float("-inf"))
         valid2 = in_ctx2 & ~edge2 & (x2 > float("-inf"))
         n_valid = tl.sum(valid.to(tl.int32), 0) + tl.sum(valid2.to(tl.int32), 0)
         budget = tl.minimum(tl.load(bud_ptr + row).to(tl.int32), n_valid)
-        keep, pos, keep2, pos2 = _take_top2(x, valid, edge, x2, valid2, edge2, budget, P_PAD, TAIL)
+        keep, pos, keep2, pos2 = _take_top2(x, valid, edge, x2, valid2, edge2, budget)
         tl.store(want_ptr + row * W + pos, offs.to(tl.int64), mask=keep & (pos < W))
         tl.store(want_ptr + row * W + pos2, offs2.to(tl.int64), mask=keep2 & (pos2 < W))
         count = n_edge + tl.maximum(budget, 0)
@@ -344,7 +349,7 @@ def _select_local(s_ptr, n_ptr, bud_ptr, cs_ptr, ci_ptr, P, SINK, LOCAL, KC,
 def _chunk_candidates(x, valid, budget, offs, cs_ptr, ci_ptr, base, KC, CHUNK: tl.constexpr, KC_PAD: tl.constexpr):
     """The top ``budget`` valid entries of a chunk's scores x [CHUNK] (page ids offs), in page
     order, at cs/ci [base, base + KC); -inf / -1 after them."""
-    keep, pos = _take_top(x, valid, budget, offs < 0, CHUNK)
+    keep, pos = _take_top(x, valid, budget, offs < 0)
     tl.store(cs_ptr + base + pos, x, mask=keep)
     tl.store(ci_ptr + base + pos, offs, mask=keep)
     offs_k = tl.arange(0, KC_PAD)
@@ -368,7 +373,7 @@ def _select_merge(cs_ptr, ci_ptr, n_ptr, bud_ptr, dense_ptr, want_ptr, count_ptr
     ids = tl.load(ci_ptr + row * C + offs, mask=offs < C, other=-1)
     valid = (ids >= 0) & (x > float("-inf"))
     budget = tl.minimum(_row_budget(bud_ptr, dense_ptr, row, HKV, HAS_DENSE), tl.sum(valid.to(tl.int32), 0))
-    keep, pos = _take_top(x, valid, budget, offs < 0, C_PAD)
+    keep, pos = _take_top(x, valid, budget, offs < 0)
     pos += s_end
     tl.store(want_ptr + row * W + pos, ids.to(tl.int64), mask=keep & (pos < W))
     mid = tl.maximum(budget, 0)  # the radix select keeps exactly budget

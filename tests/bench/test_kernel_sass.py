@@ -57,7 +57,7 @@ def test_another_folders_kernels_load_beside_this_checkouts(tmp_path):
     folder.mkdir()
     for name in ("_page_select_kernel.py", "_coarse_select_kernel.py"):
         (folder / name).write_text((ROOT / "kernels" / name).read_text())
-    page, coarse = kernel_modules = kernel_sass.kernel_modules(str(folder))
-    assert all(Path(m.__file__).parent == folder for m in kernel_modules)
+    page, coarse = kernel_sass.kernel_modules(str(folder))
+    assert Path(page.__file__).parent == folder and Path(coarse.__file__).parent == folder
     assert page.__name__ != "spin_cluster.kernels._page_select_kernel"
     assert coarse._take_top is page._take_top  # its relative import resolved inside the folder
