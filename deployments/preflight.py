@@ -30,7 +30,7 @@ def check_local_run(config: AppConfig, local_num_cpus: int) -> None:
     _check_ray_node(config, local_num_cpus)
     _check_gpus(config)
     config.check_model()
-    mc = ModelConfig.from_folder(config.spin.model.resolved_path())
+    mc = config.spin.model.checkpoint_config()
     _check_memory(config, mc)
     _check_plan(config, mc)
 
@@ -101,7 +101,7 @@ def _host_tier_bytes(config: AppConfig, mc: ModelConfig) -> int:
     if dtype_name == "auto":
         dtype_name = "bfloat16" if engine_device_type(config) == "cuda" else "float32"
     dtype = getattr(torch, dtype_name)
-    context = spin.model.max_model_len or mc.max_position_embeddings
+    context = spin.model.max_model_len or mc.context_len
     segments = host_tier_segments(spin, mc, dtype, context)
     return segments * HostTier.bytes_per_segment(spin.cache.segment_pages, spin.cache.page_size, mc.head_dim,
                                                  host_dtype(spin, dtype))

@@ -153,11 +153,10 @@ class AppConfig(ConfigSection):
         algorithm and its options, head-parallel ranks against the KV heads, a GPU device on
         engines that Ray gives no GPU. Run before Ray starts anything."""
         from spin_cluster.engine.cache_builder import check_cache_config
-        from spin_cluster.models.config import ModelConfig
 
-        mc = ModelConfig.from_folder(self.spin.model.resolved_path())
+        mc = self.spin.model.checkpoint_config()
         self.spin.check_model(mc)
-        check_cache_config(self.spin, self.spin.model.max_model_len or mc.max_position_embeddings)
+        check_cache_config(self.spin, self.spin.model.max_model_len or mc.context_len)
         ranks = self.serve.engine_ranks
         if ranks is not None and ranks > mc.num_kv_heads:
             raise ValueError(f"serve.engine_ranks={ranks} exceeds the model's num_key_value_heads="
@@ -168,15 +167,13 @@ class AppConfig(ConfigSection):
 
     def with_model_context(self) -> AppConfig:
         """This config with ``model.max_model_len`` set to the model's own context
-        (``max_position_embeddings`` of its ``config.json``) where it is null, so that every
+        (``ModelConfig.context_len``) where it is null, so that every
         deployment (the ingress's model card and demand estimate, the planner's budgets, the
         engines) reads one number."""
         if self.spin.model.max_model_len is not None:
             return self
-        from spin_cluster.models.config import ModelConfig
-
-        mc = ModelConfig.from_folder(self.spin.model.resolved_path())
-        model = self.spin.model.model_copy(update={"max_model_len": mc.max_position_embeddings})
+        mc = self.spin.model.checkpoint_config()
+        model = self.spin.model.model_copy(update={"max_model_len": mc.context_len})
         return self.model_copy(update={"spin": self.spin.model_copy(update={"model": model})})
 
     def ranks_per_engine(self, num_kv_heads: int | None = None) -> int:
@@ -211,7 +208,7 @@ class AppConfig(ConfigSection):
 
 
 def config_path(name: str | Path) -> Path:
-    """A YAML path, or the name of a bundled config (``default``, ``spin``, ``spin-quest``)."""
+    """A YAML path, or the name of a bundled config (``default``, ``spin``, ``spin-quest``, ``spin-fast``)."""
     path = Path(name).expanduser()
     if path.is_file():
         return path

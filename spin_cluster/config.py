@@ -39,7 +39,13 @@ class ModelOptions(ConfigSection):
         "Weights and activations: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."))
     device: str = Field("auto", description='"auto" (cuda if available), "cpu", "cuda", "cuda:N".')
     max_model_len: int | None = Field(None, ge=1, description=(
-        "Longest prompt + output in tokens, >= 1; null: the model's max_position_embeddings."))
+        "Longest prompt + output in tokens, >= 1; null: the model's context (max_position_embeddings, "
+        "or with YaRN RoPE scaling, factor x original_max_position_embeddings where that is longer)."))
+    hf_overrides: dict[str, Any] | None = Field(None, description=(
+        "Keys of the model's config.json replaced at load time, as vLLM's --hf-overrides. E.g. "
+        "Qwen2.5's 128K context: {rope_scaling: {type: yarn, factor: 4.0, "
+        "original_max_position_embeddings: 32768}} (YaRN scales every length alike, so its model "
+        "card advises it only where contexts pass 32K)."))
     cuda_graphs: StrictBool = Field(True, description=(
         "Replay decode-only steps as CUDA graphs, one per padded batch size up to "
         "scheduler.max_num_seqs, captured at start-up (GPU-only cache on CUDA; elsewhere unused)."))
@@ -55,6 +61,12 @@ class ModelOptions(ConfigSection):
 
     def resolved_path(self) -> str:
         return self.path or str(env.default_model_dir())
+
+    def checkpoint_config(self) -> ModelConfig:
+        """The model's config.json as the engine reads it, hf_overrides applied."""
+        from spin_cluster.models.config import ModelConfig
+
+        return ModelConfig.from_folder(self.resolved_path(), self.hf_overrides)
 
 
 class CacheConfig(ConfigSection):
@@ -345,11 +357,13 @@ class SpinConfig(ConfigSection):
         """Raises ``ValueError`` where this config does not fit the model ``mc`` (its
         ``config.json``): the context, the prefill token budget, per-head budget shapes, the
         dense layers of the offloaded cache. Cheap (no weights), so a server checks it before it starts anything."""
-        context = self.model.max_model_len or mc.max_position_embeddings
-        if context > mc.max_position_embeddings:
+        context = self.model.max_model_len or mc.context_len
+        if context > mc.context_len:
+            yarn = "" if mc.rope_scaling else (" (a longer context needs RoPE scaling: see model.hf_overrides, "
+                                               "e.g. YaRN for Qwen2.5)")
             raise ValueError(
-                f"model.max_model_len={context} exceeds the model's max_position_embeddings="
-                f"{mc.max_position_embeddings}: lower it, or leave it null for {mc.max_position_embeddings}"
+                f"model.max_model_len={context} exceeds the model's context of {mc.context_len} tokens{yarn}: "
+                f"lower it, or leave it null for {mc.context_len}"
             )
         sc = self.scheduler
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < context:

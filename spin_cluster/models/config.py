@@ -15,13 +15,18 @@ and ``sliding_attention``, in either version (transformers 4's ``rope_theta`` an
 
 Before that, what the file says is checked here: anything the model code could not run
 faithfully (another architecture, another activation, Llama/Qwen sliding-window layers, a RoPE
-type other than default/llama3, Gemma's attention softcapping or bidirectional attention) is
+type other than default/llama3/yarn, Gemma's attention softcapping or bidirectional attention) is
 refused with a ``ValueError`` rather than silently computed wrong.
+
+``from_folder(path, overrides)`` merges ``overrides`` over the file's keys first, as vLLM's
+``--hf-overrides`` does: Qwen2.5's model card turns YaRN on by adding a ``rope_scaling`` of type
+``yarn`` to config.json, and the override does the same without editing the folder.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,13 +48,19 @@ _ARCH_BY_MODEL_TYPE = {
 
 _MODEL_TYPE_BY_ARCH = {arch: model_type for model_type, arch in _ARCH_BY_MODEL_TYPE.items()}
 
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "yarn")
 _LLAMA3_FIELDS = (
     "factor",
     "low_freq_factor",
     "high_freq_factor",
     "original_max_position_embeddings",
 )
+# YaRN's optional fields and transformers' defaults for them (``_compute_yarn_parameters``);
+# attention_factor None: derived from factor (and mscale / mscale_all_dim where both are set).
+_YARN_DEFAULTS: dict[str, Any] = {
+    "attention_factor": None, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": None, "mscale_all_dim": None,
+    "truncate": True,
+}
 
 
 @dataclass(frozen=True)
@@ -66,7 +77,9 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     # None for plain RoPE; for llama3: {"rope_type": "llama3", "factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_position_embeddings"}.
+    # "high_freq_factor", "original_max_position_embeddings"}; for yarn: {"rope_type": "yarn",
+    # "factor", "original_max_position_embeddings", "attention_factor" (resolved, a float),
+    # "beta_fast", "beta_slow", "truncate"}.
     rope_scaling: dict[str, Any] | None = field(hash=False)
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -87,6 +100,16 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
 
     @property
+    def context_len(self) -> int:
+        """The longest context the model serves: max_position_embeddings, or for YaRN the
+        scaled context when that is longer (vLLM derives it the same way: Qwen2.5 states
+        32768 and YaRN with factor 4 serves 131072)."""
+        s = self.rope_scaling
+        if s is None or s["rope_type"] != "yarn":
+            return self.max_position_embeddings
+        return max(self.max_position_embeddings, int(s["factor"] * s["original_max_position_embeddings"]))
+
+    @property
     def num_kv_groups(self) -> int:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
@@ -99,11 +122,15 @@ class ModelConfig:
         return tuple(i for i, w in enumerate(self.layer_windows) if w is None)
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> ModelConfig:
+    def from_folder(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """``path``'s config.json, with the top-level keys of ``overrides`` in place of the
+        file's (vLLM's ``--hf-overrides``)."""
         from transformers import AutoConfig
 
         path = Path(path)
         d = _read_config_json(path)
+        if overrides:
+            return cls.from_json_dict({**d, **overrides})
         _refuse_unsupported(d)
         try:
             hf = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -136,6 +163,8 @@ class ModelConfig:
             # transformers 4 leaves it unset; 5 sets it as follows (standardize_rope_params).
             top = _opt_int(d, "original_max_position_embeddings")
             rope_scaling["original_max_position_embeddings"] = top or max_pos
+        if rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
+            rope_scaling = _resolve_yarn(rope_scaling, max_pos)
         if model_type == "qwen2":  # Qwen2's q/k/v projections always carry a bias, o_proj none
             attention_bias, o_proj_bias = True, False
         else:
@@ -231,7 +260,7 @@ def _read_config_json(path: Path) -> dict[str, Any]:
 def _refuse_unsupported(d: dict[str, Any]) -> str:
     """The architecture of the ``config.json`` contents ``d``, once what the file states is
     something the model code runs: the shape keys it must give, heads that group, an even
-    head_dim, silu, no sliding window, full rotary default or llama3 RoPE, integer token ids
+    head_dim, silu, no sliding window, full rotary default, llama3 or yarn RoPE, integer token ids
     (Gemma 3: ``_refuse_unsupported_gemma3`` instead of the activation, window and RoPE)."""
     arch = _architecture(d)
     model_type = _MODEL_TYPE_BY_ARCH[arch]
@@ -375,6 +404,8 @@ def _rope(d: dict[str, Any], supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES
         raise ValueError("partial_rotary_factor != 1.0 is not supported")
     if rope_type == "default":
         return _float_or_none(theta), None
+    if rope_type == "yarn":
+        return _float_or_none(theta), _yarn(params)
 
     missing = [k for k in _LLAMA3_FIELDS[:3] if k not in params]
     if missing:
@@ -387,6 +418,43 @@ def _rope(d: dict[str, Any], supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES
     if scaling["high_freq_factor"] == scaling["low_freq_factor"]:
         raise ValueError("llama3 RoPE needs high_freq_factor != low_freq_factor")
     return _float_or_none(theta), scaling
+
+
+def _yarn(params: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's fields as given (``_resolve_yarn`` fills in what depends on the model)."""
+    unknown = sorted(set(params) - {"factor", "original_max_position_embeddings", *_YARN_DEFAULTS})
+    if unknown:
+        raise ValueError(f"yarn RoPE parameters {unknown} are not known; yarn takes factor, "
+                         f"original_max_position_embeddings, {', '.join(_YARN_DEFAULTS)}")
+    factor = params.get("factor")
+    if factor is not None and (not isinstance(factor, (int, float)) or factor < 1):
+        raise ValueError(f"yarn RoPE needs a factor >= 1, got {factor!r}")
+    scaling: dict[str, Any] = {"rope_type": "yarn", "factor": _float_or_none(factor)}
+    for key, default in _YARN_DEFAULTS.items():
+        value = params.get(key)
+        scaling[key] = default if value is None else value
+    omp = params.get("original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = int(omp) if omp is not None else None
+    return scaling
+
+
+def _resolve_yarn(scaling: dict[str, Any], max_pos: int) -> dict[str, Any]:
+    """YaRN's factor (when unset: the ratio of the two contexts) and its attention factor
+    resolved as transformers' ``_compute_yarn_parameters`` resolves them."""
+    s = dict(scaling)
+    if s["factor"] is None:
+        s["factor"] = max_pos / s["original_max_position_embeddings"]
+    if s["attention_factor"] is None:
+        s["attention_factor"] = (_yarn_mscale(s["factor"], s["mscale"]) / _yarn_mscale(s["factor"], s["mscale_all_dim"])
+                                 if s["mscale"] and s["mscale_all_dim"] else _yarn_mscale(s["factor"]))
+    s["attention_factor"] = float(s["attention_factor"])
+    del s["mscale"], s["mscale_all_dim"]
+    return s
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1 ln(factor) + 1 (scaled by mscale), 1 without scaling."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _float_or_none(value: Any) -> float | None:

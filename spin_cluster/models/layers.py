@@ -49,8 +49,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [D/2] in float32, on CPU; llama3 scaling as transformers'
-    ``_compute_llama3_parameters``."""
+    """Inverse frequencies [D/2] in float32, on CPU; llama3 and yarn scaling as transformers'
+    ``_compute_llama3_parameters`` and ``_compute_yarn_parameters``."""
     dim = config.head_dim
     base = config.rope_theta
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
@@ -58,6 +58,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(scaling, dim, base)
     if scaling["rope_type"] != "llama3":
         raise ValueError(f"unsupported RoPE type {scaling['rope_type']!r}")
 
@@ -82,6 +84,38 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)  # [D/2]
 
 
+def _yarn_inv_freq(scaling: dict, dim: int, base: float) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): the dimensions that turn fewer than ``beta_slow`` times over
+    the original context are interpolated (divided by ``factor``), those that turn more than
+    ``beta_fast`` times kept, and a linear ramp blends the band between them.
+
+        dim index i:  0 ........ low ====ramp==== high ........ D/2
+                      kept (extrapolated)              interpolated
+    """
+    context = scaling["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(scaling["beta_fast"]), dim_of(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    # On the CPU explicitly: the model is built under the meta device.
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(torch.float32) / dim)  # [D/2]
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)  # [D/2]
+    kept = 1 - ramp
+    return (1.0 / (scaling["factor"] * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept  # [D/2]
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention temperature, else 1."""
+    scaling = config.rope_scaling
+    return scaling["attention_factor"] if scaling is not None and scaling["rope_type"] == "yarn" else 1.0
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for the positions of this step, computed in float32 on the fly, once per
     step for every layer.
@@ -93,6 +127,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.inv_freq = rope_inv_freq(config)  # [D/2] float32
+        self.attention_factor = rope_attention_factor(config)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -106,7 +141,10 @@ class RotaryEmbedding(nn.Module):
         sin = emb.sin()
         half = sin.shape[-1] // 2
         sin[..., :half].neg_()
-        return emb.cos().to(dtype), sin.to(dtype)
+        cos = emb.cos()
+        if self.attention_factor != 1.0:  # YaRN scales q.k by factor^2 through both rotations
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -46,17 +46,19 @@ def load_model(
     device: torch.device | str = "cpu",
     *,
     progress: bool = True,
+    overrides: dict | None = None,
 ) -> CausalLM | Gemma3CausalLM:
     """Build the model that ``path``'s config.json describes and load its safetensors weights.
 
     dtype: torch.float32 / bfloat16 / float16, their names, or "auto" (the checkpoint's own
     dtype per config.json, else per the weights, among those three).
     progress: show a tqdm bar, one tick per tensor.
+    overrides: config.json keys replaced (``ModelConfig.from_folder``), e.g. YaRN's rope_scaling.
     Raises ValueError for a missing folder, a folder without config.json or safetensors files,
     an unsupported architecture, missing or mis-shaped weight tensors, or an unsupported dtype.
     """
     path = Path(path)
-    config = ModelConfig.from_folder(path)  # checks the folder and config.json
+    config = ModelConfig.from_folder(path, overrides)  # checks the folder and config.json
     files = safetensors_files(path)
     torch_dtype = resolve_dtype(dtype, config, files)
     device = torch.device(device)

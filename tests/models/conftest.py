@@ -88,6 +88,12 @@ def _hf_config(kind: str):
         return tf.Qwen2Config(
             **_common(rope_theta=1000000.0, tie_word_embeddings=False, eos_token_id=[2, 3])
         )
+    if kind == "qwen2_yarn":
+        # Qwen2.5's long-context setting (its model card's config.json addition) over a 64-token
+        # original context: the engine tests run it past 64.
+        return tf.Qwen2Config(**_common(
+            rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=64,
+            rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}))
     if kind == "qwen3":
         # head_dim 32 != hidden / heads (16): the explicit head_dim must be honoured.
         return tf.Qwen3Config(
@@ -114,7 +120,7 @@ def build_checkpoint(kind: str, out: Path) -> Path:
     return out
 
 
-CHECKPOINT_KINDS = ("llama3_sharded", "llama_tied", "qwen2", "qwen3")
+CHECKPOINT_KINDS = ("llama3_sharded", "llama_tied", "qwen2", "qwen2_yarn", "qwen3")
 
 
 def hf_model(path: Path, dtype: torch.dtype = torch.float32):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from spin_cluster.models import CausalLM, ModelConfig, load_model
-from spin_cluster.models.layers import rope_inv_freq
+from spin_cluster.models.layers import rope_attention_factor, rope_inv_freq
 
 PREFILL = 12
 DECODE_STEPS = 20
@@ -88,10 +89,46 @@ def test_auto_dtype_follows_checkpoint(checkpoints):
 
 
 def test_rope_inv_freq_matches_transformers(checkpoints, hf_reference):
-    for kind in ("llama3_sharded", "llama_tied", "qwen3"):
+    for kind in ("llama3_sharded", "llama_tied", "qwen2_yarn", "qwen3"):
         cfg = ModelConfig.from_folder(checkpoints[kind])
-        ref = hf_reference.load(checkpoints[kind]).model.rotary_emb.inv_freq
-        assert torch.equal(rope_inv_freq(cfg), ref.float()), kind
+        rotary = hf_reference.load(checkpoints[kind]).model.rotary_emb
+        assert torch.equal(rope_inv_freq(cfg), rotary.inv_freq.float()), kind
+        assert rope_attention_factor(cfg) == rotary.attention_scaling, kind
+    yarn = ModelConfig.from_folder(checkpoints["qwen2_yarn"])
+    assert yarn.rope_scaling["rope_type"] == "yarn" and yarn.rope_scaling["factor"] == 4.0
+    assert rope_attention_factor(yarn) == pytest.approx(0.1 * math.log(4.0) + 1)
+    assert yarn.context_len == 256 and yarn.max_position_embeddings == 64
+
+
+def test_yarn_past_the_original_context_matches_transformers(checkpoints, contiguous_attention, hf_reference):
+    """Prefill and decode at positions up to 3x the original 64-token context."""
+    path = checkpoints["qwen2_yarn"]
+    ours, ref = load_model(path, progress=False), hf_reference.load(path)
+    ids = torch.randint(3, ours.config.vocab_size, (150,), generator=torch.Generator().manual_seed(3))  # [T]
+    attn = contiguous_attention()
+    got = _ours_step(ours, attn, ids, 0)
+    want, cache = hf_reference.step(ref, ids[None], None)
+    worst = (got - want).abs().max().item()
+    for pos in range(150, 190):
+        tok = want[-1].argmax().view(1)
+        got = _ours_step(ours, attn, tok, pos)
+        want, cache = hf_reference.step(ref, tok[None], cache)
+        worst = max(worst, (got - want).abs().max().item())
+    assert worst < 1e-4, f"max |logit diff| {worst:.3g}"
+
+
+def test_hf_overrides_turn_yarn_on(checkpoints):
+    """Qwen2.5's model card turns YaRN on by adding rope_scaling to config.json; the override
+    does it without editing the folder, in either spelling of the type key."""
+    plain = ModelConfig.from_folder(checkpoints["qwen2"])
+    assert plain.rope_scaling is None and plain.context_len == plain.max_position_embeddings == 256
+    for key in ("type", "rope_type"):
+        yarn = {"rope_scaling": {key: "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}
+        cfg = ModelConfig.from_folder(checkpoints["qwen2"], yarn)
+        assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.context_len == 1024
+    with pytest.raises(ValueError, match="beta_fastest"):
+        ModelConfig.from_folder(checkpoints["qwen2"], {"rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                                        "beta_fastest": 1}})
     cfg = ModelConfig.from_folder(checkpoints["llama3_sharded"])
     assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3"
     assert cfg.rope_scaling["original_max_position_embeddings"] == 64

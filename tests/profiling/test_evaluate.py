@@ -94,3 +94,35 @@ def test_fp8_host_pages_reach_the_offloaded_methods_only(smollm2_path):
     evaluate(cfg, engine_factory=lambda spin: built.append(_EchoEngine(spin, "x")) or built[-1], progress=False)
     caches = [(e.config.cache.offload, e.config.cache.host_kv_dtype, e.config.cache.gpu_home_fraction) for e in built]
     assert caches == [(False, "auto", None), (True, "fp8", 0.0)]
+
+
+def test_bundled_configs_run_with_their_own_sparse_section_and_pages(smollm2_path):
+    """--configs spin spin-fast: each engine gets the bundled file's whole sparse section (the
+    speed config's block-sparse prefill beside its sparse decode) and its page size and host
+    dtype; hf_overrides reach every engine, dense included."""
+    yarn = {"rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192}}
+    cfg = EvalConfig(model_path=smollm2_path, tasks=("niah_single",), lengths=(600, 700), samples_per_task=1,
+                     algorithms=("dense",), configs=("spin", "spin-fast"), max_tokens=8, max_batch=2,
+                     hf_overrides=yarn)
+    assert [m.label for m in cfg.methods()] == ["dense", "spin", "spin-fast"]
+    built = []
+
+    def factory(spin):
+        engine = _EchoEngine(spin, "x")
+        engine.runner = SimpleNamespace(attention=SimpleNamespace(sparse_prefill=SimpleNamespace(density=lambda: 0.2)))
+        built.append(engine)
+        return engine
+
+    res = evaluate(cfg, engine_factory=factory, progress=False)
+    got = [(e.config.sparse.algorithm, e.config.cache.page_size, e.config.cache.host_kv_dtype,
+            e.config.sparse.prefill.algorithm, len(e.prompts)) for e in built]
+    assert got == [("dense", 16, "auto", "dense", 2), ("labels", 16, "auto", "dense", 2),
+                   ("quest", 32, "fp8", "block", 1), ("quest", 32, "fp8", "block", 1)]
+    spin, fast = built[1].config.sparse, built[2].config.sparse
+    assert (spin.budget, spin.budget_floor_tokens, spin.resident_margin) == (0.0625, 2048, 0.5)
+    assert spin.options == {"index_dtype": "float8_e4m3fn"}
+    assert (fast.budget, fast.resident_margin, fast.prefill.budget, fast.prefill.block_size) == (2048, 0.5, 0.125, 128)
+    assert all(e.config.model.hf_overrides == yarn and e.config.model.max_model_len == 700 for e in built)
+    assert res.prefill_density == {"spin-fast@600": 0.2, "spin-fast@700": 0.2}
+    with pytest.raises(ValueError, match="bundled config.*spin-fast"):
+        EvalConfig(configs=("no-such-config",))
