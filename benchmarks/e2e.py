@@ -5,7 +5,12 @@
 
 The engine runs at Llama-3.1-8B shapes (32 layers, 32 query / 8 KV heads, D=128, bf16) with
 random weights (``model.load_format: dummy``): the tokens are meaningless, so what is measured
-is the system, the scheduler and the memory hierarchy. Modes:
+is the system, the scheduler and the memory hierarchy. With ``--model PATH`` it runs that
+model's real weights instead, and ``--prompts ruler`` gives it the RULER-style suite's prompts
+(``profiling/ruler.py``, through its chat template), so that Select, the buffer's hit ratio and
+Retrieve's traffic are those of real attention; ``--config NAME`` runs the spin mode as a
+bundled serving config (its sparse section, page size and host dtype), e.g. the one whose
+accuracy ``spin-cluster eval --configs NAME`` measures. Modes:
 
     dense             full attention, every page in GPU memory (``cache.kv_cache_gib`` =
                       --gpu-kv-gib): the batch is what that capacity holds
@@ -86,6 +91,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.offline_lengths, args.offline_batch, args.output_tokens = [384, 192], 3, 8
         args.rates, args.online_length, args.online_requests, args.online_output_tokens = [4.0, 8.0, 16.0], 128, 3, 4
         args.budget, args.page_size, args.max_num_seqs, args.max_batched_tokens = 64, 16, 4, 256
+        if args.prompts == "ruler":  # the suite's prompts need a few hundred tokens of frame
+            args.offline_lengths, args.online_length = [1024, 640], 640
+        if args.model:  # a real model's layers and heads: room for the toy batches' pages
+            args.gpu_kv_gib, args.host_kv_gib = 0.2, 0.5
     # A deadline bounds the run; one given explicitly holds with --tiny too (a loaded machine).
     args.deadline_s = args.deadline_s or (60.0 if args.tiny else 480.0)
     return args
@@ -96,6 +105,15 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ``profile_step.py`` so that a profile runs the engine the end-to-end run measures."""
     ap.add_argument("--shape", default="llama-3.1-8b", choices=["llama-3.1-8b", "qwen2.5-32b", "gemma-3-27b"],
                     help="the model's shapes (random weights); --tiny overrides them with toy sizes")
+    ap.add_argument("--model", default=None, metavar="PATH",
+                    help="a prepared model folder: its real weights instead of --shape's random ones")
+    ap.add_argument("--hf-overrides", type=json.loads, default=None, metavar="JSON",
+                    help="--model's model.hf_overrides, e.g. YaRN's rope_scaling past Qwen2.5's 32K")
+    ap.add_argument("--prompts", choices=["random", "ruler"], default="random",
+                    help="random token ids, or the RULER-style tasks' prompts (with --model: real attention)")
+    ap.add_argument("--config", default=None, metavar="NAME",
+                    help="spin mode: a bundled config's sparse section, page size and host dtype (spin, "
+                         "spin-fast, or a YAML path) in place of the Quest settings below")
     ap.add_argument("--gpu-kv-gib", type=float, default=24.0, help="GPU KV capacity of every mode (pages / buffer)")
     ap.add_argument("--host-kv-gib", type=float, default=72.0, help="host tier of the offloaded modes")
     add_budget_tokens(ap, help="sparse modes: mean middle tokens per KV head")
@@ -150,8 +168,9 @@ def _import_package() -> None:
 
 def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict:
     device = {"device": "cpu", "dtype": "float32"} if args.tiny else {"dtype": "bfloat16"}
+    weights = {"load_format": "auto", "hf_overrides": args.hf_overrides} if args.model else {"load_format": "dummy"}
     cfg = {
-        "model": {"path": folder, "load_format": "dummy", "max_model_len": max_len, **device},
+        "model": {"path": folder, "max_model_len": max_len, **weights, **device},
         "cache": {"page_size": args.page_size, "kv_cache_gib": args.gpu_kv_gib},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens,
                       "async_decode": {"auto": None, "on": True, "off": False}[getattr(args, "async_decode", "auto")],
@@ -165,6 +184,14 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
     cfg["cache"].update(offload=True, host_kv_gib=args.host_kv_gib, buffer_reuse=mode == "spin",
                         gpu_home_fraction=args.gpu_home_fraction if mode == "spin" else 0.0)
     if mode == "dense-offload":
+        return cfg
+    if args.config and mode == "spin":
+        from spin_cluster.profiling import bundled
+
+        sections = bundled.load(args.config)
+        cfg["sparse"] = sections["sparse"]
+        cfg["cache"].update({k: v for k, v in sections["cache"].items() if k != "offload"},
+                            buffer_share=args.buffer_share)
         return cfg
     # A bfloat16 index halves the bytes Select reads (Quest's bounds are rounded outward).
     cfg["sparse"] = {"algorithm": args.algorithm, "budget": args.budget, "local_tokens": 2 * args.page_size,
@@ -324,12 +351,21 @@ def _sync(engine) -> None:
         torch.cuda.synchronize(engine.device)
 
 
-def workloads(args, vocab: int) -> list[tuple[str, list[list[int]], list[float], int]]:
+def workloads(args, vocab: int, folder: str) -> list[tuple[str, list[list[int]], list[float], int]]:
     """(name, prompts, arrival seconds, output tokens), the most telling first."""
     rng = random.Random(0)
+    if args.prompts == "ruler":
+        from spin_cluster.profiling import ruler
+        from spin_cluster.tokenizer import Tokenizer
 
-    def prompt(n):
-        return [rng.randrange(1000, min(vocab, 40000)) for _ in range(n)]
+        tokenizer, tasks, seeds = Tokenizer(folder), ruler.task_names(), iter(range(10**6))
+
+        def prompt(n):  # the suite's tasks in turn, each prompt a new seed
+            seed = next(seeds)
+            return list(ruler.make_sample(tasks[seed % len(tasks)], tokenizer, n, seed).prompt_ids)
+    else:
+        def prompt(n):
+            return [rng.randrange(1000, min(vocab, 40000)) for _ in range(n)]
 
     out = [(f"offline-{n // 1024}K" if n >= 1024 else f"offline-{n}", [prompt(n) for _ in range(args.offline_batch)],
             [0.0] * args.offline_batch, args.output_tokens) for n in args.offline_lengths]
@@ -391,11 +427,16 @@ def main(argv=None) -> dict:
     from spin_cluster.models.shapes import SHAPES, shape_folder, tiny
     from spin_cluster.provenance import write_json
 
-    shape = tiny(SHAPES[args.shape], TINY) if args.tiny else SHAPES[args.shape]
     longest = max(args.offline_lengths + [args.online_length])
     max_len = longest + max(args.output_tokens, args.online_output_tokens) + args.page_size
-    folder = shape_folder(shape, max_len, args.tokenizer, prefix="e2e-model-")
-    runs = workloads(args, shape["vocab_size"])
+    if args.model:  # real weights: the folder is the user's, read, never removed
+        folder = args.model
+        with open(os.path.join(folder, "config.json")) as f:
+            shape = {**json.load(f), **(args.hf_overrides or {})}
+    else:
+        shape = tiny(SHAPES[args.shape], TINY) if args.tiny else SHAPES[args.shape]
+        folder = shape_folder(shape, max_len, args.tokenizer, prefix="e2e-model-")
+    runs = workloads(args, shape["vocab_size"], folder)
     if args.workloads:
         unknown = set(args.workloads) - {name for name, *_ in runs}
         if unknown:
@@ -446,7 +487,8 @@ def main(argv=None) -> dict:
         write_json(os.path.join(args.out, "e2e.json"), results)  # kept if a later mode fails
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    shutil.rmtree(folder, ignore_errors=True)
+    if not args.model:
+        shutil.rmtree(folder, ignore_errors=True)
     write_json(os.path.join(args.out, "e2e.json"), results)
     table = e2e_report.markdown(results)
     with open(os.path.join(args.out, "e2e.md"), "w") as f:
