@@ -48,7 +48,7 @@ def _over_long_config(tmp_path, smollm2_path):
 def test_a_config_the_model_cannot_run_is_an_error_before_ray_starts(tmp_path, smollm2_path, capsys):
     assert cli.main(["serve", "--config", str(_over_long_config(tmp_path, smollm2_path))]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: model.max_model_len=8448 exceeds the model's max_position_embeddings=8192")
+    assert err.startswith("error: model.max_model_len=8448 exceeds the model's context of 8192 tokens")
 
 
 def test_the_command_exits_2_within_seconds_with_one_error_line(tmp_path, smollm2_path):
@@ -64,8 +64,9 @@ def test_the_command_exits_2_within_seconds_with_one_error_line(tmp_path, smollm
     elapsed_s = time.monotonic() - started
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert lines == ["error: model.max_model_len=8448 exceeds the model's max_position_embeddings=8192: "
-                     "lower it, or leave it null for 8192"], proc.stderr
+    assert lines == ["error: model.max_model_len=8448 exceeds the model's context of 8192 tokens (a longer context "
+                     "needs RoPE scaling: see model.hf_overrides, e.g. YaRN for Qwen2.5): lower it, or leave it "
+                     "null for 8192"], proc.stderr
     assert proc.stdout == ""
     assert list(ray_tmp.iterdir()) == []
     assert elapsed_s < 20, f"took {elapsed_s:.1f}s"

@@ -144,7 +144,7 @@ def test_ranks_per_engine(args, num_kv_heads, ranks):
 
 
 @pytest.mark.parametrize("bad, words", [
-    ({"model": {"max_model_len": 8448}}, r"max_model_len=8448 exceeds the model's max_position_embeddings=8192"),
+    ({"model": {"max_model_len": 8448}}, r"max_model_len=8448 exceeds the model's context of 8192 tokens .*model.hf_overrides"),
     ({"scheduler": {"enable_chunked_prefill": False, "max_num_batched_tokens": 512}},
      r"max_num_batched_tokens \(512\) must be >= max_model_len \(8192\)"),
     ({"sparse": {"per_head_budgets": [[64] * 2] * 30}}, r"per_head_budgets must be \[30\]\[3\]"),

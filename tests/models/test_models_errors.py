@@ -120,8 +120,8 @@ def test_progress_bar_only_when_asked(checkpoints, capsys):
     "patch, message",
     [
         (
-            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-            "RoPE type 'yarn'",
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}},
+            "RoPE type 'longrope'",
         ),
         ({"use_sliding_window": True}, "sliding-window"),
         ({"hidden_act": "gelu"}, "hidden_act"),
