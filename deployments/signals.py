@@ -49,7 +49,6 @@ class ServeSignals:
         self._deadline = float("inf")
         self._serving = False
         self._previous: dict[int, Any] = {}
-        self._watchdog: threading.Thread | None = None
 
     def install(self) -> None:
         """Again after ``ray.init``, which sets a SIGTERM handler of its own."""
@@ -83,11 +82,10 @@ class ServeSignals:
 
     def _start_watchdog(self) -> None:
         self._deadline = time.monotonic() + _WATCHDOG_S
-        self._watchdog = threading.Thread(target=self._watch, name="stop-watchdog", daemon=True)
-        self._watchdog.start()
+        threading.Thread(target=self._watch, name="stop-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
         while time.monotonic() < self._deadline:
             time.sleep(0.05)
-        print(f"stop: still running {_WATCHDOG_S:g} s after the signal; exiting now", file=sys.stderr, flush=True)
+        print("stop: the stop outlasted its deadline; exiting now", file=sys.stderr, flush=True)
         os._exit(128 + (self.signum or signal.SIGTERM))

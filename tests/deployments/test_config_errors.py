@@ -35,6 +35,10 @@ BAD = {
         f"cache: {{offload: true, host_kv_gib: {_over_memory_gib()}}}\n"
         "scheduler: {max_num_seqs: 4096}\nsparse: {algorithm: quest, budget: 64}",
         f"error: cache.host_kv_gib={_over_memory_gib()}: the app would take "),
+    # The paged cache on the CPU: its pool is cache.kv_cache_gib of host memory.
+    "CPU page pool over the memory": (
+        f"cache: {{kv_cache_gib: {_over_memory_gib()}}}\nscheduler: {{max_num_seqs: 4096}}",
+        f"error: cache.kv_cache_gib={_over_memory_gib()}: the app would take "),
     "engine ranks over the GPUs": (
         f"serve: {{engine_ranks: {_RANKS}, engine_num_gpus: {_RANKS}}}", f"error: serve.engine_ranks={_RANKS}"),
     "engine GPUs over the GPUs": (f"serve: {{engine_num_gpus: {torch.cuda.device_count() + 1}}}",

@@ -4,6 +4,8 @@ reason; SIGTERM while serving drains (503 to new requests, in-flight ones finish
 serve.drain_s, or end with an error event after it)."""
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -74,6 +76,21 @@ def test_sigterm_during_a_failing_deploy(serve, smollm2_path, tmp_path):
     assert took_s < STOP_WITHIN_S, s.said()
     assert s.proc.returncode == 128 + signal.SIGTERM, s.said()
     assert s.left_behind() == []
+
+
+def test_a_stop_that_hangs_is_ended_by_the_watchdog():
+    """The backstop: a stop whose steps never return (here: none is taken) still ends the
+    process within 5 s of the signal."""
+    code = ("import os, signal, time\n"
+            "from spin_cluster.deployments.signals import ServeSignals\n"
+            "s = ServeSignals(); s.install(); s.serving()\n"
+            "print(time.monotonic(), flush=True); os.kill(os.getpid(), signal.SIGTERM)\n"
+            "s.stop.wait(); time.sleep(60)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    took_s = time.monotonic() - float(done.stdout.split()[0])
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert done.stderr.strip().endswith("stop: the stop outlasted its deadline; exiting now")
+    assert took_s < STOP_WITHIN_S
 
 
 # ---- SIGTERM while serving: the drain ----------------------------------------------------
