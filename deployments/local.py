@@ -1,5 +1,13 @@
 """Local mode: start Ray on this machine, run the app, block until SIGINT/SIGTERM, shut down.
 
+    check    the config and the memory plan (preflight.py): exit 2, before Ray starts
+    start    ray.init, serve.start
+    deploy   serve.run; a replica that fails to start START_ATTEMPTS times fails the deploy
+             (Serve's own count): its reason on stderr, exit 1
+    serve    until a signal: SIGINT stops at once (streams end with an error event);
+             SIGTERM drains first (503 to new requests, serve.drain_s for those in flight)
+    stop     ray.shutdown; SIGINT or SIGTERM ends any state within 5 s (signals.py)
+
 What ``spin-cluster serve`` runs. No dashboard; Ray's usage reporting is off, so nothing
 leaves the machine. Ray binds to the address the API is served on: with a loopback host (the
 default, 127.0.0.1) the GCS, the raylet, the object manager, every worker's gRPC server and
@@ -12,9 +20,16 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
+import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from spin_cluster.deployments.settings import START_ATTEMPTS
+from spin_cluster.deployments.signals import Interrupted, ServeSignals
+
+if TYPE_CHECKING:
+    from spin_cluster.deployments.settings import AppConfig
 
 # Ray's logical CPUs in local mode: actors reserve fractions of these, not real cores, so
 # a small machine still fits the ingress, the planner and an engine.
@@ -23,6 +38,9 @@ LOCAL_NUM_CPUS = 8
 _RAY_KEEPS_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # How long the ingress gets to write the streams' error events before the cluster stops.
 _ERROR_EVENT_GRACE_S = 0.5
+# A drain's calls to the ingress, and how often it asks what is left.
+_CALL_TIMEOUT_S = 2.0
+_DRAIN_POLL_S = 0.1
 
 
 def _ray_node_ip(host: str) -> str | None:
@@ -54,8 +72,10 @@ def serve_grpc_on_loopback() -> None:
     replica.add_port_to_grpc_server = bind_on_loopback
 
 
-def run_local(args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000,
-              app_name: str = "spin", stop: threading.Event | None = None) -> None:
+def run_local(args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000, app_name: str = "spin") -> int:
+    """Runs the app until SIGINT or SIGTERM; returns the command's exit status: 0 after a
+    stop while serving, 1 when the app failed to deploy, 128 + the signal when one came
+    before the app served (``signals.py``)."""
     from spin_cluster.deployments.preflight import check_local_run
     from spin_cluster.deployments.settings import load_app_config
 
@@ -64,6 +84,30 @@ def run_local(args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000
     config = load_app_config(args)
     num_cpus = max(LOCAL_NUM_CPUS, os.cpu_count() or 1)
     check_local_run(config, num_cpus)
+    _set_ray_environment(host)
+    import ray
+
+    signals = ServeSignals()
+    signals.install()
+    try:
+        return _run(config, signals, num_cpus=num_cpus, host=host, port=port, app_name=app_name)
+    except Interrupted as stopped:
+        print(f"stopped by {stopped} before the app served", flush=True)
+        return 128 + stopped.signum
+    except SystemExit as stopped:  # SIGTERM inside ray.init, whose own handler exits with the signal
+        print(f"stopped by signal {stopped.code} while Ray started", flush=True)
+        return 128 + signal.SIGTERM
+    finally:
+        # Not serve.shutdown(): it waits out each replica's graceful shutdown in turn (~25 s).
+        # The streams have ended (_stop); stopping the cluster this process started stops
+        # every process of it, replicas included.
+        t1 = time.monotonic()
+        ray.shutdown()
+        print(f"cluster stopped in {time.monotonic() - t1:.2f} s", flush=True)
+        signals.restore()
+
+
+def _set_ray_environment(host: str) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray starts its workers at nice 15: the engine would yield the CPU to any other process
     # (the load client included). Read by the raylet from the environment.
@@ -80,41 +124,83 @@ def run_local(args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000
         # and its servers and agents bind to it. Read when Ray is imported, and inherited by
         # the processes it starts.
         os.environ[_RAY_KEEPS_LOOPBACK_ENV] = "0"
+
+
+def _run(config: AppConfig, signals: ServeSignals, *, num_cpus: int, host: str, port: int, app_name: str) -> int:
     import ray
     from ray import serve
 
     from spin_cluster.deployments.app import build_app
 
-    stop = stop or threading.Event()
-    previous: dict[int, Any] = {}
+    node_ip = _ray_node_ip(host)
     # A new single-machine cluster whose own services listen on node_ip (above).
     loopback = node_ip is not None and ipaddress.ip_address(node_ip).is_loopback
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
              _node_ip_address=node_ip,
              runtime_env={"worker_process_setup_hook": f"{__name__}.serve_grpc_on_loopback"} if loopback else None)
+    signals.install()  # ray.init set its own SIGTERM handler
+    serve.start(http_options={"host": host, "port": port})
     try:
-        serve.start(http_options={"host": host, "port": port})
-        # Installed after Ray's start-up, which sets handlers of its own, and before the app's
-        # deployment: /health can answer before serve.run returns, and a Ctrl-C then must
-        # still end in the orderly shutdown below (it stops the loop once the app is up).
-        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         serve.run(build_app(config), name=app_name, route_prefix="/")
-        print(f"serving {config.model_name} on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
-        while not stop.wait(0.1):
-            pass
-        t0 = time.monotonic()
-        print("shutting down", flush=True)
-        end_streams(app_name)
-        print(f"streams ended in {time.monotonic() - t0:.2f} s", flush=True)
-    finally:
-        # Not serve.shutdown(): it waits out each replica's graceful shutdown in turn (~25 s).
-        # The streams have ended above; stopping the cluster this process started stops every
-        # process of it, replicas included.
-        t1 = time.monotonic()
-        ray.shutdown()
-        print(f"cluster stopped in {time.monotonic() - t1:.2f} s", flush=True)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    except Interrupted:
+        # serve.run returns a moment after the app is up (it waits for the proxies too), and
+        # /health answers meanwhile: a signal then is a stop of a serving app.
+        app = serve.status().applications.get(app_name)
+        if app is None or app.status != "RUNNING":
+            raise
+    except RuntimeError:  # Serve's DEPLOY_FAILED: a replica failed to start START_ATTEMPTS times
+        print(f"error: {deploy_failure(app_name)}", file=sys.stderr, flush=True)
+        return 1
+    signals.serving()
+    print(f"serving {config.model_name} on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
+    signals.stop.wait()
+    _stop(app_name, signals, config.serve.drain_s)
+    return 0
+
+
+def deploy_failure(app_name: str) -> str:
+    """Why Serve gave up on the app: each failed deployment with the last line of its
+    replica's error (Serve's own status, whose message ends with the constructor's traceback)."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    failed = [(name, d.message) for name, d in (app.deployments.items() if app else ()) if d.status != "HEALTHY"]
+    reasons = [f"{name} failed to start {START_ATTEMPTS} times: {_last_line(message)}" for name, message in failed]
+    return "the app failed to deploy: " + ("; ".join(reasons) or (app.message if app else "no status"))
+
+
+def _last_line(message: str) -> str:
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return lines[-1] if lines else "no reason given"
+
+
+def _stop(app_name: str, signals: ServeSignals, drain_s: float) -> None:
+    t0 = time.monotonic()
+    if signals.signum == signal.SIGTERM:
+        signals.extend(drain_s)
+        print(f"draining: new requests get 503; in-flight ones have {drain_s:g} s", flush=True)
+        left = drain(app_name, drain_s, signals.hurry)
+        print(f"drained in {time.monotonic() - t0:.2f} s, {left} request(s) left", flush=True)
+    print("shutting down", flush=True)
+    end_streams(app_name)
+    print(f"streams ended in {time.monotonic() - t0:.2f} s", flush=True)
+
+
+def drain(app_name: str, drain_s: float, hurry: threading.Event) -> int:
+    """The ingress refuses new requests (503) while those in flight go on, until none is left,
+    ``drain_s`` has passed or ``hurry`` is set; returns how many were left."""
+    from ray import serve
+
+    ingress = serve.get_deployment_handle("OpenAIIngress", app_name=app_name)
+    deadline = time.monotonic() + drain_s
+    try:
+        left = ingress.drain.remote().result(timeout_s=_CALL_TIMEOUT_S)
+        while left and time.monotonic() < deadline and not hurry.wait(_DRAIN_POLL_S):
+            left = ingress.num_in_flight.remote().result(timeout_s=_CALL_TIMEOUT_S)
+    except Exception as e:  # the ingress is gone: nothing is left to drain through it
+        print(f"could not drain: {type(e).__name__}: {e}", flush=True)
+        return 0
+    return left
 
 
 def end_streams(app_name: str, timeout_s: float = 2.0) -> None:

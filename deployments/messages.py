@@ -62,6 +62,8 @@ class KvUsage:
     kv_bytes: dict[tuple[str, str], int] = field(default_factory=dict)
     # tier -> bytes of page-table metadata.
     metadata_bytes: dict[str, int] = field(default_factory=dict)
+    # tier ("gpu", "host") -> bytes allocated for its KV pages, free ones included.
+    allocated_bytes: dict[str, int] = field(default_factory=dict)
     # Cumulative: buffer_lookups, buffer_hits, retrieved_bytes, evicted_pages, promoted_pages,
     # spilled_pages, preemptions, prefix_cache_queries, prefix_cache_hits (tokens),
     # attention_bubble_s.

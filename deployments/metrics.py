@@ -140,6 +140,12 @@ class _ClusterCollector(Collector):
         for (tier, state), n in sorted(_with_tiers(st.kv_bytes).items()):
             kv_bytes.add_metric([name, tier, state], n)
         yield kv_bytes
+        allocated = GaugeMetricFamily("spin_kv_allocated_bytes", "Bytes allocated for KV pages by tier, free "
+                                      "pages included (host: the host tier's one allocation).",
+                                      labels=["model_name", "tier"])
+        for tier in sorted({"gpu", "host", *st.allocated_bytes}):
+            allocated.add_metric([name, tier], st.allocated_bytes.get(tier, 0))
+        yield allocated
         meta = GaugeMetricFamily("spin_metadata_bytes", "Page-table bytes by tier.", labels=["model_name", "tier"])
         for tier in sorted({"gpu", "host", *st.metadata_bytes}):
             meta.add_metric([name, tier], st.metadata_bytes.get(tier, 0))

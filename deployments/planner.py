@@ -126,12 +126,14 @@ class ClusterPlanner:
         kv_pages: Counter = Counter()
         kv_bytes: Counter = Counter()
         metadata: Counter[str] = Counter()
+        allocated: Counter[str] = Counter()
         counters = Counter(self._retired_counters)
         rank_s = Counter(self._retired_rank_s)
         for r in live:
             kv_pages.update(r.kv_pages)
             kv_bytes.update(r.kv_bytes)
             metadata.update(r.metadata_bytes)
+            allocated.update(r.allocated_bytes)
             counters.update(r.counters)
             rank_s.update(r.attention_rank_s)
         return ClusterStats(
@@ -141,6 +143,7 @@ class ClusterPlanner:
             kv_pages=dict(kv_pages),
             kv_bytes=dict(kv_bytes),
             metadata_bytes=dict(metadata),
+            allocated_bytes=dict(allocated),
             counters=dict(counters),
             attention_rank_s=dict(rank_s),
             head_placement_imbalance=self.plan.imbalance,

@@ -7,19 +7,17 @@ instead of Ray starting and an engine replica failing, or waiting for ever to be
     Ray's node      one engine replica, no custom resources, CPUs within local Ray's
     GPUs            engine GPUs and head-parallel ranks within torch.cuda.device_count()
     the model       AppConfig.check_model: context, budgets, per-head shapes, KV heads
-    memory          the host KV tier (and a CPU page pool) within MemAvailable
+    memory          memory_plan.py: the host KV tier, a CPU page pool, the weights and the
+                    processes within the room under Ray's kill threshold (and a cgroup limit)
     the placement   the planner's plan (S-HPLB profile, heads on ranks), as the app makes it
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from spin_cluster.deployments.memory_plan import MemoryPlan, check_plan, node_room
 from spin_cluster.deployments.settings import AppConfig
-from spin_cluster.engine.cache_builder import check_sparse_algorithm
+from spin_cluster.engine.cache_builder import CPU_DEFAULT_KV_GIB, DEFAULT_HOST_KV_GIB, check_sparse_algorithm
 from spin_cluster.models.config import ModelConfig
-
-MEMINFO = Path("/proc/meminfo")
 
 
 def check_local_run(config: AppConfig, local_num_cpus: int) -> None:
@@ -74,46 +72,50 @@ def _check_gpus(config: AppConfig) -> None:
 
 
 def _check_memory(config: AppConfig, mc: ModelConfig) -> None:
-    """The host tier's pages are pinned on CUDA (never swapped out) and plain memory on the
-    CPU: either way the whole tier is written at start-up, so it must fit the memory the
-    machine has available, not its total."""
-    total, available = memory_bytes()
+    """The memory plan (``memory_plan.py``) against this machine's room under Ray's kill
+    threshold. The host tier's pages are pinned on CUDA and plain memory on the CPU; either
+    way the whole tier is written at start-up, so it is resident from the first request."""
+    plan = memory_plan(config, mc)
     cc = config.spin.cache
     if cc.offload:
-        need, field = _host_tier_bytes(config, mc), f"cache.host_kv_gib={cc.host_kv_gib}"
-    elif engine_device_type(config) == "cpu" and cc.kv_cache_gib is not None:
-        need, field = cc.kv_cache_gib * 2**30, f"cache.kv_cache_gib={cc.kv_cache_gib}"
+        setting, part = _gib_setting("cache.host_kv_gib", cc.host_kv_gib, DEFAULT_HOST_KV_GIB), plan.host_tier_bytes
+    elif plan.page_pool_bytes:
+        setting, part = _gib_setting("cache.kv_cache_gib", cc.kv_cache_gib, CPU_DEFAULT_KV_GIB), plan.page_pool_bytes
     else:
-        return
-    if need > available:
-        raise ValueError(f"{field}: the KV pages would take {need / 2**30:.1f} GiB and this machine has "
-                         f"{available / 2**30:.1f} GiB available (of {total / 2**30:.1f} GiB): lower it")
+        setting, part = f"model.path={config.spin.model.resolved_path()!r}", plan.weight_bytes
+    check_plan(plan, node_room(), setting, part)
 
 
-def _host_tier_bytes(config: AppConfig, mc: ModelConfig) -> int:
+def _gib_setting(name: str, value: float | None, default: float) -> str:
+    return f"{name}={value:g}" if value is not None else f"{name}=null ({default:g} GiB)"
+
+
+def memory_plan(config: AppConfig, mc: ModelConfig) -> MemoryPlan:
+    """The app's bytes in this machine's memory, as the engine will allocate them."""
     import torch
 
-    from spin_cluster.engine.cache_builder import host_dtype, host_tier_segments
-    from spin_cluster.kvcache.host_tier import HostTier
+    from spin_cluster.engine.cache_builder import gpu_budget_bytes, host_tier_bytes
+    from spin_cluster.models.loader import weight_bytes
 
-    spin = config.spin
-    dtype_name = spin.model.dtype
-    if dtype_name == "auto":
-        dtype_name = "bfloat16" if engine_device_type(config) == "cuda" else "float32"
-    dtype = getattr(torch, dtype_name)
+    spin, on_cpu = config.spin, engine_device_type(config) == "cpu"
+    dtype = _engine_dtype(config)
     context = spin.model.max_model_len or mc.context_len
-    segments = host_tier_segments(spin, mc, dtype, context)
-    return segments * HostTier.bytes_per_segment(spin.cache.segment_pages, spin.cache.page_size, mc.head_dim,
-                                                 host_dtype(spin, dtype))
+    # Head-parallel ranks on the CPU are processes of their own, each with the weights.
+    ranks = config.ranks_per_engine(mc.num_kv_heads) if on_cpu else 0
+    return MemoryPlan(
+        host_tier_bytes=host_tier_bytes(spin, mc, dtype, context) if spin.cache.offload else 0,
+        page_pool_bytes=int(gpu_budget_bytes(spin, torch.device("cpu"))) if on_cpu else 0,
+        weight_bytes=ranks * weight_bytes(mc, dtype),
+    )
 
 
-def memory_bytes() -> tuple[int, int]:
-    """(MemTotal, MemAvailable) of this machine in bytes, from /proc/meminfo."""
-    fields = {}
-    for line in MEMINFO.read_text().splitlines():
-        name, _, value = line.partition(":")
-        fields[name] = int(value.split()[0]) * 1024  # kB
-    return fields["MemTotal"], fields.get("MemAvailable", fields["MemTotal"])
+def _engine_dtype(config: AppConfig):
+    import torch
+
+    name = config.spin.model.dtype
+    if name == "auto":
+        name = "bfloat16" if engine_device_type(config) == "cuda" else "float32"
+    return getattr(torch, name)
 
 
 def _check_plan(config: AppConfig, mc: ModelConfig) -> None:

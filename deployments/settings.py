@@ -28,6 +28,10 @@ DEFAULT_CONFIG = "default"
 # (at most max_num_seqs rows, 64 by default) stay on one thread; a prefill chunk of 512 tokens
 # took 0.43 s on two threads.
 AUTO_THREADS_MIN_TOKENS = 128
+# A replica that fails to start this many times fails the deploy (Serve's
+# max_constructor_retry_count): `spin-cluster serve` then exits with its reason, and a
+# RayService shows the app DEPLOY_FAILED, instead of Serve starting it again for ever.
+START_ATTEMPTS = 2
 
 
 # Ray resource amounts: a number >= 0.
@@ -89,6 +93,12 @@ class ServeOptions(ConfigSection):
         "Seconds between an engine's capacity/stats reports to the planner, > 0."))
     engine_stale_s: float = Field(5.0, gt=0, description=(
         "Seconds: an engine silent this long is dropped from routing and /health, > stats_interval_s."))
+    drain_s: float = Field(20.0, ge=0, description=(
+        "Seconds requests in flight get to finish after a SIGTERM, >= 0: `spin-cluster serve` "
+        "answers new requests 503 meanwhile and ends what is left with an error event after it; "
+        "each replica's graceful shutdown (Serve's graceful_shutdown_timeout_s) waits as long. "
+        "The Helm chart gives pods this plus 10 s (terminationGracePeriodSeconds) and Ray's node "
+        "drain this long (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S)."))
     hplb_profile: str | None = Field(None, description=(
         "S-HPLB: the offline per-head profile (`spin-cluster profile --out F`) of this model. The "
         "planner shifts the uniform sparse.budget to per-head budgets at the same total (max-min) "

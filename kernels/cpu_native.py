@@ -20,7 +20,7 @@ where it lies, a small-batch linear, and a decoder layer's element-wise ops fuse
   more than their arithmetic: torch's ``rms_norm`` path took ~60 us for a 576-wide row.
 
 It is plain C (no torch headers: it builds in about a second), compiled on first use with
-the machine's C compiler for the machine's own CPU, cached under
+the machine's C compiler for the machine's own CPU (or an ISA below it: :func:`isa`), cached under
 ``~/.cache/spin-cluster/cpu_kernels/`` by a hash of the source, the flags, the compiler and
 the CPU, and called through ``ctypes`` (which releases the GIL for the call). Without a
 compiler, or if the build fails, :func:`available` is False and callers keep the torch paths.
@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "fits", "kv_float16", "reads_pages", "paged_decode_attention_cpu", "set_row_threads", "supports", "add_rms_norm", "rope_qkv", "silu_mul",
+__all__ = ["available", "isa", "cpu_isas", "ISA_ENV", "ISAS", "library_path", "fits", "kv_float16", "reads_pages", "paged_decode_attention_cpu", "set_row_threads", "supports", "add_rms_norm", "rope_qkv", "silu_mul",
            "linear_rows", "LINEAR_MAX_ROWS", "prefill_attention_cpu", "supports_prefill"]
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,20 @@ _SOURCE = Path(__file__).with_name("cpu_native.c")
 # step only: a link with it adds crtfastmath.o, whose constructor sets flush-to-zero and
 # denormals-are-zero for the whole process when the library loads (every float op of the
 # engine, torch's included, would then lose subnormals).
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-pthread"]
+_FLAGS = ["-O3", "-ffast-math", "-fopenmp-simd", "-fPIC", "-pthread"]
 _LINK_FLAGS = ["-shared", "-pthread"]
+# The instruction set the kernels are built for: SPIN_CLUSTER_CPU_ISA caps it, so that a CPU
+# without AVX-512 (many cloud CPUs have AVX2 only) is measured on one that has it, beside
+# torch's ATEN_CPU_CAPABILITY and oneDNN's ONEDNN_MAX_CPU_ISA (benchmarks/cpu_serving.py
+# --isa sets all three). "native": every extension of this CPU (-march=native); "avx512" and
+# "avx2": x86-64-v4 (AVX-512 F/BW/CD/DQ/VL) and x86-64-v3 (AVX2, FMA, F16C), each taken only
+# where the CPU has it. The C source picks its vector paths from the macros these define
+# (__AVX512F__: 16-float vectors; else 8, with F16C's conversions).
+ISA_ENV = "SPIN_CLUSTER_CPU_ISA"
+ISAS = ("avx2", "avx512", "native")  # from the narrowest
+_ISA_MARCH = {"avx2": "x86-64-v3", "avx512": "x86-64-v4", "native": "native"}
+_ISA_CPU_FLAGS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+                  "native": set()}
 _MAX_G, _MAX_D = 16, 256  # the kernel's MAX_G, MAX_D
 # Rows of tokens per extra thread below which a second thread costs more than it saves
 # (creating and joining one is ~20-50 us; a 512-token row is ~20 us of work).
@@ -87,6 +99,34 @@ def _cpu_key() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+def cpu_isas() -> tuple[str, ...]:
+    """The ISAS this CPU runs (by /proc/cpuinfo's flags), narrowest first; "native" always."""
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags.update(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return tuple(isa for isa in ISAS if _ISA_CPU_FLAGS[isa] <= flags)
+
+
+def isa() -> str:
+    """The ISA the kernels are built for: SPIN_CLUSTER_CPU_ISA (default "native") where this
+    CPU runs it; a cap the CPU lacks builds for the CPU instead (with a warning)."""
+    wanted = os.environ.get(ISA_ENV, "native").lower()
+    if wanted not in ISAS:
+        raise ValueError(f"{ISA_ENV}={wanted!r}: choose one of {', '.join(ISAS)}")
+    if wanted not in cpu_isas():
+        log.warning("%s=%s: this CPU lacks it; the CPU kernels are built for the CPU's own ISA", ISA_ENV, wanted)
+        return "native"
+    return wanted
+
+
+def _compile_flags() -> list[str]:
+    return [*_FLAGS, f"-march={_ISA_MARCH[isa()]}", "-mtune=native"]
+
+
 # linear_rows: the most rows of x per call (the kernel's GEMV_MAX_T).
 LINEAR_MAX_ROWS = 4
 
@@ -107,7 +147,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS + _LINK_FLAGS), version,
+        flags = _compile_flags()
+        key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(flags + _LINK_FLAGS), version,
                                         _cpu_key()]).encode())
         target = _cache_dir() / f"cpu_native-{key.hexdigest()[:16]}.so"
         if not target.exists():
@@ -116,7 +157,7 @@ def _library() -> ctypes.CDLL | None:
             os.close(fd)
             obj = tmp[: -len(".so")] + ".o"
             try:
-                subprocess.run([cc, *_FLAGS, "-c", str(_SOURCE), "-o", obj], check=True,
+                subprocess.run([cc, *flags, "-c", str(_SOURCE), "-o", obj], check=True,
                                capture_output=True, text=True, timeout=120)
                 subprocess.run([cc, *_LINK_FLAGS, obj, "-o", tmp, "-lm"], check=True,
                                capture_output=True, text=True, timeout=120)
@@ -154,6 +195,12 @@ def _library() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the kernel is built and loaded on this machine."""
     return _library() is not None
+
+
+def library_path() -> Path | None:
+    """The built library (its name holds the hash of the source, flags, compiler and CPU)."""
+    lib = _library()
+    return None if lib is None else Path(lib._name)
 
 
 def kv_float16() -> bool:

@@ -6,7 +6,7 @@
     spin-cluster eval                      RULER-style accuracy of sparse algorithms
     spin-cluster profile [--out F]         per-head sparsity profile (S-HPLB)
     spin-cluster profile train-gate        train the seer gate
-    spin-cluster serve [--config F]        OpenAI-compatible server on a local Ray (Ctrl-C stops)
+    spin-cluster serve [--config F]        OpenAI-compatible server on a local Ray (Ctrl-C stops; SIGTERM drains)
     spin-cluster dashboards export DIR     write the Grafana dashboards; `push --url U` uploads them
 """
 
@@ -168,13 +168,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     configured = (read_config_file(args.config).get("model") or {}).get("path")
     path = args.model or configured or str(prepare_default_model())
-    run_local({"config": args.config, "model": {"path": path}}, host=args.host, port=args.port)
+    code = run_local({"config": args.config, "model": {"path": path}}, host=args.host, port=args.port)
     # The cluster has stopped and every process it started with it. What is left is the
     # interpreter's teardown of the Ray and torch modules, about a second of Ctrl-C's 3.8 s
     # on a 2-vCPU machine (tests/deployments/test_serve_sigint.py): skipped, output flushed.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _reply(engine, history: list[dict], params) -> str:

@@ -65,6 +65,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
               "cpu-serving"),
     Benchmark("generate-speed", "generate_speed.py", "engine decode/prefill speed vs transformers' generate",
               "engine"),
+    Benchmark("memory-plan", "memory_plan.py", "spin-cluster serve's memory plan against what its processes hold "
+              "(CPU)", "memory"),
     Benchmark("buffer-policy", "buffer_policy.py", "the elastic buffer policy: concurrency vs hit ratio", "memory"),
     Benchmark("stop-strings", "stop_strings.py", "host time per token of detokenizing and stop strings (CPU)",
               "engine"),

@@ -41,8 +41,8 @@ from spin_cluster.sparse.prefill import BlockSparsePrefill
 
 log = logging.getLogger(__name__)
 
-_CPU_DEFAULT_KV_GIB = 2.0
-_DEFAULT_HOST_KV_GIB = 8.0
+CPU_DEFAULT_KV_GIB = 2.0
+DEFAULT_HOST_KV_GIB = 8.0
 # Of the GPU memory free after loading weights, the share given to KV pages; the rest is
 # for activations of a full token budget.
 _GPU_KV_FRACTION = 0.85
@@ -135,11 +135,18 @@ def host_tier_segments(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, 
     """Segments of the offloaded cache's host tier: ``cache.host_kv_gib`` (null: 8 GiB) of
     pages in ``host_dtype``, never more than every request row could use at full length."""
     cc, S = config.cache, config.cache.page_size
-    host_gib = _DEFAULT_HOST_KV_GIB if cc.host_kv_gib is None else cc.host_kv_gib
+    host_gib = DEFAULT_HOST_KV_GIB if cc.host_kv_gib is None else cc.host_kv_gib
     seg_bytes = HostTier.bytes_per_segment(cc.segment_pages, S, mc.head_dim, host_dtype(config, dtype))
     max_pages = -(-max_model_len // S)
     most_segments = config.scheduler.max_num_seqs * -(-max_pages // cc.segment_pages) * mc.num_layers * mc.num_kv_heads
     return min(int(host_gib * 2**30 // seg_bytes), most_segments)
+
+
+def host_tier_bytes(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, max_model_len: int) -> int:
+    """Bytes of the host tier's one allocation (``HostTier.nbytes``): the memory plan's figure."""
+    seg_bytes = HostTier.bytes_per_segment(config.cache.segment_pages, config.cache.page_size, mc.head_dim,
+                                           host_dtype(config, dtype))
+    return host_tier_segments(config, mc, dtype, max_model_len) * seg_bytes
 
 
 def paged_kv_dtype(config: SpinConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -362,7 +369,7 @@ def gpu_budget_bytes(config: SpinConfig, device: torch.device, held_bytes: float
     out-of-memory error in the middle of the allocation."""
     gib = config.cache.kv_cache_gib
     if device.type != "cuda":
-        return (_CPU_DEFAULT_KV_GIB if gib is None else gib) * 2**30
+        return (CPU_DEFAULT_KV_GIB if gib is None else gib) * 2**30
     free, _ = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's cache is reusable
     if gib is None:

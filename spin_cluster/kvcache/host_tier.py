@@ -14,10 +14,16 @@ With ``dtype`` float8_e4m3fn (``cache.host_kv_dtype: fp8``) the pages hold FP8 K
 a float32 scale per token row beside them (``kernels/fp8_pages.py``): half the host bytes
 and half the PCIe bytes of a miss. ``write`` and ``read`` quantise and dequantise on the way
 in and out, so that callers see the model's dtype either way.
+
+The tier is one allocation of exactly ``nbytes`` (what the memory plan counted, and what
+``/metrics`` reports as ``spin_kv_allocated_bytes{tier="host"}``), carved into views::
+
+    memory: [ k_pages | v_pages | k_scale | v_scale ]   (the scales with FP8 only)
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -51,6 +57,17 @@ def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+def _carve(memory: torch.Tensor, parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Consecutive views of the uint8 ``memory``, one per (shape, dtype), that fill it."""
+    views, offset = [], 0
+    for shape, dtype in parts:
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        views.append(memory[offset:offset + size].view(dtype).view(shape))
+        offset += size
+    assert offset == memory.numel(), (offset, memory.numel())
+    return views
+
+
 class HostTier:
     def __init__(
         self,
@@ -71,16 +88,19 @@ class HostTier:
         self.num_segments = num_segments
         self.segment_pages = segment_pages
         self.page_size = page_size
-        n = num_segments * segment_pages
-        zeros = pinned_zeros if pin_memory else (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
-        # [N_host, S, D] each
-        shape = (n, page_size, head_dim)
-        self.k_pages, self.v_pages = zeros(shape, dtype), zeros(shape, dtype)
         self.fp8 = dtype == FP8_DTYPE
+        self.nbytes = num_segments * self.bytes_per_segment(segment_pages, page_size, head_dim, dtype)
+        # One piece: one size to plan, pin and report, and the memory the process holds for
+        # the tier is that size (the parts are views of it).
+        zeros = pinned_zeros if pin_memory else (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+        self.memory = zeros((self.nbytes,), torch.uint8)  # kept: the views below do not hold the pin
+        n = num_segments * segment_pages
+        views = _carve(self.memory, [((n, page_size, head_dim), dtype)] * 2
+                       + [((n, page_size), torch.float32)] * (2 if self.fp8 else 0))
+        # [N_host, S, D] each
+        self.k_pages, self.v_pages = views[:2]
         # [N_host, S] float32 each: the FP8 rows' scales (None for pages in the model's dtype)
-        self.k_scale = self.v_scale = None
-        if self.fp8:
-            self.k_scale, self.v_scale = zeros(shape[:2], torch.float32), zeros(shape[:2], torch.float32)
+        self.k_scale, self.v_scale = views[2:] if self.fp8 else (None, None)
         self.free_list = FreeList(num_segments)
         self.page_bytes = self.bytes_per_segment(1, page_size, head_dim, dtype)
 

@@ -117,6 +117,16 @@ def load_model(
     return model.eval()
 
 
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the model's parameters in ``dtype`` (a tied lm_head counted once), from the
+    module built on the meta device: no weight is read."""
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    model.tie_weights()
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(p.numel() for p in model.parameters()) * size
+
+
 def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> CausalLM | Gemma3CausalLM:
     """The model ``config`` describes with random weights (N(0, 0.02) matrices, unit norms),
     drawn on ``device``: for measuring the system at a checkpoint's shapes without it."""

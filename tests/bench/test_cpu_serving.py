@@ -2,6 +2,7 @@
 JSON uses, and runs summarized as median and min-max (its figures are measured ones)."""
 
 import json
+import os
 import stat
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,3 +58,14 @@ def test_runs_are_summarized_as_median_and_spread():
     assert summary["vllm"][level]["itl_ms"]["runs"] == 1
     table = bench["markdown"](summary, ["ours", "vllm"], [level])
     assert "| 512 in, 4 streams | 12.0 (10.0-14.0) | 10.0 (10.0-10.0) | 112 (110-114) |" in table
+
+
+@pytest.mark.parametrize("system", ["ours", "vllm"])
+def test_an_isa_cap_reaches_both_servers(system, tmp_path):
+    server_command = load("cpu-serving")["server_command"]
+    args = SimpleNamespace(isa="avx2", model=None, ours_config=None, vllm_venv=str(tmp_path), vllm_bind="auto",
+                           model_dir="/m")
+    _, env = server_command(system, args, 8000)
+    assert (env["ATEN_CPU_CAPABILITY"], env["ONEDNN_MAX_CPU_ISA"], env["SPIN_CLUSTER_CPU_ISA"]) == ("avx2", "AVX2", "avx2")
+    _, env = server_command(system, SimpleNamespace(**{**args.__dict__, "isa": "native"}), 8000)
+    assert env.get("SPIN_CLUSTER_CPU_ISA") == os.environ.get("SPIN_CLUSTER_CPU_ISA")  # native: the caller's own

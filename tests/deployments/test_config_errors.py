@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from spin_cluster.deployments.preflight import memory_bytes
+from spin_cluster.deployments.memory_plan import meminfo_bytes
 
 # Runs the command as `spin-cluster serve` does, then says on stdout whether Ray was imported.
 _SERVE = ("import sys; from spin_cluster import cli; rc = cli.main(sys.argv[1:]); "
@@ -17,7 +17,7 @@ _SERVE = ("import sys; from spin_cluster import cli; rc = cli.main(sys.argv[1:])
 
 
 def _over_memory_gib() -> int:
-    return 2 * memory_bytes()[0] // 2**30
+    return 2 * meminfo_bytes()[0] // 2**30
 
 
 # Head-parallel ranks (2 or more) on CUDA, one more than this machine has GPUs.
@@ -34,7 +34,11 @@ BAD = {
     "host tier over the memory": (
         f"cache: {{offload: true, host_kv_gib: {_over_memory_gib()}}}\n"
         "scheduler: {max_num_seqs: 4096}\nsparse: {algorithm: quest, budget: 64}",
-        f"error: cache.host_kv_gib={float(_over_memory_gib())}: the KV pages would take "),
+        f"error: cache.host_kv_gib={_over_memory_gib()}: the app would take "),
+    # The paged cache on the CPU: its pool is cache.kv_cache_gib of host memory.
+    "CPU page pool over the memory": (
+        f"cache: {{kv_cache_gib: {_over_memory_gib()}}}\nscheduler: {{max_num_seqs: 4096}}",
+        f"error: cache.kv_cache_gib={_over_memory_gib()}: the app would take "),
     "engine ranks over the GPUs": (
         f"serve: {{engine_ranks: {_RANKS}, engine_num_gpus: {_RANKS}}}", f"error: serve.engine_ranks={_RANKS}"),
     "engine GPUs over the GPUs": (f"serve: {{engine_num_gpus: {torch.cuda.device_count() + 1}}}",

@@ -118,6 +118,14 @@ def test_silent_engines_are_dropped_and_their_counters_kept(monkeypatch):
     assert p.route(1) == "b"
 
 
+def test_allocated_bytes_are_summed_over_live_engines(monkeypatch):
+    monkeypatch.setattr("time.time", lambda: NOW)
+    p = _planner()
+    for rid, host in (("a", 2**30), ("b", 2**31)):
+        p.report(dataclasses.replace(_report(rid, 10), allocated_bytes={"host": host, "gpu": 2**20}))
+    assert p.cluster_stats().allocated_bytes == {"host": 3 * 2**30, "gpu": 2**21}
+
+
 def test_a_dead_engine_is_dropped_at_once_and_its_late_reports_ignored(monkeypatch):
     monkeypatch.setattr("time.time", lambda: NOW)
     p = _planner()
@@ -154,7 +162,8 @@ def test_metrics_text_has_every_series_at_zero_before_traffic():
     fams = {f.name: f for f in text_string_to_metric_families(m.render(None).decode())}
     for name in ("spin_requests_running", "spin_buffer_hits", "spin_attention_rank_seconds",
                  "spin_attention_bubble_seconds", "spin_head_placement_imbalance", "spin_kv_pages",
-                 "spin_metadata_bytes", "spin_request_success", "spin_time_to_first_token_seconds"):
+                 "spin_metadata_bytes", "spin_kv_allocated_bytes", "spin_request_success",
+                 "spin_time_to_first_token_seconds"):
         assert fams[name].samples and all(s.labels["model_name"] == "m" for s in fams[name].samples), name
     reasons = {s.labels["finished_reason"] for s in fams["spin_request_success"].samples if s.name.endswith("_total")}
     assert reasons == {"stop", "length", "abort"}
@@ -170,7 +179,8 @@ def test_metrics_follow_a_request_and_the_cluster_stats():
     stats = ClusterStats(num_engines=1, num_running=3,
                          counters={"buffer_lookups": 10, "buffer_hits": 8, "prefix_cache_queries": 40,
                                    "prefix_cache_hits": 16},
-                         attention_rank_s={"0": 1.5, "1": 2.0}, head_placement_imbalance=0.25)
+                         attention_rank_s={"0": 1.5, "1": 2.0}, head_placement_imbalance=0.25,
+                         allocated_bytes={"host": 2**30, "gpu": 3 * 2**20})
     value = {(s.name, tuple(sorted(s.labels.items()))): s.value
              for f in text_string_to_metric_families(m.render(stats).decode()) for s in f.samples}
     assert value[("spin_prompt_tokens_total", (("model_name", "m"),))] == 5
@@ -184,3 +194,5 @@ def test_metrics_follow_a_request_and_the_cluster_stats():
     assert value[("spin_prefix_cache_hits_total", (("model_name", "m"),))] == 16
     assert value[("spin_attention_rank_seconds_total", (("model_name", "m"), ("rank", "1")))] == 2.0
     assert value[("spin_head_placement_imbalance", (("model_name", "m"),))] == 0.25
+    assert value[("spin_kv_allocated_bytes", (("model_name", "m"), ("tier", "host")))] == 2**30
+    assert value[("spin_kv_allocated_bytes", (("model_name", "m"), ("tier", "gpu")))] == 3 * 2**20

@@ -19,7 +19,8 @@ SERIES = {
     "spin_buffer_lookups": "counter", "spin_buffer_hits": "counter", "spin_retrieved_bytes": "counter",
     "spin_evicted_pages": "counter", "spin_prefix_cache_queries": "counter", "spin_prefix_cache_hits": "counter",
     "spin_promoted_pages": "counter", "spin_spilled_pages": "counter", "spin_num_preemptions": "counter",
-    "spin_kv_pages": "gauge", "spin_kv_bytes": "gauge", "spin_metadata_bytes": "gauge",
+    "spin_kv_pages": "gauge", "spin_kv_bytes": "gauge", "spin_kv_allocated_bytes": "gauge",
+    "spin_metadata_bytes": "gauge",
     "spin_attention_rank_seconds": "counter", "spin_attention_bubble_seconds": "counter",
     "spin_head_placement_imbalance": "gauge", "spin_engine_requests": "counter",
 }

@@ -1,39 +1,23 @@
 """`spin-cluster serve` and Ctrl-C: with 8 streams in flight it exits within 5 s, each stream
 ends with an error event, and none of the processes it started is left."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 
 from .conftest import free_port, wait_healthy
+from .serve_process import start_streams
 
 pytestmark = [pytest.mark.serve, pytest.mark.timeout(300)]
 
 NUM_STREAMS = 8
 STOP_WITHIN_S = 5.0
-
-
-def _stream(url: str, model: str, events: list) -> None:
-    """Reads one stream to its end; appends its data events (parsed, or "[DONE]")."""
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4000, "stream": True,
-            "ignore_eos": True}
-    try:
-        with httpx.stream("POST", url, json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    data = line.removeprefix("data: ")
-                    events.append(data if data == "[DONE]" else json.loads(data))
-    except httpx.HTTPError as e:
-        events.append(e)
 
 
 def test_ctrl_c_stops_the_server_within_5_s_ending_the_streams(smollm2_path, tmp_path):
@@ -46,14 +30,7 @@ def test_ctrl_c_stops_the_server_within_5_s_ending_the_streams(smollm2_path, tmp
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, timeout_s=180)
-        streams = [[] for _ in range(NUM_STREAMS)]
-        threads = [threading.Thread(target=_stream, args=(f"{base}/v1/completions", Path(smollm2_path).name, s)) for s in streams]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while not all(any(isinstance(e, dict) and e.get("choices") for e in s) for s in streams):
-            assert time.monotonic() < deadline, f"the streams did not all start: {[s[-1:] for s in streams]}"
-            time.sleep(0.1)
+        streams, threads = start_streams(base, Path(smollm2_path).name, NUM_STREAMS)
         started = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)

@@ -2,6 +2,7 @@
 cluster), for the default values and for a 2-node 8-GPU values file."""
 
 import json
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -14,7 +15,7 @@ import yaml
 from spin_cluster.config import SpinConfig
 from spin_cluster.deployments import dashboards
 from spin_cluster.deployments.app import IMPORT_PATH, deploy_config
-from spin_cluster.deployments.settings import CONFIG_DIR, load_app_config
+from spin_cluster.deployments.settings import CONFIG_DIR, ServeOptions, load_app_config
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "spin-cluster"
@@ -186,6 +187,17 @@ def test_ray_workers_run_at_normal_priority(case):
         env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
         assert env["RAY_worker_niceness"] == "0"
         assert env["THP_MEM_ALLOC_ENABLE"] == "1"  # huge pages under the weights and KV pool
+
+
+@pytest.mark.parametrize("overrides, drain_s", [({}, ServeOptions().drain_s), ({"serve": {"drain_s": 45}}, 45),
+                                                ({"serve": {"drain_s": 7.5}}, 7.5)])
+def test_pods_drain_for_serve_drain_s_and_get_10_s_more(overrides, drain_s):
+    """SIGTERM to a pod: Ray drains its node for serve.drain_s, and the kubelet waits 10 s
+    more before it kills the pod."""
+    for template in _templates(_one(render({"app": {"overrides": overrides}}), "RayService")):
+        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
+        assert float(env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"]) == drain_s
+        assert template["spec"]["terminationGracePeriodSeconds"] == math.ceil(drain_s) + 10
 
 
 def test_http_service_selects_the_serving_ray_pods(case):

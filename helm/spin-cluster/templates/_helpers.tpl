@@ -64,6 +64,17 @@ the image, as local mode does, plus the keys the Kubernetes shape decides.
       "applications" (list $app)) }}
 {{- end }}
 
+{{/*
+The app's serve.drain_s: app.overrides' or the app's default (ServeOptions.drain_s, which
+tests/helm/test_chart.py holds this to). A SIGTERM to a pod drains Ray's node that long
+(RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S) while the replicas' graceful shutdown lets requests
+in flight finish; the pod gets 10 s more before the kubelet kills it.
+*/}}
+{{- define "spin-cluster.drainSeconds" -}}
+{{- $serve := index .Values.app.overrides "serve" | default dict }}
+{{- if hasKey $serve "drain_s" }}{{ $serve.drain_s }}{{ else }}20{{ end }}
+{{- end }}
+
 {{/* `ray start` parameters: KubeRay takes strings only. */}}
 {{- define "spin-cluster.rayStartParams" -}}
 {{- range $key, $value := . }}
@@ -84,6 +95,8 @@ the image, as local mode does, plus the keys the Kubernetes shape decides.
 # torch backs its large CPU allocations (weights, the KV pool) with transparent huge pages.
 - name: THP_MEM_ALLOC_ENABLE
   value: "1"
+- name: RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S
+  value: {{ include "spin-cluster.drainSeconds" . | quote }}
 {{- with .Values.apiKey.existingSecret }}
 - name: SPIN_API_KEY
   valueFrom:
@@ -161,6 +174,7 @@ spec:
   {{- end }}
   securityContext:
     {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
+  terminationGracePeriodSeconds: {{ add 10 (include "spin-cluster.drainSeconds" $root | float64 | ceil | int) }}
   containers:
     - name: ray-{{ .component }}
       image: {{ include "spin-cluster.image" $root }}
