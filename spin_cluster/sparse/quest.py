@@ -31,6 +31,15 @@ exact top-k wherever the kept groups hold its top pages; an approximation elsewh
 in ``docs/accuracy.md``. Under the top-p rule or ``select_layer(fused=False)`` Select stays
 exact Quest.
 
+The page summary (``sparse.options.summary``): ``bounds`` (Quest's min and max), or ``moments``
+(arXiv 2605.27740): each block's key mean mu and standard deviation sigma, kept as the box
+[mu - z sigma, mu + z sigma] (``moments_z``, default 1), so that Select scores
+q . mu + z |q| . sigma with the very same kernels and bytes as the bounds. One outlying key
+stretches a min/max box over the whole range, and a page full of ordinary keys then outranks
+the page that holds the needle; the moments track where a page's keys are. They are not
+bounds. Each append keeps the blocks' running sums of k and k^2 (float32, beside the box) and
+rewrites the touched boxes with a few torch ops (no Triton kernel yet).
+
 On CUDA, with one scoring block per page, many rows and narrow selections, Select runs whole
 in ``kernels/quest_select.py`` (``select_top``: scores, the hysteresis margin and the per-head
 top-k in two launches, the same pages as the separate steps); elsewhere the separate steps are
@@ -38,6 +47,8 @@ faster (``quest_select.fused_pays``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -48,6 +59,11 @@ from spin_cluster.kernels.quest_select import fused_pays, quest_select
 from spin_cluster.sparse.contract import SparseAlgorithm, register
 
 
+class _MomentsPlan(NamedTuple):
+    blocks: torch.Tensor  # [T] each token's block row
+    fresh: torch.Tensor  # [T] the block to reset at the token (its first), else the dump row
+
+
 @register
 class Quest(SparseAlgorithm):
     name = "quest"
@@ -55,8 +71,13 @@ class Quest(SparseAlgorithm):
     paged_index = True
 
     def __init__(self, score_block_tokens: int = 0, coarse_pages: int = 0, coarse_factor: int = 4,
-                 coarse_split: bool = True, **kw) -> None:
+                 coarse_split: bool = True, summary: str = "bounds", moments_z: float = 1.0, **kw) -> None:
         super().__init__(**kw)
+        if summary not in ("bounds", "moments"):
+            raise ValueError(f"sparse.options.summary={summary!r}: choose bounds (min/max) or moments (mean/std)")
+        if not moments_z >= 0:
+            raise ValueError(f"sparse.options.moments_z={moments_z}: must be >= 0")
+        self.summary, self.moments_z = summary, float(moments_z)
         block = score_block_tokens or self.page_size
         if block < 1 or self.page_size % block:
             raise ValueError(f"sparse.options.score_block_tokens={score_block_tokens}: must divide the "
@@ -84,6 +105,10 @@ class Quest(SparseAlgorithm):
         shape = (self.num_layers, n, self.num_kv_heads, self.head_dim)
         self.kmin = torch.full(shape, float("inf"), dtype=self.index_dtype, device=self.device)
         self.kmax = torch.full(shape, float("-inf"), dtype=self.index_dtype, device=self.device)
+        if summary == "moments":  # running sums of k and k^2, and the keys counted, per block
+            self.ksum = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            self.ksq = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            self.kcount = torch.zeros(shape[:2], dtype=torch.float32, device=self.device)
         if GP:  # group bounds, the last row a dump row (pages with no index row fall in it)
             cshape = (self.num_layers, self.num_index_pages // GP + 1, self.num_kv_heads, self.head_dim)
             self.cmin = torch.full(cshape, float("inf"), dtype=self.index_dtype, device=self.device)
@@ -127,8 +152,11 @@ class Quest(SparseAlgorithm):
         return self._bound_bytes() / (self.block_tokens * (self.coarse_pages or 1))
 
     def index_bytes_held_per_token(self) -> float:
-        # Every page's bounds, and two-level the group bounds over them as well.
+        # Every page's bounds, and two-level the group bounds over them as well; the moments'
+        # float32 sums beside the box.
         held = self._bound_bytes() / self.block_tokens
+        if self.summary == "moments":
+            held += 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4 / self.block_tokens
         return held * (1 + 1 / self.coarse_pages) if self.coarse_pages else held
 
     def _bound_bytes(self) -> int:
@@ -147,7 +175,10 @@ class Quest(SparseAlgorithm):
         pages = self.index_page_ids(rows, positions // S)
         blocks = torch.where(pages >= 0, pages * self.blocks_per_page + (positions % S) // self.block_tokens,
                              self.kmin.shape[1] - 1)
-        plan = plan_bounds_append(blocks, positions, self.block_tokens, self.kmin.shape[1], self.kmin.shape[2:])
+        if self.summary == "moments":
+            plan = _MomentsPlan(blocks, torch.where(positions % self.block_tokens == 0, blocks, self.kmin.shape[1] - 1))
+        else:
+            plan = plan_bounds_append(blocks, positions, self.block_tokens, self.kmin.shape[1], self.kmin.shape[2:])
         # Two-level: the group row of each token (the dump page row falls in the dump group row).
         if not self.coarse_pages:
             return plan
@@ -159,10 +190,31 @@ class Quest(SparseAlgorithm):
         groups = None
         if self.coarse_pages:
             plan, groups = plan
-        bounds_append_planned(self.kmin[layer], self.kmax[layer], k, plan)
+        if self.summary == "moments":
+            self._append_moments(layer, plan, k)
+        else:
+            bounds_append_planned(self.kmin[layer], self.kmax[layer], k, plan)
         if groups is not None:
             coarse_refresh(self.kmin[layer], self.kmax[layer], self.cmin[layer], self.cmax[layer], groups,
                            self.coarse_pages)
+
+    def _append_moments(self, layer, plan: _MomentsPlan, k) -> None:
+        """k [T, Hkv, D] into its blocks' sums (a block's first token resets it), then the
+        touched blocks' boxes rewritten as mean -+ z std. A block touched by several tokens is
+        written several times with one value: fixed shapes, no host sync (graph-safe)."""
+        blocks, fresh = plan
+        ksum, ksq, count = self.ksum[layer], self.ksq[layer], self.kcount[layer]
+        for t in (ksum, ksq, count):
+            t.index_fill_(0, fresh, 0.0)
+        k = k.float()
+        ksum.index_add_(0, blocks, k)
+        ksq.index_add_(0, blocks, k * k)
+        count.index_add_(0, blocks, torch.ones_like(blocks, dtype=torch.float32))
+        n = count[blocks][:, None, None]  # [T, 1, 1]
+        mean = ksum[blocks] / n  # [T, Hkv, D]
+        radius = self.moments_z * (ksq[blocks] / n - mean * mean).clamp_min(0).sqrt()
+        self.kmin[layer].index_copy_(0, blocks, (mean - radius).to(self.kmin.dtype))
+        self.kmax[layer].index_copy_(0, blocks, (mean + radius).to(self.kmax.dtype))
 
     def score(self, layer, q, rows, num_pages):
         # q: [B, H, D] -> [B, Hkv, num_pages]; Triton on CUDA, the torch reference elsewhere

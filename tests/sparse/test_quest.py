@@ -168,3 +168,45 @@ def test_two_level_index_is_held_whole_though_select_reads_a_sixteenth():
     held = (two.kmin.numel() + two.kmax.numel() + two.cmin.numel() + two.cmax.numel()) * two.kmin.element_size()
     dump_rows = 4 * 2 * 8 * two.kmin.element_size()  # the last row of each of the four arrays
     assert held == two.index_bytes_held_per_token() * two.page_size * two.num_index_pages + dump_rows
+
+
+@pytest.mark.parametrize("z", [0.0, 1.0, 2.5])
+def test_moments_summary_is_each_pages_mean_and_std(z):
+    """summary: moments keeps mean -+ z std of each page's keys as its box, appended in a
+    prefill chunk that ends inside a page and then one token at a time, and a reused row
+    forgets the previous request's sums."""
+    g = torch.Generator().manual_seed(3)
+    alg = _quest(P=4, summary="moments", moments_z=z)
+    old = torch.randn(16, 2, 8, generator=g) * 50
+    alg.on_append(0, torch.zeros(16, dtype=torch.long), torch.arange(16), old)  # a previous request in row 0
+    k = torch.randn(14, 2, 8, generator=g) * 3 + 1
+    alg.on_append(0, torch.zeros(9, dtype=torch.long), torch.arange(9), k[:9])
+    for t in range(9, 14):
+        alg.on_append(0, torch.zeros(1, dtype=torch.long), torch.tensor([t]), k[t : t + 1])
+    for p in range(4):
+        keys = k[4 * p : 4 * p + 4]  # [<=4, Hkv, D]
+        mean, std = keys.mean(0), keys.std(0, unbiased=False)
+        assert torch.allclose(alg.kmin[0, p], mean - z * std, atol=1e-4), p
+        assert torch.allclose(alg.kmax[0, p], mean + z * std, atol=1e-4), p
+    q = torch.randn(1, 4, 8, generator=g)
+    scores = alg.score(0, q, torch.tensor([0]), 4)  # [1, Hkv, 4]: q.mean + z |q|.std over each KV head's G queries
+    for h in range(2):
+        qh = q[0, 2 * h : 2 * h + 2]  # [G, D]
+        for p in range(4):
+            keys = k[4 * p : 4 * p + 4, h]
+            want = (qh @ keys.mean(0) + z * qh.abs() @ keys.std(0, unbiased=False)).sum()
+            assert torch.allclose(scores[0, h, p], want, atol=1e-3)
+
+
+def test_moments_options_are_checked():
+    with pytest.raises(ValueError, match="summary='median'"):
+        _quest(summary="median")
+    with pytest.raises(ValueError, match="moments_z=-1"):
+        _quest(summary="moments", moments_z=-1)
+    assert _quest(summary="moments").index_bytes_held_per_token() == 2 * _quest().index_bytes_held_per_token()  # float32 box
+
+
+def test_moments_at_a_whole_context_budget_give_the_dense_tokens(offloaded_tokens, dense_tokens):
+    engine, tokens = offloaded_tokens({"algorithm": "quest", "budget": 256, "options": {"summary": "moments"}})
+    assert engine.runner.attention.algorithm.summary == "moments"
+    assert tokens == dense_tokens
