@@ -31,6 +31,7 @@ from spin_cluster.engine.stats import StepStats
 from spin_cluster.engine.cache_builder import build_cache
 from spin_cluster.engine.detokenizer import Detokenizer
 from spin_cluster.engine.grammar import Grammars
+from spin_cluster.engine.logprobs import TokenLogprobs, raw_logprobs, token_logprobs
 from spin_cluster.models import ModelConfig, cpu_linear, load_model, random_model
 from spin_cluster.tokenizer import Tokenizer
 
@@ -123,7 +124,11 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        prefill_after: str | None = None,
     ) -> str:
+        """Queue a request; returns its id. ``prefill_after``: a request with the same prompt
+        (an earlier choice of the same n); this one waits until that one's prompt is in the
+        cache, and with prefix caching takes its pages instead of computing them again."""
         params = params or SamplingParams()
         params.check_vocab(self.model.config.vocab_size)
         text = prompt if isinstance(prompt, str) else None
@@ -135,7 +140,8 @@ class Engine:
         if params.structured_output is not None:
             self.grammars.start(request_id, params.structured_output)
         req = Request(request_id=request_id, prompt_token_ids=ids, params=params, prompt=text,
-                      detokenizer=Detokenizer(self.tokenizer, params.stop))
+                      detokenizer=Detokenizer(self.tokenizer, params.stop),
+                      prefill_after=self._requests.get(prefill_after) if prefill_after else None)
         self._requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -175,18 +181,38 @@ class Engine:
             return self._step_pipelined()
         outputs: list[RequestOutput] = []
         if sched.chunks:
-            logits, sampled = self.runner.execute(sched.chunks)
+            step = self.runner.execute(sched.chunks)
             self.scheduler.advance(sched.chunks)
-            if sampled:
-                reqs = [c.request for c in sampled]
-                self._suppress_early_stops(logits, reqs)
-                self.grammars.mask(logits, [r.request_id for r in reqs])
-                token_ids = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs])
-                for req, tok in zip(reqs, token_ids):
-                    outputs.append(self._append_token(req, tok))
+            self._score_prompts(step.prompt)
+            if step.sampled:
+                outputs = self._sample(step.logits, [c.request for c in step.sampled])
         self.num_preemptions_total += len(sched.preempted)
         self.last_stats = self._stats(t0, sched.num_tokens, len(sched.preempted))
         return outputs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[RequestOutput]:
+        """logits [B, V] of ``reqs``' last positions -> each request's next token and output."""
+        counts = [r.params.logprobs for r in reqs]
+        rows, raw = raw_logprobs(logits, counts)  # before any processor below changes the logits
+        self._suppress_early_stops(logits, reqs)
+        self.grammars.mask(logits, [r.request_id for r in reqs])
+        token_ids = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs])
+        found = token_logprobs(raw, [token_ids[i] for i in rows], [counts[i] for i in rows]) if rows else []
+        logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
+        for i, lp in zip(rows, found):
+            logprobs[i] = lp
+        return [self._append_token(req, tok, lp) for req, tok, lp in zip(reqs, token_ids, logprobs)]
+
+    def _score_prompts(self, prompt: list[tuple[ScheduledChunk, torch.Tensor]]) -> None:
+        """Each chunk's [m, V] logits -> the logprobs of its prompt tokens start+1 ..
+        start+m, kept on the request. A chunk recomputed after a preemption scored them already."""
+        for chunk, logits in prompt:
+            req = chunk.request
+            if chunk.start != len(req.prompt_logprobs):
+                continue
+            targets = req.prompt_token_ids[chunk.start + 1 : chunk.start + 1 + logits.shape[0]]
+            counts = [req.params.prompt_logprobs] * len(targets)
+            req.prompt_logprobs.extend(token_logprobs(torch.log_softmax(logits, dim=-1), targets, counts))
 
     # ---- pipelined decode -----------------------------------------------------------------------
 
@@ -202,20 +228,21 @@ class Engine:
     @staticmethod
     def _pipelinable(req: Request, pending: int) -> bool:
         """No grammar and no min_tokens ban left on its next token: a grammar's mask depends on
-        the token before, which a pipelined step has not read yet, and a ban needs the host's
-        count of tokens. Such rows take the synchronous path. Greedy and sampled rows (their
+        the token before, which a pipelined step has not read yet, a ban needs the host's
+        count of tokens, and logprobs are taken on the synchronous path. Such rows take the synchronous path. Greedy and sampled rows (their
         logit_bias, temperature, top-k, top-p and seeds) are sampled on the device at launch
         (``Sampler.sample_tensor``); a seeded row draws from its own generator in step order
         either way, so it gives the plain loop's tokens. ``pending``: its tokens launched but
         not read yet."""
         p = req.params
-        return p.structured_output is None and len(req.output_token_ids) + pending >= p.min_tokens
+        return (p.structured_output is None and p.logprobs is None
+                and len(req.output_token_ids) + pending >= p.min_tokens)
 
     def _launch(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None, t0: float,
                 num_preempted: int = 0) -> _InFlight:
         """Run a decode step and start its tokens (and the buffer's counters) on their way to
         the host, without waiting for them."""
-        logits, _ = self.runner.execute(chunks, input_ids)
+        logits = self.runner.execute(chunks, input_ids).logits
         self.scheduler.advance(chunks)  # the K/V writes are queued on the device before any later reader
         reqs = [c.request for c in chunks]
         tokens = self.sampler.sample_tensor(logits, [r.request_id for r in reqs], [r.params for r in reqs])  # [B]
@@ -324,7 +351,7 @@ class Engine:
                 if banned:
                     logits[i, sorted(banned)] = float("-inf")
 
-    def _append_token(self, req: Request, token_id: int) -> RequestOutput:
+    def _append_token(self, req: Request, token_id: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         now = time.monotonic()
         if req.first_token_s is None:
             req.first_token_s = now
@@ -336,7 +363,9 @@ class Engine:
         req.output_text = req.detokenizer.visible_text(finished=reason is not None)
         if reason is not None:
             self._finish(req, reason)
-        return self._output(req, [token_id], req.output_text[len(old_text) :])
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        return self._output(req, [token_id], req.output_text[len(old_text) :], [logprobs] if logprobs else [])
 
     def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
         p = req.params
@@ -357,7 +386,8 @@ class Engine:
         self.grammars.forget(req.request_id)
         self._requests.pop(req.request_id, None)
 
-    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+    def _output(self, req: Request, new_ids: list[int], new_text: str,
+                new_logprobs: list[TokenLogprobs] = ()) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
@@ -368,6 +398,9 @@ class Engine:
             new_token_ids=new_ids,
             finished=req.is_finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
+            new_logprobs=list(new_logprobs),
+            logprobs=list(req.output_logprobs),
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
         )
 
     # ---- convenience --------------------------------------------------------------------------
