@@ -16,20 +16,6 @@ def _engine(path, **scheduler):
     return Engine(SpinConfig.from_dict(cfg), progress=False)
 
 
-@pytest.fixture(scope="module")
-def hf_logprobs(smollm2_path):
-    """token ids -> [T, V] log_softmax of transformers' logits at each position."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-
-    def run(ids):
-        with torch.no_grad():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-    return run
-
-
 def _check(found, ref_rows, token_ids, k):
     """found[i] is the logprobs of token_ids[i] under ref_rows[i]."""
     assert [f.token_id for f in found] == token_ids
