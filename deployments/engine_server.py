@@ -204,19 +204,19 @@ class EngineServer:
         choice_ids = _choice_ids(request.request_id, request.n)
         self._submit(request, choice_ids, params, outputs)
         num_admitted = num_finished = 0
-        done = False
+        done = failed = False
         held: object | None = None  # taken from the queue while coalescing, not yet sent
         try:
-            while not done:
+            while not (done or failed):
                 item, held = _coalesce(held if held is not None else await outputs.get(), outputs)
                 num_finished += isinstance(item, Delta) and item.finished
                 num_admitted += isinstance(item, Admitted)
-                done = isinstance(item, Failed) or num_finished == len(choice_ids)
+                done, failed = num_finished == len(choice_ids), isinstance(item, Failed)
                 if not isinstance(item, Admitted) or num_admitted == 1:  # one Admitted for all
                     yield item
         finally:
             if not done:  # closed or cancelled early (the client is gone), or a choice failed
-                for choice_id in choice_ids:
+                for choice_id in choice_ids:  # (a no-op for one that ended)
                     self._loop.abort(choice_id)
 
     def _submit(self, request: GenerateRequest, choice_ids: list[str], params: list[Any],

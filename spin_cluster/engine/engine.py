@@ -51,6 +51,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+# Prompt positions whose logits a prompt_logprobs request holds at once: [256, V] float32 is
+# 50 MB at SmolLM2's vocabulary, 130 MB at Llama 3's.
+PROMPT_LOGITS_ROWS = 256
+
+
 @dataclass
 class _InFlight:
     """A pipelined decode step launched on the GPU whose tokens the host has not read yet."""
@@ -204,15 +209,18 @@ class Engine:
         return [self._append_token(req, tok, lp) for req, tok, lp in zip(reqs, token_ids, logprobs)]
 
     def _score_prompts(self, prompt: list[tuple[ScheduledChunk, torch.Tensor]]) -> None:
-        """Each chunk's [m, V] logits -> the logprobs of its prompt tokens start+1 ..
-        start+m, kept on the request. A chunk recomputed after a preemption scored them already."""
-        for chunk, logits in prompt:
+        """Each chunk's [m, hidden] states -> the logprobs of its prompt tokens start+1 ..
+        start+m, kept on the request, ``PROMPT_LOGITS_ROWS`` positions at a time. A chunk
+        recomputed after a preemption scored them already."""
+        for chunk, hidden in prompt:
             req = chunk.request
             if chunk.start != len(req.prompt_logprobs):
                 continue
-            targets = req.prompt_token_ids[chunk.start + 1 : chunk.start + 1 + logits.shape[0]]
-            counts = [req.params.prompt_logprobs] * len(targets)
-            req.prompt_logprobs.extend(token_logprobs(torch.log_softmax(logits, dim=-1), targets, counts))
+            for i in range(0, hidden.shape[0], PROMPT_LOGITS_ROWS):
+                first = chunk.start + 1 + i  # the first token these rows score
+                block = torch.log_softmax(self.model.compute_logits(hidden[i : i + PROMPT_LOGITS_ROWS]), dim=-1)
+                targets = req.prompt_token_ids[first : first + block.shape[0]]
+                req.prompt_logprobs.extend(token_logprobs(block, targets, [req.params.prompt_logprobs] * len(targets)))
 
     # ---- pipelined decode -----------------------------------------------------------------------
 

@@ -29,8 +29,10 @@ class StepLogits:
 
     logits: torch.Tensor  # [N, V] float32, row i for sampled[i]'s last position
     sampled: list[ScheduledChunk]
-    # (a prefill chunk, [m, V] logits of its positions start .. start+m-1, which score the
-    # prompt tokens start+1 .. start+m) for the chunks whose requests asked for prompt logprobs
+    # (a prefill chunk, [m, hidden] final hidden states of its positions start .. start+m-1,
+    # which score the prompt tokens start+1 .. start+m) for the chunks whose requests asked for
+    # prompt logprobs; their logits are the caller's to make, a block at a time ([m, V] of a
+    # long chunk would be gigabytes)
     prompt: list[tuple[ScheduledChunk, torch.Tensor]] = field(default_factory=list)
 
 
@@ -103,11 +105,12 @@ class ModelRunner:
             hidden = self.model(input_ids_t, positions_t, self.attention)  # [T, hidden]
         finally:
             self.attention.end_step()
-        rows = sample_idx + scored_idx
-        if not rows:
-            return StepLogits(torch.empty(0, device=dev), [])
-        if len(rows) < num_tokens or scored_idx:
-            hidden = hidden[torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)]
-        logits = self.model.compute_logits(hidden)  # [N + scored, V]
-        prompt = list(zip((c for c, _ in scored), logits[len(sample_idx):].split([m for _, m in scored])))
-        return StepLogits(logits[: len(sample_idx)], sampled, prompt)
+        prompt = []
+        if scored_idx:
+            rows = hidden[torch.tensor(scored_idx, dtype=torch.long).to(dev, non_blocking=True)]  # [M, hidden]
+            prompt = list(zip((c for c, _ in scored), rows.split([m for _, m in scored])))
+        if not sample_idx:
+            return StepLogits(torch.empty(0, device=dev), [], prompt)
+        if len(sample_idx) < num_tokens:
+            hidden = hidden[torch.tensor(sample_idx, dtype=torch.long).to(dev, non_blocking=True)]
+        return StepLogits(self.model.compute_logits(hidden), sampled, prompt)  # [N, V]
