@@ -7,7 +7,8 @@ Streaming a chat choice with tools (``stream_deltas``):
               function, the rest carry arguments
     required  held until the end (a JSON array of calls), then one delta per call
     auto      content streams until a ``<tool_call>`` may begin (a tail that could start one
-              waits for more text); the calls, if any, follow at the end
+              waits for more text), and not at all when it starts as a JSON object (a bare
+              call may follow); the calls, if any, come at the end
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from spin_cluster.deployments.messages import Delta, TokenLogprob
 @dataclass
 class Choice:
     index: int
-    # (mode, function name) of a chat request with tools (``tool_calls.choice_mode``); None without.
-    tools: tuple[str, str | None] | None = None
+    # (mode, function name, the tools' names) of a chat request with tools (mode and name:
+    # ``tool_calls.choice_mode``); None without.
+    tools: tuple[str, str | None, tuple[str, ...]] | None = None
     parts: list[str] = field(default_factory=list)
     num_tokens: int = 0
     num_deltas: int = 0
@@ -97,11 +99,13 @@ class Choice:
 
     @staticmethod
     def _content_end(text: str) -> int:
-        """How much of ``text`` is surely content: up to a ``<tool_call>``, or to a tail that
-        could be the start of one."""
+        """How much of ``text`` is surely content: none if it opens a JSON object, else up to a
+        ``<tool_call>``, or to a tail that could be the start of one."""
         start = text.find(tool_calls.CALL_START)
         if start >= 0:
             return start
+        if text.lstrip().startswith("{"):
+            return 0
         for keep in range(min(len(tool_calls.CALL_START) - 1, len(text)), 0, -1):
             if tool_calls.CALL_START.startswith(text[-keep:]):
                 return len(text) - keep

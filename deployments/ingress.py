@@ -123,7 +123,9 @@ class OpenAIIngress:
         gen = body.to_generate(request_id)
         stream, admitted = await self._start(gen, timeline)
         fmt = fmt_cls(request_id, self.model_name, echo=admitted.prompt_text, logprobs=bool(body.logprobs))
-        tools = body.tool_mode() if getattr(body, "tools", None) else None
+        tools = None  # (mode, named function, every tool's name) of a chat request with tools
+        if getattr(body, "tools", None):
+            tools = (*body.tool_mode(), tuple(t.function.name for t in body.tools))
         choices = [Choice(i, tools) for i in range(gen.n)]
         if body.stream:
             return StreamingResponse(self._sse(stream, admitted, fmt, choices, body.include_usage,

@@ -1,7 +1,8 @@
 """Function calling (chat's ``tools`` / ``tool_choice``), as vLLM serves it for Hermes-style models.
 
     tools ──chat template (its tools section, or the Hermes one below)──▶ prompt
-    tool_choice "auto"      free text; ``<tool_call>{"name", "arguments"}</tool_call>`` blocks parsed out
+    tool_choice "auto"      free text; ``<tool_call>{"name", "arguments"}</tool_call>`` blocks parsed
+                            out, or an output that is one bare call to a tool (Llama 3's JSON form)
     tool_choice "required"  output held to a JSON array of {"name", "parameters"} (vLLM's schema)
     tool_choice {function}  output held to that function's parameters schema: it is the arguments
     tool_choice "none"      free text, nothing parsed (the tools still reach the template, as vLLM)
@@ -104,9 +105,12 @@ _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 CALL_START = "<tool_call>"
 
 
-def parse(text: str, mode: str, name: str | None) -> tuple[str | None, list[dict[str, Any]]]:
+def parse(text: str, mode: str, name: str | None,
+          names: tuple[str, ...] = ()) -> tuple[str | None, list[dict[str, Any]]]:
     """The model's output -> (content, tool_calls as OpenAI's objects). A Hermes block whose
-    JSON does not parse stays in the content, as vLLM's parser leaves it."""
+    JSON does not parse stays in the content, as vLLM's parser leaves it. ``names``: the
+    tools' names, which a bare JSON call (``{"name", "arguments" | "parameters"}``, the whole
+    output: vLLM's ``llama3_json`` form, which small Qwen2.5 models emit too) must name."""
     if mode == "named":
         return None, [_call(name, text)]
     if mode == "required":
@@ -114,8 +118,10 @@ def parse(text: str, mode: str, name: str | None) -> tuple[str | None, list[dict
             return None, [_call(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
         except (ValueError, KeyError, TypeError):  # cut off by max_tokens: not a whole array
             return text, []
-    if mode != "auto" or CALL_START not in text:
+    if mode != "auto":
         return text, []
+    if CALL_START not in text:
+        return bare_call(text, names)
     calls = []
     for block in _CALL.findall(text):
         try:
@@ -125,6 +131,18 @@ def parse(text: str, mode: str, name: str | None) -> tuple[str | None, list[dict
             return text, []
     content = text[: text.index(CALL_START)].strip()
     return content or None, calls
+
+
+def bare_call(text: str, names: tuple[str, ...]) -> tuple[str | None, list[dict[str, Any]]]:
+    """(None, [the call]) when ``text`` is one JSON object calling one of ``names``; else (text, [])."""
+    try:
+        found = json.loads(text)
+        arguments = found.get("arguments", found.get("parameters"))
+        if found["name"] in names and isinstance(arguments, dict):
+            return None, [_call(found["name"], json.dumps(arguments))]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return text, []
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:

@@ -235,10 +235,11 @@ class Engine:
 
     @staticmethod
     def _pipelinable(req: Request, pending: int) -> bool:
-        """No grammar and no min_tokens ban left on its next token: a grammar's mask depends on
-        the token before, which a pipelined step has not read yet, a ban needs the host's
-        count of tokens, and logprobs are taken on the synchronous path. Such rows take the synchronous path. Greedy and sampled rows (their
-        logit_bias, temperature, top-k, top-p and seeds) are sampled on the device at launch
+        """No grammar, no logprobs and no min_tokens ban left on its next token: a grammar's
+        mask depends on the token before, which a pipelined step has not read yet, a ban needs
+        the host's count of tokens, and logprobs are read beside the sampled token on the host.
+        Such rows take the synchronous path. Greedy and sampled rows (their logit_bias,
+        temperature, top-k, top-p and seeds) are sampled on the device at launch
         (``Sampler.sample_tensor``); a seeded row draws from its own generator in step order
         either way, so it gives the plain loop's tokens. ``pending``: its tokens launched but
         not read yet."""

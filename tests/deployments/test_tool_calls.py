@@ -15,6 +15,7 @@ from spin_cluster.deployments.tool_calls import Tool
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
 TOOLS = [Tool.model_validate({"type": "function", "function": {"name": "add", "parameters": ADD}}),
          Tool.model_validate({"type": "function", "function": {"name": "now"}})]
+NAMES = ("add", "now")
 
 
 @pytest.mark.parametrize("tools, choice, mode", [
@@ -56,6 +57,29 @@ def test_outputs_parse_into_calls():
     assert tool_calls.parse("<tool_call>x</tool_call>", "none", None) == ("<tool_call>x</tool_call>", [])
 
 
+@pytest.mark.parametrize("text, call", [
+    ('{"name": "add", "arguments": {"a": 1, "b": 2}}', ("add", {"a": 1, "b": 2})),
+    (' {"name": "now", "parameters": {}}\n', ("now", {})),  # Llama 3's key
+    ('{"name": "sub", "arguments": {}}', None),  # not a tool
+    ('{"name": "add", "arguments": "1, 2"}', None),
+    ('{"name": "add", "arguments": {}} and more', None),
+    ('["add"]', None),
+])
+def test_a_bare_json_call_to_a_tool_is_a_call(text, call):
+    content, calls = tool_calls.parse(text, "auto", None, NAMES)
+    if call is None:
+        assert (content, calls) == (text, [])
+    else:
+        assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [call]
+
+
+def test_auto_holds_a_json_answer_back_until_it_is_known_to_be_a_call_or_not():
+    calls = _stream(Choice(0, ("auto", None, NAMES)), ['{"name": "add", ', '"arguments": {"a": 1, "b": 2}}'])
+    assert [d["tool_calls"][0]["function"]["name"] for d in calls] == ["add"]
+    text = _stream(Choice(0, ("auto", None, NAMES)), ['{"colour": ', '"red"}'])
+    assert text == [{"content": '{"colour": "red"}'}]
+
+
 def _stream(choice, parts):
     out = []
     for i, text in enumerate(parts):
@@ -67,7 +91,7 @@ def _stream(choice, parts):
 
 
 def test_auto_streams_content_until_a_call_may_begin_then_the_calls():
-    choice = Choice(0, ("auto", None))
+    choice = Choice(0, ("auto", None, NAMES))
     deltas = _stream(choice, ["Sure, <to", "ol_call>", '{"name": "add", "arguments": {"a": 1, "b": 2}}', "</tool_call>"])
     assert deltas[0] == {"content": "Sure, "} and len(deltas) == 2
     call = deltas[1]["tool_calls"][0]
@@ -76,13 +100,13 @@ def test_auto_streams_content_until_a_call_may_begin_then_the_calls():
 
 
 def test_auto_without_a_call_streams_all_its_text():
-    choice = Choice(0, ("auto", None))
+    choice = Choice(0, ("auto", None, NAMES))
     deltas = _stream(choice, ["a < b", " and <t", "ea>"])
     assert "".join(d["content"] for d in deltas) == "a < b and <tea>" and choice.final_reason() == "stop"
 
 
 def test_a_named_call_streams_its_arguments():
-    choice = Choice(0, ("named", "add"))
+    choice = Choice(0, ("named", "add", NAMES))
     deltas = _stream(choice, ['{"a": ', "1, ", '"b": 2}'])
     assert deltas[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": '}
     assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas) == '{"a": 1, "b": 2}'
