@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from spin_cluster.deployments.messages import Admitted, Delta, Failed
+from spin_cluster.deployments.messages import Admitted, Delta, Failed, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class EngineLoop:
         self.failure: str | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._after_step: list[Callable[[Any], None]] = []
+        self._token_text: dict[int, str] = {}  # token id -> its text, for logprobs (at most V)
 
     # ---- any thread ----------------------------------------------------------------------
 
@@ -70,12 +71,14 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, request_id: str, prompt: Any, params: Any, sink: Sink) -> None:
+    def submit(self, request_id: str, prompt: Any, params: Any, sink: Sink, prefill_after: str | None = None) -> None:
         """``prompt``: token ids, or an object whose ``token_ids(engine)`` makes them on this
-        thread (the tokenizer is the engine's, and not safe to share between threads)."""
+        thread (the tokenizer is the engine's, and not safe to share between threads), and whose
+        ``text(engine, ids)``, when it has one, is the prompt text ``Admitted`` carries.
+        ``prefill_after``: ``Engine.add_request``'s (a request with the same prompt)."""
         with self._lock:
             self._num_pending_adds += 1
-        self._push(lambda: self._add(request_id, prompt, params, sink))
+        self._push(lambda: self._add(request_id, prompt, params, sink, prefill_after))
 
     def abort(self, request_id: str) -> None:
         """Stop the request and free its pages; its sink gets nothing more."""
@@ -139,29 +142,30 @@ class EngineLoop:
         if ran:  # adds and aborts change the queue: admission control reads these at once
             self._publish_counts()
 
-    def _add(self, request_id: str, prompt: Any, params: Any, sink: Sink) -> None:
+    def _add(self, request_id: str, prompt: Any, params: Any, sink: Sink, prefill_after: str | None) -> None:
         try:
-            self._admit(request_id, prompt, params, sink)
+            self._admit(request_id, prompt, params, sink, prefill_after)
         finally:  # counted as waiting before it stops counting as pending: never undercounted
             self._publish_counts()
             with self._lock:
                 self._num_pending_adds -= 1
 
-    def _admit(self, request_id: str, prompt: Any, params: Any, sink: Sink) -> None:
+    def _admit(self, request_id: str, prompt: Any, params: Any, sink: Sink, prefill_after: str | None) -> None:
         try:
             ids = prompt.token_ids(self.engine) if hasattr(prompt, "token_ids") else [int(t) for t in prompt]
         except Exception as e:  # a chat template that rejects the messages, a bad token id
             _deliver(sink, Failed(400, f"could not tokenize the prompt: {e}", param="prompt", code="invalid_prompt"))
             return
         try:
-            self.engine.add_request(ids, params, request_id=request_id)
+            self.engine.add_request(ids, params, request_id=request_id, prefill_after=prefill_after)
         except ValueError as e:  # prompt too long, empty, out of vocabulary, id in use; logit_bias ids
             param = next((name for name in _PARAMS_NAMED_BY_THE_ENGINE if str(e).startswith(name)), "prompt")
             _deliver(sink, Failed(400, str(e), param=param, code="invalid_prompt" if param == "prompt" else "invalid_value"))
             return
         self._sinks[request_id] = sink
         self.num_admitted_total += 1
-        if not _deliver(sink, Admitted(len(ids))):
+        text = prompt.text(self.engine, ids) if hasattr(prompt, "text") else None
+        if not _deliver(sink, Admitted(len(ids), text)):
             self._abort(request_id)
 
     def _abort(self, request_id: str) -> None:
@@ -184,9 +188,30 @@ class EngineLoop:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-            delta = Delta(out.new_text, tuple(out.new_token_ids), out.finished, out.finish_reason)
+            delta = Delta(out.new_text, tuple(out.new_token_ids), out.finished, out.finish_reason,
+                          logprobs=self._texts(out.new_logprobs), prompt_logprobs=self._prompt_logprobs(out))
             if not _deliver(sink, delta) and not out.finished:
                 self._abort(out.request_id)
+
+    def _prompt_logprobs(self, out: Any) -> tuple[TokenLogprob, ...] | None:
+        """The prompt's logprobs, in a request's first output only; its first token, which
+        nothing scores, with a logprob of None."""
+        if out.prompt_logprobs is None or len(out.token_ids) != len(out.new_token_ids):
+            return None
+        return (TokenLogprob(self._text(out.prompt_token_ids[0]), None), *self._texts(out.prompt_logprobs))
+
+    def _texts(self, logprobs: list[Any]) -> tuple[TokenLogprob, ...]:
+        """The engine's ``TokenLogprobs`` with each token as its own text (special tokens
+        too: a logprob belongs to a token whatever it is)."""
+        text = self._text
+        return tuple(TokenLogprob(text(lp.token_id), lp.logprob, tuple((text(t), v) for t, v in lp.top))
+                     for lp in logprobs)
+
+    def _text(self, token_id: int) -> str:
+        found = self._token_text.get(token_id)
+        if found is None:
+            found = self._token_text[token_id] = self.engine.tokenizer.hf_tokenizer.decode([token_id])
+        return found
 
     def _publish_counts(self) -> None:
         self.num_waiting = self.engine.scheduler.num_waiting()
@@ -201,7 +226,7 @@ class EngineLoop:
 
 
 # add_request's errors that are about a sampling field, not the prompt, start with its name.
-_PARAMS_NAMED_BY_THE_ENGINE = ("logit_bias", "response_format")
+_PARAMS_NAMED_BY_THE_ENGINE = ("logit_bias", "response_format", "tools")
 
 
 def _deliver(sink: Sink, item: object) -> bool:

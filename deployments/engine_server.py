@@ -34,8 +34,9 @@ from ray.serve.handle import DeploymentHandle
 
 from spin_cluster.deployments.engine_loop import EngineLoop
 from spin_cluster.deployments.engine_stats import engine_report
-from spin_cluster.deployments.messages import Delta, EnginePlan, EngineReport, Failed, GenerateRequest
+from spin_cluster.deployments.messages import Admitted, Delta, EnginePlan, EngineReport, Failed, GenerateRequest
 from spin_cluster.deployments.settings import AppConfig
+from spin_cluster.deployments.tool_calls import template_input
 
 logger = logging.getLogger(__name__)
 
@@ -44,24 +45,40 @@ logger = logging.getLogger(__name__)
 
 
 class _Prompt:
-    """Text, token ids or chat messages; turned into ids on the engine's thread, where the
-    tokenizer lives (it is not safe to share between threads)."""
+    """Text, token ids or chat messages (with the tools the template lists); turned into ids
+    on the engine's thread, where the tokenizer lives (it is not safe to share between threads)."""
 
-    def __init__(self, value: Any, is_chat: bool) -> None:
-        self.value, self.is_chat = value, is_chat
+    def __init__(self, request: GenerateRequest) -> None:
+        self.request = request
 
     def token_ids(self, engine: Any) -> list[int]:
-        if self.is_chat:
-            return engine.tokenizer.chat_prompt_ids([dict(m) for m in self.value])
-        if isinstance(self.value, str):
-            return engine.tokenizer.encode(self.value)
-        return [int(t) for t in self.value]
+        r = self.request
+        if r.messages is not None:
+            messages, tools = template_input([dict(m) for m in r.messages], [dict(t) for t in r.tools or ()] or None,
+                                             engine.tokenizer.template_lists_tools())
+            return engine.tokenizer.chat_prompt_ids(messages, tools)
+        if r.prompt is not None:
+            return engine.tokenizer.encode(r.prompt)
+        return [int(t) for t in r.prompt_token_ids]
+
+    def text(self, engine: Any, ids: list[int]) -> str | None:
+        """The prompt's text, for ``echo``: as sent, or its token ids decoded."""
+        if not self.request.echo:
+            return None
+        return self.request.prompt if self.request.prompt is not None else engine.tokenizer.decode(ids)
 
 
-def _sampling_params(fields: dict[str, Any]):
+def _sampling_params(fields: dict[str, Any], n: int) -> list[Any]:
+    """Each choice's SamplingParams: with a seed, choice i draws from seed + i (as vLLM), so
+    that the choices differ and each is reproducible."""
     from spin_cluster.engine import SamplingParams
 
-    return SamplingParams(**fields)
+    seed = fields.get("seed")
+    return [SamplingParams(**{**fields, "seed": None if seed is None else seed + i}) for i in range(n)]
+
+
+def _choice_ids(request_id: str, n: int) -> list[str]:
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
 
 
 def _coalesce(item: object, queue: asyncio.Queue) -> tuple[object, object | None]:
@@ -74,19 +91,21 @@ def _coalesce(item: object, queue: asyncio.Queue) -> tuple[object, object | None
     parts = [item]
     while not parts[-1].finished and not queue.empty():
         nxt = queue.get_nowait()
-        if not isinstance(nxt, Delta):
+        if not isinstance(nxt, Delta) or nxt.index != item.index:
             return _merge(parts), nxt
         parts.append(nxt)
     return _merge(parts), None
 
 
 def _merge(deltas: list[Delta]) -> Delta:
-    """Consecutive Deltas of one request as one."""
+    """Consecutive Deltas of one choice as one."""
     if len(deltas) == 1:
         return deltas[0]
     last = deltas[-1]
     return Delta(text="".join(d.text for d in deltas), token_ids=tuple(t for d in deltas for t in d.token_ids),
-                 finished=last.finished, finish_reason=last.finish_reason)
+                 finished=last.finished, finish_reason=last.finish_reason, index=last.index,
+                 logprobs=tuple(lp for d in deltas for lp in d.logprobs),
+                 prompt_logprobs=deltas[0].prompt_logprobs)
 
 
 def _param_of(message: str) -> str | None:
@@ -168,10 +187,12 @@ class EngineServer:
     # ---- requests ----------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest, route_to: str | None = None) -> AsyncIterator[object]:
-        """Admitted or Failed first, then Deltas until one is finished. ``route_to`` is the
-        planner's pick, read by the request router; the replica itself ignores it."""
+        """Admitted or Failed first, then Deltas until each of the n choices has finished (or
+        one Failed). The choices are requests of their own, the later ones admitted once the
+        first one's prompt is in the cache. ``route_to`` is the planner's pick, read by the
+        request router; the replica itself ignores it."""
         try:
-            params = _sampling_params(request.sampling)
+            params = _sampling_params(request.sampling, request.n)
         except ValueError as e:
             yield Failed(400, str(e), param=_param_of(str(e)), code="invalid_value")
             return
@@ -179,23 +200,36 @@ class EngineServer:
             yield Failed(429, f"the engine's queue is full ({self._serve.max_waiting_requests} requests "
                          "waiting); retry later", code="queue_full")
             return
-        loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[object] = asyncio.Queue()
-        prompt = request.messages if request.messages is not None else request.prompt
-        if prompt is None:
-            prompt = request.prompt_token_ids
-        self._loop.submit(request.request_id, _Prompt(prompt, request.messages is not None), params,
-                          lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item))
-        done = False
+        choice_ids = _choice_ids(request.request_id, request.n)
+        self._submit(request, choice_ids, params, outputs)
+        num_admitted = num_finished = 0
+        done = failed = False
         held: object | None = None  # taken from the queue while coalescing, not yet sent
         try:
-            while not done:
+            while not (done or failed):
                 item, held = _coalesce(held if held is not None else await outputs.get(), outputs)
-                done = isinstance(item, Failed) or (isinstance(item, Delta) and item.finished)
-                yield item
+                num_finished += isinstance(item, Delta) and item.finished
+                num_admitted += isinstance(item, Admitted)
+                done, failed = num_finished == len(choice_ids), isinstance(item, Failed)
+                if not isinstance(item, Admitted) or num_admitted == 1:  # one Admitted for all
+                    yield item
         finally:
-            if not done:  # closed or cancelled early: the client is gone
-                self._loop.abort(request.request_id)
+            if not done:  # closed or cancelled early (the client is gone), or a choice failed
+                for choice_id in choice_ids:  # (a no-op for one that ended)
+                    self._loop.abort(choice_id)
+
+    def _submit(self, request: GenerateRequest, choice_ids: list[str], params: list[Any],
+                outputs: asyncio.Queue) -> None:
+        """Each choice into the engine loop, its items into ``outputs`` tagged with its index."""
+        loop = asyncio.get_running_loop()
+        for i, (choice_id, p) in enumerate(zip(choice_ids, params)):
+            def sink(item: object, i: int = i) -> None:
+                if isinstance(item, Delta) and i:
+                    item = dataclasses.replace(item, index=i)
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+            self._loop.submit(choice_id, _Prompt(request), p, sink, prefill_after=choice_ids[0] if i else None)
 
     async def end_streams(self, route_to: str | None = None) -> None:
         """Shutting down: every request here ends now with a 503 ``shutting_down`` (an error

@@ -22,19 +22,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from spin_cluster.deployments.choices import Choice
 from spin_cluster.deployments.errors import ApiError, install_handlers, logger
 from spin_cluster.deployments.messages import Admitted, Failed, GenerateRequest
 from spin_cluster.deployments.metrics import CONTENT_TYPE, RequestMetrics, ServingMetrics
-from spin_cluster.deployments.openai_protocol import (
-    ChatCompletionRequest,
-    ChatFormat,
-    CompletionFormat,
-    CompletionRequest,
-    new_id,
-    parse_body,
-    sse,
-    usage,
-)
+from spin_cluster.deployments.openai_format import ChatFormat, CompletionFormat, new_id, sse, usage
+from spin_cluster.deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from spin_cluster.deployments.settings import API_KEY_ENV, AppConfig
 
 # No `from __future__ import annotations` here: Serve rebuilds the route methods, and FastAPI
@@ -164,13 +157,18 @@ class OpenAIIngress:
             raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
         request_id = new_id(fmt_cls.prefix)
-        fmt = fmt_cls(request_id, self.model_name)
         timeline = self._metrics.request()
-        stream, admitted = await self._start(body.to_generate(request_id), timeline)
+        gen = body.to_generate(request_id)
+        stream, admitted = await self._start(gen, timeline)
+        fmt = fmt_cls(request_id, self.model_name, echo=admitted.prompt_text, logprobs=bool(body.logprobs))
+        tools = None  # (mode, named function, every tool's name) of a chat request with tools
+        if getattr(body, "tools", None):
+            tools = (*body.tool_mode(), tuple(t.function.name for t in body.tools))
+        choices = [Choice(i, tools) for i in range(gen.n)]
         if body.stream:
-            events = self._sse(stream, admitted, fmt, body.include_usage, body.continuous_usage, timeline)
+            events = self._sse(stream, admitted, fmt, choices, body.include_usage, body.continuous_usage, timeline)
             return StreamingResponse(self._counted(events), media_type="text/event-stream")
-        return JSONResponse(await self._collect(stream, admitted, fmt, timeline))
+        return JSONResponse(await self._collect(stream, admitted, fmt, choices, timeline))
 
     async def _start(self, gen: GenerateRequest,
                      timeline: RequestMetrics) -> tuple[DeploymentResponseGenerator, Admitted]:
@@ -191,47 +189,46 @@ class OpenAIIngress:
         timeline.admitted(first.num_prompt_tokens)
         return stream, first
 
-    async def _collect(self, stream: DeploymentResponseGenerator, admitted: Admitted,
-                       fmt: CompletionFormat, timeline: RequestMetrics) -> dict[str, Any]:
-        texts: list[str] = []
-        num_tokens, reason = 0, None
+    async def _collect(self, stream: DeploymentResponseGenerator, admitted: Admitted, fmt: CompletionFormat,
+                       choices: list[Choice], timeline: RequestMetrics) -> dict[str, Any]:
+        num_tokens, done = 0, False
         try:
-            while reason is None:
+            while not done:
                 item = await self._next_output(stream)
-                texts.append(item.text)
+                choices[item.index].add(item)
                 num_tokens += len(item.token_ids)
                 timeline.tokens(len(item.token_ids))
-                if item.finished:
-                    reason = item.finish_reason or "stop"
+                done = all(c.reason is not None for c in choices)
         except asyncio.CancelledError:
             _client_gone(fmt.id, num_tokens, timeline)
             raise
         finally:
-            if reason is None:
+            if not done:
                 stream.cancel()
-        timeline.finished(reason)
-        return fmt.response("".join(texts), reason, usage(admitted.num_prompt_tokens, num_tokens))
+        timeline.finished(choices[0].reason)
+        return fmt.response(choices, usage(admitted.num_prompt_tokens, num_tokens))
 
     async def _sse(self, stream: DeploymentResponseGenerator, admitted: Admitted, fmt: CompletionFormat,
-                   include_usage: bool, continuous_usage: bool, timeline: RequestMetrics) -> AsyncIterator[str]:
-        num_tokens, reason = 0, None
+                   choices: list[Choice], include_usage: bool, continuous_usage: bool,
+                   timeline: RequestMetrics) -> AsyncIterator[str]:
+        num_tokens, done = 0, False
 
         def so_far() -> dict[str, int] | None:  # a chunk's usage under continuous_usage_stats
             return usage(admitted.num_prompt_tokens, num_tokens) if continuous_usage else None
 
         try:
-            for chunk in fmt.start_chunks(include_usage, so_far()):
+            for chunk in fmt.start_chunks(len(choices), include_usage, so_far()):
                 yield sse(chunk)
-            while reason is None:
+            while not done:
                 item = await self._next_output(stream)
+                choice = choices[item.index]
+                choice.add(item)
                 num_tokens += len(item.token_ids)
                 timeline.tokens(len(item.token_ids))
-                if item.text:  # empty while a multi-byte character is incomplete
-                    yield sse(fmt.chunk(item.text, None, include_usage, so_far()))
-                if item.finished:
-                    reason = item.finish_reason or "stop"
-                    yield sse(fmt.chunk("", reason, include_usage, so_far()))
-            timeline.finished(reason)
+                for chunk in fmt.chunks(choice, item, include_usage, so_far()):
+                    yield sse(chunk)
+                done = all(c.reason is not None for c in choices)
+            timeline.finished(choices[0].reason)
             if include_usage:
                 yield sse(fmt.usage_chunk(usage(admitted.num_prompt_tokens, num_tokens)))
         except ApiError as e:  # headers are sent: the error goes in the stream
@@ -240,7 +237,7 @@ class OpenAIIngress:
             _client_gone(fmt.id, num_tokens, timeline)
             raise
         finally:
-            if reason is None:
+            if not done:
                 stream.cancel()
         yield sse("[DONE]")
 
@@ -281,12 +278,12 @@ class OpenAIIngress:
                            code="invalid_api_key")
 
     def _demand_tokens(self, gen: GenerateRequest) -> int:
-        """Prompt plus output tokens, roughly: what the planner reserves on the engine."""
+        """Prompt plus output tokens, roughly, per choice: what the planner reserves on the engine."""
         if gen.prompt_token_ids is not None:
             prompt = len(gen.prompt_token_ids)
         else:
             text = gen.prompt or "".join(str(m.get("content", "")) for m in gen.messages or ())
             prompt = len(text) // _CHARS_PER_TOKEN + 1
         limit = self._max_model_len or 1 << 20
-        return min(limit, prompt + int(gen.sampling.get("max_tokens", 0)))
+        return gen.n * min(limit, prompt + int(gen.sampling.get("max_tokens", 0)))
 

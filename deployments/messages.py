@@ -19,6 +19,13 @@ class GenerateRequest:
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[dict[str, Any], ...] | None = None
+    # Function tools the chat template lists for the model (OpenAI's ``tools``), or None.
+    tools: tuple[dict[str, Any], ...] | None = None
+    # Choices sampled from the prompt, each a request of its own (the later ones take the
+    # first one's prompt pages); with a seed, choice i draws from seed + i (as vLLM).
+    n: int = 1
+    # The prompt's text comes back in ``Admitted`` (completions' ``echo``).
+    echo: bool = False
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,8 @@ class Admitted:
     """First item of every accepted stream: the request is in the engine."""
 
     num_prompt_tokens: int
+    # With ``GenerateRequest.echo``: the prompt as text (token-id prompts decoded).
+    prompt_text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -39,13 +48,28 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities with the tokens as text (what clients are sent)."""
+
+    token: str
+    logprob: float | None  # None: a prompt's first token, which nothing before it scores
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
-    """New output of one engine step for one request."""
+    """New output of one engine step for one choice of a request."""
 
     text: str
     token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None
+    # The choice (0 .. n-1).
+    index: int = 0
+    # With sampling's logprobs: one per token of ``token_ids``.
+    logprobs: tuple[TokenLogprob, ...] = ()
+    # With sampling's prompt_logprobs, in the choice's first Delta: prompt positions 1.. .
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,5 @@
-"""The OpenAI HTTP protocol: request models, their validation, and response/chunk bodies.
+"""The OpenAI HTTP protocol: request models and their validation (the bodies of responses are
+``openai_format.py``'s).
 
 Every request field is honoured, honoured with limits, or refused with a 400 that names it;
 docs/serving.md has the table. A field these models do not know is refused too (pydantic's
@@ -9,18 +10,22 @@ from __future__ import annotations
 
 import json
 import re
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from spin_cluster.deployments import tool_calls
 from spin_cluster.deployments.errors import ApiError
 from spin_cluster.deployments.messages import GenerateRequest
 from spin_cluster.deployments.request_body import load_json_object
+from spin_cluster.deployments.tool_calls import Tool, ToolCall
 
 # Chat without max_tokens runs to the end of the context; the engine stops there.
 _UNBOUNDED_MAX_TOKENS = 1 << 30
+# Most choices per request: each is a sequence of its own in the engine's batch.
+MAX_N = 16
+# vLLM's and OpenAI's bound on top_logprobs (the engine's MAX_LOGPROBS).
+MAX_TOP_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
@@ -59,9 +64,8 @@ class _Common(BaseModel):
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise ApiError(400, f"n={self.n}: this server returns one choice per request; "
-                           "send n separate requests instead", param="n", code="unsupported_value")
+        if not 1 <= self.n <= MAX_N:
+            raise ApiError(400, f"n={self.n}: must be in [1, {MAX_N}]", param="n", code="invalid_value")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ApiError(400, f"{name} is not supported (use 0)", param=name, code="unsupported_value")
@@ -110,9 +114,17 @@ class CompletionRequest(_Common):
         super().check_supported()
         if self.best_of not in (None, 1):
             raise ApiError(400, "best_of is not supported (use 1)", param="best_of", code="unsupported_value")
-        for name in ("echo", "suffix", "logprobs"):
-            if getattr(self, name) not in (None, False):
-                raise ApiError(400, f"{name} is not supported", param=name, code="unsupported_value")
+        if self.suffix is not None:
+            raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported_value")
+        _check_top("logprobs", self.logprobs)
+
+    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
+        """``logprobs`` k: each token's logprob and the k most likely; with ``echo``, the
+        prompt's too (vLLM's prompt_logprobs)."""
+        out = super().sampling(default_max_tokens)
+        out["logprobs"] = self.logprobs
+        out["prompt_logprobs"] = self.logprobs if self.echo else None
+        return out
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         p = self.prompt
@@ -123,15 +135,30 @@ class CompletionRequest(_Common):
                            param="prompt", code="unsupported_value")
         sampling = self.sampling(16)
         if isinstance(p, str):
-            return GenerateRequest(request_id, sampling, prompt=checked_text(p, "prompt"))
-        return GenerateRequest(request_id, sampling, prompt_token_ids=tuple(p))
+            return GenerateRequest(request_id, sampling, prompt=checked_text(p, "prompt"), n=self.n, echo=self.echo)
+        return GenerateRequest(request_id, sampling, prompt_token_ids=tuple(p), n=self.n, echo=self.echo)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    # An assistant turn's calls, and a tool turn's answer to one, as clients send them back.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def as_dict(self, i: int) -> dict[str, Any]:
+        """The message as the chat template reads it."""
+        if self.tool_calls and self.role != "assistant":
+            raise ApiError(400, f"messages[{i}].tool_calls: only assistant messages carry tool calls",
+                           param="messages", code="invalid_value")
+        out = {"role": self.role, "content": checked_text(self.text(), f"messages[{i}].content")}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -149,30 +176,37 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise ApiError(400, "logprobs is not supported", param="logprobs", code="unsupported_value")
-        if self.top_logprobs not in (None, 0):
-            raise ApiError(400, "top_logprobs is not supported", param="top_logprobs", code="unsupported_value")
-        if self.tools:
-            raise ApiError(400, "tools are not supported", param="tools", code="unsupported_value")
-        if self.tool_choice not in (None, "none"):
-            raise ApiError(400, "tool_choice is not supported (tools are not)", param="tool_choice",
-                           code="unsupported_value")
-        if self.parallel_tool_calls is not None:
-            raise ApiError(400, "parallel_tool_calls is not supported (tools are not)",
-                           param="parallel_tool_calls", code="unsupported_value")
+        _check_top("top_logprobs", self.top_logprobs)
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        mode = self.tool_mode()[0]
+        if mode in ("required", "named") and structured_output(self.response_format) is not None:
+            raise ApiError(400, f"tool_choice={self.tool_choice!r} constrains the output itself; drop response_format",
+                           param="tool_choice", code="invalid_value")
+
+    def tool_mode(self) -> tuple[str, str | None]:
+        """(none | auto | required | named, the named function)."""
+        return tool_calls.choice_mode(self.tools, self.tool_choice)
+
+    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
+        out = super().sampling(default_max_tokens)
+        out["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        forced = tool_calls.constraint(*self.tool_mode(), self.tools or [], self.parallel_tool_calls)
+        if forced is not None:
+            out["structured_output"] = forced
+        return out
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         sampling = self.sampling(_UNBOUNDED_MAX_TOKENS)
-        messages = tuple({"role": m.role, "content": checked_text(m.text(), f"messages[{i}].content")}
-                         for i, m in enumerate(self.messages))
-        return GenerateRequest(request_id, sampling, messages=messages)
+        messages = tuple(m.as_dict(i) for i, m in enumerate(self.messages))
+        tools = tuple(t.model_dump(exclude_none=True) for t in self.tools) if self.tools else None
+        return GenerateRequest(request_id, sampling, messages=messages, tools=tools, n=self.n)
 
 
 # UTF-16 halves; json.loads joins an escaped pair (\ud83d\ude00) into one character, so any
@@ -187,6 +221,11 @@ def checked_text(text: str, param: str) -> str:
         raise ApiError(400, f"{param} holds an unpaired surrogate (U+{ord(found.group()):04X}) at position "
                        f"{found.start()}; send valid Unicode text", param=param, code="invalid_value")
     return text
+
+
+def _check_top(name: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"{name}={value}: must be in [0, {MAX_TOP_LOGPROBS}]", param=name, code="invalid_value")
 
 
 def structured_output(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -232,72 +271,3 @@ def parse_body(raw: bytes, model: type[_Common]) -> _Common:
         raise ApiError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value") from None
     req.check_supported()
     return req
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
-
-
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-class CompletionFormat:
-    """Bodies of /v1/completions."""
-
-    prefix = "cmpl"
-
-    def __init__(self, request_id: str, model: str) -> None:
-        self.id, self.model, self.created = request_id, model, int(time.time())
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def response(self, text: str, finish_reason: str | None, use: dict[str, int]) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], "usage": use}
-
-    # ``with_usage``: the request asked for usage (``include_usage``), so every chunk has a
-    # "usage" key: ``use`` (the usage so far, under ``continuous_usage_stats``) or null.
-    def start_chunks(self, with_usage: bool, use: dict[str, int] | None = None) -> list[dict[str, Any]]:
-        return []
-
-    def chunk(self, text: str, finish_reason: str | None, with_usage: bool,
-              use: dict[str, int] | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], **({"usage": use} if with_usage else {})}
-
-    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
-        return {**self._head("text_completion"), "choices": [], "usage": use}
-
-
-class ChatFormat(CompletionFormat):
-    """Bodies of /v1/chat/completions."""
-
-    prefix = "chatcmpl"
-
-    def response(self, text: str, finish_reason: str | None, use: dict[str, int]) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": use}
-
-    def start_chunks(self, with_usage: bool, use: dict[str, int] | None = None) -> list[dict[str, Any]]:
-        body = self._chunk({"role": "assistant", "content": ""}, None)
-        return [{**body, **({"usage": use} if with_usage else {})}]
-
-    def chunk(self, text: str, finish_reason: str | None, with_usage: bool,
-              use: dict[str, int] | None = None) -> dict[str, Any]:
-        body = self._chunk({"content": text} if text else {}, finish_reason)
-        return {**body, **({"usage": use} if with_usage else {})}
-
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("chat.completion.chunk"), "choices": [choice]}
-
-    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
-        return {**self._head("chat.completion.chunk"), "choices": [], "usage": use}

@@ -33,11 +33,15 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def template_lists_tools(self) -> bool:
+        """The chat template has a tools section of its own (Qwen2.5's, Llama 3's do)."""
+        return "tools" in (getattr(self._tok, "chat_template", None) or "")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         if not self.has_chat_template():
             raise ValueError("this model's folder has no chat template; use plain completions")
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self._tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
-    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template already places special tokens; don't add a BOS twice.
-        return list(self._tok.encode(self.apply_chat_template(messages), add_special_tokens=False))
+        return list(self._tok.encode(self.apply_chat_template(messages, tools), add_special_tokens=False))

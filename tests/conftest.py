@@ -29,6 +29,21 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
+def hf_logprobs(smollm2_path):
+    """token ids -> [T, V] float32 log_softmax of transformers' SmolLM2 logits at each position."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+    def run(ids):
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    run.model = model
+    return run
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory, smollm2_path):
     """Random weights at toy size with SmolLM2's tokenizer: fast engine mechanics tests."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -76,4 +76,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
               "checks"),
     Benchmark("check-grammar-mask", "check_grammar_mask.py", "the grammar's token mask on a device matches the CPU's; "
               "a constrained batch there samples only allowed tokens", "checks"),
+    Benchmark("lm-eval", "lm_eval_compare.py", "lm-evaluation-harness through a server beside its HF backend, "
+              "request by request (needs the lm-eval extra)", "accuracy"),
+    Benchmark("tool-calls", "tool_calls_check.py", "named tool calls that validate, auto with and without a "
+              "fitting tool, a result sent back: any OpenAI-compatible server", "checks"),
 ]}

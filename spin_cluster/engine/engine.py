@@ -31,6 +31,7 @@ from spin_cluster.engine.stats import StepStats
 from spin_cluster.engine.cache_builder import build_cache
 from spin_cluster.engine.detokenizer import Detokenizer
 from spin_cluster.engine.grammar import Grammars
+from spin_cluster.engine.logprobs import TokenLogprobs, raw_logprobs, token_logprobs
 from spin_cluster.models import ModelConfig, cpu_linear, load_model, random_model
 from spin_cluster.tokenizer import Tokenizer
 
@@ -48,6 +49,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+# Prompt positions whose logits a prompt_logprobs request holds at once: [256, V] float32 is
+# 50 MB at SmolLM2's vocabulary, 130 MB at Llama 3's.
+PROMPT_LOGITS_ROWS = 256
 
 
 @dataclass
@@ -124,7 +130,11 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        prefill_after: str | None = None,
     ) -> str:
+        """Queue a request; returns its id. ``prefill_after``: a request with the same prompt
+        (an earlier choice of the same n); this one waits until that one's prompt is in the
+        cache, and with prefix caching takes its pages instead of computing them again."""
         params = params or SamplingParams()
         params.check_vocab(self.model.config.vocab_size)
         text = prompt if isinstance(prompt, str) else None
@@ -136,7 +146,8 @@ class Engine:
         if params.structured_output is not None:
             self.grammars.start(request_id, params.structured_output)
         req = Request(request_id=request_id, prompt_token_ids=ids, params=params, prompt=text,
-                      detokenizer=Detokenizer(self.tokenizer, params.stop))
+                      detokenizer=Detokenizer(self.tokenizer, params.stop),
+                      prefill_after=self._requests.get(prefill_after) if prefill_after else None)
         self._requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -176,18 +187,41 @@ class Engine:
             return self._step_pipelined()
         outputs: list[RequestOutput] = []
         if sched.chunks:
-            logits, sampled = self.runner.execute(sched.chunks)
+            step = self.runner.execute(sched.chunks)
             self.scheduler.advance(sched.chunks)
-            if sampled:
-                reqs = [c.request for c in sampled]
-                self._suppress_early_stops(logits, reqs)
-                self.grammars.mask(logits, [r.request_id for r in reqs])
-                token_ids = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs])
-                for req, tok in zip(reqs, token_ids):
-                    outputs.append(self._append_token(req, tok))
+            self._score_prompts(step.prompt)
+            if step.sampled:
+                outputs = self._sample(step.logits, [c.request for c in step.sampled])
         self.num_preemptions_total += len(sched.preempted)
         self.last_stats = self._stats(t0, sched.num_tokens, len(sched.preempted))
         return outputs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[RequestOutput]:
+        """logits [B, V] of ``reqs``' last positions -> each request's next token and output."""
+        counts = [r.params.logprobs for r in reqs]
+        rows, raw = raw_logprobs(logits, counts)  # before any processor below changes the logits
+        self._suppress_early_stops(logits, reqs)
+        self.grammars.mask(logits, [r.request_id for r in reqs])
+        token_ids = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs])
+        found = token_logprobs(raw, [token_ids[i] for i in rows], [counts[i] for i in rows]) if rows else []
+        logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
+        for i, lp in zip(rows, found):
+            logprobs[i] = lp
+        return [self._append_token(req, tok, lp) for req, tok, lp in zip(reqs, token_ids, logprobs)]
+
+    def _score_prompts(self, prompt: list[tuple[ScheduledChunk, torch.Tensor]]) -> None:
+        """Each chunk's [m, hidden] states -> the logprobs of its prompt tokens start+1 ..
+        start+m, kept on the request, ``PROMPT_LOGITS_ROWS`` positions at a time. A chunk
+        recomputed after a preemption scored them already."""
+        for chunk, hidden in prompt:
+            req = chunk.request
+            if chunk.start != len(req.prompt_logprobs):
+                continue
+            for i in range(0, hidden.shape[0], PROMPT_LOGITS_ROWS):
+                first = chunk.start + 1 + i  # the first token these rows score
+                block = torch.log_softmax(self.model.compute_logits(hidden[i : i + PROMPT_LOGITS_ROWS]), dim=-1)
+                targets = req.prompt_token_ids[first : first + block.shape[0]]
+                req.prompt_logprobs.extend(token_logprobs(block, targets, [req.params.prompt_logprobs] * len(targets)))
 
     # ---- pipelined decode -----------------------------------------------------------------------
 
@@ -202,21 +236,23 @@ class Engine:
 
     @staticmethod
     def _pipelinable(req: Request, pending: int) -> bool:
-        """No grammar and no min_tokens ban left on its next token: a grammar's mask depends on
-        the token before, which a pipelined step has not read yet, and a ban needs the host's
-        count of tokens. Such rows take the synchronous path. Greedy and sampled rows (their
-        logit_bias, temperature, top-k, top-p and seeds) are sampled on the device at launch
+        """No grammar, no logprobs and no min_tokens ban left on its next token: a grammar's
+        mask depends on the token before, which a pipelined step has not read yet, a ban needs
+        the host's count of tokens, and logprobs are read beside the sampled token on the host.
+        Such rows take the synchronous path. Greedy and sampled rows (their logit_bias,
+        temperature, top-k, top-p and seeds) are sampled on the device at launch
         (``Sampler.sample_tensor``); a seeded row draws from its own generator in step order
         either way, so it gives the plain loop's tokens. ``pending``: its tokens launched but
         not read yet."""
         p = req.params
-        return p.structured_output is None and len(req.output_token_ids) + pending >= p.min_tokens
+        return (p.structured_output is None and p.logprobs is None
+                and len(req.output_token_ids) + pending >= p.min_tokens)
 
     def _launch(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None, t0: float,
                 num_preempted: int = 0) -> _InFlight:
         """Run a decode step and start its tokens (and the buffer's counters) on their way to
         the host, without waiting for them."""
-        logits, _ = self.runner.execute(chunks, input_ids)
+        logits = self.runner.execute(chunks, input_ids).logits
         self.scheduler.advance(chunks)  # the K/V writes are queued on the device before any later reader
         reqs = [c.request for c in chunks]
         tokens = self.sampler.sample_tensor(logits, [r.request_id for r in reqs], [r.params for r in reqs])  # [B]
@@ -325,7 +361,7 @@ class Engine:
                 if banned:
                     logits[i, sorted(banned)] = float("-inf")
 
-    def _append_token(self, req: Request, token_id: int) -> RequestOutput:
+    def _append_token(self, req: Request, token_id: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         now = time.monotonic()
         if req.first_token_s is None:
             req.first_token_s = now
@@ -337,7 +373,9 @@ class Engine:
         req.output_text = req.detokenizer.visible_text(finished=reason is not None)
         if reason is not None:
             self._finish(req, reason)
-        return self._output(req, [token_id], req.output_text[len(old_text) :])
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        return self._output(req, [token_id], req.output_text[len(old_text) :], [logprobs] if logprobs else [])
 
     def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
         p = req.params
@@ -358,7 +396,8 @@ class Engine:
         self.grammars.forget(req.request_id)
         self._requests.pop(req.request_id, None)
 
-    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+    def _output(self, req: Request, new_ids: list[int], new_text: str,
+                new_logprobs: list[TokenLogprobs] = ()) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
@@ -369,6 +408,9 @@ class Engine:
             new_token_ids=new_ids,
             finished=req.is_finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
+            new_logprobs=list(new_logprobs),
+            logprobs=list(req.output_logprobs),
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
         )
 
     # ---- convenience --------------------------------------------------------------------------

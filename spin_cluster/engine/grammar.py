@@ -30,6 +30,9 @@ class StructuredOutput:
     kind: str
     # The JSON schema as canonical JSON text (sorted keys), so equal schemas share a grammar.
     schema: str | None = None
+    # The request field the schema came from, which an error names: response_format, or tools
+    # (a forced tool call's arguments).
+    source: str = "response_format"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -86,7 +89,7 @@ class Grammars:
             return compiler.compile_json_schema(spec.schema, any_whitespace=False)
         except (RuntimeError, ValueError) as e:
             reason = str(e).strip().splitlines()[-1]
-            raise ValueError(f"response_format: the JSON schema cannot be compiled: {reason}") from None
+            raise ValueError(f"{spec.source}: the JSON schema cannot be compiled: {reason}") from None
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:

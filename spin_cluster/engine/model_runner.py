@@ -2,7 +2,8 @@
 
 The runner turns the scheduler's chunks into flat tensors (one host->device copy each), has
 the attention backend build the step plan that every layer reads (``begin_step``), runs the
-model, and returns the logits of the requests whose sequence is complete after this step.
+model, and returns the logits of the requests whose sequence is complete after this step, and
+of the prompt positions whose requests asked for prompt logprobs.
 
 Decode-only steps replay a CUDA graph (``model.cuda_graphs``) when the backend offers one
 (``engine.cuda_graphs``): one launch a step instead of one per operator.
@@ -11,6 +12,7 @@ Decode-only steps replay a CUDA graph (``model.cuda_graphs``) when the backend o
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass, field
 from itertools import repeat
 
 import torch
@@ -19,6 +21,27 @@ from spin_cluster.engine.backend import AttentionBackend
 from spin_cluster.engine.cuda_graphs import DecodeGraphRunner
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.engine.step_threads import StepThreads
+
+
+@dataclass
+class StepLogits:
+    """What one step's forward returns."""
+
+    logits: torch.Tensor  # [N, V] float32, row i for sampled[i]'s last position
+    sampled: list[ScheduledChunk]
+    # (a prefill chunk, [m, hidden] final hidden states of its positions start .. start+m-1,
+    # which score the prompt tokens start+1 .. start+m) for the chunks whose requests asked for
+    # prompt logprobs; their logits are the caller's to make, a block at a time ([m, V] of a
+    # long chunk would be gigabytes)
+    prompt: list[tuple[ScheduledChunk, torch.Tensor]] = field(default_factory=list)
+
+
+def prompt_positions(chunk: ScheduledChunk) -> int:
+    """How many of the chunk's positions score a prompt token (the one after each): all up
+    to the prompt's second to last position, whose logits score its last token."""
+    if chunk.request.params.prompt_logprobs is None or chunk.is_decode:
+        return 0
+    return max(0, min(chunk.start + chunk.num_tokens, len(chunk.request.prompt_token_ids) - 1) - chunk.start)
 
 
 class ModelRunner:
@@ -34,9 +57,8 @@ class ModelRunner:
         self.step_threads: StepThreads | None = None
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk],
-                input_ids_dev: torch.Tensor | None = None) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Run one step. Returns ([N, V] float32 logits, the N chunks they belong to).
+    def execute(self, chunks: list[ScheduledChunk], input_ids_dev: torch.Tensor | None = None) -> StepLogits:
+        """Run one step: the logits of the sampled positions and of the scored prompt ones.
 
         input_ids_dev: [B] token ids already on the device for a decode-only batch (the last
         step's argmax, in ``chunks``' order), which the host does not know yet."""
@@ -47,7 +69,7 @@ class ModelRunner:
         # Host int64 arrays, not lists: torch.tensor over Python lists costs ~1 us a token,
         # a third of a second before a 128K prompt's first kernel.
         input_ids, positions, token_rows = array("q"), array("q"), array("q")
-        sample_idx, sampled = [], []
+        sample_idx, sampled, scored_idx, scored = [], [], [], []
         for chunk in chunks:
             row = self.attention.row(chunk.request.request_id)
             if input_ids_dev is None:
@@ -56,6 +78,11 @@ class ModelRunner:
                 tokens = [0]  # replaced by input_ids_dev
             input_ids.extend(tokens)
             positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
+            num_scored = prompt_positions(chunk)
+            if num_scored:
+                first = len(input_ids) - len(tokens)
+                scored_idx.extend(range(first, first + num_scored))
+                scored.append((chunk, num_scored))
             token_rows.extend(repeat(row, chunk.num_tokens))
             if chunk.completes_sequence or input_ids_dev is not None:  # (a pipelined step's pending token)
                 sample_idx.append(len(input_ids) - 1)
@@ -72,14 +99,18 @@ class ModelRunner:
             input_ids_t = input_ids_dev
         if self.graphs is not None and self.graphs.can_run(chunks):
             hidden = self.graphs.run(input_ids_t, positions_t, token_rows_t, chunks)  # [Bd, hidden]
-            return self.model.compute_logits(hidden), sampled  # every decode request samples
+            return StepLogits(self.model.compute_logits(hidden), sampled)  # every decode request samples
         self.attention.begin_step(chunks, positions_t, token_rows_t)
         try:
             hidden = self.model(input_ids_t, positions_t, self.attention)  # [T, hidden]
         finally:
             self.attention.end_step()
+        prompt = []
+        if scored_idx:
+            rows = hidden[torch.tensor(scored_idx, dtype=torch.long).to(dev, non_blocking=True)]  # [M, hidden]
+            prompt = list(zip((c for c, _ in scored), rows.split([m for _, m in scored])))
         if not sample_idx:
-            return torch.empty(0, device=dev), []
+            return StepLogits(torch.empty(0, device=dev), [], prompt)
         if len(sample_idx) < num_tokens:
             hidden = hidden[torch.tensor(sample_idx, dtype=torch.long).to(dev, non_blocking=True)]
-        return self.model.compute_logits(hidden), sampled  # [N, V]
+        return StepLogits(self.model.compute_logits(hidden), sampled, prompt)  # [N, V]

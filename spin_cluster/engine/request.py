@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from spin_cluster.engine.detokenizer import Detokenizer
 from spin_cluster.engine.grammar import StructuredOutput
+from spin_cluster.engine.logprobs import TokenLogprobs, check_count
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # The output must match this grammar (JSON); None: free text. A dict is taken as its fields.
     structured_output: StructuredOutput | None = None
+    # Log-probabilities of each sampled token with this many most likely tokens beside it
+    # (vLLM's ``logprobs``); None: none. [0, 20].
+    logprobs: int | None = None
+    # The same for every prompt token but the first (vLLM's ``prompt_logprobs``): the prompt
+    # is then computed whole, never taken from the prefix cache. None: none. [0, 20].
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +63,8 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         self._check_logit_bias()
+        check_count("logprobs", self.logprobs)
+        check_count("prompt_logprobs", self.prompt_logprobs)
         if isinstance(self.structured_output, dict):
             object.__setattr__(self, "structured_output", StructuredOutput(**self.structured_output))
         if self.structured_output is not None and self.min_tokens > 0:
@@ -116,6 +125,13 @@ class Request:
     first_token_s: float | None = None
     finished_s: float | None = None
     num_preemptions: int = 0
+    # Positions 1.. of the prompt, as they are computed (with params.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # One per output token (with params.logprobs).
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Not admitted before this request's prompt is in the cache (the first of n choices), so
+    # that its pages are computed once and shared through the prefix cache.
+    prefill_after: Request | None = None
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output without joining the two: a decode step reads
@@ -153,3 +169,8 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    # With params.logprobs: one per new token, and one per token so far.
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With params.prompt_logprobs (complete from the first output on): prompt positions 1.. .
+    prompt_logprobs: list[TokenLogprobs] | None = None

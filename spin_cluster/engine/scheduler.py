@@ -175,6 +175,8 @@ class Scheduler:
         owed, pages = self._pages_owed(decode + prefill), self.kv.pages_for_tokens
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if not self._prompt_shared(req):
+                break
             # Nothing of a waiting request is computed (new, or preempted and recomputed).
             prefix = self._cached_prefix(req)
             n = req.num_tokens - prefix.num_tokens
@@ -208,9 +210,21 @@ class Scheduler:
             owed += max(0, own - (pages(prefix.num_tokens + n) - pages(prefix.num_tokens)))
         return budget
 
+    @staticmethod
+    def _prompt_shared(req: Request) -> bool:
+        """A request made to share another's prompt (``prefill_after``: a choice of the same n)
+        is admitted once that one has computed its prompt, or has ended; until then it and those
+        behind it wait, as they would behind any request that does not fit."""
+        first = req.prefill_after
+        if first is None or first.is_finished or first.num_computed_tokens >= len(first.prompt_token_ids):
+            req.prefill_after = None  # (no reference kept to a finished request)
+            return True
+        return False
+
     def _cached_prefix(self, req: Request) -> PrefixHit:
-        """Cached pages of the request's known tokens but the last, which is always computed."""
-        if not self.kv.prefix_caching:
+        """Cached pages of the request's known tokens but the last, which is always computed.
+        None for a request that wants its prompt's logprobs: those need every prompt position."""
+        if not self.kv.prefix_caching or req.params.prompt_logprobs is not None:
             return NO_PREFIX
         return self.kv.match_prefix(req.token_ids(0, req.num_tokens - 1))
 

@@ -22,7 +22,7 @@ API and forwards every call that changes scheduler state. ``generate``, ``stream
 and sent with ``broadcast_object_list`` over a gloo control group::
 
     rank 0:    add(a) add(b) abort(c) step
-                 ──[("add", "a", ids, params), ("add", "b", ...), ("abort", "c"), ("step",)]──▶
+                 ──[("add", "a", ids, params, None), ("add", "b", ...), ("abort", "c"), ("step",)]──▶
     followers: apply them in order, then step: the same scheduling, hence the same collectives
 
 Adds and aborts change only host-side state (queues, page tables), so a follower may apply
@@ -148,10 +148,11 @@ class LeaderEngine(HeadParallelEngine):
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        prefill_after: str | None = None,
     ) -> str:
-        request_id = super().add_request(prompt, params, request_id)  # raises before anything is queued
+        request_id = super().add_request(prompt, params, request_id, prefill_after)  # raises before anything is queued
         req = self._requests[request_id]
-        self._pending.append(("add", request_id, list(req.prompt_token_ids), req.params))
+        self._pending.append(("add", request_id, list(req.prompt_token_ids), req.params, prefill_after))
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -291,8 +292,8 @@ def run_follower(engine: HeadParallelEngine, control_group) -> int:
         for command in box[0]:
             kind = command[0]
             if kind == "add":
-                _, request_id, token_ids, params = command
-                engine.add_request(token_ids, params, request_id=request_id)
+                _, request_id, token_ids, params, prefill_after = command
+                engine.add_request(token_ids, params, request_id=request_id, prefill_after=prefill_after)
             elif kind == "abort":
                 engine.abort(command[1])
             elif kind == "step":

@@ -144,6 +144,23 @@ def test_queued_deltas_go_to_the_ingress_as_one():
     assert _coalesce(admitted, q) == (admitted, None) and q.qsize() == 1  # only Deltas merge
 
 
+def test_deltas_of_different_choices_stay_apart_and_logprobs_merge():
+    import asyncio
+
+    from spin_cluster.deployments.engine_server import _coalesce
+    from spin_cluster.deployments.messages import TokenLogprob
+
+    lp = [TokenLogprob(t, -1.0) for t in "abc"]
+    q: asyncio.Queue = asyncio.Queue()
+    other = Delta("x", (9,), False, None, index=1)
+    for item in (Delta("b", (2,), False, None, logprobs=(lp[1],)), other, Delta("c", (3,), False, None)):
+        q.put_nowait(item)
+    first = Delta("a", (1,), False, None, logprobs=(lp[0],), prompt_logprobs=(lp[2],))
+    merged, held = _coalesce(first, q)
+    assert merged == Delta("ab", (1, 2), False, None, logprobs=tuple(lp[:2]), prompt_logprobs=(lp[2],))
+    assert held is other and q.qsize() == 1
+
+
 def test_report_of_the_offloaded_cache_gives_both_home_tiers_and_the_buffer(tiny_llama_path):
     """Pages at home on the GPU and on the host, and the buffer's slots, each with their bytes;
     a GPU home of a few segments makes the long prompt spill."""

@@ -5,14 +5,10 @@ import json
 import pytest
 
 from spin_cluster.deployments.errors import ApiError
-from spin_cluster.deployments.openai_protocol import (
-    ChatCompletionRequest,
-    ChatFormat,
-    CompletionFormat,
-    CompletionRequest,
-    parse_body,
-    usage,
-)
+from spin_cluster.deployments.choices import Choice
+from spin_cluster.deployments.messages import Delta, TokenLogprob
+from spin_cluster.deployments.openai_format import ChatFormat, CompletionFormat, usage
+from spin_cluster.deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from spin_cluster.deployments.request_body import load_json_object
 from spin_cluster.engine import SamplingParams
 
@@ -64,20 +60,33 @@ def test_chat_text_parts_are_joined():
     (CompletionRequest, b"{oops", None),
     (CompletionRequest, b"[1, 2]", None),
     (CompletionRequest, {"prompt": "Hi"}, "model"),
-    (CompletionRequest, {"model": "m", "prompt": "Hi", "n": 2}, "n"),
+    (CompletionRequest, {"model": "m", "prompt": "Hi", "n": 17}, "n"),
+    (CompletionRequest, {"model": "m", "prompt": "Hi", "n": 0}, "n"),
     (CompletionRequest, {"model": "m", "prompt": "Hi", "best_of": 3}, "best_of"),
-    (CompletionRequest, {"model": "m", "prompt": "Hi", "echo": True}, "echo"),
+    (CompletionRequest, {"model": "m", "prompt": "Hi", "logprobs": 21}, "logprobs"),
+    (CompletionRequest, {"model": "m", "prompt": "Hi", "echo": [1]}, "echo"),
     (CompletionRequest, {"model": "m", "prompt": "Hi", "presence_penalty": 0.5}, "presence_penalty"),
     (CompletionRequest, {"model": "m", "prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
     (ChatCompletionRequest, {"model": "m", "messages": []}, "messages"),
     (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
-    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
-     "logprobs"),
+    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                             "top_logprobs": 21}, "top_logprobs"),
+    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs"),
+    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "tool_choice"),
+    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice"),
+    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, "tool_choice"),
+    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "has space"}}]}, "tools"),
 ])
 def test_refused_requests_are_400_with_the_param(model, body, param):
     err = _error(model, body)
     assert err.status == 400 and err.type == "invalid_request_error"
-    assert err.param == param
+    assert (err.param or "").split(".")[0] == (param or "")  # tools.0.type names tools' first entry
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
 
 
@@ -92,15 +101,44 @@ def test_response_bodies():
     use = usage(3, 4)
     assert use == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     chat = ChatFormat("chatcmpl-1", "m")
-    body = chat.response("Hi", "stop", use)
+    body = chat.response([_choice(0, Delta("Hi", (5,), True, "stop"))], use)
     assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant", "content": "Hi"}
-    first = chat.start_chunks(True)[0]
+    first = chat.start_chunks(1, True)[0]
     assert first["choices"][0]["delta"]["role"] == "assistant" and first["usage"] is None
     assert chat.usage_chunk(use)["choices"] == []
     comp = CompletionFormat("cmpl-1", "m")
-    assert comp.chunk("a", None, False)["choices"][0]["text"] == "a"
-    assert "usage" not in comp.chunk("a", None, False) and comp.chunk("a", None, True)["usage"] is None
-    assert comp.chunk("a", None, True, use)["usage"] == use and chat.start_chunks(True, use)[0]["usage"] == use
+    a = Delta("a", (7,), False, None)
+    assert comp.chunks(_choice(0, a), a, False)[0]["choices"][0]["text"] == "a"
+    assert "usage" not in comp.chunks(_choice(0, a), a, False)[0]
+    assert comp.chunks(_choice(0, a), a, True)[0]["usage"] is None
+    assert comp.chunks(_choice(0, a), a, True, use)[0]["usage"] == use and chat.start_chunks(1, True, use)[0]["usage"] == use
+
+
+def _choice(index, *deltas):
+    choice = Choice(index)
+    for d in deltas:
+        choice.add(d)
+    return choice
+
+
+def test_echo_and_logprobs_bodies_of_two_choices():
+    prompt = (TokenLogprob("Hi", None), TokenLogprob(" there", -2.0, ((" you", -1.0),)))
+    d0 = Delta("!", (0,), True, "stop", 0, (TokenLogprob("!", -0.5, (("!", -0.5),)),), prompt)
+    d1 = Delta("?", (1,), True, "length", 1, (TokenLogprob("?", -1.5, (("!", -0.5),)),), prompt)
+    comp = CompletionFormat("cmpl-1", "m", echo="Hi there", logprobs=True)
+    body = comp.response([_choice(0, d0), _choice(1, d1)], usage(2, 2))
+    assert [c["text"] for c in body["choices"]] == ["Hi there!", "Hi there?"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
+    lp = body["choices"][1]["logprobs"]
+    assert lp == {"tokens": ["Hi", " there", "?"], "token_logprobs": [None, -2.0, -1.5],
+                  "top_logprobs": [None, {" there": -2.0, " you": -1.0}, {"?": -1.5, "!": -0.5}],
+                  "text_offset": [0, 2, 8]}
+    streamed = comp.chunks(_choice(1, d1), d1, False)
+    assert [c["choices"][0]["text"] for c in streamed] == ["Hi there?", ""]
+    assert streamed[0]["choices"][0]["logprobs"]["tokens"] == ["Hi", " there", "?"]
+    chat = ChatFormat("chatcmpl-1", "m", logprobs=True).response([_choice(0, d0)], usage(2, 1))
+    assert chat["choices"][0]["logprobs"] == {"content": [{"token": "!", "logprob": -0.5, "bytes": [33], "top_logprobs": [
+        {"token": "!", "logprob": -0.5, "bytes": [33]}]}]}
 
 
 @pytest.mark.parametrize("options, include, continuous", [

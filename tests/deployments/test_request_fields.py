@@ -29,7 +29,7 @@ EXAMPLES = {
     "top_p": (0.9, None),
     "top_k": (5, None),
     "min_tokens": (2, None),
-    "n": (1, 2),
+    "n": (4, 17),
     "stream": (True, None),
     "stream_options": ({"include_usage": True, "continuous_usage_stats": True}, {"include_obfuscation": True}),
     "stop": (["\n"], None),
@@ -40,13 +40,14 @@ EXAMPLES = {
     "presence_penalty": (0, 0.5),
     "frequency_penalty": (0, 0.5),
     "response_format": ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}, None),
-    "logprobs": (False, True),
-    "top_logprobs": (0, 3),
+    "logprobs": (True, None),
+    "top_logprobs": (0, 21),
     "user": ("user-1", None),
-    "tools": ([], [{"type": "function", "function": {"name": "f"}}]),
-    "tool_choice": ("none", "auto"),
+    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+              [{"type": "function", "function": {"name": "f g"}}]),
+    "tool_choice": ("none", "required"),  # required without tools
     "parallel_tool_calls": (True, None),
-    "echo": (False, True),
+    "echo": (True, None),
     "suffix": (None, "tail"),
     "best_of": (1, 3),
     "functions": ([{"name": "f"}], None),
@@ -62,7 +63,7 @@ EXAMPLES = {
     "web_search_options": ({}, None),
 }
 # completions' logprobs is a count, not a flag
-PAST_LIMITS = {("completions", "logprobs"): 2}
+PAST_LIMITS = {("completions", "logprobs"): 21}
 
 
 def _table() -> dict[str, dict[str, str]]:

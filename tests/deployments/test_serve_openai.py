@@ -136,9 +136,9 @@ def test_the_planner_routes_to_the_engine_replica_it_hears_from(spin_app):
     assert planner.route.remote(10).result(timeout_s=30) == engine_id
 
 
-def test_n_greater_than_one_is_refused(client):
+def test_n_past_sixteen_is_refused(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, n=2)
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, n=17)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
 
 
@@ -161,8 +161,8 @@ _BAD = {
     "empty prompt": ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     "prompt over the context": ({"model": MODEL, "prompt": "hello " * 1100}, 400, "prompt"),
     "two prompts": ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
-    "n": ({"model": MODEL, "prompt": "Hi", "n": 3}, 400, "n"),
-    "logprobs": ({"model": MODEL, "prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
+    "n past 16": ({"model": MODEL, "prompt": "Hi", "n": 17}, 400, "n"),
+    "logprobs past 20": ({"model": MODEL, "prompt": "Hi", "logprobs": 21}, 400, "logprobs"),
     "logit_bias key not a token id": ({"model": MODEL, "prompt": "Hi", "logit_bias": {"abc": 5}}, 400, "logit_bias"),
     "logit_bias key outside the vocabulary": ({"model": MODEL, "prompt": "Hi", "logit_bias": {"999999": 5}}, 400,
                                               "logit_bias"),

@@ -102,3 +102,26 @@ def test_the_setting_must_be_a_bool_and_the_offloaded_cache_ignores_it(tiny_llam
     first, second = (engine.generate([prompt], PARAMS)[0].token_ids for _ in range(2))
     assert first == second and not engine.kv.prefix_caching
     assert (engine.last_stats.prefix_cache_queries_total, engine.last_stats.prefix_cache_hits_total) == (0, 0)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_choices_of_one_prompt_prefill_it_once(tiny_llama_path, shared):
+    """n choices: the later ones wait for the first's prompt (prefill_after) and take its pages;
+    added together without it, each computes the prompt itself."""
+    engine = _engine(tiny_llama_path, True)
+    prompt = _prompts()[0]  # 27 tokens: 6 full pages before the last token
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
+    first = engine.add_request(prompt, params)
+    for i in range(3):
+        engine.add_request(prompt, SamplingParams(temperature=0.8, seed=4 + i, max_tokens=8, ignore_eos=True),
+                           prefill_after=first if shared else None)
+    computed = 0
+    while engine.has_unfinished():
+        engine.step()
+        computed += engine.last_stats.num_batched_tokens
+    hits = engine.scheduler.num_prefix_hit_tokens
+    # unshared: three prompts start in the first step's 64 tokens (the third's first 10), and
+    # only the fourth, admitted a step later, finds the first's pages
+    assert hits == (3 * 6 * PAGE if shared else 6 * PAGE)
+    assert computed == 4 * (27 + 7) - hits
+    engine.check_integrity()
