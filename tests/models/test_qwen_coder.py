@@ -143,8 +143,8 @@ def test_qwen_coder_greedy_tokens_match_transformers(name):
     assert "def" in tok.decode(got[0])  # the instruct model answers the chat prompt with code
 
 
-@pytest.mark.parametrize("name, extra", [("qwen2.5-coder-1.5b", "qwen-coder-1.5b"),
-                                         ("qwen2.5-coder-0.5b", "qwen-coder-0.5b")])
+@pytest.mark.parametrize("name, extra", [("qwen2.5-coder-1.5b", "qwen-coder-1-5b"),
+                                         ("qwen2.5-coder-0.5b", "qwen-coder-0-5b")])
 def test_prepare_without_the_extra_names_it(monkeypatch, tmp_path, name, extra):
     from spin_cluster import model_store
 
@@ -160,11 +160,11 @@ def test_models_prepare_without_the_extra_is_one_error_line(tmp_path):
     """The CLI as a user runs it, in a Python whose site has no part packages."""
     code = ("import sys; from spin_cluster import model_store as m;"
             "m.SPLIT_GGUFS['qwen2.5-coder-1.5b'] = m.SplitGguf('qwen2.5-coder-1.5b', 'no-such-part', 2,"
-            " 'qwen-coder-1.5b', 'Apache-2.0');"
+            " 'qwen-coder-1-5b', 'Apache-2.0');"
             "from spin_cluster.cli import main; sys.argv = ['spin-cluster', 'models', 'prepare', 'qwen2.5-coder-1.5b'];"
             "sys.exit(main())")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={"SPIN_MODEL_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "spin-cluster[qwen-coder-1.5b]" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "spin-cluster[qwen-coder-1-5b]" in lines[0]
