@@ -291,7 +291,7 @@ def test_chart_app_version_is_the_package_version():
 BAD_VALUES = {
     "workers:\n  replicas: 0\n": "at '/workers/replicas': minimum: got 0, want 1",
     "workers:\n  gpus: 8\n": "additional properties 'gpus' not allowed",
-    "app:\n  config: spin-qeust\n": "at '/app/config': value must be one of 'default', 'spin', 'spin-quest'",
+    "app:\n  config: spin-qeust\n": "at '/app/config': value must be one of 'default', 'spin', 'spin-fast', 'spin-quest'",
     "app:\n  overrides:\n    cahce: {page_size: 32}\n": "additional properties 'cahce' not allowed",
     "model:\n  source: hostPath\n": "at '/model/hostPath/path'",
     "podSecurityContext:\n  runAsNonRoot: false\n": "at '/podSecurityContext/runAsNonRoot': value must be true",
