@@ -24,23 +24,14 @@
 # On the CPU the same commands run at toy size (checks the commands, not the figures):
 #   OUT=/tmp/g GEMMA_SETUP=0 LENGTHS=1024 SAMPLES=1 DEVICE=cpu bash benchmarks/gpu_gemma_accuracy.sh
 set -o pipefail
-: "${OUT:?set OUT to the results folder}"
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-if [ "${GEMMA_SETUP:-1}" = 1 ]; then
-  source benchmarks/gpu_setup.sh
-  gpu_record "$OUT/gpu.txt"
-  PY=python3
-else
-  PY=${PY:-$(pwd)/.venv/bin/python}
-fi
+source benchmarks/accuracy_setup.sh
+accuracy_setup "${GEMMA_SETUP:-1}"
 LENGTHS=${LENGTHS:-"8192 12288 16384"}
 SAMPLES=${SAMPLES:-36}
 PARTS=${PARTS:-"passkey needles spin hplb"}
 DEVICE=${DEVICE:-auto}
+MODEL=$(prepared_model gemma-3-270m) || exit 1
 cd /tmp  # import the installed package, not the repository's unmapped top-level folders
-MODEL=$("$PY" -c "from spin_cluster.model_store import prepare_model as p; print(p('gemma-3-270m'))" 2>&1 | tail -1)
-[ -d "$MODEL" ] || { echo "Gemma-3-270M could not be prepared: $MODEL"; exit 1; }
 METHODS=(--algorithms quest labels labels+quest --budgets 0.0625 0.03125 --budget-floor 2048)
 NEEDLES=(niah_single niah_multikey niah_multivalue niah_multiquery)
 SPIN_OPTS=()

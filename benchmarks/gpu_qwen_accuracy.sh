@@ -19,24 +19,15 @@
 #   OUT=/tmp/q QWEN_SETUP=0 MODEL_NAME=qwen2.5-coder-0.5b LENGTHS=3000 SAMPLES=1 TASKS=niah_single \
 #     DEVICE=cpu bash benchmarks/gpu_qwen_accuracy.sh
 set -o pipefail
-: "${OUT:?set OUT to the results folder}"
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-if [ "${QWEN_SETUP:-1}" = 1 ]; then
-  source benchmarks/gpu_setup.sh
-  gpu_record "$OUT/gpu.txt"
-  PY=python3
-else
-  PY=${PY:-$(pwd)/.venv/bin/python}
-fi
+source benchmarks/accuracy_setup.sh
+accuracy_setup "${QWEN_SETUP:-1}"
 MODEL_NAME=${MODEL_NAME:-qwen2.5-coder-1.5b}
 LENGTHS=${LENGTHS:-"16384 32768"}
 CONFIGS=${CONFIGS:-"spin spin-quest spin-fast"}
 YARN='{"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
-cd /tmp  # import the installed package, not the repository's unmapped top-level folders
 t0=$(date +%s)
-MODEL=$("$PY" -c "from spin_cluster.model_store import prepare_model as p; print(p('$MODEL_NAME'))" 2>&1 | tail -1)
-[ -d "$MODEL" ] || { echo "$MODEL_NAME could not be prepared: $MODEL"; exit 1; }
+MODEL=$(prepared_model "$MODEL_NAME") || exit 1
+cd /tmp  # import the installed package, not the repository's unmapped top-level folders
 echo "prepared $MODEL in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu.txt"
 for LEN in $LENGTHS; do
   extra=()

@@ -253,7 +253,7 @@ def evaluate(config: EvalConfig, *, engine_factory: EngineFactory | None = None,
     density: dict[str, float] = {}
     lookups: dict[str, dict[str, int]] = {}
     with tqdm(total=len(methods) * len(work), unit="prompt", disable=not progress) as bar:
-        for method in methods:
+        for done, method in enumerate(methods, start=1):
             bar.set_description(method.label)
             for lengths in _engine_groups(method, config.lengths):
                 batch = [(n, s) for n, s in work if n in lengths]
@@ -272,8 +272,7 @@ def evaluate(config: EvalConfig, *, engine_factory: EngineFactory | None = None,
                     for (n, s), text in zip(batch, texts)
                 )
             if checkpoint is not None:
-                done = methods[:methods.index(method) + 1]
-                checkpoint(EvalResults(config, done, list(results), time.perf_counter() - t0, prefill_density=density,
+                checkpoint(EvalResults(config, methods[:done], list(results), time.perf_counter() - t0, prefill_density=density,
                                        buffer_lookups=lookups))
     return EvalResults(config, methods, results, time.perf_counter() - t0, prefill_density=density,
                        buffer_lookups=lookups)
@@ -364,7 +363,6 @@ def _bundled_config(config: EvalConfig, model_path: str, method: Method, sparse:
 
 def _engine_config(config: EvalConfig, model_path: str, cache: dict, sparse: dict) -> SpinConfig:
     max_len = max(config.lengths)
-    cache = dict(cache)
     if cache.get("offload"):
         # The sizes below give the buffer the whole GPU budget and the host every page, as the
         # published runs had it: the hit ratio the table reports is the buffer's. Where a page

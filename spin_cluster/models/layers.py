@@ -54,12 +54,13 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
     base = config.rope_theta
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
-    inv_freq = 1.0 / (base**exponents)  # [D/2]
+    pos_freqs = base**exponents  # [D/2]
+    inv_freq = 1.0 / pos_freqs
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "yarn":
-        return _yarn_inv_freq(scaling, dim, base)
+        return _yarn_inv_freq(scaling, pos_freqs, base)
     if scaling["rope_type"] != "llama3":
         raise ValueError(f"unsupported RoPE type {scaling['rope_type']!r}")
 
@@ -84,7 +85,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)  # [D/2]
 
 
-def _yarn_inv_freq(scaling: dict, dim: int, base: float) -> torch.Tensor:
+def _yarn_inv_freq(scaling: dict, pos_freqs: torch.Tensor, base: float) -> torch.Tensor:
     """YaRN (arXiv 2309.00071): the dimensions that turn fewer than ``beta_slow`` times over
     the original context are interpolated (divided by ``factor``), those that turn more than
     ``beta_fast`` times kept, and a linear ramp blends the band between them.
@@ -92,7 +93,7 @@ def _yarn_inv_freq(scaling: dict, dim: int, base: float) -> torch.Tensor:
         dim index i:  0 ........ low ====ramp==== high ........ D/2
                       kept (extrapolated)              interpolated
     """
-    context = scaling["original_max_position_embeddings"]
+    context, dim = scaling["original_max_position_embeddings"], 2 * pos_freqs.shape[0]
 
     def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
         return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -104,7 +105,6 @@ def _yarn_inv_freq(scaling: dict, dim: int, base: float) -> torch.Tensor:
     if low == high:
         high += 0.001  # a ramp of zero width would divide by zero
     # On the CPU explicitly: the model is built under the meta device.
-    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(torch.float32) / dim)  # [D/2]
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)  # [D/2]
     kept = 1 - ramp
     return (1.0 / (scaling["factor"] * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept  # [D/2]

@@ -159,13 +159,22 @@ def contiguous_attention():
     return ContiguousAttention
 
 
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    """Exactly ``max_new`` greedy tokens of the transformers model after ``prompt``."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new)
+    return out[0, len(prompt):].tolist()
+
+
 class _Reference:
     load = staticmethod(hf_model)
     step = staticmethod(hf_step)
+    greedy = staticmethod(hf_greedy)
 
 
 @pytest.fixture
 def hf_reference():
     """``.load(path, dtype=float32)`` a transformers model; ``.step(model, ids [1, T], cache)``
-    -> (logits [T, V] float32, cache)."""
+    -> (logits [T, V] float32, cache); ``.greedy(model, prompt ids, n)`` -> n greedy token ids."""
     return _Reference

@@ -33,19 +33,6 @@ def long_tiny_gemma3_path(tiny_gemma3):
     return tiny_gemma3.save(tiny_gemma3.config(LONG), "long-tiny-gemma3")
 
 
-def _hf(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new)
-    return out[0, len(prompt):].tolist()
-
-
 def _engine(path: str, max_model_len: int, page_size: int, batched_tokens: int, *, kv_cache_gib: float | None = None,
             async_decode: bool | None = None, kv_cache_dtype: str | None = "auto") -> Engine:
     cfg = {
@@ -91,12 +78,12 @@ def test_gemma3_config_refuses_what_the_model_does_not_run(tiny_gemma3, change, 
 
 
 @pytest.mark.parametrize("pages", ["auto", None])  # None: the bundled serving config's (float16 on the CPU)
-def test_tiny_gemma3_greedy_tokens_match_transformers(tiny_gemma3_path, pages):
+def test_tiny_gemma3_greedy_tokens_match_transformers(tiny_gemma3_path, pages, hf_reference):
     # 5 tokens: inside the window; 40 and 70: past it in prefill, and in decode for all three
     prompts = [_ids(5, 1), _ids(40, 2), _ids(70, 3)]
     max_new = 24
-    ref = _hf(tiny_gemma3_path)
-    want = [_hf_greedy(ref, p, max_new) for p in prompts]
+    ref = hf_reference.load(tiny_gemma3_path)
+    want = [hf_reference.greedy(ref, p, max_new) for p in prompts]
     # pages of 4 and steps of 32 tokens: prompts in chunks, windows across page edges
     engine = _engine(tiny_gemma3_path, 256, page_size=4, batched_tokens=32, kv_cache_dtype=pages)
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
@@ -177,7 +164,7 @@ def test_preemption_with_window_layers_gives_every_page_back(tiny_gemma3_path, r
     assert small.kv.num_free_pages == small.kv.num_total_pages
 
 
-def test_tiny_gemma3_logits_match_transformers(tiny_gemma3_path):
+def test_tiny_gemma3_logits_match_transformers(tiny_gemma3_path, hf_reference):
     """Every position's logits of a 50-token prompt (past the window) in one forward."""
     from spin_cluster.models import load_model
 
@@ -186,7 +173,7 @@ def test_tiny_gemma3_logits_match_transformers(tiny_gemma3_path):
     attn = WindowedContiguous()
     with torch.no_grad():
         got = ours.compute_logits(ours(ids, torch.arange(ids.shape[0]), attn))  # [T, V]
-        want = _hf(tiny_gemma3_path)(input_ids=ids[None]).logits[0].float()
+        want = hf_reference.load(tiny_gemma3_path)(input_ids=ids[None]).logits[0].float()
     assert want.std() > 0.5, "random init too flat for a meaningful comparison"
     assert attn.windows == {0: WINDOW, 1: WINDOW, 2: None, 3: WINDOW}
     assert (got - want).abs().max().item() < 1e-4
@@ -247,15 +234,15 @@ def _text_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pages", ["auto", None])  # None: the bundled serving config's (float16 on the CPU)
-def test_gemma3_270m_greedy_tokens_match_transformers(gemma3_270m_path, pages):
+def test_gemma3_270m_greedy_tokens_match_transformers(gemma3_270m_path, pages, hf_reference):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gemma3_270m_path)
     prompts = [_text_prompt(tok, n, seed) for seed, n in enumerate((100, 700, 1200))]
     assert all(p[0] == tok.bos_token_id for p in prompts)
     max_new = 64
-    ref = _hf(gemma3_270m_path)
-    want = [_hf_greedy(ref, p, max_new) for p in prompts]
+    ref = hf_reference.load(gemma3_270m_path)
+    want = [hf_reference.greedy(ref, p, max_new) for p in prompts]
     del ref
     engine = _engine(gemma3_270m_path, 2048, page_size=16, batched_tokens=512, kv_cache_dtype=pages)
     assert engine.model.config.layer_windows.count(512) == 15

@@ -48,19 +48,6 @@ def tiny_qwen2(tmp_path_factory, smollm2_path):
     return out
 
 
-def _hf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
 def _engine(path, max_model_len: int | None, hf_overrides=None, page_size: int = 16,
             batched_tokens: int = 256) -> Engine:
     return Engine(SpinConfig.from_dict({
@@ -75,7 +62,7 @@ def _first_difference(got: list[int], want: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
 
 
-def test_yarn_tokens_past_the_original_context_equal_transformers(tiny_qwen2, tmp_path):
+def test_yarn_tokens_past_the_original_context_equal_transformers(tiny_qwen2, tmp_path, hf_reference):
     yarn_folder = tmp_path / "with-yarn"
     shutil.copytree(tiny_qwen2, yarn_folder)
     cfg = json.loads((yarn_folder / "config.json").read_text())
@@ -84,9 +71,9 @@ def test_yarn_tokens_past_the_original_context_equal_transformers(tiny_qwen2, tm
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 49000) for _ in range(n)] for n in (40, 100, 180)]
     max_new = 60  # the longest request ends at 240 of the 256 positions
-    ref = _hf(yarn_folder)
+    ref = hf_reference.load(yarn_folder)
     assert ref.model.rotary_emb.rope_type == "yarn"
-    want = [_hf_greedy(ref, p, max_new) for p in prompts]
+    want = [hf_reference.greedy(ref, p, max_new) for p in prompts]
     engine = _engine(tiny_qwen2, None, {"rope_scaling": YARN}, page_size=8, batched_tokens=64)
     assert engine.max_model_len == 4 * ORIGINAL
     got = [o.token_ids for o in engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new,
@@ -94,8 +81,8 @@ def test_yarn_tokens_past_the_original_context_equal_transformers(tiny_qwen2, tm
     for g, w in zip(got, want):
         assert g == w, f"first difference at token {_first_difference(g, w)}"
     # Plain RoPE (no override) gives other tokens past 64: the test can tell them apart.
-    plain = _hf(tiny_qwen2)
-    assert _hf_greedy(plain, prompts[2], max_new) != want[2]
+    plain = hf_reference.load(tiny_qwen2)
+    assert hf_reference.greedy(plain, prompts[2], max_new) != want[2]
 
 
 def test_a_context_past_the_model_without_yarn_names_the_setting(tiny_qwen2):
@@ -123,7 +110,7 @@ def _prepared(name: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
-def test_qwen_coder_greedy_tokens_match_transformers(name):
+def test_qwen_coder_greedy_tokens_match_transformers(name, hf_reference):
     from transformers import AutoTokenizer
 
     path = _prepared(name)
@@ -131,8 +118,8 @@ def test_qwen_coder_greedy_tokens_match_transformers(name):
     chat = tok.apply_chat_template(_CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
     prompts = [list(chat), *(tok(_PROSE * (n // 40)).input_ids[:n] for n in (100, 400))]
     max_new = 24
-    ref = _hf(path)
-    want = [_hf_greedy(ref, p, max_new) for p in prompts]
+    ref = hf_reference.load(path)
+    want = [hf_reference.greedy(ref, p, max_new) for p in prompts]
     del ref
     engine = _engine(path, 1024, batched_tokens=256)
     assert (engine.model.config.num_kv_heads, engine.model.config.max_position_embeddings) == (2, 32768)
