@@ -53,7 +53,7 @@ from typing import NamedTuple
 import torch
 
 from spin_cluster.kernels.coarse_select import coarse_refresh, coarse_select
-from spin_cluster.kernels.index_append import bounds_append_planned, plan_bounds_append
+from spin_cluster.kernels.index_append import bounds_append_planned, fold_plan, plan_bounds_append
 from spin_cluster.kernels.page_select import MAX_ROW_PAGES, page_scores
 from spin_cluster.kernels.quest_select import fused_pays, quest_select
 from spin_cluster.sparse.contract import SparseAlgorithm, register
@@ -175,8 +175,9 @@ class Quest(SparseAlgorithm):
         pages = self.index_page_ids(rows, positions // S)
         blocks = torch.where(pages >= 0, pages * self.blocks_per_page + (positions % S) // self.block_tokens,
                              self.kmin.shape[1] - 1)
-        if self.summary == "moments":
-            plan = _MomentsPlan(blocks, torch.where(positions % self.block_tokens == 0, blocks, self.kmin.shape[1] - 1))
+        if self.summary == "moments":  # the bounds' reset rule: a block's first token resets it
+            fresh, _ = fold_plan(blocks, positions, self.block_tokens, self.kmin.shape[1], self.kmin.shape[2:])
+            plan = _MomentsPlan(blocks, fresh)
         else:
             plan = plan_bounds_append(blocks, positions, self.block_tokens, self.kmin.shape[1], self.kmin.shape[2:])
         # Two-level: the group row of each token (the dump page row falls in the dump group row).
