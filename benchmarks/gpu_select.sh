@@ -21,11 +21,11 @@ echo "commit ${SPIN_COMMIT:-unknown}" | tee -a "$LOG"
 (cd /tmp && timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$REPO/tests/kernels/test_coarse_select.py" \
   "$REPO/tests/kernels/test_quest_select.py" "$REPO/tests/kernels/test_page_select.py" 2>&1 | tail -12) | tee -a "$LOG"
 if [ -n "$BASELINE_KERNELS" ]; then
-  rm -rf /tmp/pkg-baseline && cp -r /tmp/pkg /tmp/pkg-baseline && rm -rf /tmp/pkg-baseline/spin_cluster/kernels
-  cp -r "$BASELINE_KERNELS" /tmp/pkg-baseline/spin_cluster/kernels
+  rm -rf "$PKG-baseline" && cp -r "$PKG" "$PKG-baseline" && rm -rf "$PKG-baseline/spin_cluster/kernels"
+  cp -r "$BASELINE_KERNELS" "$PKG-baseline/spin_cluster/kernels"
   echo "== the baseline kernels ($BASELINE_KERNELS)" | tee -a "$LOG"
   # shellcheck disable=SC2086
-  PYTHONPATH=/tmp/pkg-baseline:/tmp/site:/tmp/gguf timeout 300 python3 benchmarks/bench_select.py --quest ${QUEST:-4x131072 1x131072} \
+  PYTHONPATH=$PKG-baseline:/tmp/site:/tmp/gguf timeout 300 python3 benchmarks/bench_select.py --quest ${QUEST:-4x131072 1x131072} \
     --coarse ${COARSE:-16:4 16:2 8:4} --out "$OUT/quest-baseline" 2>&1 | tee -a "$LOG"
   echo "== this commit's kernels" | tee -a "$LOG"
 fi

@@ -2,19 +2,24 @@
 # Source on the GPU machine (device tool) from the repo root before a benchmark:
 #   source benchmarks/gpu_setup.sh
 # Installs carried wheels (.whl/) into /tmp/site without touching the image's torch/triton,
-# lays this package out under /tmp/pkg with the same folder mapping as pyproject.toml, and
+# lays this package out under $PKG (SPIN_PKG, default /tmp/pkg: a job left running in the
+# background gets its own, which a later call's set-up leaves alone) with the same folder
+# mapping as pyproject.toml, and
 # reassembles the default model's GGUF from carried parts (.carry/p*/gguf.part*), which may
 # arrive over several calls while the machine stays warm. The tree arrives without .git: set
 # SPIN_COMMIT=$(git rev-parse HEAD) in the command so that result files name their commit.
 REPO=$(pwd)
-mkdir -p /tmp/site /tmp/pkg
-if ls .whl/*.whl >/dev/null 2>&1; then
+PKG=${SPIN_PKG:-/tmp/pkg}
+mkdir -p /tmp/site "$PKG"
+# The wheels once per set: a job still running may import from /tmp/site.
+if ls .whl/*.whl >/dev/null 2>&1 && [ "$(ls .whl)" != "$(cat /tmp/site/.wheels 2>/dev/null)" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  ls .whl > /tmp/site/.wheels
 fi
-rm -rf /tmp/pkg/spin_cluster
-cp -r spin_cluster /tmp/pkg/spin_cluster
+rm -rf "$PKG/spin_cluster"
+cp -r spin_cluster "$PKG/spin_cluster"
 for pair in kernels:kernels deployments:deployments profiling:profiling; do
-  cp -r "${pair%%:*}" "/tmp/pkg/spin_cluster/${pair##*:}"
+  cp -r "${pair%%:*}" "$PKG/spin_cluster/${pair##*:}"
 done
 for p in .carry/p*/gguf.part*; do [ -f "$p" ] && cp "$p" /tmp/; done
 if [ "$(ls /tmp/gguf.part* 2>/dev/null | wc -l)" -ge 2 ]; then
@@ -67,7 +72,7 @@ if (src / "manifest.json").is_file():
         (dst / ".qwen-done").touch()
     print(f"qwen chunks: {len(chunks)} of {m['chunks']}")
 PY
-export PYTHONPATH=/tmp/pkg:/tmp/site:/tmp/gguf${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PKG:/tmp/site:/tmp/gguf${PYTHONPATH:+:$PYTHONPATH}
 # The harness runs as `python3 -P -m spin_cluster.bench NAME`: -P keeps the repo root (the working
 # directory) off sys.path, so that spin_cluster is the laid-out copy above, kernels included.
 export SPIN_MODEL_DIR=/tmp/models

@@ -124,6 +124,8 @@ def run_eval(args: argparse.Namespace) -> int:
         results.fidelity = fidelity.measure(config, progress=not args.quiet)
     print(report.markdown(results), end="")
     print(f"\n{len(results.samples)} generations in {results.elapsed_s:.0f} s")
+    if results.method_s:
+        print("seconds per method: " + ", ".join(f"{k} {v:.0f}" for k, v in results.method_s.items()))
     if args.out:
         report.write_json(results, args.out)
     if args.plot:

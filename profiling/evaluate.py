@@ -175,6 +175,9 @@ class EvalResults:
     # "label@length" -> Retrieve's page lookups in the GPU buffer of an offloaded method's
     # engine: {"hits": n, "misses": n} (the real-pattern buffer hit ratio).
     buffer_lookups: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Method.label -> wall seconds of its engines (build, warm-up and every prompt): where a
+    # run's time goes, to size the next one.
+    method_s: dict[str, float] = field(default_factory=dict)
 
     def buffer_hit_ratio(self, key: str) -> float | None:
         looked = self.buffer_lookups.get(key)
@@ -203,6 +206,7 @@ class EvalResults:
             "methods": [{"label": m.label, "algorithm": m.algorithm, "budget": m.budget, "budget_mode": m.budget_mode}
                         for m in self.methods],
             "elapsed_s": self.elapsed_s,
+            "method_s": self.method_s,
             "accuracy": {
                 str(n): {
                     m.label: {t: self.accuracy(t, n, m.label) for t in c.tasks} | {"average": self.average(n, m.label)}
@@ -252,9 +256,11 @@ def evaluate(config: EvalConfig, *, engine_factory: EngineFactory | None = None,
     results: list[SampleResult] = []
     density: dict[str, float] = {}
     lookups: dict[str, dict[str, int]] = {}
+    seconds: dict[str, float] = {}
     with tqdm(total=len(methods) * len(work), unit="prompt", disable=not progress) as bar:
         for done, method in enumerate(methods, start=1):
             bar.set_description(method.label)
+            started = time.perf_counter()
             for lengths in _engine_groups(method, config.lengths):
                 batch = [(n, s) for n, s in work if n in lengths]
                 engine = factory(spin_config(config, path, method, max(lengths), calibration))
@@ -271,11 +277,12 @@ def evaluate(config: EvalConfig, *, engine_factory: EngineFactory | None = None,
                     SampleResult(s.task, n, s.seed, s.num_tokens, method.label, s.answers, text, s.score(text))
                     for (n, s), text in zip(batch, texts)
                 )
+            seconds[method.label] = time.perf_counter() - started
             if checkpoint is not None:
                 checkpoint(EvalResults(config, methods[:done], list(results), time.perf_counter() - t0, prefill_density=density,
-                                       buffer_lookups=lookups))
+                                       buffer_lookups=lookups, method_s=dict(seconds)))
     return EvalResults(config, methods, results, time.perf_counter() - t0, prefill_density=density,
-                       buffer_lookups=lookups)
+                       buffer_lookups=lookups, method_s=seconds)
 
 
 def _engine_groups(method: Method, lengths: Sequence[int]) -> list[tuple[int, ...]]:
