@@ -13,7 +13,7 @@
 #                                       short keeps the methods it finished)
 # Env: MODEL_NAME (default qwen2.5-coder-1.5b), LENGTHS (default "16384 32768"), SAMPLES (per
 # task and length, default 20), SEED (first sample's seed, default 0: later calls add samples
-# with other seeds), CONFIGS (default "spin spin-quest spin-fast"), TASKS (default: all),
+# with other seeds), CONFIGS (bundled names or YAML files; default "spin spin-quest spin-fast"), TASKS (default: all),
 # MAX_BATCH (default 32), TIMEOUT_<len> (s, default 300).
 # On the CPU the same commands run at toy size (checks the commands, not the figures):
 #   OUT=/tmp/q QWEN_SETUP=0 MODEL_NAME=qwen2.5-coder-0.5b LENGTHS=3000 SAMPLES=1 TASKS=niah_single \
@@ -27,6 +27,9 @@ CONFIGS=${CONFIGS:-"spin spin-quest spin-fast"}
 YARN='{"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
 t0=$(date +%s)
 MODEL=$(prepared_model "$MODEL_NAME") || exit 1
+# A config given as a YAML file (e.g. benchmarks/configs/quest-2048.yaml) by its absolute path:
+# the eval runs from /tmp.
+CONFIGS=$(for c in $CONFIGS; do if [ -f "$c" ]; then realpath "$c"; else echo "$c"; fi; done | xargs)
 cd /tmp  # import the installed package, not the repository's unmapped top-level folders
 echo "prepared $MODEL in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu.txt"
 for LEN in $LENGTHS; do

@@ -94,8 +94,8 @@ class Method:
 
     @property
     def label(self) -> str:
-        if self.config is not None:
-            return self.config
+        if self.config is not None:  # a bundled name, or a YAML file's stem
+            return self.config.removesuffix(".yaml").rsplit("/", 1)[-1]
         label = self.algorithm if self.is_dense else f"{self.algorithm} {budget_label(self.budget)}"
         label += _MODE_LABELS[self.budget_mode]
         if self.prefill is not None:

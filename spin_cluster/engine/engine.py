@@ -268,31 +268,17 @@ class Engine:
         self.num_pipelined_steps += 1
         return _InFlight(chunks, tokens, host, done, t0, num_preempted)
 
-    def _next_chunks(self, cur: _InFlight) -> list[ScheduledChunk] | None:
-        """The decode step after ``cur`` for the same batch, pages allocated, or None when the
-        batch may change: requests waiting to be admitted, a request gone, one that ends by
-        length on its pending token, or pages that would need a preemption."""
-        if self.scheduler.waiting or len(self.scheduler.running) != len(cur.chunks):
-            return None
-        reqs = [c.request for c in cur.chunks]
-        for req in reqs:
-            if req.status is not RequestStatus.RUNNING or not self._pipelinable(req, 1):
-                return None
-            if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_computed_tokens + 1 >= self.max_model_len:
-                return None  # the pending token is its last
-            if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + 1):
-                return None
-        chunks = []
-        for req in reqs:
-            self.kv.allocate(req.request_id, req.num_computed_tokens + 1)
-            chunks.append(ScheduledChunk(request=req, start=req.num_computed_tokens, num_tokens=1, is_decode=True))
-        return chunks
+    def _continues(self, req: Request) -> bool:
+        """A row of a launched decode step may take the next step before its pending token is
+        read: pipelinable with that token pending, and that token not its last."""
+        return (self._pipelinable(req, 1) and len(req.output_token_ids) + 1 < req.params.max_tokens
+                and req.num_computed_tokens + 1 < self.max_model_len)
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Launch the step after the one in flight (if the batch stays), then read the one in
         flight's tokens while the GPU runs the next."""
         cur = self._inflight
-        nxt = self._next_chunks(cur)
+        nxt = self.scheduler.schedule_next_decode(cur.chunks, self._continues)
         t0 = time.perf_counter()
         self._inflight = self._launch(nxt, cur.tokens, t0) if nxt is not None else None
         return self._retire(cur)

@@ -26,6 +26,7 @@ The scheduler sees the KV cache only through ``can_allocate`` / ``allocate`` / `
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from spin_cluster.config import SchedulerConfig
@@ -114,6 +115,27 @@ class Scheduler:
         if not preempted:
             budget = self._admit(budget, decode, prefill)
         return SchedulerOutput(chunks=decode + prefill, preempted=preempted)
+
+    def schedule_next_decode(self, chunks: list[ScheduledChunk],
+                             continues: Callable[[Request], bool]) -> list[ScheduledChunk] | None:
+        """The decode step after ``chunks`` (a decode step launched, its tokens not read yet)
+        for the same batch, pages allocated; None when the batch may change: requests waiting
+        to be admitted, a request gone, one that ``continues`` says must not take a step past
+        its pending token (it may end on it, or needs the host's view of it), or pages that
+        would need a preemption. Each row computes its pending token."""
+        if self.waiting or len(self.running) != len(chunks):
+            return None
+        reqs = [c.request for c in chunks]
+        for req in reqs:
+            if req.status is not RequestStatus.RUNNING or not continues(req):
+                return None
+            if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + 1):
+                return None
+        nxt = []
+        for req in reqs:
+            self.kv.allocate(req.request_id, req.num_computed_tokens + 1)
+            nxt.append(ScheduledChunk(request=req, start=req.num_computed_tokens, num_tokens=1, is_decode=True))
+        return nxt
 
     @staticmethod
     def _decoding(req: Request) -> bool:
