@@ -1,13 +1,15 @@
 """The generated index of benchmarks/results/: one row per result file with its date, commit and
 command (from the JSON's "provenance") and the docs that cite it.
 
-    spin-cluster bench index          # rewrite benchmarks/results/README.md
-    spin-cluster bench index --check  # exit 1 when it is stale (tests/bench/test_harness.py)
+    spin-cluster bench index          # rewrite benchmarks/results/README.md and the docs' headline tables
+    spin-cluster bench index --check  # exit 1 when one is stale (tests/bench/test_harness.py, test_headline.py)
 
 A result names its commit in its JSON's ``provenance`` or in its file name (a hyphen-cut part of
 7 to 40 hex digits, as ``...-profile-128k-a376eae.log``); one that names neither is listed in
 ``no-commit.txt`` beside the results, which only older, cited files may enter
 (tests/bench/test_results_provenance.py).
+
+The headline tables (``spin_cluster.bench.headline``) are written by the same command.
 
 A file counts as cited when a doc (docs/**/*.md, README.md) names its path under results/, brace
 lists and ``*`` included (``results/e2e/x.{json,log}``), or names the file bare
@@ -26,6 +28,7 @@ import re
 import sys
 from pathlib import Path
 
+from spin_cluster.bench.headline import render_docs
 from spin_cluster.bench.paths import benchmarks_dir
 from spin_cluster.bench.results import commit_of, provenance_of, result_files
 
@@ -127,15 +130,18 @@ def render(root: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="spin-cluster bench index", description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="exit 1 when benchmarks/results/README.md is stale")
+    p.add_argument("--check", action="store_true", help="exit 1 when benchmarks/results/README.md or a headline table is stale")
     a = p.parse_args(argv)
     root = benchmarks_dir().parent
     readme = root / "benchmarks" / "results" / "README.md"
     text = render(root)
+    tables = render_docs(root)
     if a.check:
-        if not readme.is_file() or readme.read_text() != text:
-            print(f"{readme} is stale: run spin-cluster bench index", file=sys.stderr)
-            return 1
-        return 0
+        stale = [path for path, body in [(readme, text), *tables.items()] if not path.is_file() or path.read_text() != body]
+        for path in stale:
+            print(f"{path} is stale: run spin-cluster bench index", file=sys.stderr)
+        return 1 if stale else 0
     readme.write_text(text)
+    for path, body in tables.items():
+        path.write_text(body)
     return 0
