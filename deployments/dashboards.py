@@ -3,11 +3,11 @@
     spin-cluster dashboards export DIR                 write the dashboard JSON files into DIR
     spin-cluster dashboards push --url U [--token T]   create or update them in a Grafana
 
-The JSON files in ``grafana/`` beside this module are the dashboards' one source: the package
-ships them, ``export`` copies them, ``push`` uploads them, and the Helm chart's copies
-(``helm/spin-cluster/dashboards/``, which Helm's ``.Files`` can reach) are checked identical
-by a test. Panels choose the Prometheus data source and the model through the dashboard
-variables ``datasource`` and ``model_name``.
+The JSON files live once, in the Helm chart (``helm/spin-cluster/dashboards/``: Helm's
+``.Files`` sees only files inside the chart); ``grafana/`` beside this module is a link to that
+folder, so the package ships them, ``export`` copies them and ``push`` uploads them. Panels
+choose the Prometheus data source and the model through the dashboard variables
+``datasource`` and ``model_name``.
 """
 
 from __future__ import annotations

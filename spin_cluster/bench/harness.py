@@ -53,7 +53,7 @@ def help_text() -> str:
     width = max(len(n) for n in BENCHMARKS)
     rows = [f"  {n:<{width}}  {b.help}" for n, b in BENCHMARKS.items()]
     return "benchmarks (spin-cluster bench NAME --help for each one's arguments):\n" + "\n".join(
-        rows + [f"  {'index':<{width}}  regenerate benchmarks/results/README.md (--check: fail if stale)"])
+        rows + [f"  {'index':<{width}}  regenerate benchmarks/results/README.md and the docs' headline tables (--check: fail if stale)"])
 
 
 def add_bench_parser(sub) -> None:
