@@ -98,7 +98,7 @@ def step_roofline(engine, r: dict, context: int, bandwidth: float | None) -> dic
         pcie += B * context * per_token_kv
     else:
         S = kv.page_size
-        attended = attn.mean_attended_pages(context) * S  # sink + own budget + local, mean over heads
+        attended = attn.budget.mean_attended_pages(context) * S  # sink + own budget + local, mean over heads
         hbm += B * (context * attn.algorithm.index_bytes_per_token() + attended * per_token_kv)
         steps = r.get("decode_steps") or 0
         if steps:

@@ -65,7 +65,7 @@ CAP=(--workloads offline-32K --offline-lengths 32768 --offline-batch 64 --max-nu
 for r in ${RUNS:-check}; do
   case $r in
     check)
-      (cd /tmp && timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$REPO/tests/kvcache/test_lru.py" "$REPO/tests/kvcache/test_buffer.py" \
+      (cd /tmp && timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs "$REPO/tests/profiling/test_lru.py" "$REPO/tests/kvcache/test_buffer.py" \
         "$REPO/tests/engine/test_spin_gpu.py" "$REPO/tests/engine/test_spin_graphs.py" 2>&1 | tail -15) | tee -a "$LOG"
       timeout 240 python3 -P -m spin_cluster.bench check-spin-tokens "${TOK[@]}" --out "$OUT/check_spin_tokens.json" \
         2>&1 | tail -8 | tee -a "$LOG" ;;

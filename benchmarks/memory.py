@@ -46,12 +46,12 @@ PROTECTED_FRACTION = 0.10
 
 
 def _import_modules():
-    """``spin_cluster.kernels.retrieve`` and ``spin_cluster.kvcache.lru``, also from a source
-    checkout that is not pip-installed (there the top-level ``kernels/`` folder is the
-    ``spin_cluster.kernels`` package)."""
+    """``spin_cluster.kernels.retrieve`` and ``spin_cluster.profiling.lru``, also from a source
+    checkout that is not pip-installed (there the top-level ``kernels/`` and ``profiling/``
+    folders are the ``spin_cluster.kernels`` and ``spin_cluster.profiling`` packages)."""
     try:
         import spin_cluster.kernels.retrieve as retrieve
-        import spin_cluster.kvcache.lru as lru
+        import spin_cluster.profiling.lru as lru
 
         return retrieve, lru
     except ImportError:
@@ -60,18 +60,19 @@ def _import_modules():
         sys.path.insert(0, _ROOT)
     import spin_cluster
 
-    pkg_dir = os.path.join(_ROOT, "kernels")
-    spec = importlib.util.spec_from_file_location(
-        "spin_cluster.kernels",
-        os.path.join(pkg_dir, "__init__.py"),
-        submodule_search_locations=[pkg_dir],
-    )
-    pkg = importlib.util.module_from_spec(spec)
-    sys.modules["spin_cluster.kernels"] = pkg
-    spec.loader.exec_module(pkg)
-    spin_cluster.kernels = pkg
+    for name in ("kernels", "profiling"):
+        pkg_dir = os.path.join(_ROOT, name)
+        spec = importlib.util.spec_from_file_location(
+            f"spin_cluster.{name}",
+            os.path.join(pkg_dir, "__init__.py"),
+            submodule_search_locations=[pkg_dir],
+        )
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules[f"spin_cluster.{name}"] = pkg
+        spec.loader.exec_module(pkg)
+        setattr(spin_cluster, name, pkg)
     import spin_cluster.kernels.retrieve as retrieve
-    import spin_cluster.kvcache.lru as lru
+    import spin_cluster.profiling.lru as lru
 
     return retrieve, lru
 

@@ -18,9 +18,10 @@ from collections import Counter
 
 from spin_cluster.deployments.messages import ClusterStats, EnginePlan, EngineReport
 from spin_cluster.deployments.settings import AppConfig
-from spin_cluster.hplb import PlanConfig, plan_heads
+from spin_cluster.hplb import plan_heads
 from spin_cluster.hplb.profile import load_profile
 from spin_cluster.sparse import get_algorithm
+from spin_cluster.sparse.budget import plan_config
 
 
 class ClusterPlanner:
@@ -51,7 +52,7 @@ class ClusterPlanner:
         if serve.hplb_profile and not get_algorithm(spin.sparse.algorithm).selects_all:
             profile = load_profile(serve.hplb_profile, model_path=model_path)
         # The uniform budget and the floor rounded down to whole pages (the uniform to one at least).
-        config = PlanConfig.from_spin(spin, mc, floor_fraction=serve.hplb_floor_fraction, rounding="down")
+        config = plan_config(spin, mc, floor_fraction=serve.hplb_floor_fraction, rounding="down")
         plan = plan_heads(profile, config, self._config.ranks_per_engine(mc.num_kv_heads))
         sparse = spin.replace(sparse=plan.sparse_options()).sparse
         return EnginePlan(sparse=sparse.model_dump(), head_placement=plan.placement.to_rank_heads(),

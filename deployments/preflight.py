@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from spin_cluster.deployments.memory_plan import MemoryPlan, check_plan, node_room
 from spin_cluster.deployments.settings import AppConfig
-from spin_cluster.engine.cache_builder import CPU_DEFAULT_KV_GIB, DEFAULT_HOST_KV_GIB, check_sparse_algorithm
+from spin_cluster.engine.cache_builder import check_sparse_algorithm
+from spin_cluster.kvcache.sizing import CPU_DEFAULT_KV_GIB, DEFAULT_HOST_KV_GIB
 from spin_cluster.models.config import ModelConfig
 
 
@@ -94,7 +95,7 @@ def memory_plan(config: AppConfig, mc: ModelConfig) -> MemoryPlan:
     """The app's bytes in this machine's memory, as the engine will allocate them."""
     import torch
 
-    from spin_cluster.engine.cache_builder import gpu_budget_bytes, host_tier_bytes
+    from spin_cluster.kvcache.sizing import gpu_budget_bytes, host_tier_bytes
     from spin_cluster.models.loader import weight_bytes
 
     spin, on_cpu = config.spin, engine_device_type(config) == "cpu"

@@ -12,10 +12,10 @@ from types import ModuleType
 
 @functools.lru_cache(maxsize=None)
 def load_kernel_module(module: str, needed_by: str, reference: str) -> ModuleType:
-    """Import ``kernels.<module>`` (a file of ``@triton.jit`` bodies) on first use; a
-    RuntimeError naming the torch ``reference`` when Triton is missing or broken."""
+    """Import ``kernels.<module>`` (a file of ``@triton.jit`` bodies; a dotted name: that module)
+    on first use; a RuntimeError naming the torch ``reference`` when Triton is missing or broken."""
     try:
-        return importlib.import_module(f"{__package__}.{module}")
+        return importlib.import_module(module if "." in module else f"{__package__}.{module}")
     except ImportError as e:
         raise RuntimeError(f"{needed_by} needs Triton, which could not be imported ({e}); use {reference} instead") from e
 

@@ -20,7 +20,7 @@ Shapes (``spin_cluster.kvcache.buffer`` owns the policy and documents it):
              the rows' layer are updated in place.
 
 A hit keeps its column; the i-th miss of a head takes the i-th victim column of the bucketed
-LRU (``spin_cluster.kvcache.lru``) among the columns not selected this step. ``reuse=False``
+LRU (``bucketed_lru``) among the columns not selected this step. ``reuse=False``
 treats every held page as forgotten (every selected page is a miss).
 
 Two implementations with the same contract: the Triton kernel (one launch: one program per

@@ -16,7 +16,7 @@ and scores the pages for the step's query, as the engine does (``SpinAttention``
     recall        the dense softmax mass on every kept token (sink, selected, local), mean
                   over the G query heads: what the Select recovers of attention
 
-The oracle scores a page by its true mass (``sparse.oracle``). A head that copies the key
+The oracle scores a page by its true mass (``profiling.oracle``). A head that copies the key
 (``needle_mass`` at or above ``--needle-heads``) needs a needle page among its top
 ``budget`` ranks; the report counts, per Select, the copying heads whose needle page it
 keeps, and lists the heads where it misses, with the page's rank under it and under the
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from spin_cluster.config import SparseConfig, parse_config
 from spin_cluster.provenance import write_json
 from spin_cluster.sparse import SelectPlan, get_algorithm, select_pages
+from spin_cluster.sparse.budget import PageBudget
 
 EDGE = -1  # rank of a needle page that is a sink or local page: always kept
 
@@ -200,16 +201,17 @@ def diagnose(cap: Capture, specs: Sequence[SelectSpec], needle_positions: Sequen
     device = cap.k.device
     total_pages = -(-T // S)
     needle = sorted({p // S for p in needle_positions})
+    page_budget = PageBudget(sparse, S, Hkv)
     rows_out: list[HeadRow] = []
     budget_pages = 0
     for step, pos in enumerate(cap.step_positions):
         n = pos + 1  # tokens in context at this step
         P = -(-n // S)
-        budget_pages = -(-sparse.budget_tokens(n) // S)
+        budget_pages = page_budget.budget_pages(n)
         plan = SelectPlan(
             num_pages=torch.tensor([P], device=device),
             tail_len=torch.tensor([(n - 1) % S + 1], dtype=torch.int32, device=device),
-            sink_pages=-(-sparse.sink_tokens // S), local_pages=max(1, -(-sparse.local_tokens // S)),
+            sink_pages=page_budget.sink_pages, local_pages=page_budget.local_pages,
             budget_pages=torch.full((1, Hkv), budget_pages, dtype=torch.long, device=device),
             max_pages=P, max_budget=budget_pages,
         )

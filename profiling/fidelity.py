@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from spin_cluster.config import SparseConfig
 from spin_cluster.sparse import SelectPlan, get_algorithm, select_pages
+from spin_cluster.sparse.budget import PageBudget, floor_tokens
 from spin_cluster.profiling.methods import Method
 
 
@@ -78,16 +79,18 @@ def selected_tokens(method: Method, sparse: SparseConfig, layers: list[LayerCapt
     cls = get_algorithm(method.algorithm)
     algorithm = cls(num_layers=L, num_kv_heads=Hkv, head_dim=D, page_size=S, max_seqs=1,
                     max_pages_per_seq=num_pages, device=device)
-    budget = num_pages if cls.selects_all else -(-sparse.budget_tokens(T) // S)
+    page_budget = PageBudget(sparse, S, Hkv)
+    budget = num_pages if cls.selects_all else page_budget.budget_pages(T)
+    floor = floor_tokens(sparse)
     plan = SelectPlan(
         num_pages=torch.tensor([num_pages], device=device),
         tail_len=torch.tensor([(T - 1) % S + 1], dtype=torch.int32, device=device),
-        sink_pages=-(-sparse.sink_tokens // S),
-        local_pages=max(1, -(-sparse.local_tokens // S)),  # the tail page is always local
+        sink_pages=page_budget.sink_pages,
+        local_pages=page_budget.local_pages,
         budget_pages=torch.full((1, Hkv), budget, dtype=torch.long, device=device),
         max_pages=num_pages,
         max_budget=budget,
-        dense_rows=torch.tensor([T <= sparse.floor_tokens], device=device) if sparse.floor_tokens else None,
+        dense_rows=torch.tensor([T <= floor], device=device) if floor else None,
     )
     rows = torch.zeros(1, dtype=torch.long, device=device)
     token_page = torch.arange(T, device=device) // S  # [T]

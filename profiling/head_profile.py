@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from spin_cluster.hplb.profile import FamilyCurves, HeadProfile, model_identity
+from spin_cluster.sparse.budget import local_pages, sink_pages
 
 # Middle budget as a fraction of the context: 0, then 1/1024 .. 1 in steps of 2^(1/8)
 # (9% apart), fine where budgets are set (1/64 .. 1/4) and short on the flat tail.
@@ -113,8 +114,8 @@ class MassRecorder:
                  select=None) -> None:
         self.queries = queries
         self.page_size = page_size
-        self.sink_pages = -(-sink_tokens // page_size)
-        self.local_pages = max(1, -(-local_tokens // page_size))  # the tail page is always local
+        self.sink_pages = sink_pages(sink_tokens, page_size)
+        self.local_pages = local_pages(local_tokens, page_size)
         # A SparseAlgorithm instance (one request row, every layer) ranking the middle pages,
         # or None: the oracle.
         self.select = select

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from spin_cluster.config import SparseConfig
+from spin_cluster.sparse.budget import budget_tokens
 
 # Algorithms whose Select keeps only sink and local pages (see the module docstring).
 WINDOW_ONLY = frozenset({"streaming"})
@@ -108,7 +109,7 @@ class Method:
         if self.budget is None:
             return context_tokens
         sparse = SparseConfig(budget=self.budget, budget_floor_tokens=floor_tokens)
-        return sparse.budget_tokens(context_tokens)
+        return budget_tokens(sparse, context_tokens)
 
     def sparse_options(self, context_tokens: int, sink_tokens: int, local_tokens: int, floor_tokens: int = 0) -> dict:
         """The ``sparse`` config section for prompts of about ``context_tokens`` tokens, with

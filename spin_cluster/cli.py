@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     from spin_cluster.bench.harness import add_bench_parser
     from spin_cluster.deployments.dashboards import add_dashboards_parser
     from spin_cluster.profiling.cli import add_eval_parser, add_profile_parser
-    from spin_cluster.sparse.seer_gate import add_train_gate_parser
+    from spin_cluster.profiling.seer_train import add_train_gate_parser
 
     add_eval_parser(sub)  # spin-cluster eval
     add_profile_parser(sub)  # spin-cluster profile

@@ -288,24 +288,6 @@ class SparseConfig(ConfigSection):
         _check_budget_rows(self.per_head_budgets, "sparse.per_head_budgets")
         return self
 
-    @property
-    def floor_tokens(self) -> int:
-        """``budget_floor_tokens`` resolved: its default depends on the budget's form."""
-        if self.budget_floor_tokens is not None:
-            return self.budget_floor_tokens
-        return DEFAULT_BUDGET_FLOOR_TOKENS if self.budget < 1 else 0
-
-    def budget_tokens(self, context_tokens: int) -> int:
-        """Middle tokens per head at ``context_tokens``: at or under the floor the context
-        itself (every page: dense). ``SpinAttention._budget_tokens`` computes the same on the
-        device."""
-        floor = self.floor_tokens
-        if floor and context_tokens <= floor:
-            return context_tokens
-        if self.budget >= 1:
-            return int(self.budget)
-        return max(1, floor, int(self.budget * context_tokens))
-
 
 class SchedulerConfig(ConfigSection):
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Most requests running at once (decode batch size), 1..4096.")

@@ -56,31 +56,3 @@ def test_every_field_says_what_it_is():
     for section in (SpinConfig, ModelOptions, CacheConfig, SchedulerConfig, SparseConfig, SparsePrefillConfig):
         for name, field in section.model_fields.items():
             assert field.description, f"{section.__name__}.{name} has no description"
-
-
-def test_the_budget_floor_defaults_to_2048_tokens_for_a_fraction_and_off_for_tokens():
-    from spin_cluster.config import SparseConfig
-
-    assert SparseConfig(budget=0.0625).floor_tokens == 2048
-    assert SparseConfig(budget=256).floor_tokens == 0
-    assert SparseConfig(budget=256, budget_floor_tokens=1024).floor_tokens == 1024
-    assert SparseConfig(budget=0.0625, budget_floor_tokens=0).floor_tokens == 0
-    # unresolved in the config, so that a replaced budget resolves it again
-    cfg = SpinConfig.from_dict({"sparse": {"budget": 256}}).replace(sparse={"budget": 0.125})
-    assert cfg.sparse.budget_floor_tokens is None and cfg.sparse.floor_tokens == 2048
-
-
-@pytest.mark.parametrize("sparse, expected", [
-    # a fraction: the context itself at or under the floor (dense), max(floor, fraction) above
-    ({"budget": 0.0625}, {100: 100, 2048: 2048, 2049: 2048, 32768: 2048, 65536: 4096}),
-    ({"budget": 0.0625, "budget_floor_tokens": 0}, {100: 6, 2048: 128, 65536: 4096}),
-    ({"budget": 0.5, "budget_floor_tokens": 64}, {64: 64, 65: 64, 200: 100}),
-    # tokens: dense at or under the floor, the budget as it is above (never raised)
-    ({"budget": 256, "budget_floor_tokens": 1024}, {1000: 1000, 1024: 1024, 1025: 256}),
-    ({"budget": 256}, {100: 256, 4096: 256}),
-])
-def test_budget_tokens_with_the_floor(sparse, expected):
-    from spin_cluster.config import SparseConfig
-
-    config = SparseConfig(**sparse)
-    assert {n: config.budget_tokens(n) for n in expected} == expected

@@ -41,6 +41,10 @@ def test_the_repository_keeps_every_contract():
     ("spin_cluster/engine/scheduler.py", "import ray", "The engine library never imports"),
     # a kernel importing something other than torch, triton, numpy
     ("kernels/page_select.py", "import transformers", "Kernels import only"),
+    # a serving algorithm importing a study tool
+    ("spin_cluster/sparse/labels.py", "import spin_cluster.profiling.sparq", "Serving modules never import a study"),
+    ("deployments/planner.py", "import spin_cluster.profiling.seer_train", "Serving modules never import a study"),
+    ("spin_cluster/kvcache/buffer.py", "import spin_cluster.profiling.lru", "Serving modules never import a study"),
 ])
 def test_an_added_back_edge_breaks_its_contract(copy: Path, module: str, line: str, contract: str):
     assert _lint(copy).returncode == 0

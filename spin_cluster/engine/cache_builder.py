@@ -1,4 +1,5 @@
-"""Sizing and building the KV cache and its attention backend from the config.
+"""Building the KV cache and its attention backend from the config: bytes into pages come from
+``kvcache.sizing``, the pages a head selects from ``sparse.budget``.
 
 The config names the cache (``cache_kind``); the cache kind's factory sizes and builds it;
 the cache names its backend (``KVCache.attention_backend``), which ``backend_class`` finds::
@@ -26,35 +27,23 @@ import torch
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.backend import BackendParts, backend_class
-from spin_cluster.engine.spin_attention import floor_pages, max_middle_pages
 from spin_cluster.kernels import cpu_native
-from spin_cluster.kernels.fp8_pages import FP8_DTYPE
-from spin_cluster.kvcache.host_tier import HostTier
 from spin_cluster.kvcache.hybrid import HybridKVCache, LayerSplit
 from spin_cluster.kvcache.manager import KVCacheManager
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.kvcache.page_pool import PagePool
+from spin_cluster.kvcache.sizing import (gpu_budget_bytes, gpu_page_slots, host_dtype, host_tier_segments,
+                                         num_gpu_pages, split_gpu_pages, window_gpu_pages)
 from spin_cluster.kvcache.window import LayerWindows
 from spin_cluster.models.config import ModelConfig
 from spin_cluster.sparse import SparseAlgorithm, get_algorithm
+from spin_cluster.sparse.budget import PageBudget, budget_tokens
 from spin_cluster.sparse.prefill import BlockSparsePrefill
 
 log = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_GIB = 2.0
-DEFAULT_HOST_KV_GIB = 8.0
-# Of the GPU memory free after loading weights, the share given to KV pages; the rest is
-# for activations of a full token budget.
-_GPU_KV_FRACTION = 0.85
 # Most columns of one buffer share (the page -> column map holds int16 columns).
 _MAX_SHARE = 2**15 - 1
-# With GPU home pages (cache.gpu_home_fraction null): the buffer's slots as a multiple of what
-# max_num_seqs requests select per step, and at most this part of the GPU KV memory.
-_BUFFER_MULTIPLE = 1.25
-_MOST_BUFFER_FRACTION = 0.5
-# The hybrid cache: at most this part of the GPU KV memory for the sliding-window layers'
-# pages (they need only their windows; the rest is the global layers' Spin cache).
-_MOST_WINDOW_FRACTION = 0.5
 
 
 def cache_kind(config: SpinConfig, mc: ModelConfig | None = None) -> str:
@@ -79,7 +68,7 @@ def check_cache_config(config: SpinConfig, max_model_len: int) -> type[SparseAlg
     context (``check_sparse_algorithm``, and a budget within the context). Cheap (no tensors),
     so that a server checks it before it starts anything."""
     algorithm_cls = check_sparse_algorithm(config)
-    budget = config.sparse.budget_tokens(max_model_len)
+    budget = budget_tokens(config.sparse, max_model_len)
     if not algorithm_cls.selects_all and config.sparse.per_head_budgets is None and budget > max_model_len:
         raise ValueError(
             f"sparse.budget={config.sparse.budget} tokens is larger than the context "
@@ -124,29 +113,6 @@ def _algorithm_options(cls: type[SparseAlgorithm]) -> set[str]:
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
             break
     return options
-
-
-def host_dtype(config: SpinConfig, dtype: torch.dtype) -> torch.dtype:
-    """The host pages' dtype: ``cache.host_kv_dtype`` (fp8: e4m3, "auto": the model's)."""
-    return FP8_DTYPE if config.cache.host_kv_dtype == "fp8" else dtype
-
-
-def host_tier_segments(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, max_model_len: int) -> int:
-    """Segments of the offloaded cache's host tier: ``cache.host_kv_gib`` (null: 8 GiB) of
-    pages in ``host_dtype``, never more than every request row could use at full length."""
-    cc, S = config.cache, config.cache.page_size
-    host_gib = DEFAULT_HOST_KV_GIB if cc.host_kv_gib is None else cc.host_kv_gib
-    seg_bytes = HostTier.bytes_per_segment(cc.segment_pages, S, mc.head_dim, host_dtype(config, dtype))
-    max_pages = -(-max_model_len // S)
-    most_segments = config.scheduler.max_num_seqs * -(-max_pages // cc.segment_pages) * mc.num_layers * mc.num_kv_heads
-    return min(int(host_gib * 2**30 // seg_bytes), most_segments)
-
-
-def host_tier_bytes(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, max_model_len: int) -> int:
-    """Bytes of the host tier's one allocation (``HostTier.nbytes``): the memory plan's figure."""
-    seg_bytes = HostTier.bytes_per_segment(config.cache.segment_pages, config.cache.page_size, mc.head_dim,
-                                           host_dtype(config, dtype))
-    return host_tier_segments(config, mc, dtype, max_model_len) * seg_bytes
 
 
 def paged_kv_dtype(config: SpinConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -199,7 +165,8 @@ def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_c
     # then an empty one tells its bytes per page.
     paged = algorithm_cls.paged_index
     algorithm = _make_algorithm(algorithm_cls, config, **shape, **({"index_pages": 0} if paged else {}))
-    mandatory = min(max_pages, _mandatory_pages(config, algorithm, max_model_len))
+    budget = PageBudget(config.sparse, S, mc.num_kv_heads, algorithm.selects_all)
+    mandatory = min(max_pages, budget.mandatory_pages(max_model_len))
     # Without reuse a page never outlives its step: columns past the mandatory ones are idle.
     # buffer_share 0: no cap below the request's pages (the share grows while slots are free).
     multiple = (cc.buffer_share or max_pages / mandatory) if cc.buffer_reuse else 1
@@ -218,18 +185,14 @@ def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_c
     sp = config.sparse
     if (cc.per_head_shares and not cc.buffer_pages_per_head and sp.per_head_budgets is not None
             and sp.top_p is None and not algorithm.selects_all):
-        head_mandatory = _head_mandatory_pages(config, mc.num_layers, max_pages)
+        head_mandatory = budget.head_mandatory_pages(mc.num_layers, max_pages)
         widths = [[min(max_pages, math.ceil(multiple * m)) for m in row] for row in head_mandatory]
         share = max(max(row) for row in widths)
     full_slots = sum(map(sum, widths)) if widths else share * per_column
     least_slots = sum(map(sum, head_mandatory)) if head_mandatory else mandatory * per_column
     num_host_segments = host_tier_segments(config, mc, dtype, max_model_len)
-    # The KV budget holds the pages and the index of every page either tier holds (Select
-    # reads it on the GPU): all_slots * slot_bytes + index_page_bytes * (all_slots + host
-    # pages) / per_column <= gpu_bytes, counting buffer slots as pages (a slight overcount).
     index_per_slot = index_page_bytes / per_column if paged else 0.0
-    host_index = index_per_slot * num_host_segments * cc.segment_pages
-    all_slots = max(0, int((gpu_bytes - host_index) // (slot_bytes + index_per_slot)))
+    all_slots = gpu_page_slots(gpu_bytes, slot_bytes, index_per_slot, num_host_segments * cc.segment_pages)
     num_slots, num_gpu_segments = split_gpu_pages(config, all_slots, least_slots, max_pages, per_column)
     num_slots = min(num_slots, sc.max_num_seqs * full_slots)
     if num_slots < least_slots:
@@ -257,27 +220,9 @@ def _build_offloaded(config, mc, dtype, device, parts: BackendParts, algorithm_c
     return kv, dataclasses.replace(parts, algorithm=algorithm)
 
 
-def split_gpu_pages(config: SpinConfig, all_slots: int, least_slots: int, max_pages: int,
-                    per_column: int) -> tuple[int, int]:
-    """The GPU KV memory's ``all_slots`` pages as (buffer slots, GPU home segments), by
-    ``cache.gpu_home_fraction``; null: the buffer takes what max_num_seqs requests select per
-    step (``least_slots`` each) 1.25 times over, at most half, and home pages the rest, never
-    more than max_num_seqs requests of ``max_pages`` pages per (layer, KV head) use."""
-    cc, sc = config.cache, config.scheduler
-    fraction = cc.gpu_home_fraction
-    if fraction is None:
-        buffer = min(math.ceil(_BUFFER_MULTIPLE * sc.max_num_seqs * least_slots), int(all_slots * _MOST_BUFFER_FRACTION))
-        buffer = max(buffer, min(least_slots, all_slots))
-    else:
-        buffer = all_slots - int(all_slots * fraction)
-    E = cc.segment_pages
-    most_segments = sc.max_num_seqs * -(-max_pages // E) * per_column
-    return buffer, min((all_slots - buffer) // E, most_segments)
-
-
 def _build_hybrid(config, mc, dtype, device, parts: BackendParts, algorithm_cls):
     """The window layers' paged cache first, sized for every request row's windows at full
-    length (at most ``_MOST_WINDOW_FRACTION`` of the GPU KV memory), then the Spin cache of
+    length (at most half the GPU KV memory: ``sizing.window_gpu_pages``), then the Spin cache of
     the global layers in the rest: the algorithm, its index, the buffer and the home pages
     sized for those layers only, and per-head budgets their rows of ``sparse.per_head_budgets``."""
     split = LayerSplit.of(mc.layer_windows)
@@ -289,11 +234,7 @@ def _build_hybrid(config, mc, dtype, device, parts: BackendParts, algorithm_cls)
     windows = LayerWindows.of(window_of, len(window_of), S)
     page_bytes = PagePool.bytes_per_page(S, mc.head_dim, dtype)
     gpu_bytes = gpu_budget_bytes(config, device)
-    most = config.scheduler.max_num_seqs * windows.most_pages(max_model_len) * mc.num_kv_heads
-    num_pages = min(most, int(gpu_bytes * _MOST_WINDOW_FRACTION // page_bytes))
-    if num_pages < windows.most_pages(max_model_len) * mc.num_kv_heads:
-        raise ValueError(f"the sliding-window layers' {num_pages} GPU pages cannot hold one request's windows; "
-                         "raise cache.kv_cache_gib")
+    num_pages = window_gpu_pages(config, windows, mc.num_kv_heads, page_bytes, gpu_bytes, max_model_len)
     paged = KVCacheManager(
         num_layers=len(window_of), num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=S,
         num_pages=num_pages, max_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len, dtype=dtype,
@@ -335,63 +276,3 @@ def _make_algorithm(cls, config: SpinConfig, **shape):
         return cls(**shape, **options)
     except TypeError as e:
         raise ValueError(f"sparse.options {sorted(options)} do not fit algorithm {cls.name!r}: {e}") from None
-
-
-def _head_mandatory_pages(config: SpinConfig, num_layers: int, max_pages: int) -> list[list[int]]:
-    """[L][Hkv] pages each head selects per step under ``sparse.per_head_budgets`` (top-k):
-    sink + its own budget (every page of a context at the budget floor, at least) + local,
-    as ``_mandatory_pages`` counts the widest head's."""
-    S, sp = config.cache.page_size, config.sparse
-    if len(sp.per_head_budgets) != num_layers:
-        raise ValueError(f"sparse.per_head_budgets has {len(sp.per_head_budgets)} layers, the model {num_layers}")
-    edge, dense = _edge_pages(config), floor_pages(sp, S, max_pages * S)
-    return [[min(max_pages, edge + max(dense, -(-int(b) // S))) for b in row] for row in sp.per_head_budgets]
-
-
-def _mandatory_pages(config: SpinConfig, algorithm, max_model_len: int) -> int:
-    S, sp = config.cache.page_size, config.sparse
-    if algorithm.selects_all:
-        return -(-max_model_len // S)
-    return _edge_pages(config) + max_middle_pages(sp, S, algorithm.num_kv_heads, max_model_len)
-
-
-def _edge_pages(config: SpinConfig) -> int:
-    """Pages every head selects besides its budget: the sink's and the local window's (>= 1)."""
-    S, sp = config.cache.page_size, config.sparse
-    return -(-sp.sink_tokens // S) + max(1, -(-sp.local_tokens // S))
-
-
-def gpu_budget_bytes(config: SpinConfig, device: torch.device, held_bytes: float = 0) -> float:
-    """The KV cache's bytes on ``device``: its pages and the sparse algorithm's index, of which
-    ``held_bytes`` are allocated already (an index sized by max_num_seqs x max_model_len).
-    cache.kv_cache_gib, else a share of the GPU's free memory (a fixed size on the CPU). A size
-    the GPU cannot hold is refused here, with what holds the rest, rather than by an
-    out-of-memory error in the middle of the allocation."""
-    gib = config.cache.kv_cache_gib
-    if device.type != "cuda":
-        return (CPU_DEFAULT_KV_GIB if gib is None else gib) * 2**30
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's cache is reusable
-    if gib is None:
-        return free * _GPU_KV_FRACTION + held_bytes
-    if gib * 2**30 - held_bytes > free:
-        raise ValueError(
-            f"cache.kv_cache_gib={gib:g} GiB does not fit: {(free + held_bytes) / 2**30:.1f} GiB of the GPU is free "
-            f"after the model's weights ({(torch.cuda.memory_allocated(device) - held_bytes) / 2**30:.1f} GiB "
-            "allocated); lower cache.kv_cache_gib")
-    if gib * 2**30 < held_bytes:
-        raise ValueError(
-            f"cache.kv_cache_gib={gib:g} GiB cannot hold the sparse algorithm's index ({held_bytes / 2**30:.1f} GiB: "
-            "it is sized scheduler.max_num_seqs x model.max_model_len); raise cache.kv_cache_gib or lower "
-            "scheduler.max_num_seqs or model.max_model_len")
-    return gib * 2**30
-
-
-def num_gpu_pages(config: SpinConfig, mc: ModelConfig, dtype, device, max_model_len: int) -> int:
-    page_bytes = PagePool.bytes_per_page(config.cache.page_size, mc.head_dim, dtype)
-    per_token_page = mc.num_layers * mc.num_kv_heads
-    # Never more than every request slot could use at full length (a sliding-window layer
-    # only its window's pages).
-    windows = LayerWindows.of(mc.layer_windows, mc.num_layers, config.cache.page_size)
-    most = config.scheduler.max_num_seqs * windows.most_pages(max_model_len) * mc.num_kv_heads
-    return max(per_token_page, min(int(gpu_budget_bytes(config, device) // page_bytes), most))

@@ -37,6 +37,7 @@ from spin_cluster.kvcache.buffer import InstallPlan
 from spin_cluster.kvcache.offloaded import OffloadedKVManager
 from spin_cluster.kvcache.transfer import Transfer
 from spin_cluster.sparse import SelectPlan, SparseAlgorithm, select_layer
+from spin_cluster.sparse.budget import PageBudget, budget_tokens_on_device, floor_tokens
 
 if TYPE_CHECKING:
     from spin_cluster.sparse.prefill import BlockSparsePrefill
@@ -93,24 +94,14 @@ class SpinAttention(PlannedCapture):
         self.device = dev
         self._decode = decode_impl(decode, dev)
         self.transfer = Transfer(kv.homes, dev, kv.buffer, kv.directory)  # Offload and Retrieve
-        S = kv.page_size
         if sparse.dense_layers > kv.num_layers:
             raise ValueError(f"sparse.dense_layers={sparse.dense_layers}: the model has {kv.num_layers} layers")
         self.dense_layers = 0 if algorithm.selects_all else sparse.dense_layers
-        self.sink_pages = -(-sparse.sink_tokens // S)
-        self.local_pages = max(1, -(-sparse.local_tokens // S))  # the tail page is always local
+        self.budget = PageBudget(sparse, kv.page_size, kv.num_kv_heads, algorithm.selects_all)
         self.plan: SpinStepPlan | None = None
         self.step_index = 0
         self.now = torch.zeros(1, dtype=torch.int32, device=dev)  # step_index on the device
-        self._layer_budgets = None  # [L, Hkv] pages
-        if sparse.per_head_budgets is not None:
-            table = torch.tensor(sparse.per_head_budgets, dtype=torch.long)
-            if tuple(table.shape) != (kv.num_layers, kv.num_kv_heads):
-                raise ValueError(
-                    f"sparse.per_head_budgets is {list(table.shape)}; this model needs "
-                    f"[{kv.num_layers}, {kv.num_kv_heads}] (layers x KV heads)"
-                )
-            self._layer_budgets = ((table + S - 1) // S).to(dev)
+        self._layer_budgets = self.budget.head_table(kv.num_layers, dev)  # [L, Hkv] pages, or None
         # Per-head budgets give a layer's heads rows of very different lengths (the widest
         # several times the mean): the Triton decode kernel then splits rows into equal
         # slices, so that the widest heads' programs are not the step's critical path
@@ -118,24 +109,6 @@ class SpinAttention(PlannedCapture):
         self._balanced = (self._layer_budgets is not None and dev.type == "cuda"
                           and self._decode is paged_decode.paged_decode_attention)
         self._split_tokens: dict[tuple[int, int, int], int] = {}
-
-    def mandatory_pages(self, context_tokens: int) -> int:
-        """Pages a head selects per step at most: sink + budget + local."""
-        if self.algorithm.selects_all:
-            return -(-context_tokens // self.kv.page_size)
-        return self.sink_pages + self._max_budget_pages(context_tokens) + self.local_pages
-
-    def mean_attended_pages(self, context_tokens: int) -> float:
-        """Pages a head attends per step on average over every layer and KV head: sink + its
-        own budget + local (the bytes attention must read; per-head budgets differ, and the
-        widest sizes ``mandatory_pages``)."""
-        if self.algorithm.selects_all:
-            return float(self.mandatory_pages(context_tokens))
-        middle = mean_middle_pages(self.sparse, self.kv.page_size, context_tokens)
-        return self.sink_pages + middle + self.local_pages
-
-    def _max_budget_pages(self, context_tokens: int) -> int:
-        return max_middle_pages(self.sparse, self.kv.page_size, self.kv.num_kv_heads, context_tokens)
 
     def row(self, request_id: str) -> int:
         return self.kv.row(request_id)
@@ -201,30 +174,21 @@ class SpinAttention(PlannedCapture):
 
     def _decode_select(self, positions: torch.Tensor, pages: int) -> SelectPlan:
         """The step's Select plan from the decode tokens' positions [Bd] (context = position + 1)."""
-        S, hkv = self.kv.page_size, self.kv.num_kv_heads
+        budget, S = self.budget, self.kv.page_size
         context = positions + 1  # [Bd]
-        tokens = self._budget_tokens(context)
-        floor = self.sparse.floor_tokens
+        floor = floor_tokens(self.sparse)
         return SelectPlan(
             num_pages=positions // S + 1,
             tail_len=(positions % S + 1).int(),
-            sink_pages=self.sink_pages,
-            local_pages=self.local_pages,
-            budget_pages=((tokens + S - 1) // S)[:, None].expand(-1, hkv).contiguous(),
+            sink_pages=budget.sink_pages,
+            local_pages=budget.local_pages,
+            budget_pages=budget.pages(budget_tokens_on_device(self.sparse, context))[:, None].expand(
+                -1, self.kv.num_kv_heads).contiguous(),
             max_pages=pages,
-            max_budget=self._max_budget_pages(pages * S),
+            max_budget=budget.max_middle_pages(pages * S),
             top_p=self.sparse.top_p,
             dense_rows=context <= floor if floor else None,
         )
-
-    def _budget_tokens(self, context: torch.Tensor) -> torch.Tensor:
-        """``SparseConfig.budget_tokens`` on the device, with no host sync: [Bd] -> [Bd] int64."""
-        budget, floor = self.sparse.budget, self.sparse.floor_tokens
-        if budget >= 1:
-            tokens = torch.full_like(context, int(budget))
-        else:
-            tokens = (context.double() * budget).long().clamp_(min=max(1, floor))
-        return torch.where(context <= floor, context, tokens) if floor else tokens
 
     def _layer_select_plans(self, sel: SelectPlan) -> tuple[SelectPlan, ...]:
         """One SelectPlan per layer: the step's, with the layer's per-head budgets if any (the
@@ -326,7 +290,7 @@ class SpinAttention(PlannedCapture):
         key = (batch, width, pages)
         if key not in self._split_tokens:
             S = self.kv.page_size
-            mean = self.mean_attended_pages(pages * S) * S
+            mean = self.budget.mean_attended_pages(pages * S) * S
             sms = paged_decode.num_sms(self.device.index or 0)
             self._split_tokens[key] = paged_decode.balanced_split_tokens(
                 batch, self.kv.num_kv_heads, mean, width * S, sms)
@@ -351,39 +315,3 @@ class SpinAttention(PlannedCapture):
         self.transfer.gather(seg.host_pages[layer], seg.k_ctx, seg.v_ctx, seg.dst_ids)
         num_tokens = seg.context_start + seg.num_tokens
         return seg.k_ctx.view(hkv, -1, D)[:, :num_tokens], seg.v_ctx.view(hkv, -1, D)[:, :num_tokens]
-
-
-def max_middle_pages(sparse: SparseConfig, page_size: int, num_kv_heads: int, context_tokens: int) -> int:
-    """Most middle pages one KV head may select per step in contexts of up to ``context_tokens``:
-    its budget, the largest per-head budget, or under top-p the largest total of a layer's
-    heads; and every page of a context at or under the budget floor (dense)."""
-    rows = _per_head_budget_pages(sparse, page_size)
-    if rows is not None:
-        most = max(sum(row) for row in rows) if sparse.top_p is not None else max(max(row) for row in rows)
-    else:
-        pages = -(-sparse.budget_tokens(context_tokens) // page_size)
-        most = pages * num_kv_heads if sparse.top_p is not None else pages
-    return max(most, floor_pages(sparse, page_size, context_tokens))
-
-
-def mean_middle_pages(sparse: SparseConfig, page_size: int, context_tokens: int) -> float:
-    """Middle pages one KV head selects per step on average at ``context_tokens``: its budget,
-    or the mean of the per-head budgets (under top-p, a layer's heads share their total: the
-    same mean); at or under the budget floor, the context's every page."""
-    rows = _per_head_budget_pages(sparse, page_size)
-    if rows is not None and context_tokens > sparse.floor_tokens:
-        return sum(map(sum, rows)) / sum(map(len, rows))
-    return float(-(-sparse.budget_tokens(context_tokens) // page_size))
-
-
-def floor_pages(sparse: SparseConfig, page_size: int, context_tokens: int) -> int:
-    """Pages of the longest context, of up to ``context_tokens``, that attends densely under
-    the budget floor (0 with the floor off)."""
-    return -(-min(context_tokens, sparse.floor_tokens) // page_size)
-
-
-def _per_head_budget_pages(sparse: SparseConfig, page_size: int) -> list[list[int]] | None:
-    """[L][Hkv] each head's budget in whole pages; None without per-head budgets."""
-    if sparse.per_head_budgets is None:
-        return None
-    return [[-(-b // page_size) for b in row] for row in sparse.per_head_budgets]

@@ -22,6 +22,7 @@ import torch
 
 from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
 from spin_cluster.engine.request import SamplingParams
+from spin_cluster.sparse.budget import sparse_context_tokens
 
 SHORTEST = 1024  # tokens: the first class warmed
 # Past this the first request's own prefill (minutes at 1M tokens) dwarfs its compiles (a few
@@ -81,12 +82,11 @@ def zero_totals(engine) -> None:
 
 def batch_length(engine) -> int:
     """The prompts' length in ``warm_batches``: past the sparse budget's floor and twice its
-    budget in tokens (so that each row selects as wide as a long request's would), at least
-    ``SHORTEST``, at most the longest prompt the engine takes (``LONGEST`` at most)."""
-    sparse = engine.config.sparse
-    budget = int(sparse.budget) if sparse.budget >= 1 else 0
+    budget in tokens (``sparse_context_tokens``: each row selects as wide as a long request's
+    would), at least ``SHORTEST``, at most the longest prompt the engine takes (``LONGEST``
+    at most)."""
     longest = min(engine.max_model_len - 64, LONGEST)
-    return max(1, min(longest, max(SHORTEST, 2 * max(sparse.floor_tokens, budget) + 1)))
+    return max(1, min(longest, max(SHORTEST, sparse_context_tokens(engine.config.sparse))))
 
 
 @torch.inference_mode()

@@ -18,15 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from spin_cluster.hplb.budget import Budgets, maxmin_budgets, uniform_budgets
 from spin_cluster.hplb.placement import PLACEMENT_METHODS, HeadPlacement, head_costs, place_heads
 from spin_cluster.hplb.profile import HeadProfile
-
-if TYPE_CHECKING:
-    from spin_cluster.config import SpinConfig
-    from spin_cluster.models.config import ModelConfig
 
 ROUNDINGS = ("up", "down")
 
@@ -100,20 +95,6 @@ class PlanConfig:
         if self.sparse_layers is not None and (not self.sparse_layers or min(self.sparse_layers) < 0
                                                or max(self.sparse_layers) >= self.num_layers):
             raise ValueError(f"sparse_layers {self.sparse_layers}: give one or more of layers 0..{self.num_layers - 1}")
-
-    @classmethod
-    def from_spin(cls, spin: SpinConfig, mc: ModelConfig, *, floor_fraction: float = 0.0, rounding: str = "up",
-                  method: str = "greedy") -> PlanConfig:
-        """The engine's plan: ``spin.sparse``'s budgets on ``mc``'s heads at the longest context
-        (``model.max_model_len``, else the model's), capped per rank on the offloaded cache."""
-        sp = spin.sparse
-        context = spin.model.max_model_len or mc.context_len
-        return cls(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, num_kv_groups=mc.num_kv_groups,
-                   context_tokens=context, budget_tokens=sp.budget_tokens(context), sink_tokens=sp.sink_tokens,
-                   local_tokens=sp.local_tokens, dense_layers=sp.dense_layers, per_head_budgets=sp.per_head_budgets,
-                   floor_fraction=floor_fraction, floor_tokens=sp.floor_tokens, rounding=rounding,
-                   max_heads_per_rank=spin.cache.offload,
-                   method=method, sparse_layers=mc.full_attention_layers())
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,10 @@ from spin_cluster.kernels.buffer_lookup import (
     with_gpu_homes,
 )
 from spin_cluster.kvcache.free_list import FreeList, check_partition
-from spin_cluster.kvcache.lru import DEFAULT_NUM_BUCKETS
+
+# Recency buckets of the LRU eviction (``kernels/bucketed_lru.py``): ages past the last bucket
+# are all equally old.
+DEFAULT_NUM_BUCKETS = 64
 
 _NEVER = -(2**30)  # last_use of an empty column: older than any real step
 

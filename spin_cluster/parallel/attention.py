@@ -24,13 +24,13 @@ import torch
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.backend import AttentionBackend
-from spin_cluster.engine.cache_builder import gpu_budget_bytes, num_gpu_pages
 from spin_cluster.engine.cuda_graphs import PlannedCapture
 from spin_cluster.engine.paged_attention import PagedAttention, StepPlan
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.kernels import paged_decode_cpu
 from spin_cluster.kvcache.page_pool import PagePool
+from spin_cluster.kvcache.sizing import gpu_budget_bytes, num_gpu_pages
 from spin_cluster.models import ModelConfig
 from spin_cluster.parallel.group import all_gather_floats, all_reduce_min
 from spin_cluster.parallel.timing import LayerTimer

@@ -31,11 +31,12 @@ from spin_cluster.config import SpinConfig
 from spin_cluster.engine.cache_builder import build_cache, cache_kind
 from spin_cluster.engine.engine import Engine
 from spin_cluster.hplb.placement import HeadPlacement
-from spin_cluster.hplb.plan import PlanConfig, plan_heads
+from spin_cluster.hplb.plan import plan_heads
 from spin_cluster.models import ModelConfig
 from spin_cluster.parallel.attention import RANK_BACKENDS
 from spin_cluster.parallel.shard import shard_attention, shard_mlp
 from spin_cluster.parallel.timing import bubble_seconds
+from spin_cluster.sparse.budget import plan_config
 
 
 def default_placement(config: SpinConfig, mc: ModelConfig, num_ranks: int, method: str = "greedy") -> HeadPlacement:
@@ -43,7 +44,7 @@ def default_placement(config: SpinConfig, mc: ModelConfig, num_ranks: int, metho
     else ``sparse.budget`` for every head (uniform costs: the contiguous split). On the
     offloaded cache, whose rank width is the most heads a rank owns in a layer, greedy gives
     every rank at most the contiguous split's ceil(Hkv / R) heads per layer."""
-    return plan_heads(None, PlanConfig.from_spin(config, mc, method=method), num_ranks).placement
+    return plan_heads(None, plan_config(config, mc, method=method), num_ranks).placement
 
 
 def check_placement(p: HeadPlacement, mc: ModelConfig) -> None:

@@ -1,36 +1,48 @@
 """Sparse attention's policy: the algorithms (Index and Select's scores, one file each), the
-contract they implement (``contract``), Select's system half (``select``) and block-sparse
-prefill (``prefill``). Importing the package registers the built-in algorithms; the engine
-finds one by name with ``get_algorithm``."""
+contract they implement (``contract``), Select's system half (``select``), the budget in
+tokens and pages (``budget``) and block-sparse prefill (``prefill``).
 
-from spin_cluster.sparse import (  # noqa: F401
-    dense,
-    either,
-    labels,
-    oracle,
-    quest,
-    retroinfer,
-    seer,
-    shadowkv,
-    sparq,
-    streaming,
-)
+The engine finds an algorithm by name with ``get_algorithm``, which imports the algorithm's
+module the first time its name is asked for (``ALGORITHM_MODULES``): a server imports only the
+algorithm it serves. The study tools of the accuracy studies (``oracle``, ``sparq``) are
+reached the same way, by name, from ``spin_cluster.profiling``; no serving module imports them.
+"""
+
+import importlib
+
 from spin_cluster.sparse.contract import REGISTRY, SparseAlgorithm, register
 from spin_cluster.sparse.select import SelectPlan, select_layer, select_pages
 
+# name -> the module whose import registers it (``contract.register``).
+ALGORITHM_MODULES = {
+    "dense": "spin_cluster.sparse.dense",
+    "streaming": "spin_cluster.sparse.streaming",
+    "quest": "spin_cluster.sparse.quest",
+    "shadowkv": "spin_cluster.sparse.shadowkv",
+    "retroinfer": "spin_cluster.sparse.retroinfer",
+    "seer": "spin_cluster.sparse.seer",
+    "labels": "spin_cluster.sparse.labels",
+    "either": "spin_cluster.sparse.either",
+    # Study tools: an index as large as the K cache, for the accuracy studies (spin-cluster eval).
+    "oracle": "spin_cluster.profiling.oracle",
+    "sparq": "spin_cluster.profiling.sparq",
+}
+
 
 def registered_algorithms() -> list[str]:
-    return sorted(REGISTRY)
+    return sorted(ALGORITHM_MODULES.keys() | REGISTRY.keys())
 
 
 def get_algorithm(name: str) -> type[SparseAlgorithm]:
+    if name not in REGISTRY and name in ALGORITHM_MODULES:
+        importlib.import_module(ALGORITHM_MODULES[name])
     try:
         return REGISTRY[name]
     except KeyError:
         raise ValueError(
-            f"unknown sparse algorithm {name!r}; choose one of {', '.join(sorted(REGISTRY))}"
+            f"unknown sparse algorithm {name!r}; choose one of {', '.join(registered_algorithms())}"
         ) from None
 
 
-__all__ = ["SelectPlan", "SparseAlgorithm", "get_algorithm", "register", "registered_algorithms",
-           "select_layer", "select_pages"]
+__all__ = ["ALGORITHM_MODULES", "SelectPlan", "SparseAlgorithm", "get_algorithm", "register",
+           "registered_algorithms", "select_layer", "select_pages"]

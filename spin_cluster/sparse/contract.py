@@ -152,8 +152,8 @@ def _index_dtype(value: torch.dtype | str, allowed: Sequence[str], name: str) ->
     return dtype
 
 
-# Filled by ``@register`` as each algorithm's module is imported (``spin_cluster.sparse`` imports
-# the built-in ones); looked up by name through ``spin_cluster.sparse.get_algorithm``.
+# Filled by ``@register`` as each algorithm's module is imported (``spin_cluster.sparse.get_algorithm``
+# imports a built-in one the first time its name is asked for); looked up by name through it.
 REGISTRY: dict[str, type[SparseAlgorithm]] = {}
 
 

@@ -5,7 +5,7 @@ fixed channels of its KV head, and a page scores its best token::
 
 The channels are chosen once per (layer, KV head) from the weights: the RoPE pairs (d, d + D/2)
 with the largest ``||W_k[d]|| * sum_g ||W_q[g, d]||`` (RoPE rotates within a pair, so a pair's
-magnitude survives it; ``sparq.weight_channels``). A model without a weights file (random
+magnitude survives it; ``channels.weight_channels``). A model without a weights file (random
 weights for speed runs) gets evenly spaced pairs. ``sparse.options.channels``: r, even, or a
 fraction of D under 1 (0.5: D/2, whatever the model's D), default D/4.
 
@@ -37,9 +37,9 @@ import os
 import torch
 
 from spin_cluster.kernels.page_select import label_append, label_scores
+from spin_cluster.sparse.channels import weight_channels
 from spin_cluster.sparse.contract import SparseAlgorithm, register
 from spin_cluster.sparse.select import select_pages
-from spin_cluster.sparse.sparq import weight_channels
 
 
 def label_channels(channels: float, head_dim: int) -> int:

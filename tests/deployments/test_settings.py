@@ -7,6 +7,7 @@ from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from spin_cluster.deployments.app import IMPORT_PATH, build_app, deploy_config
 from spin_cluster.deployments.settings import CONFIG_DIR, AppConfig, load_app_config, rank_bundles
+from spin_cluster.sparse.budget import budget_tokens
 
 BUNDLED = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
@@ -42,7 +43,7 @@ def test_spin_config_selects_by_labels_at_a_16th_of_the_context_and_2048_tokens_
     assert cfg.spin.cache.offload and sparse.algorithm == "labels" and sparse.budget == 1 / 16
     assert sparse.budget_floor_tokens == 2048 and sparse.resident_margin == 0.5
     assert sparse.options == {"index_dtype": "float8_e4m3fn"}  # labels in e4m3: docs/accuracy.md
-    assert [sparse.budget_tokens(n) for n in (2048, 8192, 65536)] == [2048, 2048, 4096]
+    assert [budget_tokens(sparse, n) for n in (2048, 8192, 65536)] == [2048, 2048, 4096]
 
 
 def test_overrides_replace_single_keys_of_a_section():

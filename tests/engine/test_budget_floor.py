@@ -79,19 +79,19 @@ def test_one_batch_mixes_dense_rows_under_the_floor_and_sparse_rows_above(offloa
 
 
 def test_the_step_budget_on_the_device_is_budget_tokens(offload_engine):
-    from spin_cluster.config import SparseConfig
+    from spin_cluster.sparse.budget import budget_tokens
 
     engine = offload_engine({"algorithm": "quest", "budget": 0.25, "budget_floor_tokens": 48})
     attention = engine.runner.attention
-    context = torch.arange(1, 129)
-    want = [SparseConfig(budget=0.25, budget_floor_tokens=48).budget_tokens(n) for n in range(1, 129)]
-    assert attention._budget_tokens(context).tolist() == want
+    positions = torch.arange(128)  # contexts 1..128
+    want = [-(-budget_tokens(engine.config.sparse, n + 1) // 4) for n in range(128)]
+    assert attention._decode_select(positions, 32).budget_pages[:, 0].tolist() == want
 
 
 def test_shares_hold_every_page_of_a_context_at_the_floor(offload_engine):
     # per-head budgets of 2, 0, 1 and 3 pages; a floor of 64 tokens is 16 pages
     attention = offload_engine({"algorithm": "quest", "per_head_budgets": [[8, 0], [4, 12]],
                                 "budget_floor_tokens": 64}).runner.attention
-    assert attention.mandatory_pages(128) == 1 + 16 + 2
-    assert attention.mean_attended_pages(64) == 1 + 16 + 2  # dense: the context's every page
-    assert attention.mean_attended_pages(128) == 1 + 1.5 + 2  # above: each head its own budget
+    assert attention.budget.mandatory_pages(128) == 1 + 16 + 2
+    assert attention.budget.mean_attended_pages(64) == 1 + 16 + 2  # dense: the context's every page
+    assert attention.budget.mean_attended_pages(128) == 1 + 1.5 + 2  # above: each head its own budget

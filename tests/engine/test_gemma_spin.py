@@ -27,7 +27,7 @@ from spin_cluster.engine.cache_builder import cache_kind
 from spin_cluster.engine.cuda_graphs import DecodeGraphs, SpinDecodeGraphs
 from spin_cluster.models.config import ModelConfig
 from spin_cluster.profiling.evaluate import EvalConfig, evaluate
-from spin_cluster.sparse.sparq import weight_channels
+from spin_cluster.sparse.channels import weight_channels
 
 LAYER_TYPES = ("sliding_attention", "sliding_attention", "full_attention",
                "sliding_attention", "sliding_attention", "full_attention")

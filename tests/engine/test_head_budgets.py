@@ -68,14 +68,14 @@ def test_top_p_lets_a_layers_heads_share_their_total(offload_engine, selections)
 def test_top_p_reserves_the_layer_total_per_head_in_the_buffer(offload_engine):
     top_p = offload_engine({"algorithm": "quest", "budget": 8, "top_p": 0.9})
     top_k = offload_engine({"algorithm": "quest", "budget": 8})
-    pages = top_p.runner.attention.mandatory_pages(64), top_k.runner.attention.mandatory_pages(64)
+    pages = top_p.runner.attention.budget.mandatory_pages(64), top_k.runner.attention.budget.mandatory_pages(64)
     assert pages == (1 + 4 + 2, 1 + 2 + 2)
 
 
 def test_mean_attended_pages_follow_each_heads_own_budget(offload_engine):
     # pages of 4 per head: 2, 0, 1, 3 middle pages (mean 1.5); the widest head sizes the buffer
     attn = offload_engine({"algorithm": "quest", "per_head_budgets": [[8, 0], [4, 12]]}).runner.attention
-    assert attn.mandatory_pages(64) == 1 + 3 + 2
-    assert attn.mean_attended_pages(64) == 1 + 1.5 + 2
+    assert attn.budget.mandatory_pages(64) == 1 + 3 + 2
+    assert attn.budget.mean_attended_pages(64) == 1 + 1.5 + 2
     uniform = offload_engine({"algorithm": "quest", "budget": 8}).runner.attention
-    assert uniform.mean_attended_pages(64) == uniform.mandatory_pages(64) == 1 + 2 + 2
+    assert uniform.budget.mean_attended_pages(64) == uniform.budget.mandatory_pages(64) == 1 + 2 + 2

@@ -1,5 +1,5 @@
-"""Bucketed LRU: Triton kernel vs pure-torch reference (the rule itself is tested, with
-named victims, in tests/kvcache/test_lru.py).
+"""Bucketed LRU: the stand-alone Triton kernel (``profiling/lru_kernel.py``) vs the pure-torch
+reference (the rule itself is tested, with named victims, in tests/profiling/test_lru.py).
 
 Without CUDA the kernel runs in Triton's interpreter; the block sizes are shrunk so that
 tiny rows still span several blocks and several steps of the cutoff program's loop.
@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import spin_cluster.kernels.bucketed_lru as lru_mech
-from spin_cluster.kernels.bucketed_lru import bucketed_lru_victims, bucketed_lru_victims_ref
+import spin_cluster.profiling.lru_kernel as lru_mech
+from spin_cluster.kernels.bucketed_lru import bucketed_lru_victims_ref
+from spin_cluster.profiling.lru_kernel import bucketed_lru_victims
 
 from .conftest import check_impls
 

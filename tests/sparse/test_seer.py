@@ -3,10 +3,9 @@ import argparse
 import pytest
 import torch
 
+from spin_cluster.profiling.seer_train import add_train_gate_parser, calibration_texts, initial_weights, train_gate
 from spin_cluster.sparse import get_algorithm
-from spin_cluster.sparse.seer_gate import (
-    add_train_gate_parser, calibration_texts, gate_keys, initial_weights, load_gate, save_gate, train_gate,
-)
+from spin_cluster.sparse.seer_gate import gate_keys, load_gate, save_gate
 
 SMOLLM2 = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}
 

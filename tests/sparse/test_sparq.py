@@ -45,7 +45,7 @@ def test_a_whole_context_budget_gives_the_dense_tokens(offloaded_tokens, dense_t
 def test_fixed_channels_are_the_rope_pairs_with_the_largest_weights(tmp_path, one_row):
     from safetensors.torch import save_file
 
-    from spin_cluster.sparse.sparq import weight_channels
+    from spin_cluster.sparse.channels import weight_channels
 
     D, Hkv, G, E = 8, 2, 2, 6
     wq, wk = torch.ones(Hkv * G * D, E), torch.ones(Hkv * D, E)
@@ -76,7 +76,7 @@ def test_fixed_channels_weigh_the_qk_norms(tiny_gemma3_path, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from spin_cluster.models.config import ModelConfig
-    from spin_cluster.sparse.sparq import weight_channels
+    from spin_cluster.sparse.channels import weight_channels
 
     mc = ModelConfig.from_folder(tiny_gemma3_path)
     D, Hkv, layer = mc.head_dim, mc.num_kv_heads, mc.layer_windows.index(None)

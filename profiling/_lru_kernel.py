@@ -1,6 +1,6 @@
-"""Triton bodies of bucketed LRU victim selection (see ``bucketed_lru.py`` for the launcher).
+"""Triton bodies of bucketed LRU victim selection (see ``lru_kernel.py`` for the launcher).
 
-Importing this module needs Triton. ``bucketed_lru.py`` imports it lazily, so the pure-torch
+Importing this module needs Triton. ``lru_kernel.py`` imports it lazily, so the pure-torch
 reference works without Triton.
 
 Three launches, each a fixed grid; slots are cut into blocks of ``BLOCK`` columns::

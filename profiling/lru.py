@@ -1,4 +1,7 @@
-"""Bucketed LRU eviction: pick victim slots by quantised recency, with fixed-shape tensor ops.
+"""Bucketed LRU eviction on its own: pick victim slots by quantised recency, with fixed-shape
+tensor ops, against exact LRU. A study of the rule the GPU buffer evicts by (serving evicts
+inside the buffer lookup kernel, ``kernels/buffer_lookup.py``), measured by
+``benchmarks/memory.py``.
 
 Every GPU buffer slot carries ``last_use``, the step at which it was last read. When a step
 needs free slots, the victims are the least recently used *evictable* slots (not mandatory
@@ -9,10 +12,10 @@ sum over the slots, all of fixed shape. No host sync (no ``.item()``, ``nonzero(
 indexing, ``bincount`` -- which reads its max on the host on CUDA), so a step that evicts
 can be captured in a CUDA graph.
 
-The mechanism lives in ``spin_cluster.kernels.bucketed_lru``: a Triton kernel (three
-launches, used on CUDA) and a pure-torch reference of fixed-shape ops (used elsewhere, and
-as the kernels' oracle). This module owns the policy: its rule, the per-pool and per-row
-entry points, and the exact-LRU baselines.
+The mechanism: a pure-torch reference of fixed-shape ops (``spin_cluster.kernels.bucketed_lru``,
+also the buffer lookup's) and a stand-alone Triton kernel of three launches (``lru_kernel``,
+used on CUDA). This module owns the policy's entry points, per pool and per row, and the
+exact-LRU baselines.
 
 Semantics (exact; the tests name victim ids by these rules)
 -----------------------------------------------------------
@@ -56,6 +59,8 @@ import torch
 
 from spin_cluster.kernels import bucketed_lru as _mech
 from spin_cluster.kernels.bucketed_lru import row_values, slot_ages
+from spin_cluster.kvcache.buffer import DEFAULT_NUM_BUCKETS
+from spin_cluster.profiling.lru_kernel import bucketed_lru_victims
 
 __all__ = [
     "DEFAULT_NUM_BUCKETS",
@@ -66,7 +71,6 @@ __all__ = [
     "slot_buckets",
 ]
 
-DEFAULT_NUM_BUCKETS = 64
 _AGE_CAP = (1 << 31) - 1  # exact top-k packs (age, column) into one int64 key
 
 
@@ -112,7 +116,7 @@ def select_victims_batched(
     launches), ``"torch"`` (fixed-shape torch ops), or ``"auto"`` (Triton on CUDA).
     """
     _mech.check_slots(last_use, evictable)
-    return _mech.bucketed_lru_victims(last_use, evictable, now, num_needed, num_buckets, bucket_width, impl=impl)
+    return bucketed_lru_victims(last_use, evictable, now, num_needed, num_buckets, bucket_width, impl=impl)
 
 
 def select_victims(

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spin_cluster.kvcache.lru import (
+from spin_cluster.profiling.lru import (
     select_victims,
     select_victims_batched,
     select_victims_exact,
