@@ -10,6 +10,7 @@ table never shows a figure no file holds.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +62,25 @@ def _field(results: Path, rel: str, path: str) -> float:
         raise ValueError(f"{HEADLINE_FILE}: {rel} has no number at {path!r}") from e
 
 
+def _hit_ratio(results: Path, rel: str, path: str) -> float:
+    """The buffer's hit ratio at ``path``: a number (the eval's ``buffer_hit_ratio``), or a mode's
+    results with its lookup counters (e2e.py's ``buffer_hits_total``, ``buffer_misses_total``)."""
+    found = lookup(_read(results, rel), path)
+    if isinstance(found, dict):
+        try:
+            return found["buffer_hits_total"] / (found["buffer_hits_total"] + found["buffer_misses_total"])
+        except (KeyError, ZeroDivisionError) as e:
+            raise ValueError(f"{HEADLINE_FILE}: {rel} has no buffer lookups at {path!r}") from e
+    return _field(results, rel, path)
+
+
 def gpu_of(results: Path, rel: str) -> str:
     """The GPU a result ran on ("H200"), a merged report's from its parts; "CPU (model)" without one."""
     prov = provenance_of(results / rel)
     gpus = [prov.get("gpu")] + [(m.get("provenance") or {}).get("gpu") for m in _read(results, rel).get("merged_from", [])]
     gpu = next((g for g in gpus if g), None)
     if gpu:
-        return gpu.removeprefix("NVIDIA ")
+        return re.sub(r" \d+GB\b.*", "", gpu.removeprefix("NVIDIA "))  # "H100 80GB HBM3" -> "H100"
     return f"CPU ({(prov.get('cpu') or {}).get('model') or 'unknown'})"
 
 
@@ -99,7 +112,7 @@ def cells(row: dict[str, Any], results: Path) -> dict[str, str]:
         return {"value": "pending", "versus": "", "hits": "", "gpu": "", "date": "", "commit": "", "files": row["pending"]}
     shown, versus, files = _figure(row, results)
     prov = provenance_of(results / row["file"])
-    hits = f"{_field(results, row['file'], row['hits']) * 100:.0f}%" if row.get("hits") else ""
+    hits = f"{_hit_ratio(results, row['file'], row['hits']) * 100:.0f}%" if row.get("hits") else ""
     return {"value": shown, "versus": versus, "hits": hits, "gpu": gpu_of(results, row["file"]),
             "date": (prov.get("date") or "")[:10], "commit": f"`{commit_of(results / row['file'])[:7]}`",
             "files": ", ".join(f"[{Path(f).name}](../benchmarks/results/{f})" for f in files)}

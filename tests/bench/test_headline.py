@@ -40,12 +40,12 @@ def _tree(tmp_path: Path, value: float) -> Path:
     results = tmp_path / "benchmarks" / "results"
     (results / "e2e").mkdir(parents=True, exist_ok=True)
     body = {"provenance": {"commit": "0123abcd", "gpu": "NVIDIA H100 80GB HBM3", "date": "2026-12-07T01:00:00+00:00"},
-            "spin": {"tok_s": value}, "dense": {"tok_s": 100.0}}
+            "spin": {"tok_s": value, "buffer_hits_total": 3, "buffer_misses_total": 1}, "dense": {"tok_s": 100.0}}
     (results / "e2e" / "2026-12-07-h100-x.json").write_text(json.dumps(body))
     (results / "headline.yaml").write_text(
         "performance:\n"
         "  - {config: spin, model: m, shape: 4 x 128K, measure: tok/s, file: e2e/2026-12-07-h100-x.json,\n"
-        "     value: spin/tok_s, base: dense/tok_s, kind: ratio, readme: speed}\n")
+        "     value: spin/tok_s, base: dense/tok_s, hits: spin, kind: ratio, readme: speed}\n")
     (tmp_path / "docs").mkdir(exist_ok=True)
     for rel in [*DOCS.values(), README]:
         (tmp_path / rel).write_text(f"# Doc\n\n{BEGIN}\n{END}\n\nText.\n")
@@ -56,10 +56,11 @@ def test_a_row_is_read_from_its_file_and_a_changed_figure_makes_the_table_stale(
     root = _tree(tmp_path, 250.0)
     docs = render_docs(root)
     perf = docs[root / DOCS["performance"]]
-    assert ("| spin | m | 4 x 128K | tok/s | 250.0 (100.0) | **2.50x** | H100 80GB HBM3 | 2026-12-07 | `0123abc` "
+    # the GPU by its short name; the buffer's hits from a mode's lookup counters (e2e.py's)
+    assert ("| spin | m | 4 x 128K | tok/s | 250.0 (100.0) | **2.50x** | 75% | H100 | 2026-12-07 | `0123abc` "
             "| [2026-12-07-h100-x.json](../benchmarks/results/e2e/2026-12-07-h100-x.json) |") in perf
     assert perf.endswith(f"{END}\n\nText.\n")
-    assert "| speed | **2.50x** | m, 4 x 128K | H100 80GB HBM3, 2026-12-07 | [docs/performance.md](docs/performance.md) |" \
+    assert "| speed | **2.50x** | m, 4 x 128K | H100, 2026-12-07 | [docs/performance.md](docs/performance.md) |" \
         in docs[root / README]
     for path, text in docs.items():
         path.write_text(text)
