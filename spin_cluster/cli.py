@@ -72,6 +72,18 @@ def _parser() -> argparse.ArgumentParser:
     add_dashboards_parser(sub)  # spin-cluster dashboards export|push
     add_bench_parser(sub)  # spin-cluster bench NAME
 
+    cfg = sub.add_parser("config", help="the app config: show one resolved, or write its reference (docs/config.md)")
+    csub = cfg.add_subparsers(metavar="ACTION")
+    show = csub.add_parser("show", help="print an app config as YAML with every default filled in")
+    show.add_argument("--config", default="default",
+                      help="YAML app config, or a bundled one by name (default, spin, spin-quest, spin-fast)")
+    show.add_argument("--model", default=None, help="model folder (its context fills model.max_model_len)")
+    show.set_defaults(func=_cmd_config_show)
+    docs = csub.add_parser("docs", help="write docs/config.md from the config models (run from the repository root)")
+    docs.add_argument("--check", action="store_true", help="write nothing; exit 1 if docs/config.md is stale")
+    docs.set_defaults(func=_cmd_config_docs)
+    cfg.set_defaults(func=lambda a: (cfg.print_help(), 2)[1])
+
     srv = sub.add_parser("serve", help="run the OpenAI-compatible server on a local Ray (Ctrl-C stops)")
     srv.add_argument("--config", default="default",
                      help="YAML app config, or a bundled one by name (default, spin, spin-quest, spin-fast)")
@@ -159,6 +171,28 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         reply = _reply(engine, history, params)
         history.append({"role": "assistant", "content": reply})
         print(reply)
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    import yaml
+
+    from spin_cluster.deployments.config_docs import show
+
+    print(yaml.safe_dump(show(args.config, args.model), sort_keys=False), end="")
+    return 0
+
+
+def _cmd_config_docs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from spin_cluster.deployments.config_docs import DOC, write
+
+    current = write(Path.cwd(), check=args.check)
+    if args.check and not current:
+        print(f"{DOC} is stale: run spin-cluster config docs", file=sys.stderr)
+        return 1
+    print(f"{DOC} {'is current' if current else 'written'}")
+    return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
