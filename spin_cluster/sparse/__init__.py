@@ -22,7 +22,7 @@ ALGORITHM_MODULES = {
     "retroinfer": "spin_cluster.sparse.retroinfer",
     "seer": "spin_cluster.sparse.seer",
     "labels": "spin_cluster.sparse.labels",
-    "either": "spin_cluster.sparse.either",
+    "labels+quest": "spin_cluster.sparse.either",
     # Study tools: an index as large as the K cache, for the accuracy studies (spin-cluster eval).
     "oracle": "spin_cluster.profiling.oracle",
     "sparq": "spin_cluster.profiling.sparq",

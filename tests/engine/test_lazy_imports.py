@@ -44,3 +44,12 @@ def test_an_algorithm_is_imported_when_it_is_named(name: str, module: str):
     assert module in modules
     others = set(ALGORITHMS + STUDY_TOOLS) - {module, "spin_cluster.sparse.seer_gate"}
     assert modules.isdisjoint(others), sorted(modules & others)
+
+
+def test_every_listed_name_is_an_algorithm_of_that_name():
+    """The registry's table names each algorithm as its class does: every name it lists
+    resolves (a wrong key would list a name no class answers to, and hide the real one)."""
+    from spin_cluster.sparse import get_algorithm, registered_algorithms
+
+    for name in registered_algorithms():
+        assert get_algorithm(name).name == name
