@@ -29,8 +29,8 @@ by name: {bundled}). A section or key not listed here is an error that names it,
 starts. `spin-cluster config show --config NAME` prints a config with every default filled in.
 Settings: {count} ({engine} of the engine, {serve} of the server).
 
-`sparse.options` holds the chosen algorithm's own options (e.g. Quest's `index_dtype`,
-`summary`; `labels`' `channels`); an option the algorithm does not take is an error naming it.
+`sparse.options` holds the chosen algorithm's own options, typed per algorithm (the last
+tables); an option the algorithm does not take is an error naming it.
 """
 
 
@@ -79,7 +79,30 @@ def markdown() -> str:
             lines.append(f"| `{name}` | {_type(field.annotation)} | {_default(field)} | {_range(field)} | "
                          f"{_cell(field.description or '')} |")
         parts.append("\n".join(lines))
+    parts += _options_tables()
     return "\n\n".join(parts) + "\n"
+
+
+def _options_tables() -> list[str]:
+    """``sparse.options`` per algorithm (``spin_cluster.algorithm_options``), the algorithms that
+    share a model in one table."""
+    from spin_cluster.algorithm_options import OPTIONS
+
+    names: dict[type[BaseModel], list[str]] = {}
+    for name, model in OPTIONS.items():
+        names.setdefault(model, []).append(name)
+    parts = []
+    for model, algos in names.items():
+        doc = " ".join((model.__doc__ or "").split())
+        lines = [f"## `sparse.options` of {', '.join(f'`{a}`' for a in algos)}", ""]
+        if doc:
+            lines += [doc, ""]
+        lines += ["| option | type | default | range | what it does |", "|---|---|---|---|---|"]
+        for name, field in model.model_fields.items():
+            lines.append(f"| `{name}` | {_type(field.annotation)} | {_default(field)} | {_range(field)} | "
+                         f"{_cell(field.description or '')} |")
+        parts.append("\n".join(lines))
+    return parts
 
 
 def write(root: Path, check: bool = False) -> bool:

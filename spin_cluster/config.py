@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from spin_cluster import env
+from spin_cluster.algorithm_options import check_options
 
 if TYPE_CHECKING:
     from spin_cluster.models.config import ModelConfig
@@ -268,8 +269,9 @@ class SparseConfig(ConfigSection):
         "higher, so a page outside must beat it by a factor e^margin in estimated attention "
         "weight to take its place. 0: off."))
     options: dict[str, Any] | None = Field(None, description=(
-        'Keyword options of the algorithm, e.g. {"gate_path": "gate.safetensors"} for seer, '
-        '{"outlier_fraction": 0.01} for shadowkv, {"num_clusters": 16} for retroinfer.'))
+        "The algorithm's own options, typed per algorithm (the tables below), e.g. "
+        '{"summary": "moments"} for quest, {"index_dtype": "float8_e4m3fn"} for labels; an option '
+        "the algorithm does not take is an error naming it."))
     prefill: SparsePrefillConfig = Field(default_factory=SparsePrefillConfig, description=(
         "Block-sparse prefill; default: dense."))
 
@@ -286,6 +288,11 @@ class SparseConfig(ConfigSection):
     @model_validator(mode="after")
     def _budgets_not_negative(self) -> SparseConfig:
         _check_budget_rows(self.per_head_budgets, "sparse.per_head_budgets")
+        return self
+
+    @model_validator(mode="after")
+    def _options_of_the_algorithm(self) -> SparseConfig:
+        check_options(self.algorithm, self.options)  # typed per algorithm: spin_cluster.algorithm_options
         return self
 
 

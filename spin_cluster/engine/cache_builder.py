@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from spin_cluster.algorithm_options import OPTIONS, AlgorithmOptions, check_options
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.backend import BackendParts, backend_class
 from spin_cluster.kernels import cpu_native
@@ -88,31 +89,9 @@ def check_sparse_algorithm(config: SpinConfig) -> type[SparseAlgorithm]:
         raise ValueError(
             f"sparse.algorithm={algorithm_cls.name!r} runs on the offloaded cache: set cache.offload=true"
         )
-    known = _algorithm_options(algorithm_cls)
-    unknown = sorted(set(config.sparse.options or {}) - known)
-    if unknown:
-        raise ValueError(f"sparse.options: {algorithm_cls.name!r} takes no option {unknown[0]!r}; "
-                         f"its options: {', '.join(sorted(known)) or 'none'}")
+    if config.sparse.algorithm not in OPTIONS:  # one registered outside the table: its own model, now known
+        check_options(algorithm_cls.name, config.sparse.options, getattr(algorithm_cls, "options_model", AlgorithmOptions))
     return algorithm_cls
-
-
-# Constructor arguments with defaults that the builder gives, not the user.
-_BUILDER_ARGS = frozenset({"index_pages", "model_layers"})
-
-
-def _algorithm_options(cls: type[SparseAlgorithm]) -> set[str]:
-    """Keyword options an algorithm's constructors take, down the classes that pass ``**kw`` on
-    (the shape, which the builder gives, is not an option: it has no default, but for
-    ``_BUILDER_ARGS``)."""
-    options: set[str] = set()
-    for klass in cls.__mro__:
-        if "__init__" not in vars(klass):
-            continue
-        parameters = inspect.signature(vars(klass)["__init__"]).parameters.values()
-        options |= {p.name for p in parameters if p.default is not inspect.Parameter.empty} - _BUILDER_ARGS
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-            break
-    return options
 
 
 def paged_kv_dtype(config: SpinConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -60,13 +60,17 @@ def test_options_reach_the_sparse_methods_only(smollm2_path):
     from spin_cluster.profiling.evaluate import spin_config
 
     cfg = cli.eval_config(_parse(["eval", "--algorithms", "dense", "quest", "--option", "score_block_tokens=4",
-                                  "--option", "index_dtype=bfloat16", "--option", "fixed_channels=false",
-                                  "--lengths", "1024"]))
-    assert cfg.algorithm_options == {"score_block_tokens": 4, "index_dtype": "bfloat16", "fixed_channels": False}
+                                  "--option", "index_dtype=bfloat16", "--lengths", "1024"]))
+    assert cfg.algorithm_options == {"score_block_tokens": 4, "index_dtype": "bfloat16"}
     by_name = {m.algorithm: m for m in cfg.methods()}
     quest = spin_config(cfg, smollm2_path, by_name["quest"], 1024)
     assert quest.sparse.options == cfg.algorithm_options
     assert not spin_config(cfg, smollm2_path, by_name["dense"], 1024).sparse.options
+    # an option the method's algorithm does not take: refused as its config is built, by name
+    cfg = cli.eval_config(_parse(["eval", "--algorithms", "quest", "--option", "fixed_channels=false",
+                                  "--lengths", "1024"]))
+    with pytest.raises(ValueError, match="'quest' takes no option 'fixed_channels'"):
+        spin_config(cfg, smollm2_path, cfg.methods()[-1], 1024)
     with pytest.raises(ValueError, match="KEY=VALUE"):
         cli.eval_config(_parse(["eval", "--option", "channels"]))
 

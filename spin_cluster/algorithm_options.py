@@ -1,0 +1,131 @@
+"""Each sparse algorithm's own options (``sparse.options``), typed and chosen by the
+algorithm's name, so that a config is checked when it is read (before Ray starts, before any
+algorithm module is imported) and ``docs/config.md`` lists every option.
+
+The YAML keeps its shape (``sparse: {algorithm: quest, options: {summary: moments}}``); the
+name selects the model here, the way a pydantic discriminated union selects by a tag, with the
+tag beside the options rather than inside them. Checks that need the model's shape (a layer
+index, a block that divides the page) stay in the algorithm's constructor. An algorithm that
+is not listed (one a test or a user registers) declares its own model as ``options_model``,
+checked once its class is imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+
+IndexDtype = Literal["float32", "bfloat16", "float16", "float8_e4m3fn"]
+
+
+class AlgorithmOptions(BaseModel):
+    """Options every algorithm takes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index_dtype: IndexDtype | None = Field(None, description=(
+        "Select's index (the page summaries it reads each step): float32, bfloat16, float16, or "
+        "float8_e4m3fn where the algorithm's kernels take it (labels); null: float32."))
+
+
+class QuestOptions(AlgorithmOptions):
+    """`quest`: a min/max box (or mean and spread) of each page's keys, a page's score the
+    best dot product its box allows."""
+
+    score_block_tokens: int = Field(0, ge=0, description=(
+        "Bounds per block of this many of a page's tokens, dividing the page size; a page scores "
+        "its best block. 0: one box a page."))
+    coarse_pages: int = Field(0, ge=0, description=(
+        "Two-level Select: groups of this many pages scored first, the best groups' pages then "
+        "ranked; 0: off."))
+    coarse_factor: int = Field(4, ge=1, description="Two-level Select: candidate pages per budgeted page, >= 1.")
+    coarse_split: StrictBool = Field(True, description=(
+        "Two-level Select: each scoring stage over many programs a row, in two launches."))
+    summary: Literal["bounds", "moments"] = Field("bounds", description=(
+        '"bounds": each page\'s min/max per key channel (Quest); "moments": its mean and standard '
+        "deviation per channel (arXiv 2605.27740), the box mean -+ moments_z x std."))
+    moments_z: float = Field(1.0, ge=0, description="summary moments: the box's half-width in standard deviations, >= 0.")
+
+
+class LabelsOptions(AlgorithmOptions):
+    """`labels`: each key's r heaviest channels (by ``||W_q[d]|| x ||W_k[d]||``) kept as a label."""
+
+    channels: float = Field(0, ge=0, description=(
+        "Channels a label keeps: a count (>= 1), a share of the head dimension (< 1), or 0 for "
+        "a quarter of it."))
+
+
+class LabelsQuestOptions(LabelsOptions):
+    """`labels+quest`: the union of both Selects' pages, or one of them on chosen layers."""
+
+    quest_layers: list[int] | str = Field((), description=(
+        'Model layers ranked by Quest alone (a list or "5,11"); the others by the union.'))
+    labels_layers: list[int] | str = Field((), description=(
+        'Model layers ranked by labels alone (a list or "5,17").'))
+
+
+class ShadowKVOptions(AlgorithmOptions):
+    """`shadowkv`: per-page key means and the outlier tokens kept whole."""
+
+    outlier_fraction: float | None = Field(None, ge=0, le=1, description=(
+        "Share of a page's tokens kept as outliers, in [0, 1]; null: the algorithm's default."))
+
+
+class RetroInferOptions(AlgorithmOptions):
+    """`retroinfer`: k-means centroids of each segment's keys."""
+
+    segment_pages: int | None = Field(None, ge=0, description="Pages a segment clusters together; 0 or null: the default.")
+    num_clusters: int | None = Field(None, ge=0, le=63, description="Centroids per segment, 1..63; 0 or null: the default.")
+    kmeans_iters: int | None = Field(None, ge=0, description="k-means iterations; null: the default.")
+
+
+class SeerOptions(AlgorithmOptions):
+    """`seer`: a trained gate scores the pages."""
+
+    gate_path: str | None = Field(None, description=(
+        "The trained gate's file (`spin-cluster profile train-gate`); null: the SPIN_SEER_GATE "
+        "environment variable."))
+
+
+class SparqOptions(AlgorithmOptions):
+    """`sparq` (a study tool): each key scored on the query's r largest channels."""
+
+    channels: int = Field(0, ge=0, description="Channels scored; 0: a quarter of the head dimension.")
+    fixed_channels: StrictBool = Field(False, description="The weight-ranked channels of labels in place of the query's.")
+
+
+# name -> its options. Kept in step with the registry's table (``sparse.ALGORITHM_MODULES``),
+# as tests/sparse/test_algorithm_options.py checks against each class's constructor. The
+# models sit beside the config (spin_cluster.config reads them), not in spin_cluster.sparse,
+# whose import brings torch and the algorithms' contract.
+OPTIONS: dict[str, type[AlgorithmOptions]] = {
+    "dense": AlgorithmOptions,
+    "streaming": AlgorithmOptions,
+    "quest": QuestOptions,
+    "shadowkv": ShadowKVOptions,
+    "retroinfer": RetroInferOptions,
+    "seer": SeerOptions,
+    "labels": LabelsOptions,
+    "labels+quest": LabelsQuestOptions,
+    "oracle": AlgorithmOptions,
+    "sparq": SparqOptions,
+}
+
+
+def check_options(algorithm: str, options: dict[str, Any] | None, model: type[AlgorithmOptions] | None = None) -> None:
+    """Raise ``ValueError`` (one line, naming the option) where ``options`` do not fit
+    ``algorithm``'s model (``model``, else the table's; an algorithm not in it is checked
+    once its class is known, by ``check_sparse_algorithm``)."""
+    model = model or OPTIONS.get(algorithm)
+    if model is None or not options:
+        return
+    try:
+        model.model_validate(options)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        key = ".".join(str(part) for part in first["loc"])
+        if first["type"] == "extra_forbidden":
+            raise ValueError(f"sparse.options: {algorithm!r} takes no option {key!r}; its options: "
+                             f"{', '.join(sorted(model.model_fields)) or 'none'}") from None
+        raise ValueError(f"sparse.options.{key}={first.get('input')!r}: {first['msg']}") from None
