@@ -71,14 +71,9 @@ def markdown() -> str:
         if not fields:
             continue
         doc = (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-        lines = [f"## `{path}`", ""]
-        if doc and not doc.startswith(("A frozen section", "Usage docs")):
-            lines += [doc, ""]
-        lines += ["| setting | type | default | range | what it does |", "|---|---|---|---|---|"]
-        for name, field in fields.items():
-            lines.append(f"| `{name}` | {_type(field.annotation)} | {_default(field)} | {_range(field)} | "
-                         f"{_cell(field.description or '')} |")
-        parts.append("\n".join(lines))
+        if doc.startswith(("A frozen section", "Usage docs")):  # the base class's or pydantic's, not the section's
+            doc = ""
+        parts.append(_table(f"`{path}`", doc, "setting", fields))
     parts += _options_tables()
     return "\n\n".join(parts) + "\n"
 
@@ -93,16 +88,19 @@ def _options_tables() -> list[str]:
         names.setdefault(model, []).append(name)
     parts = []
     for model, algos in names.items():
-        doc = " ".join((model.__doc__ or "").split())
-        lines = [f"## `sparse.options` of {', '.join(f'`{a}`' for a in algos)}", ""]
-        if doc:
-            lines += [doc, ""]
-        lines += ["| option | type | default | range | what it does |", "|---|---|---|---|---|"]
-        for name, field in model.model_fields.items():
-            lines.append(f"| `{name}` | {_type(field.annotation)} | {_default(field)} | {_range(field)} | "
-                         f"{_cell(field.description or '')} |")
-        parts.append("\n".join(lines))
+        heading = f"`sparse.options` of {', '.join(f'`{a}`' for a in algos)}"
+        parts.append(_table(heading, " ".join((model.__doc__ or "").split()), "option", model.model_fields))
     return parts
+
+
+def _table(heading: str, doc: str, column: str, fields: dict[str, FieldInfo]) -> str:
+    """One section of the reference: its heading, its doc line (if any), a row per field."""
+    lines = [f"## {heading}", ""] + ([doc, ""] if doc else [])
+    lines += [f"| {column} | type | default | range | what it does |", "|---|---|---|---|---|"]
+    for name, field in fields.items():
+        lines.append(f"| `{name}` | {_type(field.annotation)} | {_default(field)} | {_range(field)} | "
+                     f"{_cell(field.description or '')} |")
+    return "\n".join(lines)
 
 
 def write(root: Path, check: bool = False) -> bool:
