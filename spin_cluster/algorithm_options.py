@@ -95,22 +95,27 @@ class SparqOptions(AlgorithmOptions):
     fixed_channels: StrictBool = Field(False, description="The weight-ranked channels of labels in place of the query's.")
 
 
-# name -> its options. Kept in step with the registry's table (``sparse.ALGORITHM_MODULES``),
-# as tests/sparse/test_algorithm_options.py checks against each class's constructor. The
-# models sit beside the config (spin_cluster.config reads them), not in spin_cluster.sparse,
-# whose import brings torch and the algorithms' contract.
-OPTIONS: dict[str, type[AlgorithmOptions]] = {
-    "dense": AlgorithmOptions,
-    "streaming": AlgorithmOptions,
-    "quest": QuestOptions,
-    "shadowkv": ShadowKVOptions,
-    "retroinfer": RetroInferOptions,
-    "seer": SeerOptions,
-    "labels": LabelsOptions,
-    "labels+quest": LabelsQuestOptions,
-    "oracle": AlgorithmOptions,
-    "sparq": SparqOptions,
+# The built-in algorithms, one row each: the module whose import registers the name
+# (``spin_cluster.sparse.get_algorithm`` imports it when the name is first asked for) and its
+# options. One table, so that a name cannot be listed with a module and without options, or
+# under a name its class does not answer to. It sits beside the config (spin_cluster.config
+# reads the options), not in spin_cluster.sparse, whose import brings torch; the modules are
+# named, not imported. tests/sparse/test_algorithm_options.py holds each model to its class's
+# constructor.
+BUILTIN: dict[str, tuple[str, type[AlgorithmOptions]]] = {
+    "dense": ("spin_cluster.sparse.dense", AlgorithmOptions),
+    "streaming": ("spin_cluster.sparse.streaming", AlgorithmOptions),
+    "quest": ("spin_cluster.sparse.quest", QuestOptions),
+    "shadowkv": ("spin_cluster.sparse.shadowkv", ShadowKVOptions),
+    "retroinfer": ("spin_cluster.sparse.retroinfer", RetroInferOptions),
+    "seer": ("spin_cluster.sparse.seer", SeerOptions),
+    "labels": ("spin_cluster.sparse.labels", LabelsOptions),
+    "labels+quest": ("spin_cluster.sparse.either", LabelsQuestOptions),
+    # Study tools: an index as large as the K cache, for the accuracy studies (spin-cluster eval).
+    "oracle": ("spin_cluster.profiling.oracle", AlgorithmOptions),
+    "sparq": ("spin_cluster.profiling.sparq", SparqOptions),
 }
+OPTIONS: dict[str, type[AlgorithmOptions]] = {name: options for name, (_, options) in BUILTIN.items()}
 
 
 def check_options(algorithm: str, options: dict[str, Any] | None, model: type[AlgorithmOptions] | None = None) -> None:

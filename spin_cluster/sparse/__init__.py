@@ -10,23 +10,13 @@ reached the same way, by name, from ``spin_cluster.profiling``; no serving modul
 
 import importlib
 
+from spin_cluster.algorithm_options import BUILTIN
 from spin_cluster.sparse.contract import REGISTRY, SparseAlgorithm, register
 from spin_cluster.sparse.select import SelectPlan, select_layer, select_pages
 
-# name -> the module whose import registers it (``contract.register``).
-ALGORITHM_MODULES = {
-    "dense": "spin_cluster.sparse.dense",
-    "streaming": "spin_cluster.sparse.streaming",
-    "quest": "spin_cluster.sparse.quest",
-    "shadowkv": "spin_cluster.sparse.shadowkv",
-    "retroinfer": "spin_cluster.sparse.retroinfer",
-    "seer": "spin_cluster.sparse.seer",
-    "labels": "spin_cluster.sparse.labels",
-    "labels+quest": "spin_cluster.sparse.either",
-    # Study tools: an index as large as the K cache, for the accuracy studies (spin-cluster eval).
-    "oracle": "spin_cluster.profiling.oracle",
-    "sparq": "spin_cluster.profiling.sparq",
-}
+# name -> the module whose import registers it (``contract.register``), from the one table of
+# the built-in algorithms and their options.
+ALGORITHM_MODULES = {name: module for name, (module, _) in BUILTIN.items()}
 
 
 def registered_algorithms() -> list[str]:
