@@ -5,6 +5,10 @@
 #   prepared_model NAME        `spin-cluster models prepare NAME` from /tmp (the installed package,
 #                              not the repository's unmapped folders); prints the folder, or the
 #                              reason and returns 1
+# Qwen2.5's 128K context (its model card): YaRN at factor 4 over 32K, as model.hf_overrides
+# (eval's and e2e.py's --hf-overrides) for every run past 32K.
+YARN='{"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
+
 accuracy_setup() {
   : "${OUT:?set OUT to the results folder}"
   mkdir -p "$OUT"

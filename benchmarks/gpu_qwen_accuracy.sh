@@ -24,7 +24,6 @@ accuracy_setup "${QWEN_SETUP:-1}"
 MODEL_NAME=${MODEL_NAME:-qwen2.5-coder-1.5b}
 LENGTHS=${LENGTHS:-"16384 32768"}
 CONFIGS=${CONFIGS:-"spin spin-quest spin-fast"}
-YARN='{"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
 t0=$(date +%s)
 MODEL=$(prepared_model "$MODEL_NAME") || exit 1
 # A config given as a YAML file (e.g. benchmarks/configs/quest-2048.yaml) by its absolute path:

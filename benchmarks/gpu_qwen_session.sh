@@ -23,7 +23,6 @@ source benchmarks/accuracy_setup.sh
 source benchmarks/gpu_background.sh  # wait_job
 accuracy_setup "${QWEN_SETUP:-1}"
 MODEL_NAME=${MODEL_NAME:-qwen2.5-coder-1.5b}
-YARN='{"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
 t0=$(date +%s)
 say() { echo "$(( $(date +%s) - t0 )) s: $*" | tee -a "$OUT/session.txt"; }
 MODEL=$(prepared_model "$MODEL_NAME") || exit 1
