@@ -11,6 +11,9 @@
 #   online   4 x 32K prompts arriving at 2, 1 and 0.5 requests/s, 100 GiB, dense and Spin [2.5]
 #   prefill  4 x 128K and the online arrivals, 100 GiB, Spin with block-sparse prefill (1/8 of
 #            the blocks, per-head fractions): the whole request, TTFT included [6]
+#   h100-32k, h100-128k, labels-h100-32k, labels-h100-128k
+#            the H100's shapes (its 80 GB hold neither the 100 GiB nor dense's 4 x 128K): 8 x 32K
+#            and 2 x 128K prompts in 40 GiB each, dense and Spin, then Spin with labels as above
 # plus the Select kernel alone (bench_select.py). Results in $OUT: e2e-<run>.{json,md},
 # bench_select.json, equal_memory.log. Env: RUNS (default "32k cap24 labels"; e.g. RUNS="128k
 # 32k" in one call, RUNS="cap24 labels online" in the next); E2E_ARGS: more e2e.py flags for
@@ -26,7 +29,7 @@ gpu_record "$LOG"
 run() {  # name, deadline s, e2e.py flags
   local name=$1 deadline=$2; shift 2
   local extra=(${E2E_ARGS})
-  [ "$name" = labels ] && extra=(${LABELS_ARGS---sparse-option index_dtype=float8_e4m3fn})  # not Quest's options
+  [ "${name#labels}" != "$name" ] && extra=(${LABELS_ARGS---sparse-option index_dtype=float8_e4m3fn})  # not Quest's options
   mkdir -p "/tmp/e2e-$name"
   timeout $(( deadline + 90 )) python3 -P -m spin_cluster.bench e2e --host-kv-gib 72 --deadline-s "$deadline" "${TOK[@]}" \
     --out "/tmp/e2e-$name" "$@" "${extra[@]}" 2>&1 | tee "/tmp/e2e-$name/raw.log" | grep -v "^\[" | tee -a "$LOG"
@@ -46,5 +49,11 @@ for r in ${RUNS:-32k cap24 labels}; do
     cap24) run cap24 200 --modes dense spin --workloads offline-128K --offline-lengths 131072 --gpu-kv-gib 24 ;;
     labels) run labels 110 --modes spin --algorithm labels --resident-margin 0.5 --max-num-seqs 4 --workloads offline-128K \
               --offline-lengths 131072 --gpu-kv-gib 100 ;;
+    h100-32k|labels-h100-32k)
+      modes=(--modes dense spin); [ "$r" = labels-h100-32k ] && modes=(--modes spin --algorithm labels --resident-margin 0.5)
+      run "$r" 170 "${modes[@]}" --workloads offline-32K --offline-lengths 32768 --offline-batch 8 --gpu-kv-gib 40 ;;
+    h100-128k|labels-h100-128k)
+      modes=(--modes dense spin); [ "$r" = labels-h100-128k ] && modes=(--modes spin --algorithm labels --resident-margin 0.5)
+      run "$r" 200 "${modes[@]}" --workloads offline-128K --offline-lengths 131072 --offline-batch 2 --gpu-kv-gib 40 ;;
   esac
 done
