@@ -5,16 +5,20 @@
 # then the step's profile at 2 x 128K for dense, two-level Quest and the bundled config's
 # labels (kernels a layer, Select's share of the sparse attention). Results in $OUT:
 # pinned_tier.log, e2e-<run>.{json,md}, equal_memory.log, profile-*.json, profile.log.
-# Env: RUNS (gpu_equal_memory.sh's), PROFILES (default 1: the profiles; 0: none).
+# Env: RUNS (gpu_equal_memory.sh's), PINNED (default 1; 0: no test), PROFILE_MODES (default
+# "dense spin"; empty: no profiles).
 set -o pipefail
 source benchmarks/gpu_setup.sh
-echo "commit ${SPIN_COMMIT:-unknown}" | tee "$OUT/pinned_tier.log"
-(cd /tmp && timeout 180 python3 -m pytest "$REPO/tests/kvcache/test_host_tier_pinned.py" -m gpu -q -s \
-  -p no:cacheprovider -rfEs 2>&1 | tail -12) | tee -a "$OUT/pinned_tier.log"
+if [ "${PINNED:-1}" = 1 ]; then
+  echo "commit ${SPIN_COMMIT:-unknown}" | tee "$OUT/pinned_tier.log"
+  (cd /tmp && timeout 180 python3 -m pytest "$REPO/tests/kvcache/test_host_tier_pinned.py" -m gpu -q -s \
+    -p no:cacheprovider -rfEs 2>&1 | tail -12) | tee -a "$OUT/pinned_tier.log"
+fi
 SELECT=0 RUNS="${RUNS:-h100-32k labels-h100-32k h100-128k labels-h100-128k}" bash benchmarks/gpu_equal_memory.sh
-[ "${PROFILES:-1}" = 1 ] || exit 0
+modes=${PROFILE_MODES-dense spin}
+[ -n "$modes" ] || exit 0
 common=(CONTEXT=131072 BATCH=2 GPU_KV_GIB=40 STEPS=10)
-env "${common[@]}" MODES="dense spin" EXTRA_ARGS="--coarse-pages 16" bash benchmarks/gpu_decode_step.sh
+env "${common[@]}" MODES="$modes" EXTRA_ARGS="--coarse-pages 16" bash benchmarks/gpu_decode_step.sh
 mkdir -p "$OUT/labels" && env "${common[@]}" MODES=spin OUT="$OUT/labels" \
   EXTRA_ARGS="--algorithm labels --resident-margin 0.5 --sparse-option index_dtype=float8_e4m3fn" \
   bash benchmarks/gpu_decode_step.sh
