@@ -15,7 +15,10 @@ on the 2-vCPU AVX2 EPYC (Zen 1) the native ``cpu_native.linear_rows`` (each weig
 once for all of the step's rows) read 8.1 GB/s against MKL's 7.1 at M = 1. On the 2-vCPU
 AVX-512 EPYC (Zen 4), oneDNN's pack is slowest at one and two rows and fastest at four: 38, 46
 and 33 ms at M = 1, 2 and 4 (the plain weight through ``linear_rows``: 38 and 44), so there
-one or two rows padded to four are 15-30% faster than either. So each of those
+one or two rows padded to four are 15-30% faster than either. Since ``linear_rows`` reads one weight
+row at a time (1.6x the bandwidth of four interleaved rows there: ``cpu_native.c``), its pass
+over SmolLM2's weights at M = 1 takes 13.5 ms against the padded pack's 15.8, and 11.8 against
+the pack's 19.1 with the kernels built for AVX2 and oneDNN capped at it. Each of those
 row counts takes one of three ways, ``plain`` (``linear_rows`` where it is built, else
 ``F.linear``), ``pack`` or ``pad`` (the pack, the rows padded to ``PAD_ROWS``), chosen once per
 process by timing all three over the model's own weights (:func:`plan_small_rows`, at engine
