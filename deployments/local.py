@@ -159,11 +159,16 @@ def _run(config: AppConfig, signals: ServeSignals, *, num_cpus: int, host: str, 
 
 
 def deploy_failure(app_name: str) -> str:
-    """Why Serve gave up on the app: each failed deployment with the last line of its
-    replica's error (Serve's own status, whose message ends with the constructor's traceback)."""
+    """Why Serve gave up on the app (``failure_message`` of its status)."""
     from ray import serve
 
-    app = serve.status().applications.get(app_name)
+    return failure_message(serve.status().applications.get(app_name))
+
+
+def failure_message(app: Any) -> str:
+    """Why Serve gave up on an app, from its status (an ApplicationStatusOverview, or None):
+    each failed deployment with the last line of its replica's error (Serve's message ends
+    with the constructor's traceback). ``deploy_watch`` prints the same line on Kubernetes."""
     failed = [(name, d.message) for name, d in (app.deployments.items() if app else ()) if d.status != "HEALTHY"]
     reasons = [f"{name} failed to start {START_ATTEMPTS} times: {_last_line(message)}" for name, message in failed]
     return "the app failed to deploy: " + ("; ".join(reasons) or (app.message if app else "no status"))

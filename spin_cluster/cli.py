@@ -92,6 +92,13 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000)
     srv.set_defaults(func=_cmd_serve)
+
+    watch = sub.add_parser("watch-deploy", help="print the app's deploy state on a running Ray cluster, one line a "
+                                                "change (the Helm chart's deploy-status container)")
+    watch.add_argument("--app", default="spin", help="the Serve application's name")
+    watch.add_argument("--address", default="auto", help="the Ray cluster (GCS) address, e.g. 127.0.0.1:6379")
+    watch.add_argument("--poll-s", type=float, default=5.0, help="seconds between reads of Serve's status")
+    watch.set_defaults(func=_cmd_watch_deploy)
     return p
 
 
@@ -193,6 +200,15 @@ def _cmd_config_docs(args: argparse.Namespace) -> int:
         return 1
     print(f"{DOC} {'is current' if current else 'written'}")
     return 0
+
+
+def _cmd_watch_deploy(args: argparse.Namespace) -> int:
+    if args.poll_s <= 0:
+        print(f"error: --poll-s must be > 0, got {args.poll_s}", file=sys.stderr)
+        return 2
+    from spin_cluster.deployments.deploy_watch import watch
+
+    return watch(args.app, args.address, args.poll_s)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

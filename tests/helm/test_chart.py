@@ -340,3 +340,30 @@ def test_the_chart_holds_the_only_copy_of_each_dashboard():
     boards = [p for p in tracked.stdout.split() if not p.startswith("benchmarks/results/")
               and '"panels"' in (REPO / p).read_text() and '"schemaVersion"' in (REPO / p).read_text()]
     assert sorted(boards) == sorted(f"helm/spin-cluster/dashboards/{p.name}" for p in dashboards.dashboard_files())
+
+
+# ---- the deploy state in the head pod's log ------------------------------------------------
+
+def test_the_head_pod_logs_the_deploy_state_in_a_container_of_its_own(case):
+    values, docs = case
+    templates = _templates(_one(docs, "RayService"))
+    head = {c["name"]: c for c in templates[0]["spec"]["containers"]}
+    watch = head["deploy-status"]
+    app = values.get("app", {}).get("name", "spin")
+    assert watch["command"] == ["spin-cluster", "watch-deploy", "--app", app, "--address", "127.0.0.1:6379",
+                                "--poll-s", "5"]
+    assert watch["image"] == head["ray-head"]["image"]
+    assert watch["securityContext"] == head["ray-head"]["securityContext"]
+    assert "nvidia.com/gpu" not in watch["resources"]["limits"]
+    # the CLI takes what the chart passes (a typo in the command would crash-loop the container)
+    from spin_cluster.cli import _parser
+
+    args = _parser().parse_args(watch["command"][1:])
+    assert (args.app, args.address, args.poll_s) == (app, "127.0.0.1:6379", 5.0)
+    for worker in templates[1:]:
+        assert [c["name"] for c in worker["spec"]["containers"]] == ["ray-worker"]
+
+
+def test_the_deploy_status_container_can_be_left_out():
+    head = _templates(_one(render({"deployStatus": {"enabled": False}}), "RayService"))[0]
+    assert [c["name"] for c in head["spec"]["containers"]] == ["ray-head"]

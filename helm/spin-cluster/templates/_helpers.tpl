@@ -194,6 +194,22 @@ spec:
         {{- toYaml $root.Values.securityContext | nindent 8 }}
       volumeMounts:
         {{- include "spin-cluster.volumeMounts" $root | nindent 8 }}
+    {{- if and (eq .component "head") $root.Values.deployStatus.enabled }}
+    {{- /* The app's deploy state in this container's log (deployments/deploy_watch.py): the
+    head container runs `ray start`, and KubeRay deploys the app through Ray's dashboard, so
+    a replica that cannot start says why only in Serve's status. */}}
+    - name: deploy-status
+      image: {{ include "spin-cluster.image" $root }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      command: ["spin-cluster", "watch-deploy", "--app", {{ $root.Values.app.name | quote }},
+                "--address", "127.0.0.1:6379", "--poll-s", {{ $root.Values.deployStatus.pollSeconds | toString | quote }}]
+      env:
+        {{- include "spin-cluster.env" $root | nindent 8 }}
+      resources:
+        {{- toYaml $root.Values.deployStatus.resources | nindent 8 }}
+      securityContext:
+        {{- toYaml $root.Values.securityContext | nindent 8 }}
+    {{- end }}
   volumes:
     {{- include "spin-cluster.volumes" (dict "root" $root "shmSize" .group.shmSize) | nindent 4 }}
   {{- with .group.nodeSelector }}
