@@ -7,14 +7,15 @@ name selects the model here, the way a pydantic discriminated union selects by a
 tag beside the options rather than inside them. Checks that need the model's shape (a layer
 index, a block that divides the page) stay in the algorithm's constructor. An algorithm that
 is not listed (one a test or a user registers) declares its own model as ``options_model``,
-checked once its class is imported.
+checked once its class is imported. ``spin_cluster.config.parse_options`` reads these models
+and those of the prefill algorithms (``sparse.prefill.options``) alike.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 IndexDtype = Literal["float32", "bfloat16", "float16", "float8_e4m3fn"]
 
@@ -117,20 +118,3 @@ BUILTIN: dict[str, tuple[str, type[AlgorithmOptions]]] = {
 }
 OPTIONS: dict[str, type[AlgorithmOptions]] = {name: options for name, (_, options) in BUILTIN.items()}
 
-
-def check_options(algorithm: str, options: dict[str, Any] | None, model: type[AlgorithmOptions] | None = None) -> None:
-    """Raise ``ValueError`` (one line, naming the option) where ``options`` do not fit
-    ``algorithm``'s model (``model``, else the table's; an algorithm not in it is checked
-    once its class is known, by ``check_sparse_algorithm``)."""
-    model = model or OPTIONS.get(algorithm)
-    if model is None or not options:
-        return
-    try:
-        model.model_validate(options)
-    except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        key = ".".join(str(part) for part in first["loc"])
-        if first["type"] == "extra_forbidden":
-            raise ValueError(f"sparse.options: {algorithm!r} takes no option {key!r}; its options: "
-                             f"{', '.join(sorted(model.model_fields)) or 'none'}") from None
-        raise ValueError(f"sparse.options.{key}={first.get('input')!r}: {first['msg']}") from None

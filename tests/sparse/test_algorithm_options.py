@@ -48,7 +48,7 @@ def test_options_are_checked_when_the_config_is_read():
     with pytest.raises(ValueError, match=r"^sparse.options: 'quest' takes no option 'summry'; its options: "
                                          r"coarse_factor, .*summary$"):
         _config({"summry": "moments"})
-    with pytest.raises(ValueError, match=r"^sparse.options.summary='mean': Input should be 'bounds' or 'moments'"):
+    with pytest.raises(ValueError, match=r"^sparse.options.summary='mean': choose one of 'bounds' or 'moments'$"):
         _config({"summary": "mean"})
     with pytest.raises(ValueError, match=r"^sparse.options.moments_z=-1: "):
         _config({"moments_z": -1})
