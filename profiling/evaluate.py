@@ -353,9 +353,12 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
     profile, layers = None, None
     if method.budget_mode == "maxmin":
         profile, layers = _head_profile(config.profile_path, model_path)
-    sparse.update(budget_mode_options(method, length, page_size=config.page_size, top_p=config.top_p,
-                                      profile=profile, floor_fraction=config.floor_fraction,
-                                      floor_tokens=config.budget_floor_tokens, sparse_layers=layers))
+    spread = budget_mode_options(method, length, page_size=config.page_size, top_p=config.top_p, profile=profile,
+                                 floor_fraction=config.floor_fraction, floor_tokens=config.budget_floor_tokens,
+                                 sparse_layers=layers)
+    if "options" in spread:  # top_p, beside the algorithm's own options
+        spread["options"] = {**(sparse.get("options") or {}), **spread["options"]}
+    sparse.update(spread)
     cache = {"page_size": config.page_size, "offload": method.offloaded, "buffer_share": config.buffer_share}
     if method.offloaded:
         cache["host_kv_dtype"] = config.host_kv_dtype

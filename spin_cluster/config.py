@@ -272,6 +272,8 @@ DEFAULT_BUDGET_FLOOR_TOKENS = 2048
 
 
 class SparseConfig(ConfigSection):
+    moved_keys: ClassVar[dict[str, str]] = {"top_p": "options.top_p"}
+
     algorithm: str = Field("dense", description=(
         "Registered algorithm: dense, streaming, ... (`spin_cluster.sparse.registered_algorithms()`; "
         "the serving config checks the name before it starts anything)."))
@@ -295,10 +297,6 @@ class SparseConfig(ConfigSection):
         "dense offload step); the other layers select. 0: every layer selects."))
     per_head_budgets: tuple[tuple[int, ...], ...] | None = Field(None, description=(
         "Optional per-(layer, KV head) budgets in tokens, [L][Hkv], each >= 0; overrides budget."))
-    top_p: float | None = Field(None, gt=0, le=1, description=(
-        "Online top-p Select in (0, 1]: per step each head takes the fewest top pages whose "
-        "estimated attention mass reaches top_p, the heads of a layer sharing the pages their "
-        "budgets add up to (so the buffer reserves that layer total per head). null: top-k."))
     # Near-ties at the budget's edge then stop trading places every step (each trade is a PCIe miss).
     resident_margin: float = Field(0.0, ge=0, description=(
         "Select's hysteresis on the offloaded cache, in nats of estimated attention logit, >= 0: "
@@ -307,8 +305,9 @@ class SparseConfig(ConfigSection):
         "weight to take its place. 0: off."))
     options: dict[str, Any] | None = Field(None, description=(
         "The algorithm's own options, typed per algorithm (the tables below), e.g. "
-        '{"summary": "moments"} for quest, {"index_dtype": "float8_e4m3fn"} for labels; an option '
-        "the algorithm does not take is an error naming it."))
+        '{"summary": "moments"} for quest, {"index_dtype": "float8_e4m3fn"} for labels, '
+        '{"top_p": 0.9} for an algorithm that scores pages; an option the algorithm does not take '
+        "is an error naming it."))
     prefill: SparsePrefillConfig = Field(default_factory=SparsePrefillConfig, description=(
         "Block-sparse prefill; default: dense."))
 
@@ -338,6 +337,13 @@ class SparseConfig(ConfigSection):
         """``options`` as the algorithm's model (``model``, else the table's:
         ``spin_cluster.algorithm_options``), defaults filled in."""
         return parse_options(model or OPTIONS[self.algorithm], self.algorithm, self.options, ("sparse", "options"))
+
+    @property
+    def top_p(self) -> float | None:
+        """Select's top-p mass (``options.top_p``, an option of the algorithms that score
+        pages); None: top-k."""
+        top_p = (self.options or {}).get("top_p")
+        return None if top_p is None else float(top_p)
 
 
 class SchedulerConfig(ConfigSection):
@@ -429,7 +435,7 @@ class SpinConfig(ConfigSection):
                     "of the whole model): use another sparse.algorithm")
         if self.cache.offload and self.sparse.top_p is not None:
             return ("head-parallel ranks cannot run top-p Select (a layer's heads share one budget across ranks): "
-                    "set sparse.top_p=null")
+                    "leave sparse.options.top_p out")
         if self.sparse.prefill.algorithm != "dense":
             return "head-parallel ranks support dense prefill only for now: set sparse.prefill.algorithm=dense"
         return None

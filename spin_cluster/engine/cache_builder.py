@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from spin_cluster.algorithm_options import OPTIONS, AlgorithmOptions
+from spin_cluster.algorithm_options import OPTIONS, SELECT_OPTIONS, AlgorithmOptions
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.backend import BackendParts, backend_class
 from spin_cluster.kernels import cpu_native
@@ -247,7 +247,8 @@ def _sparse_prefill(config: SpinConfig, mc: ModelConfig, device: torch.device) -
 
 
 def _make_algorithm(cls, config: SpinConfig, **shape):
-    options = dict(config.sparse.options or {})
+    # Select's own options (top_p) are the system's, not the algorithm's constructor's.
+    options = {k: v for k, v in (config.sparse.options or {}).items() if k not in SELECT_OPTIONS}
     accepted = inspect.signature(cls.__init__).parameters
     if "model_path" in accepted:  # lets an algorithm check a trained file against the model
         options.setdefault("model_path", config.model.resolved_path())
