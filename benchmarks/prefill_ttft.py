@@ -132,8 +132,8 @@ def run(args) -> dict:
         if args.sparse_chunks:
             variants += [(f"block-sparse-{n}", sparse, None, n, args.runs, False),
                          (f"spin-sparse-{n}", sparse, None, n, args.runs, True)]
-    results = {"budget": args.budget, "per_head_budgets": sparse["per_head_budgets"], "dense_backend": chosen,
-               "chunk": args.chunk, "spin_chunk": args.spin_chunk, "estimator": args.estimator, "stride": args.stride, "ttft_s": {}, "profile": {}}
+    results = {"budget": args.budget, "per_head_budgets": sparse["options"]["per_head_budgets"],
+               "dense_backend": chosen, "chunk": args.chunk, "spin_chunk": args.spin_chunk, "estimator": args.estimator, "stride": args.stride, "ttft_s": {}, "profile": {}}
     print(f"dense prefill backend of the engine: {chosen}", flush=True)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for label, prefill, force, chunk, runs, spin in variants:

@@ -29,8 +29,9 @@ by name: {bundled}). A section or key not listed here is an error that names it,
 starts. `spin-cluster config show --config NAME` prints a config with every default filled in.
 Settings: {count} ({engine} of the engine, {serve} of the server).
 
-`sparse.options` holds the chosen algorithm's own options, typed per algorithm (the last
-tables); an option the algorithm does not take is an error naming it.
+`sparse.options` and `sparse.prefill.options` hold the chosen algorithm's own options, typed per
+algorithm (the last tables; `dense` prefill takes none); an option the algorithm does not take
+is an error naming it, and so is a key that moved (its new place).
 """
 
 
@@ -79,17 +80,21 @@ def markdown() -> str:
 
 
 def _options_tables() -> list[str]:
-    """``sparse.options`` per algorithm (``spin_cluster.algorithm_options``), the algorithms that
-    share a model in one table."""
+    """``sparse.options`` per algorithm (``spin_cluster.algorithm_options``), then
+    ``sparse.prefill.options`` per prefill algorithm; the algorithms that share a model in one
+    table, a model without options in none."""
     from spin_cluster.algorithm_options import OPTIONS
+    from spin_cluster.config import PREFILL_OPTIONS
 
-    names: dict[type[BaseModel], list[str]] = {}
-    for name, model in OPTIONS.items():
-        names.setdefault(model, []).append(name)
     parts = []
-    for model, algos in names.items():
-        heading = f"`sparse.options` of {', '.join(f'`{a}`' for a in algos)}"
-        parts.append(_table(heading, " ".join((model.__doc__ or "").split()), "option", model.model_fields))
+    for where, table in (("sparse.options", OPTIONS), ("sparse.prefill.options", PREFILL_OPTIONS)):
+        names: dict[type[BaseModel], list[str]] = {}
+        for name, model in table.items():
+            names.setdefault(model, []).append(name)
+        for model, algos in names.items():
+            if model.model_fields:
+                heading = f"`{where}` of {', '.join(f'`{a}`' for a in algos)}"
+                parts.append(_table(heading, " ".join((model.__doc__ or "").split()), "option", model.model_fields))
     return parts
 
 

@@ -55,7 +55,7 @@ class EvalConfig:
     prefill_modes: tuple[str, ...] = ()
     prefill_budget: float = 0.25
     prefill_block_size: int = 64
-    # Their key-block estimate (``sparse.prefill.estimator``) and its stride.
+    # Their key-block estimate (``sparse.prefill.options.estimator``) and its stride.
     prefill_estimator: str = "antidiagonal"
     prefill_stride: int = 8
     # How scored algorithms spread each budget over heads (``methods.BUDGET_MODES``): uniform
@@ -294,7 +294,7 @@ def _calibrate_prefill(config: EvalConfig, model_path: str) -> dict:
     after the samples). Per length: a threshold set at one length computes a different share
     of the blocks at another (attention spreads differently), and the modes are compared at
     equal block counts."""
-    from spin_cluster.config import SparsePrefillConfig
+    from spin_cluster.config import BlockPrefillOptions
     from spin_cluster.engine.engine import resolve_device, resolve_dtype
     from spin_cluster.models import load_model
     from spin_cluster.sparse.prefill import calibrate
@@ -303,7 +303,7 @@ def _calibrate_prefill(config: EvalConfig, model_path: str) -> dict:
     device = resolve_device(config.device)
     model = load_model(model_path, dtype=resolve_dtype(config.dtype, device), device=device, progress=False,
                        overrides=config.hf_overrides).eval()
-    prefill = SparsePrefillConfig(algorithm="block", block_size=config.prefill_block_size, budget=config.prefill_budget,
+    prefill = BlockPrefillOptions(block_size=config.prefill_block_size, budget=config.prefill_budget,
                                   estimator=config.prefill_estimator, stride=config.prefill_stride)
     tokenizer = Tokenizer(model_path)
     out = {}
@@ -315,13 +315,13 @@ def _calibrate_prefill(config: EvalConfig, model_path: str) -> dict:
 
 def _prefill_options(config: EvalConfig, method: Method, calibration) -> dict:
     """The ``sparse.prefill`` section of a sparse-prefill method (``calibrate``'s budgets)."""
-    section = {"algorithm": "block", "block_size": config.prefill_block_size, "budget": method.prefill_budget,
+    options = {"block_size": config.prefill_block_size, "budget": method.prefill_budget,
                "estimator": config.prefill_estimator, "stride": config.prefill_stride}
     if method.prefill == "threshold":
-        return {**section, "budgets": "threshold", "threshold": calibration.threshold}
+        options.update(budgets="threshold", threshold=calibration.threshold)
     if method.prefill == "hplb":
-        return {**section, "budgets": "per_head", "per_head_budgets": calibration.per_head_budgets}
-    return section
+        options.update(budgets="per_head", per_head_budgets=calibration.per_head_budgets)
+    return {"algorithm": "block", "options": options}
 
 
 def _generate(engine, prompts: list[list[int]], params, bar) -> list[str]:
@@ -353,9 +353,12 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
     profile, layers = None, None
     if method.budget_mode == "maxmin":
         profile, layers = _head_profile(config.profile_path, model_path)
-    sparse.update(budget_mode_options(method, length, page_size=config.page_size, top_p=config.top_p,
-                                      profile=profile, floor_fraction=config.floor_fraction,
-                                      floor_tokens=config.budget_floor_tokens, sparse_layers=layers))
+    spread = budget_mode_options(method, length, page_size=config.page_size, top_p=config.top_p, profile=profile,
+                                 floor_fraction=config.floor_fraction, floor_tokens=config.budget_floor_tokens,
+                                 sparse_layers=layers)
+    if "options" in spread:  # top_p, beside the algorithm's own options
+        spread["options"] = {**(sparse.get("options") or {}), **spread["options"]}
+    sparse.update(spread)
     cache = {"page_size": config.page_size, "offload": method.offloaded, "buffer_share": config.buffer_share}
     if method.offloaded:
         cache["host_kv_dtype"] = config.host_kv_dtype

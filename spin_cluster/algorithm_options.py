@@ -7,14 +7,16 @@ name selects the model here, the way a pydantic discriminated union selects by a
 tag beside the options rather than inside them. Checks that need the model's shape (a layer
 index, a block that divides the page) stay in the algorithm's constructor. An algorithm that
 is not listed (one a test or a user registers) declares its own model as ``options_model``,
-checked once its class is imported.
+checked once its class is imported. ``spin_cluster.config.parse_options`` reads these models
+and those of the prefill algorithms (``sparse.prefill.options``) alike; top_p, an option of
+every algorithm that scores pages, is read by the system's Select, not by the algorithm.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 IndexDtype = Literal["float32", "bfloat16", "float16", "float8_e4m3fn"]
 
@@ -29,7 +31,21 @@ class AlgorithmOptions(BaseModel):
         "float8_e4m3fn where the algorithm's kernels take it (labels); null: float32."))
 
 
-class QuestOptions(AlgorithmOptions):
+class ScoredOptions(AlgorithmOptions):
+    """Options every algorithm that scores pages takes: the rule of Select's middle pages."""
+
+    top_p: float | None = Field(None, gt=0, le=1, description=(
+        "Online top-p Select in (0, 1]: per step each head takes the fewest top pages whose "
+        "estimated attention mass reaches top_p, the heads of a layer sharing the pages their "
+        "budgets add up to (so the buffer reserves that layer total per head). null: top-k."))
+
+
+# Options that the system's Select reads (``SparseConfig.top_p``), never the algorithm's
+# constructor: the cache builder leaves them out of its keywords.
+SELECT_OPTIONS = frozenset(ScoredOptions.model_fields) - frozenset(AlgorithmOptions.model_fields)
+
+
+class QuestOptions(ScoredOptions):
     """`quest`: a min/max box (or mean and spread) of each page's keys, a page's score the
     best dot product its box allows."""
 
@@ -48,7 +64,7 @@ class QuestOptions(AlgorithmOptions):
     moments_z: float = Field(1.0, ge=0, description="summary moments: the box's half-width in standard deviations, >= 0.")
 
 
-class LabelsOptions(AlgorithmOptions):
+class LabelsOptions(ScoredOptions):
     """`labels`: each key's r heaviest channels (by ``||W_q[d]|| x ||W_k[d]||``) kept as a label."""
 
     channels: float = Field(0, ge=0, description=(
@@ -65,14 +81,14 @@ class LabelsQuestOptions(LabelsOptions):
         'Model layers ranked by labels alone (a list or "5,17").'))
 
 
-class ShadowKVOptions(AlgorithmOptions):
+class ShadowKVOptions(ScoredOptions):
     """`shadowkv`: per-page key means and the outlier tokens kept whole."""
 
     outlier_fraction: float | None = Field(None, ge=0, le=1, description=(
         "Share of a page's tokens kept as outliers, in [0, 1]; null: the algorithm's default."))
 
 
-class RetroInferOptions(AlgorithmOptions):
+class RetroInferOptions(ScoredOptions):
     """`retroinfer`: k-means centroids of each segment's keys."""
 
     segment_pages: int | None = Field(None, ge=0, description="Pages a segment clusters together; 0 or null: the default.")
@@ -80,7 +96,7 @@ class RetroInferOptions(AlgorithmOptions):
     kmeans_iters: int | None = Field(None, ge=0, description="k-means iterations; null: the default.")
 
 
-class SeerOptions(AlgorithmOptions):
+class SeerOptions(ScoredOptions):
     """`seer`: a trained gate scores the pages."""
 
     gate_path: str | None = Field(None, description=(
@@ -88,7 +104,7 @@ class SeerOptions(AlgorithmOptions):
         "environment variable."))
 
 
-class SparqOptions(AlgorithmOptions):
+class SparqOptions(ScoredOptions):
     """`sparq` (a study tool): each key scored on the query's r largest channels."""
 
     channels: int = Field(0, ge=0, description="Channels scored; 0: a quarter of the head dimension.")
@@ -112,25 +128,8 @@ BUILTIN: dict[str, tuple[str, type[AlgorithmOptions]]] = {
     "labels": ("spin_cluster.sparse.labels", LabelsOptions),
     "labels+quest": ("spin_cluster.sparse.either", LabelsQuestOptions),
     # Study tools: an index as large as the K cache, for the accuracy studies (spin-cluster eval).
-    "oracle": ("spin_cluster.profiling.oracle", AlgorithmOptions),
+    "oracle": ("spin_cluster.profiling.oracle", ScoredOptions),
     "sparq": ("spin_cluster.profiling.sparq", SparqOptions),
 }
 OPTIONS: dict[str, type[AlgorithmOptions]] = {name: options for name, (_, options) in BUILTIN.items()}
 
-
-def check_options(algorithm: str, options: dict[str, Any] | None, model: type[AlgorithmOptions] | None = None) -> None:
-    """Raise ``ValueError`` (one line, naming the option) where ``options`` do not fit
-    ``algorithm``'s model (``model``, else the table's; an algorithm not in it is checked
-    once its class is known, by ``check_sparse_algorithm``)."""
-    model = model or OPTIONS.get(algorithm)
-    if model is None or not options:
-        return
-    try:
-        model.model_validate(options)
-    except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        key = ".".join(str(part) for part in first["loc"])
-        if first["type"] == "extra_forbidden":
-            raise ValueError(f"sparse.options: {algorithm!r} takes no option {key!r}; its options: "
-                             f"{', '.join(sorted(model.model_fields)) or 'none'}") from None
-        raise ValueError(f"sparse.options.{key}={first.get('input')!r}: {first['msg']}") from None

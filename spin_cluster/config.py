@@ -3,18 +3,20 @@
 Every field says its unit and range (``Field(description=...)``, with its bounds as ``ge``/
 ``gt``/``le`` constraints); checks that span fields are ``model_validator``s. Every section
 forbids unknown keys, so that a typo in a YAML file is an error, not a silently ignored
-setting. ``SpinConfig.from_dict`` turns a validation failure into one ``ValueError`` line
-naming the field and what to change (``config_error``).
+setting, and a key that moved is an error naming its new place. ``SpinConfig.from_dict`` turns
+a validation failure into one ``ValueError`` line naming the field and what to change
+(``config_error``). An algorithm's own options (``sparse.options``, ``sparse.prefill.options``)
+are typed per algorithm, the model chosen by its name (``parse_options``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from spin_cluster import env
-from spin_cluster.algorithm_options import check_options
+from spin_cluster.algorithm_options import OPTIONS
 
 if TYPE_CHECKING:
     from spin_cluster.models.config import ModelConfig
@@ -24,6 +26,9 @@ class ConfigSection(BaseModel):
     """A frozen section of the config that refuses keys it does not know."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Keys that moved: old key -> its place under this section, which the error names.
+    moved_keys: ClassVar[dict[str, str]] = {}
 
 
 def _power_of_two(value: int, low: int, high: int) -> int:
@@ -174,14 +179,15 @@ def _check_budget_rows(rows: tuple[tuple[float, ...], ...] | None, name: str) ->
         raise ValueError(f"{name} must be >= 0")
 
 
-class SparsePrefillConfig(ConfigSection):
-    """``sparse.prefill``: block-sparse attention of prompt chunks (``spin_cluster.sparse.prefill``).
+class PrefillOptions(ConfigSection):
+    """Options every prefill algorithm takes: none (`dense`: every causal key, SDPA)."""
 
-    It changes which scores prefill computes, never what it stores: every prompt token's K/V
-    is written, so decode (``sparse.algorithm``) and the memory system work unchanged."""
 
-    algorithm: Literal["dense", "block"] = Field("dense", description=(
-        '"dense": every causal key (SDPA); "block": block-sparse prefill.'))
+class BlockPrefillOptions(PrefillOptions):
+    """`block` prefill: block-sparse attention of prompt chunks (`spin_cluster.sparse.prefill`):
+    each (KV head, query block) attends to its sink blocks, its local band, its diagonal block
+    and the middle key blocks its budget takes, ranked by an estimate of their attention mass."""
+
     block_size: int = Field(64, description="Positions per query block and key block, a power of two in 16..128.")
     estimator: Literal["antidiagonal", "pooled", "strided"] = Field("antidiagonal", description=(
         'Key-block importance estimate: "antidiagonal" (XAttention: q.k summed along every '
@@ -219,22 +225,55 @@ class SparsePrefillConfig(ConfigSection):
         return _budget_rows(rows, float)
 
     @model_validator(mode="after")
-    def _fits_together(self) -> SparsePrefillConfig:
+    def _fits_together(self) -> BlockPrefillOptions:
         bs, stride = self.block_size, self.stride
         if stride < 1 or stride & (stride - 1) or bs % stride:
-            raise ValueError(f"sparse.prefill.stride={stride}: use a power of two dividing block_size={bs}")
-        _check_budget_rows(self.per_head_budgets, "sparse.prefill.per_head_budgets")
+            raise ValueError(f"sparse.prefill.options.stride={stride}: use a power of two dividing block_size={bs}")
+        _check_budget_rows(self.per_head_budgets, "sparse.prefill.options.per_head_budgets")
         if self.budgets == "per_head" and self.per_head_budgets is None and self.profile is None:
-            raise ValueError("sparse.prefill.budgets='per_head' needs per_head_budgets ([L][Hkv]) or a profile")
+            raise ValueError("sparse.prefill.options.budgets='per_head' needs per_head_budgets ([L][Hkv]) or a profile")
         if self.profile is not None and self.budget >= 1:
-            raise ValueError(f"sparse.prefill.budget={self.budget}: with a profile give the mean as a fraction in (0, 1)")
+            raise ValueError(f"sparse.prefill.options.budget={self.budget}: with a profile give the mean as a "
+                             "fraction in (0, 1)")
         return self
+
+
+# The prefill algorithms' options, by name (``sparse.prefill.algorithm``).
+PREFILL_OPTIONS: dict[str, type[PrefillOptions]] = {"dense": PrefillOptions, "block": BlockPrefillOptions}
+
+
+class SparsePrefillConfig(ConfigSection):
+    """``sparse.prefill``: block-sparse attention of prompt chunks (``spin_cluster.sparse.prefill``).
+
+    It changes which scores prefill computes, never what it stores: every prompt token's K/V
+    is written, so decode (``sparse.algorithm``) and the memory system work unchanged."""
+
+    moved_keys: ClassVar[dict[str, str]] = {name: f"options.{name}" for name in BlockPrefillOptions.model_fields}
+
+    algorithm: Literal["dense", "block"] = Field("dense", description=(
+        '"dense": every causal key (SDPA); "block": block-sparse prefill.'))
+    options: dict[str, Any] | None = Field(None, description=(
+        "The prefill algorithm's own options, typed per algorithm (the tables below), e.g. "
+        '{"budget": 0.125, "estimator": "strided"} for block; dense takes none. An option the '
+        "algorithm does not take is an error naming it."))
+
+    @model_validator(mode="after")
+    def _options_of_the_algorithm(self) -> SparsePrefillConfig:
+        self.typed_options()
+        return self
+
+    def typed_options(self) -> PrefillOptions:
+        """``options`` as the algorithm's model (``BlockPrefillOptions`` for block), defaults filled in."""
+        return parse_options(PREFILL_OPTIONS[self.algorithm], self.algorithm, self.options,
+                             ("sparse", "prefill", "options"))
 
 
 DEFAULT_BUDGET_FLOOR_TOKENS = 2048
 
 
 class SparseConfig(ConfigSection):
+    moved_keys: ClassVar[dict[str, str]] = {"top_p": "options.top_p"}
+
     algorithm: str = Field("dense", description=(
         "Registered algorithm: dense, streaming, ... (`spin_cluster.sparse.registered_algorithms()`; "
         "the serving config checks the name before it starts anything)."))
@@ -258,10 +297,6 @@ class SparseConfig(ConfigSection):
         "dense offload step); the other layers select. 0: every layer selects."))
     per_head_budgets: tuple[tuple[int, ...], ...] | None = Field(None, description=(
         "Optional per-(layer, KV head) budgets in tokens, [L][Hkv], each >= 0; overrides budget."))
-    top_p: float | None = Field(None, gt=0, le=1, description=(
-        "Online top-p Select in (0, 1]: per step each head takes the fewest top pages whose "
-        "estimated attention mass reaches top_p, the heads of a layer sharing the pages their "
-        "budgets add up to (so the buffer reserves that layer total per head). null: top-k."))
     # Near-ties at the budget's edge then stop trading places every step (each trade is a PCIe miss).
     resident_margin: float = Field(0.0, ge=0, description=(
         "Select's hysteresis on the offloaded cache, in nats of estimated attention logit, >= 0: "
@@ -270,8 +305,9 @@ class SparseConfig(ConfigSection):
         "weight to take its place. 0: off."))
     options: dict[str, Any] | None = Field(None, description=(
         "The algorithm's own options, typed per algorithm (the tables below), e.g. "
-        '{"summary": "moments"} for quest, {"index_dtype": "float8_e4m3fn"} for labels; an option '
-        "the algorithm does not take is an error naming it."))
+        '{"summary": "moments"} for quest, {"index_dtype": "float8_e4m3fn"} for labels, '
+        '{"top_p": 0.9} for an algorithm that scores pages; an option the algorithm does not take '
+        "is an error naming it."))
     prefill: SparsePrefillConfig = Field(default_factory=SparsePrefillConfig, description=(
         "Block-sparse prefill; default: dense."))
 
@@ -292,8 +328,22 @@ class SparseConfig(ConfigSection):
 
     @model_validator(mode="after")
     def _options_of_the_algorithm(self) -> SparseConfig:
-        check_options(self.algorithm, self.options)  # typed per algorithm: spin_cluster.algorithm_options
+        # An algorithm outside the table is checked once its class, and its model, are known.
+        if self.algorithm in OPTIONS:
+            self.typed_options()
         return self
+
+    def typed_options(self, model: type[BaseModel] | None = None) -> Any:
+        """``options`` as the algorithm's model (``model``, else the table's:
+        ``spin_cluster.algorithm_options``), defaults filled in."""
+        return parse_options(model or OPTIONS[self.algorithm], self.algorithm, self.options, ("sparse", "options"))
+
+    @property
+    def top_p(self) -> float | None:
+        """Select's top-p mass (``options.top_p``, an option of the algorithms that score
+        pages); None: top-k."""
+        top_p = (self.options or {}).get("top_p")
+        return None if top_p is None else float(top_p)
 
 
 class SchedulerConfig(ConfigSection):
@@ -365,8 +415,9 @@ class SpinConfig(ConfigSection):
                 f"without chunked prefill, scheduler.max_prefill_tokens ({sc.max_prefill_tokens}) must be 0 "
                 f"or >= max_model_len ({context}): a longer prompt could never be scheduled"
             )
+        prefill_rows = getattr(self.sparse.prefill.typed_options(), "per_head_budgets", None)
         for name, rows in (("sparse.per_head_budgets", self.sparse.per_head_budgets),
-                           ("sparse.prefill.per_head_budgets", self.sparse.prefill.per_head_budgets)):
+                           ("sparse.prefill.options.per_head_budgets", prefill_rows)):
             if rows is not None and (len(rows) != mc.num_layers or any(len(r) != mc.num_kv_heads for r in rows)):
                 raise ValueError(f"{name} must be [{mc.num_layers}][{mc.num_kv_heads}] (layers x KV heads) "
                                  "for this model")
@@ -384,7 +435,7 @@ class SpinConfig(ConfigSection):
                     "of the whole model): use another sparse.algorithm")
         if self.cache.offload and self.sparse.top_p is not None:
             return ("head-parallel ranks cannot run top-p Select (a layer's heads share one budget across ranks): "
-                    "set sparse.top_p=null")
+                    "leave sparse.options.top_p out")
         if self.sparse.prefill.algorithm != "dense":
             return "head-parallel ranks support dense prefill only for now: set sparse.prefill.algorithm=dense"
         return None
@@ -412,12 +463,29 @@ def config_error(error: ValidationError, kind: type[BaseModel], where: tuple[str
     path = _dotted(where + loc)
     kind_, ctx, value = first["type"], first.get("ctx") or {}, first.get("input")
     if kind_ == "extra_forbidden":
+        moved = getattr(_section_at(kind, loc[:-1]), "moved_keys", {}).get(loc[-1])
+        if moved:
+            return f"{path} moved to {_dotted(where + loc[:-1] + (moved,))}"
         known = ", ".join(sorted(_section_at(kind, loc[:-1]).model_fields))
         what = "unknown config section" if not where and len(loc) == 1 else "unknown key"
         return f"{path}: {what}; known: {known}"
     if kind_ == "value_error" and _section_at(kind, loc) is not None:  # a check across a section's fields
         return str(ctx.get("error", first["msg"]))
     return f"{path}={value!r}: {_explain(kind_, ctx, value, first['msg'])}" if path else first["msg"]
+
+
+def parse_options(model: type[BaseModel], algorithm: str, options: dict[str, Any] | None,
+                  where: tuple[str, ...]) -> Any:
+    """``options`` (an algorithm's own, at ``where`` in the config file) as ``algorithm``'s
+    ``model``; a failure as one ``ValueError`` line naming the option (``config_error``)."""
+    try:
+        return model.model_validate(options or {})
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        if first["type"] != "extra_forbidden":
+            raise ValueError(config_error(e, model, where)) from None
+        raise ValueError(f"{_dotted(where)}: {algorithm!r} takes no option {first['loc'][0]!r}; its options: "
+                         f"{', '.join(sorted(model.model_fields)) or 'none'}") from None
 
 
 def _explain(kind: str, ctx: dict[str, Any], value: Any, msg: str) -> str:

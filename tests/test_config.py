@@ -20,14 +20,25 @@ from spin_cluster.config import CacheConfig, SpinConfig
     ({"model": {"max_model_len": 1.5}}, "model.max_model_len=1.5: use an integer"),
     ({"scheduler": {"max_num_seqs": 5000}}, "scheduler.max_num_seqs=5000: must be <= 4096"),
     ({"sparse": {"budget": -1}}, "sparse.budget=-1: must be > 0"),
-    ({"sparse": {"top_p": "x"}}, "sparse.top_p='x': use a number"),
+    ({"sparse": {"algorithm": "quest", "options": {"top_p": "x"}}}, "sparse.options.top_p='x': use a number"),
+    ({"sparse": {"algorithm": "streaming", "options": {"top_p": 0.9}}},
+     "sparse.options: 'streaming' takes no option 'top_p'; its options: index_dtype"),
+    ({"sparse": {"top_p": 0.9}}, "sparse.top_p moved to sparse.options.top_p"),
     ({"sparse": {"budget_floor_tokens": -1}}, "sparse.budget_floor_tokens=-1: must be >= 0"),
     ({"sparse": {"budget_floor_tokens": 1.5}}, "sparse.budget_floor_tokens=1.5: use an integer"),
     ({"sparse": {"per_head_budgets": 5}}, "sparse.per_head_budgets=5: must be a list, got int"),
     ({"sparse": {"per_head_budgets": [[1, "a"]]}}, "sparse.per_head_budgets[0][1]='a': use an integer"),
-    ({"sparse": {"prefill": {"coverage": 0}}}, "sparse.prefill.coverage=0: must be > 0"),
-    ({"sparse": {"prefill": {"profile": "p.json", "budget": 2}}},
-     "sparse.prefill.budget=2.0: with a profile give the mean as a fraction in (0, 1)"),
+    ({"sparse": {"prefill": {"algorithm": "block", "options": {"coverage": 0}}}},
+     "sparse.prefill.options.coverage=0: must be > 0"),
+    ({"sparse": {"prefill": {"algorithm": "block", "options": {"profile": "p.json", "budget": 2}}}},
+     "sparse.prefill.options.budget=2.0: with a profile give the mean as a fraction in (0, 1)"),
+    ({"sparse": {"prefill": {"algorithm": "block", "options": {"block_sizes": 32}}}},
+     "sparse.prefill.options: 'block' takes no option 'block_sizes'; its options: block_size, budget, budgets, "
+     "coverage, estimator, local_blocks, per_head_budgets, profile, sink_blocks, stride, threshold"),
+    ({"sparse": {"prefill": {"options": {"budget": 0.5}}}},
+     "sparse.prefill.options: 'dense' takes no option 'budget'; its options: none"),
+    ({"sparse": {"prefill": {"algorithm": "block", "block_size": 32}}},
+     "sparse.prefill.block_size moved to sparse.prefill.options.block_size"),
     ({"cache": {"segment": 4}}, "cache.segment: unknown key; known: buffer_pages_per_head, buffer_reuse, "
      "buffer_share, elastic_shares, enable_prefix_caching, gpu_home_fraction, host_kv_dtype, host_kv_gib, "
      "kv_cache_dtype, kv_cache_gib, lru_buckets, offload, page_size, per_head_shares, segment_pages"),
@@ -51,8 +62,10 @@ def test_sections_are_frozen_and_round_trip():
 
 
 def test_every_field_says_what_it_is():
-    from spin_cluster.config import ModelOptions, SchedulerConfig, SparseConfig, SparsePrefillConfig
+    from spin_cluster.config import (BlockPrefillOptions, ModelOptions, SchedulerConfig, SparseConfig,
+                                     SparsePrefillConfig)
 
-    for section in (SpinConfig, ModelOptions, CacheConfig, SchedulerConfig, SparseConfig, SparsePrefillConfig):
+    for section in (SpinConfig, ModelOptions, CacheConfig, SchedulerConfig, SparseConfig, SparsePrefillConfig,
+                    BlockPrefillOptions):
         for name, field in section.model_fields.items():
             assert field.description, f"{section.__name__}.{name} has no description"

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from spin_cluster.algorithm_options import OPTIONS, AlgorithmOptions, check_options
+from spin_cluster.algorithm_options import OPTIONS, SELECT_OPTIONS, AlgorithmOptions
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.backend import BackendParts, backend_class
 from spin_cluster.kernels import cpu_native
@@ -90,7 +90,7 @@ def check_sparse_algorithm(config: SpinConfig) -> type[SparseAlgorithm]:
             f"sparse.algorithm={algorithm_cls.name!r} runs on the offloaded cache: set cache.offload=true"
         )
     if config.sparse.algorithm not in OPTIONS:  # one registered outside the table: its own model, now known
-        check_options(algorithm_cls.name, config.sparse.options, getattr(algorithm_cls, "options_model", AlgorithmOptions))
+        config.sparse.typed_options(getattr(algorithm_cls, "options_model", AlgorithmOptions))
     return algorithm_cls
 
 
@@ -243,11 +243,12 @@ def _sparse_prefill(config: SpinConfig, mc: ModelConfig, device: torch.device) -
     still writes every token's K/V, so decode and the memory system see the same cache."""
     if config.sparse.prefill.algorithm == "dense":
         return None
-    return BlockSparsePrefill(config.sparse.prefill, mc.num_layers, mc.num_kv_heads, device)
+    return BlockSparsePrefill(config.sparse.prefill.typed_options(), mc.num_layers, mc.num_kv_heads, device)
 
 
 def _make_algorithm(cls, config: SpinConfig, **shape):
-    options = dict(config.sparse.options or {})
+    # Select's own options (top_p) are the system's, not the algorithm's constructor's.
+    options = {k: v for k, v in (config.sparse.options or {}).items() if k not in SELECT_OPTIONS}
     accepted = inspect.signature(cls.__init__).parameters
     if "model_path" in accepted:  # lets an algorithm check a trained file against the model
         options.setdefault("model_path", config.model.resolved_path())

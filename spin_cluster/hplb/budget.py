@@ -103,9 +103,9 @@ def synthetic_prefill_config(num_layers: int, num_kv_heads: int, mean_fraction: 
                              estimator: str = "strided", stride: int = 16) -> dict:
     """A ``sparse.prefill`` section for a model without a profile: block-sparse prefill with
     ``synthetic_prefill_fractions`` as its per-head budgets (the benchmarks' setting)."""
-    return {"algorithm": "block", "block_size": block_size, "estimator": estimator, "stride": stride,
-            "budgets": "per_head",
-            "per_head_budgets": synthetic_prefill_fractions(num_layers, num_kv_heads, mean_fraction)}
+    return {"algorithm": "block", "options": {
+        "block_size": block_size, "estimator": estimator, "stride": stride, "budgets": "per_head",
+        "per_head_budgets": synthetic_prefill_fractions(num_layers, num_kv_heads, mean_fraction)}}
 
 
 def uniform_budgets(num_layers: int, num_kv_heads: int, tokens: int) -> Budgets:

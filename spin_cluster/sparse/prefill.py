@@ -10,8 +10,8 @@ The sparse contract's operations, at block granularity over the chunk's queries:
                "pages")
     Attention  ``block_sparse_prefill``: a FlashAttention-2 kernel over the listed blocks
 
-Budgets (``sparse.prefill.budgets``), in middle key blocks per query block, each a fraction
-(0, 1) of the query block's middle blocks or a count >= 1:
+Budgets (``sparse.prefill.options.budgets``), in middle key blocks per query block, each a
+fraction (0, 1) of the query block's middle blocks or a count >= 1:
 
     uniform     ``budget`` for every (layer, KV head)
     threshold   online, per (KV head, query block): the fewest best middle blocks whose
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spin_cluster.config import SparsePrefillConfig
+from spin_cluster.config import BlockPrefillOptions
 from spin_cluster.dense_attention import dense_causal_attention
 from spin_cluster.hplb import PlanConfig, plan_heads
 from spin_cluster.hplb.profile import load_profile
@@ -201,7 +201,7 @@ def shifted_budgets(needs: Sequence[Sequence[float]], mean_fraction: float, reso
     return [[min(u, resolution - 1) / resolution for u in row] for row in shares]
 
 
-def profile_budgets(config: SparsePrefillConfig) -> list[list[float]]:
+def profile_budgets(config: BlockPrefillOptions) -> list[list[float]]:
     """``per_head`` budgets from ``config.profile``: its heads' need fractions at
     ``config.coverage``, shifted around the mean ``config.budget``."""
     needs = load_profile(config.profile).need_fractions(config.coverage)
@@ -240,7 +240,7 @@ class _MassRecorder:
     """LayerAttention for one whole prompt in one forward: dense causal SDPA, and each
     layer's estimated block masses."""
 
-    def __init__(self, config: SparsePrefillConfig) -> None:
+    def __init__(self, config: BlockPrefillOptions) -> None:
         self.config = config
         self.masses: list[torch.Tensor] = []
 
@@ -252,12 +252,12 @@ class _MassRecorder:
 
 
 @torch.inference_mode()
-def calibrate(model: torch.nn.Module, prompt_ids: Sequence[int], config: SparsePrefillConfig) -> PrefillCalibration:
+def calibrate(model: torch.nn.Module, prompt_ids: Sequence[int], config: BlockPrefillOptions) -> PrefillCalibration:
     """One dense forward of ``prompt_ids``; then the threshold (by bisection) and the S-HPLB
     per-head budgets (heads' needs at ``config.coverage``, shifted around ``config.budget``)
     whose key-block count matches uniform ``config.budget`` (a fraction) on that prompt."""
     if not 0 < config.budget < 1:
-        raise ValueError(f"calibration matches a uniform fraction; got sparse.prefill.budget={config.budget}")
+        raise ValueError(f"calibration matches a uniform fraction; got sparse.prefill.options.budget={config.budget}")
     device = next(model.parameters()).device
     ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
     recorder = _MassRecorder(config)
@@ -292,7 +292,7 @@ class BlockSparsePrefill:
     Counts the blocks it computes (``computed_blocks``) against the causal blocks dense
     prefill would (``causal_blocks``), on the device, per (layer, KV head) summed."""
 
-    def __init__(self, config: SparsePrefillConfig, num_layers: int, num_kv_heads: int,
+    def __init__(self, config: BlockPrefillOptions, num_layers: int, num_kv_heads: int,
                  device: torch.device) -> None:
         self.config = config
         self.device = device
@@ -304,12 +304,12 @@ class BlockSparsePrefill:
         self.causal_blocks = torch.zeros((), dtype=torch.long, device=device)
 
     @staticmethod
-    def _budget_rows(config: SparsePrefillConfig, num_layers: int, num_kv_heads: int) -> list[list[float]]:
+    def _budget_rows(config: BlockPrefillOptions, num_layers: int, num_kv_heads: int) -> list[list[float]]:
         if config.budgets != "per_head":
             return [[config.budget] * num_kv_heads for _ in range(num_layers)]
         rows = config.per_head_budgets or profile_budgets(config)
         if len(rows) != num_layers or any(len(r) != num_kv_heads for r in rows):
-            raise ValueError(f"sparse.prefill per-head budgets are {len(rows)} x {len(rows[0]) if rows else 0}; "
+            raise ValueError(f"sparse.prefill.options per-head budgets are {len(rows)} x {len(rows[0]) if rows else 0}; "
                              f"this model needs [{num_layers}][{num_kv_heads}] (layers x KV heads)")
         return [list(r) for r in rows]
 

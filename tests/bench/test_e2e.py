@@ -77,8 +77,8 @@ def test_e2e_sparse_prefill_runs_the_sparse_modes_block_sparse(tmp_path):
     assert "prefill" not in bench["mode_config"]("dense", args, "m", 512, shape)["sparse"]
     for mode in ("sparse-no-buffer", "spin"):
         prefill = bench["mode_config"](mode, args, "m", 512, shape)["sparse"]["prefill"]
-        assert prefill["algorithm"] == "block" and prefill["budgets"] == "per_head"
-        fractions = [f for row in prefill["per_head_budgets"] for f in row]
+        assert prefill["algorithm"] == "block" and prefill["options"]["budgets"] == "per_head"
+        fractions = [f for row in prefill["options"]["per_head_budgets"] for f in row]
         assert len(fractions) == 4 and abs(sum(fractions) / 4 - 0.25) < 0.01
     assert run("e2e", ["--tiny", "--modes", "spin", "--workloads", "offline-384", "--sparse-prefill", "0.25",
                        "--out", str(tmp_path)]) == 0

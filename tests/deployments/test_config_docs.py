@@ -36,7 +36,7 @@ def test_every_setting_has_a_row_and_a_changed_description_makes_it_stale(tmp_pa
 def test_config_show_prints_a_bundled_config_resolved(capsys):
     assert cli.main(["config", "show", "--config", "spin-fast"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
-    assert shown["sparse"]["algorithm"] == "quest" and shown["sparse"]["prefill"]["budget"] == 0.125
+    assert shown["sparse"]["algorithm"] == "quest" and shown["sparse"]["prefill"]["options"]["budget"] == 0.125
     assert shown["cache"]["page_size"] == 32 and shown["cache"]["host_kv_dtype"] == "fp8"
     assert shown["serve"]["max_waiting_requests"] == 256
     assert shown["scheduler"]["max_num_seqs"] == 64  # a default the file sets, beside ones it leaves out

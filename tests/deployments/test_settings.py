@@ -89,8 +89,8 @@ def test_generated_serve_config_passes_rays_schema(name):
     ({"serve": {"engine_ranks": 0}}, r"^serve.engine_ranks=0: must be >= 1$"),
     ({"serve": {"engine_ranks": 1.5}}, r"^serve.engine_ranks=1.5: use an integer$"),
     ({"serve": {"engine_ranks": 4, "engine_num_gpus": 2}}, "exceeds serve.engine_num_gpus=2: each head-parallel rank"),
-    ({"config": "spin-quest", "sparse": {"top_p": 0.9}, "serve": {"engine_ranks": 2}},
-     r"engine_ranks=2: .*set sparse.top_p=null"),
+    ({"config": "spin-quest", "sparse": {"options": {"top_p": 0.9}}, "serve": {"engine_ranks": 2}},
+     r"engine_ranks=2: .*leave sparse.options.top_p out"),
     ({"sparse": {"prefill": {"algorithm": "block"}}, "serve": {"engine_ranks": 2}},
      "set sparse.prefill.algorithm=dense"),
 ])

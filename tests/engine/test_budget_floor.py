@@ -41,7 +41,7 @@ def _run(engine, prompts):
     {"algorithm": "quest", "budget": 0.125, "budget_floor_tokens": 128},
     {"algorithm": "quest", "budget": 8, "budget_floor_tokens": 128},
     {"algorithm": "quest", "per_head_budgets": [[8, 0], [4, 12]], "budget_floor_tokens": 128},
-    {"algorithm": "quest", "budget": 8, "top_p": 0.5, "budget_floor_tokens": 128},
+    {"algorithm": "quest", "budget": 8, "options": {"top_p": 0.5}, "budget_floor_tokens": 128},
     {"algorithm": "streaming", "budget": 8, "budget_floor_tokens": 128},
 ], ids=["fraction", "fraction-128", "tokens", "per-head", "top-p", "streaming"])
 def test_a_context_at_or_under_the_floor_gives_dense_tokens(offload_engine, selections, sparse):

@@ -156,7 +156,7 @@ def test_block_sparse_prefill_runs_on_the_global_layers_only(gemma_path):
     """Window layers prefill densely (block-sparse prefill cannot mask a window); the global
     layers' prefill goes through the blocks, under the model's layer ids."""
     engine = _engine(gemma_path, cache={"offload": True}, sparse={
-        "algorithm": "dense", "prefill": {"algorithm": "block", "block_size": 16, "budget": 0.5}})
+        "algorithm": "dense", "prefill": {"algorithm": "block", "options": {"block_size": 16, "budget": 0.5}}})
     prefill = engine.runner.attention.sparse_prefill
     seen = []
     call = prefill.inner.__call__

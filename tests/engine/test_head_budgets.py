@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from spin_cluster.algorithm_options import ScoredOptions
 from spin_cluster.engine import SamplingParams
 from spin_cluster.sparse import select as sparse_select
 from spin_cluster.sparse.contract import SparseAlgorithm, register
@@ -16,6 +17,7 @@ class _Peaked(SparseAlgorithm):
     """Test-only Select: KV head 0 puts all its score on page 1, the other heads score flat."""
 
     name = "_test_peaked"
+    options_model = ScoredOptions  # it scores pages: top_p applies
 
     def score(self, layer, q, rows, num_pages):
         scores = torch.zeros(q.shape[0], self.num_kv_heads, num_pages, device=q.device)
@@ -61,12 +63,12 @@ def test_equal_per_head_budgets_are_uniform_top_k(offload_engine):
 def test_top_p_lets_a_layers_heads_share_their_total(offload_engine, selections):
     # budget 8 tokens = 2 pages per head, 4 per layer: the peaked head needs 1, the flat head
     # would take 90% of ~12 middle pages but gets the other 3
-    _run(offload_engine({"algorithm": "_test_peaked", "budget": 8, "top_p": 0.9}))
+    _run(offload_engine({"algorithm": "_test_peaked", "budget": 8, "options": {"top_p": 0.9}}))
     assert selections and all(s == [1 + 1 + 2, 1 + 3 + 2] for s in selections)
 
 
 def test_top_p_reserves_the_layer_total_per_head_in_the_buffer(offload_engine):
-    top_p = offload_engine({"algorithm": "quest", "budget": 8, "top_p": 0.9})
+    top_p = offload_engine({"algorithm": "quest", "budget": 8, "options": {"top_p": 0.9}})
     top_k = offload_engine({"algorithm": "quest", "budget": 8})
     pages = top_p.runner.attention.budget.mandatory_pages(64), top_k.runner.attention.budget.mandatory_pages(64)
     assert pages == (1 + 4 + 2, 1 + 2 + 2)

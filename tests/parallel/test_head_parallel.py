@@ -215,8 +215,8 @@ def test_one_rank_refuses_what_it_does_not_support(four_kv_head_llama, one_rank_
     spin = cfg.replace(cache={"offload": True}, sparse={"algorithm": "quest", "budget": 8})
     with pytest.raises(ValueError, match="cannot run seer"):
         HeadParallelEngine(spin.replace(sparse={"algorithm": "seer"}))
-    with pytest.raises(ValueError, match="set sparse.top_p=null"):
-        HeadParallelEngine(spin.replace(sparse={"top_p": 0.9}))
+    with pytest.raises(ValueError, match="leave sparse.options.top_p out"):
+        HeadParallelEngine(spin.replace(sparse={"options": {"top_p": 0.9}}))
     with pytest.raises(ValueError, match="set sparse.prefill.algorithm=dense"):
         HeadParallelEngine(cfg.replace(sparse={"prefill": {"algorithm": "block"}}))
     with pytest.raises(ValueError, match=r"the placement is \[1\]\[2\].*the model has \[3\]\[4\]"):

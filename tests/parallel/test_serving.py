@@ -230,8 +230,9 @@ def test_a_start_that_fails_leaves_no_process_and_no_group(four_kv_head_llama):
     with pytest.raises(ValueError, match=r"the placement is \[1\]\[2\]"):
         start_head_parallel(cfg, wrong_model, timeout_s=30)
     assert not dist.is_initialized() and _wait_released()
-    with pytest.raises(ValueError, match="set sparse.top_p=null"):
-        start_head_parallel(cfg.replace(cache={"offload": True}, sparse={"algorithm": "quest", "top_p": 0.9}),
+    with pytest.raises(ValueError, match="leave sparse.options.top_p out"):
+        start_head_parallel(cfg.replace(cache={"offload": True},
+                                        sparse={"algorithm": "quest", "options": {"top_p": 0.9}}),
                             _placement())
     with pytest.raises(ValueError, match="placement is for 2 ranks, not num_ranks=3"):
         start_head_parallel(cfg, _placement(), num_ranks=3)

@@ -1,13 +1,14 @@
 """sparse.options are typed per algorithm (spin_cluster.algorithm_options) and checked when
 the config is read: the table names every algorithm of the registry, each model's options are
-exactly what its class's constructor takes from a user, and an unknown or ill-typed option is
-one error line naming it."""
+exactly what its class's constructor takes from a user (besides Select's own, top_p, which the
+algorithms that score pages take), and an unknown or ill-typed option is one error line naming
+it."""
 
 import inspect
 
 import pytest
 
-from spin_cluster.algorithm_options import OPTIONS
+from spin_cluster.algorithm_options import OPTIONS, SELECT_OPTIONS, ScoredOptions
 from spin_cluster.config import SpinConfig
 from spin_cluster.sparse import ALGORITHM_MODULES, get_algorithm
 
@@ -35,7 +36,13 @@ def test_the_table_names_every_algorithm_of_the_registry():
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))
 def test_each_model_takes_what_its_constructor_takes(name):
-    assert set(OPTIONS[name].model_fields) == constructor_options(get_algorithm(name))
+    assert set(OPTIONS[name].model_fields) - SELECT_OPTIONS == constructor_options(get_algorithm(name))
+
+
+def test_top_p_is_an_option_of_the_algorithms_that_score_pages():
+    scored = {name for name, model in OPTIONS.items() if issubclass(model, ScoredOptions)}
+    assert scored == set(OPTIONS) - {"dense", "streaming"}  # every page; sink and window only
+    assert SELECT_OPTIONS == {"top_p"}
 
 
 def _config(options):
@@ -46,9 +53,16 @@ def _config(options):
 def test_options_are_checked_when_the_config_is_read():
     assert _config({"summary": "moments", "index_dtype": "bfloat16"}).sparse.options["summary"] == "moments"
     with pytest.raises(ValueError, match=r"^sparse.options: 'quest' takes no option 'summry'; its options: "
-                                         r"coarse_factor, .*summary$"):
+                                         r"coarse_factor, .*summary, top_p$"):
         _config({"summry": "moments"})
-    with pytest.raises(ValueError, match=r"^sparse.options.summary='mean': Input should be 'bounds' or 'moments'"):
+    with pytest.raises(ValueError, match=r"^sparse.options.summary='mean': choose one of 'bounds' or 'moments'$"):
         _config({"summary": "mean"})
     with pytest.raises(ValueError, match=r"^sparse.options.moments_z=-1: "):
         _config({"moments_z": -1})
+
+
+def test_top_p_is_read_from_the_options_and_round_trips():
+    cfg = _config({"top_p": 0.9, "summary": "moments"})
+    assert cfg.sparse.top_p == 0.9 and cfg.sparse.options == {"top_p": 0.9, "summary": "moments"}
+    assert SpinConfig.from_dict(cfg.to_dict()) == cfg
+    assert _config(None).sparse.top_p is None

@@ -66,7 +66,7 @@ def test_mandatory_pages_take_the_widest_head_and_the_floor():
     assert budget.mean_attended_pages(128) == 1 + 1.5 + 2  # above: each head its own budget
     assert budget.head_mandatory_pages(2, 40) == [[1 + 16 + 2] * 2] * 2
     assert budget.head_mandatory_pages(2, 10) == [[10, 10], [10, 10]]  # at most max_pages
-    top_p = PageBudget(sparse.model_copy(update={"top_p": 0.9, "budget_floor_tokens": 0}), 4, 2)
+    top_p = PageBudget(sparse.model_copy(update={"options": {"top_p": 0.9}, "budget_floor_tokens": 0}), 4, 2)
     assert top_p.max_middle_pages(128) == 4  # a layer's heads share their sum: 1 + 3
     assert PageBudget(sparse, 4, 2, selects_all=True).mandatory_pages(130) == 33
 

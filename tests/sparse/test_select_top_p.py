@@ -70,5 +70,5 @@ def test_forced_pages_with_infinite_scores_come_first():
 def test_config_rejects_a_mass_outside_0_1(p):
     from spin_cluster.config import SpinConfig
 
-    with pytest.raises(ValueError, match="sparse.top_p"):
-        SpinConfig.from_dict({"sparse": {"top_p": p}})
+    with pytest.raises(ValueError, match=rf"^sparse.options.top_p={p}: must be "):
+        SpinConfig.from_dict({"sparse": {"algorithm": "quest", "options": {"top_p": p}}})

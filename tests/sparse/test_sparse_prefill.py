@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from spin_cluster.config import SparsePrefillConfig, SpinConfig
+from spin_cluster.config import BlockPrefillOptions, SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
 from spin_cluster.dense_attention import prefill_attention
 from spin_cluster.sparse.prefill import (
@@ -84,19 +84,32 @@ def test_head_needs_and_shifted_budgets_keep_the_mean():
     assert shifted[0][0] < 0.25 < shifted[0][1]
 
 
+def _block(options):
+    return SpinConfig.from_dict({"sparse": {"prefill": {"algorithm": "block", "options": options}}})
+
+
 def test_config_section_round_trips_and_rejects_bad_values():
-    cfg = SpinConfig.from_dict({"sparse": {"prefill": {"algorithm": "block", "budgets": "per_head",
-                                                       "per_head_budgets": [[0.5, 2]]}}})
-    assert cfg.sparse.prefill.per_head_budgets == ((0.5, 2.0),)
+    cfg = _block({"budgets": "per_head", "per_head_budgets": [[0.5, 2]], "block_size": 32, "stride": 4,
+                  "estimator": "strided"})
+    block = cfg.sparse.prefill.typed_options()
+    assert isinstance(block, BlockPrefillOptions) and block.per_head_budgets == ((0.5, 2.0),)
+    assert (block.block_size, block.stride, block.estimator, block.budget) == (32, 4, "strided", 0.25)
     assert SpinConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(ValueError, match="unknown key"):
-        SpinConfig.from_dict({"sparse": {"prefill": {"budget_blocks": 3}}})
-    for bad, match in (({"block_size": 48}, "block_size"), ({"stride": 32, "block_size": 16}, "stride"),
-                       ({"budgets": "per_head"}, "per_head_budgets"), ({"threshold": 0}, "threshold"),
-                       ({"estimator": "exact"}, "estimator"),
-                       ({"per_head_budgets": [[0.5, -1]]}, r"sparse.prefill.per_head_budgets must be >= 0")):
+    assert SpinConfig.from_dict(cfg.to_dict()).sparse.prefill.typed_options() == block
+    with pytest.raises(ValueError, match=r"^sparse.prefill.options: 'block' takes no option 'budget_blocks'; "
+                                         r"its options: block_size, budget, budgets, coverage, estimator, "):
+        _block({"budget_blocks": 3})
+    with pytest.raises(ValueError, match=r"^sparse.prefill.options: 'dense' takes no option 'budget'; its options: "
+                                         r"none$"):
+        SpinConfig.from_dict({"sparse": {"prefill": {"options": {"budget": 0.5}}}})
+    for bad, match in (({"block_size": 48}, r"^sparse.prefill.options.block_size=48: use a power of two in 16..128$"),
+                       ({"stride": 32, "block_size": 16}, r"^sparse.prefill.options.stride=32: "),
+                       ({"budgets": "per_head"}, "per_head_budgets"),
+                       ({"threshold": 0}, r"^sparse.prefill.options.threshold=0: must be > 0$"),
+                       ({"estimator": "exact"}, r"^sparse.prefill.options.estimator='exact': choose one of "),
+                       ({"per_head_budgets": [[0.5, -1]]}, r"^sparse.prefill.options.per_head_budgets must be >= 0")):
         with pytest.raises(ValueError, match=match):
-            SpinConfig.from_dict({"sparse": {"prefill": bad}})
+            _block(bad)
     decode = SpinConfig.from_dict({"sparse": {"per_head_budgets": [[64, 32.0]]}})
     assert decode.sparse.per_head_budgets == ((64, 32),)  # decode budgets are whole tokens
     with pytest.raises(ValueError, match=r"^sparse.per_head_budgets must be >= 0"):
@@ -107,18 +120,18 @@ def test_every_block_selected_is_dense_prefill_and_a_budget_is_not():
     q, k = _qk(70, 30, seed=3)
     v = torch.randn_like(k)
     dense = prefill_attention(q, k, v, 30)
-    full = BlockSparsePrefill(SparsePrefillConfig(algorithm="block", block_size=16, budget=64), 1, 2, torch.device("cpu"))
+    full = BlockSparsePrefill(BlockPrefillOptions(block_size=16, budget=64), 1, 2, torch.device("cpu"))
     assert torch.allclose(full(0, q, k, v, 30), dense, atol=1e-5)
     assert full.density() == 1.0
-    sparse = BlockSparsePrefill(SparsePrefillConfig(algorithm="block", block_size=16, budget=1, sink_blocks=0,
-                                                    local_blocks=0), 1, 2, torch.device("cpu"))
+    sparse = BlockSparsePrefill(BlockPrefillOptions(block_size=16, budget=1, sink_blocks=0, local_blocks=0), 1, 2,
+                                torch.device("cpu"))
     assert not torch.allclose(sparse(0, q, k, v, 30), dense, atol=1e-3)
     assert 0 < sparse.density() < 1
 
 
 def test_per_head_budgets_are_ragged_per_layer():
     q, k = _qk(16 * 12, 0, seed=4)
-    cfg = SparsePrefillConfig(algorithm="block", block_size=16, budgets="per_head", sink_blocks=0, local_blocks=0,
+    cfg = BlockPrefillOptions(block_size=16, budgets="per_head", sink_blocks=0, local_blocks=0,
                               per_head_budgets=((1, 4), (0.5, 0)))
     sel = BlockSparsePrefill(cfg, 2, 2, torch.device("cpu"))
     _, num = sel.select(0, q, k, 0)
@@ -146,10 +159,10 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 @pytest.mark.parametrize("offload", [False, True])
 def test_engine_sparse_prefill_in_chunks(tiny_llama_path, offload):
     dense = [o.token_ids for o in _engine(tiny_llama_path, {}, offload).generate(PROMPTS, PARAMS)]
-    every = _engine(tiny_llama_path, {"algorithm": "block", "block_size": 16, "budget": 1000}, offload)
+    every = _engine(tiny_llama_path, {"algorithm": "block", "options": {"block_size": 16, "budget": 1000}}, offload)
     assert [o.token_ids for o in every.generate(PROMPTS, PARAMS)] == dense
-    sparse = _engine(tiny_llama_path, {"algorithm": "block", "block_size": 16, "budget": 1, "estimator": "pooled"},
-                     offload)
+    sparse = _engine(tiny_llama_path, {"algorithm": "block", "options": {"block_size": 16, "budget": 1,
+                                                                         "estimator": "pooled"}}, offload)
     assert all(len(o.token_ids) == 6 for o in sparse.generate(PROMPTS, PARAMS))
     assert 0 < sparse.runner.attention.sparse_prefill.density() < 0.7
     sparse.check_integrity()
@@ -160,7 +173,7 @@ def test_calibration_matches_uniform_block_count(tiny_llama_path):
     from spin_cluster.sparse.prefill import calibrate
 
     model = load_model(tiny_llama_path, dtype=torch.float32, device=torch.device("cpu"), progress=False).eval()
-    cfg = SparsePrefillConfig(algorithm="block", block_size=16, budget=0.25, coverage=0.8)
+    cfg = BlockPrefillOptions(block_size=16, budget=0.25, coverage=0.8)
     cal = calibrate(model, list(range(100, 420)), cfg)
     assert 0 < cal.threshold < 1 and 0 < cal.density < 1
     assert len(cal.per_head_budgets) == 2 and len(cal.per_head_budgets[0]) == 2

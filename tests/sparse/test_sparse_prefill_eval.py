@@ -20,7 +20,8 @@ def test_prefill_methods_run_at_equal_block_counts(tiny_llama_path):
                      algorithms=("dense",), budgets=(), prefill_modes=("uniform", "threshold", "hplb"),
                      prefill_budget=0.25, prefill_block_size=16, max_tokens=4, device="cpu", dtype="float32")
     uniform = spin_config(cfg, tiny_llama_path, cfg.methods()[1], 500)
-    assert uniform.sparse.prefill.budgets == "uniform" and uniform.sparse.prefill.block_size == 16
+    block = uniform.sparse.prefill.typed_options()
+    assert uniform.sparse.prefill.algorithm == "block" and block.budgets == "uniform" and block.block_size == 16
     results = evaluate(cfg, progress=False)
     density = results.prefill_density
     assert sorted(density) == [f"dense + prefill {m} 1/4@{n}" for m in ("hplb", "threshold", "uniform")
