@@ -43,3 +43,4 @@ def test_the_command_refuses_a_poll_interval_of_zero():
     r = subprocess.run([sys.executable, "-m", "spin_cluster.cli", "watch-deploy", "--poll-s", "0"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--poll-s must be > 0" in r.stderr, r
+
