@@ -186,7 +186,7 @@ class SpinAttention(PlannedCapture):
                 -1, self.kv.num_kv_heads).contiguous(),
             max_pages=pages,
             max_budget=budget.max_middle_pages(pages * S),
-            top_p=self.sparse.top_p,
+            top_p=budget.top_p,
             dense_rows=context <= floor if floor else None,
         )
 

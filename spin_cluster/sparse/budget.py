@@ -88,6 +88,11 @@ class PageBudget:
     num_kv_heads: int
     selects_all: bool = False
 
+    def __post_init__(self) -> None:
+        # Select's top-p mass, read once: it lives in the algorithm's options, and a decode
+        # step should not parse the config (tests/engine/test_step_route.py).
+        object.__setattr__(self, "top_p", self.sparse.top_p)
+
     @property
     def sink_pages(self) -> int:
         return sink_pages(self.sparse.sink_tokens, self.page_size)
@@ -136,7 +141,7 @@ class PageBudget:
         """Most middle pages one KV head may select per step in contexts of up to
         ``context_tokens``: its budget, the largest per-head budget, or under top-p the largest
         total of a layer's heads; and every page of a context at or under the budget floor."""
-        rows, top_p = self.head_pages(), self.sparse.top_p is not None
+        rows, top_p = self.head_pages(), self.top_p is not None
         if rows is not None:
             most = max(sum(row) for row in rows) if top_p else max(max(row) for row in rows)
         else:
