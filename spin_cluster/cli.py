@@ -96,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     watch = sub.add_parser("watch-deploy", help="print the app's deploy state on a running Ray cluster, one line a "
                                                 "change (the Helm chart's deploy-status container)")
     watch.add_argument("--app", default="spin", help="the Serve application's name")
-    watch.add_argument("--address", default="auto", help="the Ray cluster (GCS) address, e.g. 127.0.0.1:6379")
+    watch.add_argument("--dashboard", default="http://127.0.0.1:8265",
+                       help="Ray's dashboard, whose REST API gives Serve's status (the head's own: the default)")
     watch.add_argument("--poll-s", type=float, default=5.0, help="seconds between reads of Serve's status")
     watch.set_defaults(func=_cmd_watch_deploy)
     return p
@@ -208,7 +209,7 @@ def _cmd_watch_deploy(args: argparse.Namespace) -> int:
         return 2
     from spin_cluster.deployments.deploy_watch import watch
 
-    return watch(args.app, args.address, args.poll_s)
+    return watch(args.app, args.dashboard, args.poll_s)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

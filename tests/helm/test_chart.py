@@ -350,8 +350,8 @@ def test_the_head_pod_logs_the_deploy_state_in_a_container_of_its_own(case):
     head = {c["name"]: c for c in templates[0]["spec"]["containers"]}
     watch = head["deploy-status"]
     app = values.get("app", {}).get("name", "spin")
-    assert watch["command"] == ["spin-cluster", "watch-deploy", "--app", app, "--address", "127.0.0.1:6379",
-                                "--poll-s", "5"]
+    assert watch["command"] == ["spin-cluster", "watch-deploy", "--app", app, "--dashboard",
+                                "http://127.0.0.1:8265", "--poll-s", "5"]
     assert watch["image"] == head["ray-head"]["image"]
     assert watch["securityContext"] == head["ray-head"]["securityContext"]
     assert "nvidia.com/gpu" not in watch["resources"]["limits"]
@@ -359,7 +359,7 @@ def test_the_head_pod_logs_the_deploy_state_in_a_container_of_its_own(case):
     from spin_cluster.cli import _parser
 
     args = _parser().parse_args(watch["command"][1:])
-    assert (args.app, args.address, args.poll_s) == (app, "127.0.0.1:6379", 5.0)
+    assert (args.app, args.dashboard, args.poll_s) == (app, "http://127.0.0.1:8265", 5.0)
     for worker in templates[1:]:
         assert [c["name"] for c in worker["spec"]["containers"]] == ["ray-worker"]
 

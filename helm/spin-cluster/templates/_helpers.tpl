@@ -202,7 +202,7 @@ spec:
       image: {{ include "spin-cluster.image" $root }}
       imagePullPolicy: {{ $root.Values.image.pullPolicy }}
       command: ["spin-cluster", "watch-deploy", "--app", {{ $root.Values.app.name | quote }},
-                "--address", "127.0.0.1:6379", "--poll-s", {{ $root.Values.deployStatus.pollSeconds | toString | quote }}]
+                "--dashboard", "http://127.0.0.1:8265", "--poll-s", {{ $root.Values.deployStatus.pollSeconds | toString | quote }}]
       env:
         {{- include "spin-cluster.env" $root | nindent 8 }}
       resources:
