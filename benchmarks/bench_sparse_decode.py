@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--label-tiles", type=int, nargs="*", default=[],
                     help="labels: also time the scorer alone at these label values a program "
                          "(kernels.page_select.label_scores' tile_values; the default 8192 is timed anyway), "
-                         "and a decode step's label write, one launch against the four torch ops")
+                         "a decode step's label write, one launch against the four torch ops, and its query's "
+                         "label channels, one launch against the sum and the gather")
     add_shape(ap, page_size=16)
     add_out(ap)
     args = ap.parse_args()
@@ -170,7 +171,7 @@ def main() -> None:
             t_topk = graph_us(lambda: select_pages(scores, False, plan, Hkv))
             tiles = {}
             if args.algorithm == "labels" and args.label_tiles:
-                from spin_cluster.kernels.page_select import LABEL_TILE_VALUES, label_append, label_scores
+                from spin_cluster.kernels.page_select import LABEL_TILE_VALUES, label_append, label_query, label_scores
 
                 qr = alg.query_labels(0, q)
                 for tile in sorted({*args.label_tiles, LABEL_TILE_VALUES}):
@@ -181,6 +182,7 @@ def main() -> None:
                 for impl in ("torch", "triton"):
                     tiles[f"append_{impl}"] = graph_us(lambda: label_append(alg.labels[0], k_new, alg.channel_ids[0],
                                                                             slots, impl=impl))
+                    tiles[f"query_{impl}"] = graph_us(lambda: label_query(q, alg.channel_ids[0], impl=impl))
                 print("   label scorer us by tile values: " + ", ".join(f"{t}: {u:.1f}" for t, u in tiles.items()),
                       flush=True)
             attn_gbs = 2 * tokens * D * k_dense.element_size() / (t_attn * 1e-6) / 1e9

@@ -286,6 +286,24 @@ def _label_scores(qr_ptr, labels_ptr, rows_ptr, lengths_ptr, held_ptr, out_ptr,
 
 
 @triton.jit
+def _label_query(q_ptr, ids_ptr, out_ptr, stride_qb, stride_qh, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
+                 G: tl.constexpr, RC: tl.constexpr, RC_PAD: tl.constexpr):
+    """Grid (B,): out[b, h, c] = sum_g q[b, h * G + g, ids[h, c]] in float32, added in head
+    order (the reference's order on CUDA up to G = 4; a few bf16 values of like magnitude sum
+    exactly in float32 in any order)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, HKV_PAD)
+    offs_c = tl.arange(0, RC_PAD)
+    m = (offs_h < HKV)[:, None] & (offs_c < RC)[None, :]
+    ids = tl.load(ids_ptr + offs_h[:, None] * RC + offs_c[None, :], mask=m, other=0)
+    at = q_ptr + b * stride_qb + (offs_h * G)[:, None] * stride_qh + ids  # head h's first query head
+    acc = tl.zeros([HKV_PAD, RC_PAD], tl.float32)
+    for g in tl.static_range(G):
+        acc += tl.load(at + g * stride_qh, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (b * HKV + offs_h[:, None]) * RC + offs_c[None, :], acc, mask=m)
+
+
+@triton.jit
 def _label_append(k_ptr, ids_ptr, slots_ptr, labels_ptr, stride_kt, stride_kh, stride_ln, stride_lh,
                   HKV: tl.constexpr, HKV_PAD: tl.constexpr, RC: tl.constexpr, RC_PAD: tl.constexpr,
                   FP8: tl.constexpr):

@@ -45,7 +45,7 @@ from ._impl import resolve_impl
 from ._triton_support import interpreter_requested, load_kernel_module, next_pow2
 from .fp8_pages import FP8_MAX
 
-__all__ = ["label_append", "label_append_ref", "label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "row_tiles", "select_ragged",
+__all__ = ["label_append", "label_append_ref", "label_query", "label_query_ref", "label_scores", "label_scores_ref", "page_scores", "page_scores_ref", "row_tiles", "select_ragged",
            "select_ragged_ref", "topk_ragged", "topk_ragged_ref"]
 
 # One program holds a whole row of page scores in registers.
@@ -312,6 +312,42 @@ def label_scores_ref(qr, labels, rows, lengths, span: int, num_pages: int, page_
     s = s.masked_fill(~written[:, None, :], float("-inf"))
     s = s.view(*s.shape[:2], num_pages, page_size).amax(-1)
     return s if held is None else s + (held * margin).to(s.dtype)
+
+
+def _check_query(q, channel_ids):
+    if q.dim() != 3 or channel_ids.dim() != 2 or q.shape[1] % channel_ids.shape[0]:
+        raise ValueError(f"q must be [B, H, D] and channel_ids [Hkv, r] with Hkv dividing H; got "
+                         f"{tuple(q.shape)}, {tuple(channel_ids.shape)}")
+
+
+def label_query_ref(q: torch.Tensor, channel_ids: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, r] float32, what ``label_scores`` scores the labels against: q [B, H, D]
+    summed in float32 over each KV head's G = H / Hkv query heads, in the head's label
+    channels channel_ids [Hkv, r]."""
+    _check_query(q, channel_ids)
+    B, H, D = q.shape
+    hkv = channel_ids.shape[0]
+    qs = q.view(B, hkv, H // hkv, D).sum(2, dtype=torch.float32)  # [B, Hkv, D]
+    return qs.gather(2, channel_ids[None].expand(B, -1, -1))
+
+
+def label_query(q: torch.Tensor, channel_ids: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """Triton ``label_query_ref``: one launch (a program per request, only the r channels
+    read) for the reference's two and its [B, Hkv, D] sum. A launch of its own: in each
+    scoring program it took the scorer from 48.3 to 116.8 us a layer at 4 x 128K on an H100
+    (``docs/log/performance-2026.md``)."""
+    if resolve_impl(impl, q.device) == "torch":
+        return label_query_ref(q, channel_ids)
+    _check_query(q, channel_ids)
+    if q.stride(2) != 1 or not channel_ids.is_contiguous():
+        raise ValueError("q must be contiguous in its last dimension and channel_ids contiguous")
+    B, H, _ = q.shape
+    hkv, rc = channel_ids.shape
+    out = torch.empty(B, hkv, rc, dtype=torch.float32, device=q.device)
+    if B:
+        _kernels()._label_query[(B,)](q, channel_ids, out, q.stride(0), q.stride(1), HKV=hkv,
+                                      HKV_PAD=next_pow2(hkv), G=H // hkv, RC=rc, RC_PAD=next_pow2(rc))
+    return out
 
 
 # Label values a scoring program reads: at Llama-3.1-8B's shapes (8 KV heads of r = 32) one

@@ -24,10 +24,11 @@ Index layout: ``labels`` [L, R * P * S + 1, Hkv, r] in ``index_dtype`` (row-majo
 rows and token positions; the last row absorbs masked-off writes, and is the one token of
 the cache's padding row, row R, ``OffloadedKVManager.padding_row``); ``lengths`` [R + 1] tokens
 written per row, updated once per step in ``plan_append``. On CUDA a layer's labels are
-written in one Triton launch (``kernels.page_select.label_append``) and scored in one
-(``label_scores``: a program per request and page for all KV heads, so that it reads the
-index in contiguous runs, with the hysteresis added in the same program); every op is
-fixed-shape, so decode steps run in CUDA graphs.
+written in one Triton launch (``kernels.page_select.label_append``), the query's channels
+taken in one (``label_query``) and scored in one (``label_scores``: a program per request
+and page for all KV heads, so that it reads the index in contiguous runs, with the
+hysteresis added in the same program); every op is fixed-shape, so decode steps run in CUDA
+graphs.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import os
 
 import torch
 
-from spin_cluster.kernels.page_select import label_append, label_scores
+from spin_cluster.kernels.page_select import label_append, label_query, label_scores
 from spin_cluster.sparse.channels import weight_channels
 from spin_cluster.sparse.contract import SparseAlgorithm, register
 from spin_cluster.sparse.select import select_pages
@@ -97,12 +98,8 @@ class Labels(SparseAlgorithm):
 
     def query_labels(self, layer, q):
         """q [B, H, D] -> [B, Hkv, r]: the query summed over each KV head's query heads, in the
-        head's label channels (what a label is scored against). Two launches; not in the
-        scoring kernel: gathered there by each of its programs (a request's pages), it took
-        the scorer from 48.3 to 116.8 us a layer at 4 x 128K on an H100 (``docs/performance.md``)."""
-        B, H, D = q.shape
-        qs = q.view(B, self.num_kv_heads, H // self.num_kv_heads, D).sum(2, dtype=torch.float32)  # [B, Hkv, D]
-        return qs.gather(2, self.channel_ids[layer][None].expand(B, -1, -1))
+        head's label channels (what a label is scored against); one launch on CUDA."""
+        return label_query(q, self.channel_ids[layer])
 
     def score(self, layer, q, rows, num_pages, held=None, margin=0.0):
         # q: [B, H, D] -> [B, Hkv, num_pages]; ``margin`` added to the ``held`` pages

@@ -4,6 +4,8 @@ import torch
 from spin_cluster.kernels.page_select import (
     label_append,
     label_append_ref,
+    label_query,
+    label_query_ref,
     label_scores,
     label_scores_ref,
     page_scores,
@@ -236,6 +238,8 @@ def test_impl_choice():
     lengths = torch.tensor([span, 5, 0])
     check_impls(label_scores, label_scores_ref,
                 lambda: ([qr, labels, torch.tensor([1, 0]), lengths, span, 3, S], {}), exact=False)
+    q, ids = torch.randn(2, 4, 8, generator=g), torch.tensor([[5, 0, 3], [1, 7, 2]])
+    check_impls(label_query, label_query_ref, lambda: ([q, ids], {}))
 
 
 def test_auto_takes_the_reference_for_rows_past_the_kernel():
@@ -277,3 +281,19 @@ def test_triton_append_equals_reference(dtype, Hkv, r):
         lab = torch.zeros(N, Hkv, r, dtype=dtype)
         label_append(lab, k, ids, slots, impl="triton")
         assert torch.isfinite(lab.float()).all() and lab.float().abs().max() == 448.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hkv,G,r", [(2, 1, 3), (3, 4, 5), (1, 4, 2)])
+def test_triton_query_equals_reference(dtype, Hkv, G, r):
+    # q a strided view (a fused QKV projection's Q); Hkv 3 pads its heads to 4, r = 3 and 5
+    # their channels to 4 and 8; each head's channels a different draw, out of order.
+    g = torch.Generator().manual_seed(Hkv * 10 + G + r)
+    B, D = 3, 16
+    q = torch.randn(B, (G + 2) * Hkv, D, generator=g).to(dtype)[:, :G * Hkv]
+    ids = torch.stack([torch.randperm(D, generator=g)[:r] for _ in range(Hkv)])
+    got = label_query(q, ids, impl="triton")
+    assert got.dtype == torch.float32 and torch.equal(got, label_query_ref(q, ids))
+    # Each channel the sum of its KV head's G query heads, that head's channel ids[h, c]
+    want = torch.stack([q[:, h * G:(h + 1) * G, ids[h]].float().sum(1) for h in range(Hkv)], dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

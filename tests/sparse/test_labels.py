@@ -7,6 +7,8 @@ from spin_cluster.kernels.page_select import (
     label_append,
     label_append_ref,
     label_block_pages,
+    label_query,
+    label_query_ref,
     label_scores,
     label_scores_ref,
 )
@@ -134,6 +136,19 @@ def test_triton_scorer_equals_reference_at_llama_shapes(rc, S, P, dtype):
     lengths = torch.tensor([span, span - 5, 100, 7 * S, 0]).cuda()
     got = label_scores(qr, labels, rows, lengths, span, P, S, impl="triton")
     torch.testing.assert_close(got, label_scores_ref(qr, labels, rows, lengths, span, P, S), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("H,Hkv,D,rc", [(32, 8, 128, 32), (12, 2, 128, 32), (4, 1, 256, 64)])
+def test_triton_query_equals_reference_at_model_shapes(H, Hkv, D, rc):
+    """Llama-3.1-8B (G = 4), Qwen2.5-1.5B (G = 6) and Gemma-3-270M (G = 4) queries, bf16 Q of
+    a fused QKV output, 48 requests: the same float32 values as the torch sum and gather."""
+    g = torch.Generator().manual_seed(H)
+    ids = torch.stack([torch.randperm(D, generator=g)[:rc] for _ in range(Hkv)]).cuda()
+    # Multiples of 1/64 under 2^9: every sum of their heads is exact in float32, in any order.
+    qkv = (torch.randn(48, H + 2 * Hkv, D, generator=g) * 64).round().div(64).to(torch.bfloat16).cuda()
+    assert torch.equal(label_query(qkv[:, :H], ids, impl="triton"), label_query_ref(qkv[:, :H], ids))
 
 
 @pytest.mark.gpu
