@@ -11,6 +11,7 @@
 #   online   4 x 32K prompts arriving at 2, 1 and 0.5 requests/s, 100 GiB, dense and Spin [2.5]
 #   prefill  4 x 128K and the online arrivals, 100 GiB, Spin with block-sparse prefill (1/8 of
 #            the blocks, per-head fractions): the whole request, TTFT included [6]
+#   one-128k one 128K request alone, 40 GiB (dense holds it): Spin's step against dense's [3]
 #   h100-32k, h100-128k, labels-h100-32k, labels-h100-128k
 #            the H100's shapes (its 80 GB hold neither the 100 GiB nor dense's 4 x 128K): 8 x 32K
 #            and 2 x 128K prompts in 40 GiB each, dense and Spin, then Spin with labels as above
@@ -47,6 +48,8 @@ for r in ${RUNS:-32k cap24 labels}; do
                --offline-lengths 131072 --offline-batch 4 --gpu-kv-gib 100 ;;
     32k) run 32k 170 --modes dense spin --workloads offline-32K --offline-lengths 32768 --offline-batch 16 --gpu-kv-gib 100 ;;
     cap24) run cap24 200 --modes dense spin --workloads offline-128K --offline-lengths 131072 --gpu-kv-gib 24 ;;
+    one-128k) run one-128k 150 --modes dense spin --workloads offline-128K --offline-lengths 131072 --offline-batch 1 \
+                --gpu-kv-gib 40 ;;
     labels) run labels 110 --modes spin --algorithm labels --resident-margin 0.5 --max-num-seqs 4 --workloads offline-128K \
               --offline-lengths 131072 --gpu-kv-gib 100 ;;
     h100-32k|labels-h100-32k)
