@@ -39,7 +39,7 @@ def test_each_model_takes_what_its_constructor_takes(name):
 
 
 def _config(options):
-    return SpinConfig.from_dict({"cache": {"offload": True},
+    return SpinConfig.from_dict({"cache": {"kind": "offloaded"},
                                  "sparse": {"algorithm": "quest", "budget": 64, "options": options}})
 
 
