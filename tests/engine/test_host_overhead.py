@@ -44,7 +44,7 @@ def _engine(tmp_path, smollm2_path, num_layers, offload, algorithm):
     cfg = {
         "model": {"path": str(folder), "load_format": "dummy", "device": "cpu", "dtype": "float32",
                   "max_model_len": 1024},
-        "cache": {"page_size": 16, "offload": offload, "kv_cache_gib": 0.05},
+        "cache": {"page_size": 16, "kind": "offloaded" if offload else "paged", "kv_cache_gib": 0.05},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 256},
         "sparse": {"algorithm": algorithm, "budget": 64, "local_tokens": 32},
     }
