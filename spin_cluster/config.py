@@ -3,15 +3,16 @@
 Every field says its unit and range (``Field(description=...)``, with its bounds as ``ge``/
 ``gt``/``le`` constraints); checks that span fields are ``model_validator``s. Every section
 forbids unknown keys, so that a typo in a YAML file is an error, not a silently ignored
-setting, and a key that moved is an error naming its new place. ``SpinConfig.from_dict`` turns
-a validation failure into one ``ValueError`` line naming the field and what to change
-(``config_error``). An algorithm's own options (``sparse.options``, ``sparse.prefill.options``)
-are typed per algorithm, the model chosen by its name (``parse_options``).
+setting, a key that moved is an error naming its new place, and one that is gone an error
+saying what became of it. ``SpinConfig.from_dict`` turns a validation failure into one
+``ValueError`` line naming the field and what to change (``config_error``). An algorithm's
+own options (``sparse.options``, ``sparse.prefill.options``) are typed per algorithm, the
+model chosen by its name (``parse_options``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
@@ -29,6 +30,8 @@ class ConfigSection(BaseModel):
 
     # Keys that moved: old key -> its place under this section, which the error names.
     moved_keys: ClassVar[dict[str, str]] = {}
+    # Keys that are gone: old key -> the error's whole line, which says what became of it.
+    retired_keys: ClassVar[dict[str, str]] = {}
 
 
 def _power_of_two(value: int, low: int, high: int) -> int:
@@ -75,17 +78,16 @@ class ModelOptions(ConfigSection):
         return ModelConfig.from_folder(self.resolved_path(), self.hf_overrides)
 
 
-# Keys the cache section no longer takes, and what to write instead.
-_RETIRED_CACHE_KEYS = {
-    "offload": "cache.offload is now cache.kind: offloaded (offload true) or paged (offload false)",
-    **{key: (f"cache.{key} is no longer a setting: the GPU buffer's mechanisms keep their defaults "
-             "(studies move them through spin_cluster.kvcache.buffer_policy.BufferPolicy); remove it")
-       for key in ("buffer_pages_per_head", "per_head_shares", "elastic_shares", "buffer_reuse", "segment_pages")},
-    "lru_buckets": "cache.lru_buckets is no longer a setting (the GPU buffer's LRU keeps 64 recency buckets); remove it",
-}
-
-
 class CacheConfig(ConfigSection):
+    retired_keys: ClassVar[dict[str, str]] = {
+        "offload": "cache.offload is now cache.kind: offloaded (offload true) or paged (offload false)",
+        **{key: (f"cache.{key} is no longer a setting: the GPU buffer's mechanisms keep their defaults "
+                 "(studies move them through spin_cluster.kvcache.buffer_policy.BufferPolicy); remove it")
+           for key in ("buffer_pages_per_head", "per_head_shares", "elastic_shares", "buffer_reuse", "segment_pages")},
+        "lru_buckets": "cache.lru_buckets is no longer a setting (the GPU buffer's LRU keeps 64 recency buckets); "
+                       "remove it",
+    }
+
     kind: Literal["paged", "offloaded"] = Field("paged", description=(
         '"paged": every page in GPU memory (dense attention only). "offloaded": Spin, every page\'s '
         "home in host memory (pinned) or on the GPU while it has room, the GPU keeping a buffer "
@@ -138,15 +140,6 @@ class CacheConfig(ConfigSection):
         "multiple (>= 1) of the pages a step selects: the columns past 1x keep pages that recent "
         "steps selected (temporal locality). 0: no cap, a share may grow to the request's every "
         "page while the GPU buffer has room, so KV that fits the GPU is kept there whole."))
-
-    @model_validator(mode="before")
-    @classmethod
-    def _retired_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key, message in _RETIRED_CACHE_KEYS.items():
-                if key in data:
-                    raise ValueError(message)
-        return data
 
     @field_validator("page_size")
     @classmethod
@@ -466,10 +459,12 @@ def config_error(error: ValidationError, kind: type[BaseModel], where: tuple[str
     path = _dotted(where + loc)
     kind_, ctx, value = first["type"], first.get("ctx") or {}, first.get("input")
     if kind_ == "extra_forbidden":
-        moved = getattr(_section_at(kind, loc[:-1]), "moved_keys", {}).get(loc[-1])
-        if moved:
+        section = _section_at(kind, loc[:-1])
+        if retired := getattr(section, "retired_keys", {}).get(loc[-1]):
+            return retired
+        if moved := getattr(section, "moved_keys", {}).get(loc[-1]):
             return f"{path} moved to {_dotted(where + loc[:-1] + (moved,))}"
-        known = ", ".join(sorted(_section_at(kind, loc[:-1]).model_fields))
+        known = ", ".join(sorted(section.model_fields))
         what = "unknown config section" if not where and len(loc) == 1 else "unknown key"
         return f"{path}: {what}; known: {known}"
     if kind_ == "value_error" and _section_at(kind, loc) is not None:  # a check across a section's fields
