@@ -192,7 +192,7 @@ def main(argv=None) -> dict:
     config = SpinConfig.from_dict({
         "model": {"path": folder, "load_format": "dummy", "max_model_len": max_len,
                   **({"device": "cpu", "dtype": "float32"} if args.tiny else {"dtype": args.dtype})},
-        "cache": {"offload": True, "page_size": args.page_size, "kv_cache_gib": args.gpu_kv_gib,
+        "cache": {"kind": "offloaded", "page_size": args.page_size, "kv_cache_gib": args.gpu_kv_gib,
                   "host_kv_gib": args.host_kv_gib},
         "scheduler": {"max_num_seqs": args.batch, "max_num_batched_tokens": 64 if args.tiny else args.max_batched_tokens},
         "sparse": {"algorithm": "quest", "budget": args.budget, "sink_tokens": args.page_size,

@@ -5,7 +5,7 @@
 SmolLM2 on the offloaded cache with Quest selection, 8 requests of real text (Python's own
 documentation strings, about 1K tokens each) arriving together, 48 new tokens each. For a few
 GPU buffer sizes, elastic shares (sized from free slots and the queue) vs fixed shares
-(every request takes the full ``buffer_pages_per_head`` or waits): peak running requests,
+(every request takes the full share of ``BufferPolicy.pages_per_head`` or waits): peak running requests,
 buffer hit ratio, and wall time.
 """
 
@@ -43,18 +43,18 @@ def prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
 def run(model: str, device: str, columns_per_head: int, elastic: bool) -> dict:
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import Engine, SamplingParams
+    from spin_cluster.kvcache.buffer_policy import BufferPolicy
 
     # Slots for `columns_per_head` columns of every (layer, KV head): SmolLM2 30 x 3, fp32.
     slot_bytes = 2 * PAGE * 64 * 4
     gib = columns_per_head * 30 * 3 * slot_bytes / 2**30
     cfg = SpinConfig.from_dict({
         "model": {"path": model, "device": device, "dtype": "float32", "max_model_len": 2048},
-        "cache": {"offload": True, "page_size": PAGE, "kv_cache_gib": gib, "buffer_pages_per_head": MAX_SHARE,
-                  "elastic_shares": elastic},
+        "cache": {"kind": "offloaded", "page_size": PAGE, "kv_cache_gib": gib},
         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 2048},
         "sparse": {"algorithm": "quest", "budget": BUDGET, "sink_tokens": SINK, "local_tokens": LOCAL},
     })
-    eng = Engine(cfg, progress=False)
+    eng = Engine(cfg, progress=False, buffer_policy=BufferPolicy(pages_per_head=MAX_SHARE, elastic_shares=elastic))
     for p in prompts(eng.tokenizer, 8, 1000):
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     peak, t0 = 0, time.perf_counter()

@@ -42,7 +42,7 @@ def engines(device: str, folder: str, max_len: int) -> dict[str, dict]:
                       "dtype": "float32"},
             "cache": {"page_size": 16, "kv_cache_gib": 0.002},
             "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "async_decode": True}}
-    off = {**base["cache"], "offload": True, "host_kv_gib": 0.01}
+    off = {**base["cache"], "kind": "offloaded", "host_kv_gib": 0.01}
     quest = {"algorithm": "quest", "budget": max_len, "sink_tokens": 16, "local_tokens": 32,
              "options": {"index_dtype": "bfloat16"}}
     return {
@@ -50,9 +50,13 @@ def engines(device: str, folder: str, max_len: int) -> dict[str, dict]:
         "dense": base,
         "offloaded": {**base, "cache": {**off, "kv_cache_gib": 0.0008, "gpu_home_fraction": 0.0}},
         "quest": {**base, "cache": off, "sparse": quest},
-        "spilled": {**base, "cache": {**off, "kv_cache_gib": 0.0035, "gpu_home_fraction": 0.1, "segment_pages": 1},
-                    "sparse": quest},
+        "spilled": {**base, "cache": {**off, "kv_cache_gib": 0.0035, "gpu_home_fraction": 0.1}, "sparse": quest},
     }
+
+
+# The engines whose buffer runs another policy than the default (``BufferPolicy``'s fields):
+# one-page segments, so that the spilled engine's few GPU home pages fill and spill.
+POLICIES = {"spilled": {"segment_pages": 1}}
 
 
 def main(argv=None) -> int:
@@ -65,6 +69,7 @@ def main(argv=None) -> int:
     e2e._import_package()
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import Engine, SamplingParams
+    from spin_cluster.kvcache.buffer_policy import BufferPolicy
     from spin_cluster.models.shapes import LLAMA_31_8B, shape_folder
 
     max_len = 512
@@ -73,7 +78,7 @@ def main(argv=None) -> int:
     params = [SamplingParams(temperature=0, max_tokens=args.max_tokens - d, ignore_eos=True) for d in (0, 5, 11)]
     tokens, failed, result = {}, False, {}
     for name, cfg in engines(args.device, folder, max_len).items():
-        engine = Engine(SpinConfig.from_dict(cfg), progress=False)
+        engine = Engine(SpinConfig.from_dict(cfg), progress=False, buffer_policy=BufferPolicy(**POLICIES.get(name, {})))
         tokens[name] = [o.token_ids for o in engine.generate(prompts, params)]
         engine.check_integrity()
         stats = engine.last_stats

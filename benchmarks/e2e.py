@@ -132,7 +132,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="sparse modes: more sparse.options, e.g. channels=0.5 or index_dtype=float8_e4m3fn "
                          "(repeatable; over the bfloat16 index and the --coarse-* options)")
     ap.add_argument("--per-head-shares", action=argparse.BooleanOptionalAction, default=True,
-                    help="spin: cache.per_head_shares, each head's buffer share sized by its own S-HPLB budget")
+                    help="spin: BufferPolicy.per_head_shares, each head's buffer share sized by its own S-HPLB budget")
     ap.add_argument("--buffer-share", type=float, default=0.0,
                     help="spin: cache.buffer_share, a share's cap as a multiple of the pages a step selects "
                          "(0: none, shares grow into every free slot of the GPU memory budget)")
@@ -180,8 +180,9 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
     if mode == "dense":
         return cfg
     # Spin's pages live on the GPU while it has room (cache.gpu_home_fraction); the offload
-    # baselines keep every page's home on the host, as their names say.
-    cfg["cache"].update(offload=True, host_kv_gib=args.host_kv_gib, buffer_reuse=mode == "spin",
+    # baselines keep every page's home on the host, as their names say (and reuse nothing:
+    # ``mode_buffer_policy``).
+    cfg["cache"].update(kind="offloaded", host_kv_gib=args.host_kv_gib,
                         gpu_home_fraction=args.gpu_home_fraction if mode == "spin" else 0.0)
     if mode == "dense-offload":
         return cfg
@@ -190,7 +191,7 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
 
         sections = bundled.load(args.config)
         cfg["sparse"] = sections["sparse"]
-        cfg["cache"].update({k: v for k, v in sections["cache"].items() if k != "offload"},
+        cfg["cache"].update({k: v for k, v in sections["cache"].items() if k != "kind"},
                             buffer_share=args.buffer_share)
         return cfg
     # A bfloat16 index halves the bytes Select reads (Quest's bounds are rounded outward).
@@ -212,12 +213,22 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
         from spin_cluster.hplb.budget import synthetic_maxmin_budgets
 
         cfg["sparse"]["resident_margin"] = args.resident_margin
-        cfg["cache"].update(per_head_shares=args.per_head_shares, buffer_share=args.buffer_share,
-                            host_kv_dtype=getattr(args, "host_kv_dtype", "auto"))
+        cfg["cache"].update(buffer_share=args.buffer_share, host_kv_dtype=getattr(args, "host_kv_dtype", "auto"))
 
         cfg["sparse"]["per_head_budgets"] = synthetic_maxmin_budgets(
             shape["num_hidden_layers"], shape["num_key_value_heads"], args.budget, args.page_size)
     return cfg
+
+
+def mode_buffer_policy(mode: str, args):
+    """The offloaded cache's buffer mechanisms of ``mode`` (``BufferPolicy``): the offload
+    baselines retrieve every page a step reads (no reuse between steps); spin sizes its heads'
+    shares by their own budgets unless --no-per-head-shares."""
+    from spin_cluster.kvcache.buffer_policy import BufferPolicy
+
+    if mode == "spin":
+        return BufferPolicy(per_head_shares=args.per_head_shares)
+    return BufferPolicy(reuse=mode == "dense")  # dense: the paged cache, no buffer at all
 
 
 # ---- driving the engine ------------------------------------------------------------------------
@@ -464,7 +475,8 @@ def main(argv=None) -> dict:
     for mode in args.modes:
         t0 = time.monotonic()
         try:
-            engine = Engine(SpinConfig.from_dict(mode_config(mode, args, folder, max_len, shape)), progress=False)
+            engine = Engine(SpinConfig.from_dict(mode_config(mode, args, folder, max_len, shape)), progress=False,
+                            buffer_policy=mode_buffer_policy(mode, args))
         except (RuntimeError, ValueError) as e:  # e.g. the host tier cannot be pinned: the other modes still run
             print(f"[{mode}] could not build the engine: {type(e).__name__}: {e}", flush=True)
             results.setdefault("errors", {})[mode] = f"{type(e).__name__}: {e}"

@@ -54,8 +54,7 @@ def _engine(folder: str, longest: int, layers: int, prefill: dict, chunk: int | 
     cache, sparse = {"kv_cache_gib": kv_gib}, {"prefill": prefill}
     if spin:  # e2e.py's spin mode: home pages and the buffer in the same GPU bytes, a host tier
         page = 32
-        cache = {"kv_cache_gib": kv_gib, "page_size": page, "offload": True, "host_kv_gib": kv_gib,
-                 "buffer_reuse": True, "per_head_shares": True}
+        cache = {"kv_cache_gib": kv_gib, "page_size": page, "kind": "offloaded", "host_kv_gib": kv_gib}
         sparse = {"algorithm": "quest", "budget": 2048, "local_tokens": 2 * page, "sink_tokens": page,
                   "options": {"index_dtype": "bfloat16"}, "prefill": prefill,
                   "per_head_budgets": synthetic_maxmin_budgets(layers, HKV, 2048, page)}

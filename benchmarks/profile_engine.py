@@ -45,7 +45,7 @@ def main() -> None:
     sparse = {"algorithm": args.algorithm} if dense else {"algorithm": args.algorithm, "budget": args.budget}
     config = SpinConfig.from_dict({
         "model": {"path": path, "device": args.device, "max_model_len": args.length + args.max_tokens},
-        "cache": {"offload": not dense},
+        "cache": {"kind": "paged" if dense else "offloaded"},
         "scheduler": {"max_num_seqs": args.prompts, "max_num_batched_tokens": args.max_batched_tokens},
         "sparse": sparse,
     })

@@ -81,7 +81,8 @@ def main(argv=None) -> dict:
     total = prefill_steps + args.warmup + args.steps + 4 + (8 if args.mixed else 0) + 3 * args.drain
     max_len = args.context + total + args.page_size
     folder = shape_folder(shape, max_len, args.tokenizer, prefix="profile-model-")
-    engine = Engine(SpinConfig.from_dict(e2e.mode_config(args.mode, args, folder, max_len, shape)), progress=False)
+    engine = Engine(SpinConfig.from_dict(e2e.mode_config(args.mode, args, folder, max_len, shape)), progress=False,
+                    buffer_policy=e2e.mode_buffer_policy(args.mode, args))
     cuda = engine.device.type == "cuda"
 
     def sync():

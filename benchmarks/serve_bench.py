@@ -339,7 +339,8 @@ def build_engine(mode: str, args, folder: str, max_len: int, shape: dict):
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import Engine
 
-    engine = Engine(SpinConfig.from_dict(e2e.mode_config(mode, args, folder, max_len, shape)), progress=False)
+    engine = Engine(SpinConfig.from_dict(e2e.mode_config(mode, args, folder, max_len, shape)), progress=False,
+                    buffer_policy=e2e.mode_buffer_policy(mode, args))
     engine.warm_up([3 * args.page_size, *warm_lengths(args.input_len_dist)])
     return engine
 

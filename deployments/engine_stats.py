@@ -11,7 +11,7 @@ from typing import Any
 from spin_cluster.deployments.messages import EngineReport
 
 # Token pages used to measure a cache's pages per token page; a multiple of every
-# segment size (cache.segment_pages <= 1024), so whole segments divide it.
+# segment size (BufferPolicy.segment_pages <= 1024), so whole segments divide it.
 _PROBE_TOKEN_PAGES = 1024
 
 

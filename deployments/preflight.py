@@ -78,7 +78,7 @@ def _check_memory(config: AppConfig, mc: ModelConfig) -> None:
     way the whole tier is written at start-up, so it is resident from the first request."""
     plan = memory_plan(config, mc)
     cc = config.spin.cache
-    if cc.offload:
+    if cc.kind == "offloaded":
         setting, part = _gib_setting("cache.host_kv_gib", cc.host_kv_gib, DEFAULT_HOST_KV_GIB), plan.host_tier_bytes
     elif plan.page_pool_bytes:
         setting, part = _gib_setting("cache.kv_cache_gib", cc.kv_cache_gib, CPU_DEFAULT_KV_GIB), plan.page_pool_bytes
@@ -95,6 +95,7 @@ def memory_plan(config: AppConfig, mc: ModelConfig) -> MemoryPlan:
     """The app's bytes in this machine's memory, as the engine will allocate them."""
     import torch
 
+    from spin_cluster.kvcache.buffer_policy import DEFAULT_POLICY
     from spin_cluster.kvcache.sizing import gpu_budget_bytes, host_tier_bytes
     from spin_cluster.models.loader import weight_bytes
 
@@ -104,8 +105,9 @@ def memory_plan(config: AppConfig, mc: ModelConfig) -> MemoryPlan:
     # Head-parallel ranks on the CPU are processes of their own, each with the weights.
     ranks = config.ranks_per_engine(mc.num_kv_heads) if on_cpu else 0
     return MemoryPlan(
-        host_tier_bytes=host_tier_bytes(spin, mc, dtype, context) if spin.cache.offload else 0,
-        page_pool_bytes=int(gpu_budget_bytes(spin, torch.device("cpu"))) if on_cpu else 0,
+        host_tier_bytes=(host_tier_bytes(spin, mc, dtype, context, DEFAULT_POLICY.segment_pages)
+                         if spin.cache.kind == "offloaded" else 0),
+        page_pool_bytes=int(gpu_budget_bytes(spin, torch.device("cpu"), activation_bytes=0)) if on_cpu else 0,
         weight_bytes=ranks * weight_bytes(mc, dtype),
     )
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 # The cache settings of a bundled config that the eval keeps (the rest size or place pages).
-CACHE_KEYS = ("page_size", "host_kv_dtype", "offload")
+CACHE_KEYS = ("page_size", "host_kv_dtype", "kind")
 
 
 def bundled_names() -> list[str]:

@@ -359,7 +359,8 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
     if "options" in spread:  # top_p, beside the algorithm's own options
         spread["options"] = {**(sparse.get("options") or {}), **spread["options"]}
     sparse.update(spread)
-    cache = {"page_size": config.page_size, "offload": method.offloaded, "buffer_share": config.buffer_share}
+    cache = {"page_size": config.page_size, "kind": "offloaded" if method.offloaded else "paged",
+             "buffer_share": config.buffer_share}
     if method.offloaded:
         cache["host_kv_dtype"] = config.host_kv_dtype
     return _engine_config(config, model_path, cache, sparse)
@@ -373,7 +374,7 @@ def _bundled_config(config: EvalConfig, model_path: str, method: Method, sparse:
 
 def _engine_config(config: EvalConfig, model_path: str, cache: dict, sparse: dict) -> SpinConfig:
     max_len = max(config.lengths)
-    if cache.get("offload"):
+    if cache.get("kind") == "offloaded":
         # The sizes below give the buffer the whole GPU budget and the host every page, as the
         # published runs had it: the hit ratio the table reports is the buffer's. Where a page
         # lives does not change what attention computes unless host_kv_dtype is fp8, and then
@@ -402,6 +403,7 @@ def _cache_sizes(config: EvalConfig, model_path: str, max_len: int, page_size: i
     """GPU pages (or buffer) and host tier for ``max_batch`` requests of ``max_len`` tokens,
     instead of the engine's machine-wide defaults."""
     from spin_cluster.engine.engine import resolve_device, resolve_dtype
+    from spin_cluster.kvcache.buffer_policy import DEFAULT_POLICY
     from spin_cluster.kvcache.host_tier import HostTier
     from spin_cluster.kvcache.page_pool import PagePool
     from spin_cluster.models.config import ModelConfig
@@ -409,7 +411,7 @@ def _cache_sizes(config: EvalConfig, model_path: str, max_len: int, page_size: i
     mc = ModelConfig.from_folder(model_path, config.hf_overrides)
     dtype = resolve_dtype(config.dtype, resolve_device(config.device))
     columns = mc.num_layers * mc.num_kv_heads  # pages of one token position
-    S, E = page_size, SpinConfig().cache.segment_pages
+    S, E = page_size, DEFAULT_POLICY.segment_pages
     pages = -(-max_len // S)
     gpu_bytes = config.max_batch * pages * columns * PagePool.bytes_per_page(S, mc.head_dim, dtype)
     host_bytes = config.max_batch * -(-pages // E) * columns * HostTier.bytes_per_segment(E, S, mc.head_dim, dtype)

@@ -82,10 +82,10 @@ class Method:
 
     @property
     def offloaded(self) -> bool:
-        """Runs on the offloaded cache; only "dense" itself (and a bundled config without
-        offload) runs on the GPU-only one."""
+        """Runs on the offloaded cache; only "dense" itself (and a bundled config of the
+        paged cache) runs on the GPU-only one."""
         if self.config is not None:
-            return bool(self.bundled_sections()["cache"].get("offload", False))
+            return self.bundled_sections()["cache"].get("kind", "paged") == "offloaded"
         return self.algorithm != "dense"
 
     def bundled_sections(self) -> dict:

@@ -3,15 +3,16 @@
 Every field says its unit and range (``Field(description=...)``, with its bounds as ``ge``/
 ``gt``/``le`` constraints); checks that span fields are ``model_validator``s. Every section
 forbids unknown keys, so that a typo in a YAML file is an error, not a silently ignored
-setting, and a key that moved is an error naming its new place. ``SpinConfig.from_dict`` turns
-a validation failure into one ``ValueError`` line naming the field and what to change
-(``config_error``). An algorithm's own options (``sparse.options``, ``sparse.prefill.options``)
-are typed per algorithm, the model chosen by its name (``parse_options``).
+setting, a key that moved is an error naming its new place, and one that is gone an error
+saying what became of it. ``SpinConfig.from_dict`` turns a validation failure into one
+``ValueError`` line naming the field and what to change (``config_error``). An algorithm's
+own options (``sparse.options``, ``sparse.prefill.options``) are typed per algorithm, the
+model chosen by its name (``parse_options``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
@@ -29,6 +30,8 @@ class ConfigSection(BaseModel):
 
     # Keys that moved: old key -> its place under this section, which the error names.
     moved_keys: ClassVar[dict[str, str]] = {}
+    # Keys that are gone: old key -> the error's whole line, which says what became of it.
+    retired_keys: ClassVar[dict[str, str]] = {}
 
 
 def _power_of_two(value: int, low: int, high: int) -> int:
@@ -76,79 +79,72 @@ class ModelOptions(ConfigSection):
 
 
 class CacheConfig(ConfigSection):
+    retired_keys: ClassVar[dict[str, str]] = {
+        "offload": "cache.offload is now cache.kind: offloaded (offload true) or paged (offload false)",
+        **{key: (f"cache.{key} is no longer a setting: the GPU buffer's mechanisms keep their defaults "
+                 "(studies move them through spin_cluster.kvcache.buffer_policy.BufferPolicy); remove it")
+           for key in ("buffer_pages_per_head", "per_head_shares", "elastic_shares", "buffer_reuse", "segment_pages")},
+        "lru_buckets": "cache.lru_buckets is no longer a setting (the GPU buffer's LRU keeps 64 recency buckets); "
+                       "remove it",
+    }
+
+    kind: Literal["paged", "offloaded"] = Field("paged", description=(
+        '"paged": every page in GPU memory (dense attention only). "offloaded": Spin, every page\'s '
+        "home in host memory (pinned) or on the GPU while it has room, the GPU keeping a buffer "
+        "of page slots for the host pages a sparse algorithm selects. A model with sliding-window "
+        "layers (Gemma 3) takes the hybrid cache under offloaded: its window layers paged, its "
+        "full-attention layers offloaded."))
     page_size: int = Field(16, description=(
         "Tokens per physical page; each page holds one (layer, KV head). Power of two, 1..256."))
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description=(
+        "The share of the GPU's total memory the engine may use, in (0, 1], as vLLM's "
+        "gpu_memory_utilization: the weights, a full step's activations and the KV cache "
+        "together, so the KV cache gets what the model leaves of it (the rest of the GPU is "
+        "left to the CUDA context and other processes). Used when kv_cache_gib is null; unused "
+        "on the CPU (2 GiB)."))
     kv_cache_gib: float | None = Field(None, gt=0, description=(
-        "GPU memory of the KV cache in GiB, > 0: the K+V page pool; with offload, the GPU buffer, the "
-        "GPU home pages and the sparse algorithm's index (Select's page summaries) together; null: 85% "
-        "of free GPU memory on CUDA, 2 GiB on CPU."))
-    offload: StrictBool = Field(False, description=(
-        "Spin: every page's home is host memory (pinned), the GPU keeps a buffer of page slots."))
+        "GPU memory of the KV cache in GiB, > 0: the K+V page pool; on the offloaded cache, the GPU "
+        "buffer, the GPU home pages and the sparse algorithm's index (Select's page summaries) "
+        "together. null: what gpu_memory_utilization leaves on CUDA, 2 GiB on the CPU."))
     enable_prefix_caching: StrictBool = Field(True, description=(
-        "GPU-only cache: requests whose leading tokens equal an earlier request's (a chat "
+        "Paged cache: requests whose leading tokens equal an earlier request's (a chat "
         "template, a system prompt, a repeated prompt) reuse the K/V of its full pages and "
         "prefill from there. Idle cached pages count as free and are evicted least recently used "
-        "first. Ignored with offload (Spin's cache shares no pages), and off for models with "
-        "sliding-window layers (Gemma 3), whose pages behind the window are freed."))
+        "first. Ignored on the offloaded cache (Spin's cache shares no pages), and off for models "
+        "with sliding-window layers (Gemma 3), whose pages behind the window are freed."))
     host_kv_gib: float | None = Field(None, ge=0, description=(
-        "Host tier size in GiB (offload), >= 0; null: 8 GiB; 0: no host tier (every page on the "
-        "GPU, which needs gpu_home_fraction > 0). It must fit the memory of the machine that runs "
-        "the engine (pinned pages are never swapped out)."))
+        "Host tier size in GiB (offloaded cache), >= 0; null: 8 GiB; 0: no host tier (every page "
+        "on the GPU, which needs gpu_home_fraction > 0). It must fit the memory of the machine that "
+        "runs the engine (pinned pages are never swapped out)."))
     host_kv_dtype: Literal["auto", "fp8"] = Field("auto", description=(
-        'Offload: how host pages hold K and V. "auto": the model\'s dtype; "fp8": e4m3 with a '
+        'Offloaded cache: how host pages hold K and V. "auto": the model\'s dtype; "fp8": e4m3 with a '
         "float32 scale per token row, half the host bytes (twice the pages in host_kv_gib) and "
         "half the PCIe bytes of a retrieved page, dequantised on the way to the GPU."))
     kv_cache_dtype: Literal["auto", "float16", "float32"] | None = Field("auto", description=(
-        'The paged cache\'s K/V pages (offload false; the offloaded cache\'s host pages take '
-        'host_kv_dtype). "auto": the model\'s dtype, as vLLM\'s --kv-cache-dtype auto; "float16", '
+        'The paged cache\'s K/V pages (the offloaded cache\'s host pages take host_kv_dtype). '
+        '"auto": the model\'s dtype, as vLLM\'s --kv-cache-dtype auto; "float16", '
         '"float32": pages of that type on the CPU (widened to float32 as they are read; on a GPU '
         "only the model's dtype). null (the bundled serving config's choice): float16 on a CPU "
         "whose native decode kernel reads it, when the model runs in float32 -- half the bytes a "
         "decode step reads (a 16-row step of SmolLM2-135M at 580 tokens: 427 against 213 MB), the "
         "scores and sums still in float32 -- else the model's dtype."))
     gpu_home_fraction: float | None = Field(None, ge=0, lt=1, description=(
-        "Offload: the share of the GPU KV memory, in [0, 1), that holds pages at home; the rest "
-        "is the buffer's slots, which cache the host pages Select picks. A page is born on the GPU "
-        "while there is room and moves to the host, coldest first, only when the GPU is full, so "
+        "Offloaded cache: the share of the GPU KV memory, in [0, 1), that holds pages at home; the "
+        "rest is the buffer's slots, which cache the host pages Select picks. A page is born on the "
+        "GPU while there is room and moves to the host, coldest first, only when the GPU is full, so "
         "the cache holds what the GPU and the host hold together. null: the buffer gets the "
         "selected pages of max_num_seqs requests 1.25 times over (at most half the memory), home "
         "pages the rest; 0: the host is every page's home and the GPU a buffer of copies."))
-    buffer_pages_per_head: int = Field(0, ge=0, description=(
-        "GPU buffer share per (request, layer, KV head), in pages, >= the pages a step selects "
-        "(sink + budget + local); 0: buffer_share times those."))
     buffer_share: float = Field(0.0, description=(
-        "The share's cap, when buffer_pages_per_head is 0, as a multiple (>= 1) of the pages a "
-        "step selects: the columns past 1x keep pages that recent steps selected (temporal "
-        "locality). 0: no cap, a share may grow to the request's every page while the GPU buffer "
-        "has room (elastic_shares), so KV that fits the GPU is kept there whole."))
-    segment_pages: int = Field(64, description=(
-        "Host pages per second-level segment of the page table (offload), power of two 1..1024. "
-        "The GPU directory is 1/segment_pages of a flat table; a request's last segment may be "
-        "partly unused (at most segment_pages - 1 host pages per layer and head)."))
-    lru_buckets: int = Field(64, ge=2, le=1024, description="Recency buckets of the buffer's LRU, 2..1024.")
-    elastic_shares: StrictBool = Field(True, description=(
-        "Size each newcomer's buffer share from the free slots and the queue behind it (down to "
-        "its mandatory pages); false: every request takes buffer_pages_per_head or waits."))
-    per_head_shares: StrictBool = Field(True, description=(
-        "With sparse.per_head_budgets (top-k): size each head's share by its own selection "
-        "(buffer_share times sink + its budget + local) instead of the widest head's, so a "
-        "request's share takes a fraction of the slots and more requests fit the same GPU cap "
-        "(without per-head top-k budgets it has no effect). Sized by the widest head, the buffer of "
-        "max_num_seqs requests took 42 of 100 GiB at 4 x 128K on Llama-3.1-8B shapes and pushed "
-        "a sixth of the pages to the host; by each head's own, 5 GiB, and every page stays home."))
-    buffer_reuse: StrictBool = Field(True, description=(
-        "Keep selected pages in the GPU buffer between steps (temporal locality); false: every "
-        "page a step selects is retrieved from the host tier again (the no-buffer baseline)."))
+        "Offloaded cache: the cap of each (request, layer, KV head)'s GPU buffer share, as a "
+        "multiple (>= 1) of the pages a step selects: the columns past 1x keep pages that recent "
+        "steps selected (temporal locality). 0: no cap, a share may grow to the request's every "
+        "page while the GPU buffer has room, so KV that fits the GPU is kept there whole."))
 
     @field_validator("page_size")
     @classmethod
     def _page_size(cls, value: int) -> int:
         return _power_of_two(value, 1, 256)
-
-    @field_validator("segment_pages")
-    @classmethod
-    def _segment_pages(cls, value: int) -> int:
-        return _power_of_two(value, 1, 1024)
 
     @field_validator("buffer_share")
     @classmethod
@@ -159,9 +155,9 @@ class CacheConfig(ConfigSection):
 
     @model_validator(mode="after")
     def _kv_dtype_on_paged_cache(self) -> CacheConfig:
-        if self.offload and self.kv_cache_dtype not in (None, "auto"):
-            raise ValueError(f"cache.kv_cache_dtype={self.kv_cache_dtype!r} applies to the paged cache (offload "
-                             "false); the offloaded cache's host pages take cache.host_kv_dtype")
+        if self.kind == "offloaded" and self.kv_cache_dtype not in (None, "auto"):
+            raise ValueError(f"cache.kv_cache_dtype={self.kv_cache_dtype!r} applies to the paged cache; the "
+                             "offloaded cache's host pages take cache.host_kv_dtype")
         return self
 
 
@@ -421,7 +417,7 @@ class SpinConfig(ConfigSection):
             if rows is not None and (len(rows) != mc.num_layers or any(len(r) != mc.num_kv_heads for r in rows)):
                 raise ValueError(f"{name} must be [{mc.num_layers}][{mc.num_kv_heads}] (layers x KV heads) "
                                  "for this model")
-        if self.cache.offload and self.sparse.dense_layers > mc.num_layers:
+        if self.cache.kind == "offloaded" and self.sparse.dense_layers > mc.num_layers:
             raise ValueError(f"sparse.dense_layers={self.sparse.dense_layers}: the model has {mc.num_layers} layers")
 
     def head_parallel_refusal(self) -> str | None:
@@ -430,10 +426,10 @@ class SpinConfig(ConfigSection):
         They run the GPU-only paged cache and the offloaded Spin cache with any Select that
         scores each KV head on its own, and dense prefill; the engine refuses the rest with
         this message, and the serving config checks it before any engine starts."""
-        if self.cache.offload and self.sparse.algorithm == "seer":
+        if self.cache.kind == "offloaded" and self.sparse.algorithm == "seer":
             return ("head-parallel ranks cannot run seer for now (its gate holds weights per layer and KV head "
                     "of the whole model): use another sparse.algorithm")
-        if self.cache.offload and self.sparse.top_p is not None:
+        if self.cache.kind == "offloaded" and self.sparse.top_p is not None:
             return ("head-parallel ranks cannot run top-p Select (a layer's heads share one budget across ranks): "
                     "leave sparse.options.top_p out")
         if self.sparse.prefill.algorithm != "dense":
@@ -463,10 +459,12 @@ def config_error(error: ValidationError, kind: type[BaseModel], where: tuple[str
     path = _dotted(where + loc)
     kind_, ctx, value = first["type"], first.get("ctx") or {}, first.get("input")
     if kind_ == "extra_forbidden":
-        moved = getattr(_section_at(kind, loc[:-1]), "moved_keys", {}).get(loc[-1])
-        if moved:
+        section = _section_at(kind, loc[:-1])
+        if retired := getattr(section, "retired_keys", {}).get(loc[-1]):
+            return retired
+        if moved := getattr(section, "moved_keys", {}).get(loc[-1]):
             return f"{path} moved to {_dotted(where + loc[:-1] + (moved,))}"
-        known = ", ".join(sorted(_section_at(kind, loc[:-1]).model_fields))
+        known = ", ".join(sorted(section.model_fields))
         what = "unknown config section" if not where and len(loc) == 1 else "unknown key"
         return f"{path}: {what}; known: {known}"
     if kind_ == "value_error" and _section_at(kind, loc) is not None:  # a check across a section's fields

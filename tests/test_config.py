@@ -7,14 +7,24 @@ from spin_cluster.config import CacheConfig, SpinConfig
 
 @pytest.mark.parametrize("data, message", [
     ({"cache": {"page_size": 3}}, "cache.page_size=3: use a power of two in 1..256"),
-    ({"cache": {"lru_buckets": 1}}, "cache.lru_buckets=1: must be >= 2"),
+    ({"cache": {"gpu_memory_utilization": 0}}, "cache.gpu_memory_utilization=0: must be > 0"),
+    ({"cache": {"gpu_memory_utilization": 1.5}}, "cache.gpu_memory_utilization=1.5: must be <= 1"),
     ({"cache": {"host_kv_gib": -1}}, "cache.host_kv_gib=-1: must be >= 0"),
     ({"cache": {"gpu_home_fraction": 1}}, "cache.gpu_home_fraction=1: must be < 1"),
     ({"cache": {"host_kv_dtype": "int4"}}, "cache.host_kv_dtype='int4': choose one of 'auto' or 'fp8'"),
-    ({"cache": {"offload": "yes"}}, "cache.offload='yes': use true or false"),
+    ({"cache": {"kind": "host"}}, "cache.kind='host': choose one of 'paged' or 'offloaded'"),
+    ({"cache": {"offload": True}}, "cache.offload is now cache.kind: offloaded (offload true) or paged (offload false)"),
+    ({"cache": {"offload": False, "page_size": 8}},
+     "cache.offload is now cache.kind: offloaded (offload true) or paged (offload false)"),
+    ({"cache": {"segment_pages": 16}}, "cache.segment_pages is no longer a setting: the GPU buffer's mechanisms keep "
+     "their defaults (studies move them through spin_cluster.kvcache.buffer_policy.BufferPolicy); remove it"),
+    ({"cache": {"lru_buckets": 8}}, "cache.lru_buckets is no longer a setting (the GPU buffer's LRU keeps 64 recency "
+     "buckets); remove it"),
+    ({"cache": {"buffer_reuse": False}}, "cache.buffer_reuse is no longer a setting: the GPU buffer's mechanisms keep "
+     "their defaults (studies move them through spin_cluster.kvcache.buffer_policy.BufferPolicy); remove it"),
     ({"cache": {"kv_cache_dtype": "int8"}}, "cache.kv_cache_dtype='int8': choose one of 'auto', 'float16' or 'float32'"),
-    ({"cache": {"offload": True, "kv_cache_dtype": "float16"}}, "cache.kv_cache_dtype='float16' applies to the paged "
-     "cache (offload false); the offloaded cache's host pages take cache.host_kv_dtype"),
+    ({"cache": {"kind": "offloaded", "kv_cache_dtype": "float16"}}, "cache.kv_cache_dtype='float16' applies to the paged "
+     "cache; the offloaded cache's host pages take cache.host_kv_dtype"),
     ({"cache": ["page_size"]}, "cache=['page_size']: must be a mapping, got list"),
     ({"model": {"dtype": "int8"}}, "model.dtype='int8': choose one of 'auto', 'float32', 'bfloat16' or 'float16'"),
     ({"model": {"max_model_len": 1.5}}, "model.max_model_len=1.5: use an integer"),
@@ -39,9 +49,9 @@ from spin_cluster.config import CacheConfig, SpinConfig
      "sparse.prefill.options: 'dense' takes no option 'budget'; its options: none"),
     ({"sparse": {"prefill": {"algorithm": "block", "block_size": 32}}},
      "sparse.prefill.block_size moved to sparse.prefill.options.block_size"),
-    ({"cache": {"segment": 4}}, "cache.segment: unknown key; known: buffer_pages_per_head, buffer_reuse, "
-     "buffer_share, elastic_shares, enable_prefix_caching, gpu_home_fraction, host_kv_dtype, host_kv_gib, "
-     "kv_cache_dtype, kv_cache_gib, lru_buckets, offload, page_size, per_head_shares, segment_pages"),
+    ({"cache": {"segment": 4}}, "cache.segment: unknown key; known: buffer_share, enable_prefix_caching, "
+     "gpu_home_fraction, gpu_memory_utilization, host_kv_dtype, host_kv_gib, kind, kv_cache_dtype, kv_cache_gib, "
+     "page_size"),
     ({"caches": {}}, "caches: unknown config section; known: cache, model, scheduler, sparse"),
 ])
 def test_a_bad_value_is_one_line_naming_the_field(data, message):

@@ -32,6 +32,7 @@ from spin_cluster.engine.cache_builder import build_cache
 from spin_cluster.engine.detokenizer import Detokenizer
 from spin_cluster.engine.grammar import Grammars
 from spin_cluster.engine.logprobs import TokenLogprobs, raw_logprobs, token_logprobs
+from spin_cluster.kvcache.buffer_policy import DEFAULT_POLICY, BufferPolicy
 from spin_cluster.models import ModelConfig, cpu_linear, load_model, random_model
 from spin_cluster.tokenizer import Tokenizer
 
@@ -74,8 +75,12 @@ class Engine:
     # model.cpu_packed_gemms applies (head-parallel ranks hold split-K weight shards: no)
     packs_cpu_gemms = True
 
-    def __init__(self, config: SpinConfig | None = None, *, decode_attention: str = "auto", progress: bool = True) -> None:
+    def __init__(self, config: SpinConfig | None = None, *, decode_attention: str = "auto", progress: bool = True,
+                 buffer_policy: BufferPolicy = DEFAULT_POLICY) -> None:
+        """``buffer_policy``: the offloaded cache's buffer mechanisms past the config's
+        (``kvcache.buffer_policy``); studies and tests set it, serving keeps the default."""
         self.config = config = config or SpinConfig()
+        self.buffer_policy = buffer_policy
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         path = config.model.resolved_path()
@@ -119,9 +124,8 @@ class Engine:
 
     def _build_cache(self, decode_attention: str):
         """(kv manager, attention backend) for ``self.model``; runs after max_model_len is known."""
-        return build_cache(
-            self.config, self.model.config, self.dtype, self.device, self.max_model_len, decode_attention
-        )
+        return build_cache(self.config, self.model.config, self.dtype, self.device, self.max_model_len, decode_attention,
+                           self.buffer_policy)
 
     # ---- requests ---------------------------------------------------------------------------
 

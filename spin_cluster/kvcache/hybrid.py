@@ -69,7 +69,7 @@ class HybridKVCache(KVCache):
     def __init__(self, split: LayerSplit, paged: KVCacheManager, spin: OffloadedKVManager) -> None:
         if not split.global_layers:
             raise ValueError("a model whose every layer has a sliding window needs no Spin cache: "
-                             "set cache.offload=false")
+                             "set cache.kind=paged")
         if paged.num_layers != len(split.window_layers) or spin.num_layers != len(split.global_layers):
             raise ValueError(f"the parts hold {paged.num_layers} window and {spin.num_layers} global layers; "
                              f"the model has {len(split.window_layers)} and {len(split.global_layers)}")

@@ -22,7 +22,7 @@ import dataclasses
 import torch
 
 from spin_cluster.kvcache.base import NO_PREFIX, KVCache, PrefixHit
-from spin_cluster.kvcache.buffer import GpuBuffer, InstallPlan
+from spin_cluster.kvcache.buffer import DEFAULT_NUM_BUCKETS, GpuBuffer, InstallPlan
 from spin_cluster.kvcache.directory import SegmentDirectory
 from spin_cluster.kvcache.homes import PageHomes
 from spin_cluster.kvcache.host_tier import HostTier
@@ -47,7 +47,7 @@ class OffloadedKVManager(KVCache):
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        num_buckets: int = 64,
+        num_buckets: int = DEFAULT_NUM_BUCKETS,
         elastic_shares: bool = True,
         reuse: bool = True,
         head_widths: list[list[int]] | None = None,
@@ -63,8 +63,8 @@ class OffloadedKVManager(KVCache):
         device = torch.device(device)
         if buffer_pages_per_head < mandatory_pages_per_head:
             raise ValueError(
-                f"cache.buffer_pages_per_head={buffer_pages_per_head} is below the pages a step "
-                f"selects per head ({mandatory_pages_per_head}: sink + budget + local); raise it"
+                f"a GPU buffer share of {buffer_pages_per_head} pages per head (BufferPolicy.pages_per_head) is below "
+                f"the pages a step selects per head ({mandatory_pages_per_head}: sink + budget + local); raise it"
             )
         self.page_size = page_size
         self.num_layers = num_layers

@@ -30,7 +30,7 @@ from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.kernels import paged_decode_cpu
 from spin_cluster.kvcache.page_pool import PagePool
-from spin_cluster.kvcache.sizing import gpu_budget_bytes, num_gpu_pages
+from spin_cluster.kvcache.sizing import gpu_budget_bytes, num_gpu_pages, step_activation_bytes
 from spin_cluster.models import ModelConfig
 from spin_cluster.parallel.group import all_gather_floats, all_reduce_min
 from spin_cluster.parallel.timing import LayerTimer
@@ -198,7 +198,8 @@ class HeadParallelSpinAttention(_RankBackend, PlannedCapture):
             rows = config.sparse.per_head_budgets
             sparse["per_head_budgets"] = [[rows[layer][h] for h in heads] + [0] * (width - len(heads))
                                           for layer, heads in enumerate(kv_heads)]
-        gpu_bytes = all_reduce_min(int(gpu_budget_bytes(config, device)), group)
+        activation_bytes = step_activation_bytes(config, rank_mc, dtype, max_model_len)
+        gpu_bytes = all_reduce_min(int(gpu_budget_bytes(config, device, activation_bytes)), group)
         return config.replace(cache={"kv_cache_gib": gpu_bytes / 2**30}, sparse=sparse), rank_mc
 
     @classmethod

@@ -32,6 +32,7 @@ from spin_cluster.engine.cache_builder import build_cache, cache_kind
 from spin_cluster.engine.engine import Engine
 from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.hplb.plan import plan_heads
+from spin_cluster.kvcache.buffer_policy import DEFAULT_POLICY, BufferPolicy
 from spin_cluster.models import ModelConfig
 from spin_cluster.parallel.attention import RANK_BACKENDS
 from spin_cluster.parallel.shard import shard_attention, shard_mlp
@@ -80,6 +81,7 @@ class HeadParallelEngine(Engine):
         group=None,
         decode_attention: str = "auto",
         progress: bool = True,
+        buffer_policy: BufferPolicy = DEFAULT_POLICY,
     ) -> None:
         config = config or SpinConfig()
         if not dist.is_initialized():
@@ -98,7 +100,7 @@ class HeadParallelEngine(Engine):
         self.placement = placement
         self._rank_s_total = [0.0] * self.num_ranks
         self._bubble_s_total = 0.0
-        super().__init__(config, decode_attention=decode_attention, progress=progress)
+        super().__init__(config, decode_attention=decode_attention, progress=progress, buffer_policy=buffer_policy)
 
     def _load_model(self, path: str, progress: bool):
         model = super()._load_model(path, progress and self.rank == 0)
@@ -117,11 +119,12 @@ class HeadParallelEngine(Engine):
         kind = cache_kind(self.config, self.model.config)
         if kind not in RANK_BACKENDS:
             raise ValueError(f"head-parallel ranks cannot run the {kind} cache (sliding-window layers on the "
-                             "offloaded cache) for now: run one rank, or set cache.offload=false")
+                             "offloaded cache) for now: run one rank, or set cache.kind=paged")
         rank_backend = RANK_BACKENDS[kind]
         config, rank_mc = rank_backend.rank_cache(self.config, self.model.config, self.placement, self.rank,
                                                   self.dtype, self.device, self.max_model_len, self.group)
-        kv, inner = build_cache(config, rank_mc, self.dtype, self.device, self.max_model_len, decode_attention)
+        kv, inner = build_cache(config, rank_mc, self.dtype, self.device, self.max_model_len, decode_attention,
+                                self.buffer_policy)
         self.attention = rank_backend.over(inner, self.kv_heads, self.model.config, self.group)
         return kv, self.attention
 

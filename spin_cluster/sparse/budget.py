@@ -194,4 +194,5 @@ def plan_config(spin: SpinConfig, mc: ModelConfig, *, floor_fraction: float = 0.
                       context_tokens=context, budget_tokens=budget_tokens(sp, context), sink_tokens=sp.sink_tokens,
                       local_tokens=sp.local_tokens, dense_layers=sp.dense_layers, per_head_budgets=sp.per_head_budgets,
                       floor_fraction=floor_fraction, floor_tokens=floor_tokens(sp), rounding=rounding,
-                      max_heads_per_rank=spin.cache.offload, method=method, sparse_layers=mc.full_attention_layers())
+                      max_heads_per_rank=spin.cache.kind == "offloaded", method=method,
+                      sparse_layers=mc.full_attention_layers())

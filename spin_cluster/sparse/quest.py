@@ -100,7 +100,7 @@ class Quest(SparseAlgorithm):
             self.num_index_pages = self.max_seqs * self._row_stride
         elif GP and self.num_index_pages % GP:
             raise ValueError(f"sparse.options.coarse_pages={GP} must divide the index's {self.num_index_pages} pages "
-                             "(segments of cache.segment_pages)")
+                             "(segments of BufferPolicy.segment_pages)")
         n = self.num_index_pages * self.blocks_per_page + 1
         shape = (self.num_layers, n, self.num_kv_heads, self.head_dim)
         self.kmin = torch.full(shape, float("inf"), dtype=self.index_dtype, device=self.device)
@@ -122,7 +122,7 @@ class Quest(SparseAlgorithm):
     def bind_pages(self, logical_ids, segment_pages):
         if self.coarse_pages and segment_pages % self.coarse_pages:
             raise ValueError(f"sparse.options.coarse_pages={self.coarse_pages} must divide the cache's segments of "
-                             f"{segment_pages} pages (cache.segment_pages)")
+                             f"{segment_pages} pages (BufferPolicy.segment_pages)")
         super().bind_pages(logical_ids, segment_pages)
 
     def index_page_ids(self, rows, pages):

@@ -40,9 +40,12 @@ def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path, cap
     bench = load("e2e")
     args = bench["parse_args"](["--tiny", "--resident-margin", "0.5"])
     assert bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["resident_margin"] == 0.5
-    args = bench["parse_args"](["--tiny", "--per-head-shares", "--buffer-share", "4"])
+    args = bench["parse_args"](["--tiny", "--no-per-head-shares", "--buffer-share", "4"])
     cache = bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["cache"]
-    assert cache["per_head_shares"] is True and cache["buffer_share"] == 4.0
+    assert cache["kind"] == "offloaded" and cache["buffer_share"] == 4.0
+    assert bench["mode_buffer_policy"]("spin", args).per_head_shares is False
+    # The offload baselines reuse no page between steps; spin and dense keep the default buffer.
+    assert [bench["mode_buffer_policy"](m, args).reuse for m in bench["MODES"]] == [True, False, False, True]
     args = bench["parse_args"](["--tiny", "--coarse-pages", "16", "--coarse-factor", "2"])
     options = bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["options"]
     assert options == {"index_dtype": "bfloat16", "coarse_pages": 16, "coarse_factor": 2, "coarse_split": True}
@@ -194,7 +197,8 @@ def test_rooflines_count_the_window_layers_windows():
     r = {"decode_tok_s": 100.0, "peak_decode_batch": 2, "decode_steps": 0}
     got = {}
     for mode in ("dense", "spin"):
-        engine = Engine(SpinConfig.from_dict(bench["mode_config"](mode, args, folder, 512, shape)), progress=False)
+        engine = Engine(SpinConfig.from_dict(bench["mode_config"](mode, args, folder, 512, shape)), progress=False,
+                        buffer_policy=bench["mode_buffer_policy"](mode, args))
         got[mode] = bench["step_roofline"](engine, r, 400, 1e12)
         layer = 2 * shape["num_key_value_heads"] * shape["head_dim"] * 4  # float32 K and V of a token
         window = sum(min(400, shape["sliding_window"]) for t in shape["layer_types"] if t == "sliding_attention")

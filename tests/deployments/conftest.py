@@ -34,8 +34,7 @@ def spin_app_config(model_path: str) -> dict:
     return {
         "config": "spin-quest",
         "model": {"path": model_path, "device": "cpu", "dtype": "float32", "max_model_len": 1024},
-        "cache": {"offload": True, "page_size": 16, "host_kv_gib": 1.0, "kv_cache_gib": 0.5, "segment_pages": 8,
-                  "gpu_home_fraction": 0.0},
+        "cache": {"kind": "offloaded", "page_size": 16, "host_kv_gib": 1.0, "kv_cache_gib": 0.5, "gpu_home_fraction": 0.0},
         "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 1024},
         "sparse": {"algorithm": "quest", "budget": 64, "sink_tokens": 16, "local_tokens": 32},
         "serve": {"model_name": "smollm2", "max_waiting_requests": 64, "engine_num_cpus": 1.0,

@@ -1,12 +1,13 @@
 """docs/config.md is generated from the config models and current; `spin-cluster config show`
 prints a bundled config resolved, and a bad name is one error line."""
 
+import pytest
 import yaml
 
 from spin_cluster import cli
 from spin_cluster.config import SpinConfig
 from spin_cluster.deployments import config_docs
-from spin_cluster.deployments.settings import ServeOptions
+from spin_cluster.deployments.settings import CONFIG_DIR, ServeOptions
 
 from pathlib import Path
 
@@ -40,7 +41,14 @@ def test_config_show_prints_a_bundled_config_resolved(capsys):
     assert shown["cache"]["page_size"] == 32 and shown["cache"]["host_kv_dtype"] == "fp8"
     assert shown["serve"]["max_waiting_requests"] == 256
     assert shown["scheduler"]["max_num_seqs"] == 64  # a default the file sets, beside ones it leaves out
-    assert "lru_buckets" in shown["cache"]
+    assert shown["cache"]["kind"] == "offloaded" and shown["cache"]["kv_cache_gib"] is None
+    assert shown["cache"]["gpu_memory_utilization"] == 0.9 and "enable_prefix_caching" in shown["cache"]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+def test_config_show_prints_every_bundled_config(name, capsys):
+    assert cli.main(["config", "show", "--config", name]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["cache"]["kind"] in ("paged", "offloaded")
 
 
 def test_config_show_of_an_unknown_config_is_one_error_line(capsys):

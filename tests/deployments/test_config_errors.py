@@ -32,7 +32,7 @@ BAD = {
                                   "error: sparse.prefill.algorithm='nope': choose one of 'dense' or 'block'"),
     # Every row of 4096 at the full 8192 tokens: the tier is held to its rows' use, 1440 GiB in fp32.
     "host tier over the memory": (
-        f"cache: {{offload: true, host_kv_gib: {_over_memory_gib()}}}\n"
+        f"cache: {{kind: offloaded, host_kv_gib: {_over_memory_gib()}}}\n"
         "scheduler: {max_num_seqs: 4096}\nsparse: {algorithm: quest, budget: 64}",
         f"error: cache.host_kv_gib={_over_memory_gib()}: the app would take "),
     # The paged cache on the CPU: its pool is cache.kv_cache_gib of host memory.
@@ -48,9 +48,10 @@ BAD = {
                                   "error: sparse.prefill.options.budget=-1: must be > 0"),
     "a prefill key that moved": ("sparse: {prefill: {algorithm: block, budget: 0.125}}",
                                  "error: sparse.prefill.budget moved to sparse.prefill.options.budget"),
-    "an unknown key": ("cache: {bogus: 1}", "error: cache.bogus: unknown key; known: buffer_pages_per_head, "),
+    "an unknown key": ("cache: {bogus: 1}", "error: cache.bogus: unknown key; known: buffer_share, "),
+    "the old cache.offload": ("cache: {offload: true}", "error: cache.offload is now cache.kind: offloaded"),
     "an unknown section": ("sparsity: {budget: 64}", "error: sparsity: unknown config section; known: cache, model, "),
-    "an unknown algorithm option": ("cache: {offload: true}\nsparse: {algorithm: quest, budget: 64, options: {nope: 1}}",
+    "an unknown algorithm option": ("cache: {kind: offloaded}\nsparse: {algorithm: quest, budget: 64, options: {nope: 1}}",
                                     "error: sparse.options: 'quest' takes no option 'nope'; its options: "),
     "two engine replicas on one node": ("serve: {num_engine_replicas: 2}", "error: serve.num_engine_replicas=2: "),
 }

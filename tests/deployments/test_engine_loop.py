@@ -9,6 +9,7 @@ from spin_cluster.deployments.engine_loop import EngineLoop
 from spin_cluster.deployments.engine_stats import engine_report, free_kv_tokens
 from spin_cluster.deployments.messages import Admitted, Delta, Failed
 from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.kvcache.buffer_policy import BufferPolicy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -166,11 +167,11 @@ def test_report_of_the_offloaded_cache_gives_both_home_tiers_and_the_buffer(tiny
     a GPU home of a few segments makes the long prompt spill."""
     cfg = SpinConfig.from_dict({
         "model": {"path": tiny_llama_path, "device": "cpu", "dtype": "float32", "max_model_len": 512},
-        "cache": {"offload": True, "page_size": 16, "segment_pages": 1, "host_kv_gib": 0.01, "kv_cache_gib": 0.002,
+        "cache": {"kind": "offloaded", "page_size": 16, "host_kv_gib": 0.01, "kv_cache_gib": 0.002,
                   "gpu_home_fraction": 0.05},
         "scheduler": {"max_num_seqs": 2, "max_num_batched_tokens": 512},
     })
-    eng = Engine(cfg, progress=False)
+    eng = Engine(cfg, progress=False, buffer_policy=BufferPolicy(segment_pages=1))
     eng.add_request(list(range(5, 400)), SamplingParams(max_tokens=2, ignore_eos=True))
     eng.step()
     kv, rep = eng.kv, engine_report(eng, "r")

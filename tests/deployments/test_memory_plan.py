@@ -24,7 +24,7 @@ FAIL_WITHIN_S = 10.0
 JUST_OVER_GIB = 0.5
 # SmolLM2's Spin cache with room for 256 rows at full context (90 GiB of fp32 pages), so that
 # host_kv_gib, not the rows' use, sizes the tier.
-_OFFLOAD = "cache: {{offload: true, host_kv_gib: {gib}}}\nscheduler: {{max_num_seqs: 256}}\n" \
+_OFFLOAD = "cache: {{kind: offloaded, host_kv_gib: {gib}}}\nscheduler: {{max_num_seqs: 256}}\n" \
            "sparse: {{algorithm: quest, budget: 64}}\n"
 _AT_MOST = re.compile(r": set it to at most (\d+(?:\.\d)?)$")
 

@@ -25,7 +25,7 @@ def test_bundled_config_loads_and_builds_an_application(name):
 
 def test_spin_quest_config_turns_on_the_offloaded_cache():
     cfg = load_app_config({"config": "spin-quest"})
-    assert cfg.spin.cache.offload and cfg.spin.sparse.algorithm == "quest"
+    assert cfg.spin.cache.kind == "offloaded" and cfg.spin.sparse.algorithm == "quest"
 
 
 @pytest.mark.parametrize("name", BUNDLED)
@@ -40,7 +40,7 @@ def test_bundled_configs_serve_the_models_own_context(name, smollm2_path):
 def test_spin_config_selects_by_labels_at_a_16th_of_the_context_and_2048_tokens_at_least():
     cfg = load_app_config({"config": "spin"})
     sparse = cfg.spin.sparse
-    assert cfg.spin.cache.offload and sparse.algorithm == "labels" and sparse.budget == 1 / 16
+    assert cfg.spin.cache.kind == "offloaded" and sparse.algorithm == "labels" and sparse.budget == 1 / 16
     assert sparse.budget_floor_tokens == 2048 and sparse.resident_margin == 0.5
     assert sparse.options == {"index_dtype": "float8_e4m3fn"}  # labels in e4m3: docs/accuracy.md
     assert [budget_tokens(sparse, n) for n in (2048, 8192, 65536)] == [2048, 2048, 4096]

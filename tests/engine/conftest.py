@@ -15,7 +15,7 @@ def offload_engine(tiny_llama_path):
     def make(sparse: dict, max_num_batched_tokens: int = 64) -> Engine:
         cfg = {
             "model": {"path": tiny_llama_path, "device": "cpu", "dtype": "float32", "max_model_len": 128},
-            "cache": {"page_size": 4, "offload": True},
+            "cache": {"page_size": 4, "kind": "offloaded"},
             "scheduler": {"max_num_seqs": 2, "max_num_batched_tokens": max_num_batched_tokens},
             "sparse": {"sink_tokens": 4, "local_tokens": 8, **sparse},
         }

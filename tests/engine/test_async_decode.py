@@ -11,7 +11,7 @@ from spin_cluster.engine import Engine, SamplingParams
 def _engine(path, async_decode, offload=False, max_len=256):
     cfg = {
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": max_len},
-        "cache": {"page_size": 4, "offload": offload},
+        "cache": {"page_size": 4, "kind": "offloaded" if offload else "paged"},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "async_decode": async_decode},
     }
     return Engine(SpinConfig.from_dict(cfg), progress=False)

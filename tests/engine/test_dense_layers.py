@@ -15,7 +15,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 def _engine(path, **sparse):
     cfg = {
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": 128},
-        "cache": {"page_size": 4, "offload": bool(sparse)},
+        "cache": {"page_size": 4, "kind": "offloaded" if sparse else "paged"},
         "scheduler": {"max_num_seqs": 2, "max_num_batched_tokens": 64},
         "sparse": {"algorithm": "quest", "budget": 4, "sink_tokens": 4, "local_tokens": 4, **sparse} if sparse else {},
     }

@@ -9,6 +9,7 @@ import torch
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.kvcache.buffer_policy import BufferPolicy
 from spin_cluster.sparse.contract import SparseAlgorithm, register
 
 PROMPTS = [
@@ -34,14 +35,15 @@ class _Scattered(SparseAlgorithm):
         return torch.rand(q.shape[0], self.num_kv_heads, num_pages, generator=g).to(q.device)
 
 
-def _engine(path, cache=None, sparse=None, max_len=256):
+def _engine(path, cache=None, sparse=None, max_len=256, **policy):
+    """``policy``: ``BufferPolicy`` fields other than their defaults."""
     cfg = {
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": max_len},
         "cache": {"page_size": 4, "gpu_home_fraction": 0.0, **(cache or {})},
         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
         "sparse": sparse or {},
     }
-    return Engine(SpinConfig.from_dict(cfg), progress=False)
+    return Engine(SpinConfig.from_dict(cfg), progress=False, buffer_policy=BufferPolicy(**policy))
 
 
 def _quest_kv_gib(slots: int) -> float:
@@ -65,7 +67,7 @@ def gpu_only_tokens(smollm2_path):
 
 
 def test_dense_over_the_offloaded_cache_equals_the_gpu_only_cache(smollm2_path, gpu_only_tokens):
-    eng = _engine(smollm2_path, cache={"offload": True, "segment_pages": 4})
+    eng = _engine(smollm2_path, cache={"kind": "offloaded"}, segment_pages=4)
     assert _run(eng) == gpu_only_tokens
     lookups, hits, misses, evicted = eng.kv.buffer.counters.tolist()
     assert lookups == hits + misses and hits > misses > 0 and evicted == 0
@@ -81,8 +83,8 @@ def test_dense_over_the_offloaded_cache_equals_the_gpu_only_cache(smollm2_path, 
 def test_a_tight_buffer_gives_the_same_tokens_as_a_roomy_one(smollm2_path, algorithm):
     sparse = {"algorithm": algorithm, "budget": 16, "sink_tokens": 4, "local_tokens": 8}
     # mandatory = 1 sink + 4 budget + 2 local = 7 pages per head
-    roomy = _engine(smollm2_path, cache={"offload": True, "buffer_pages_per_head": 64}, sparse=sparse)
-    tight = _engine(smollm2_path, cache={"offload": True, "buffer_pages_per_head": 7}, sparse=sparse)
+    roomy = _engine(smollm2_path, cache={"kind": "offloaded"}, sparse=sparse, pages_per_head=64)
+    tight = _engine(smollm2_path, cache={"kind": "offloaded"}, sparse=sparse, pages_per_head=7)
     _Scattered._calls = 0
     a = _run(roomy)
     _Scattered._calls = 0
@@ -103,18 +105,18 @@ def test_resident_margin_keeps_held_pages_against_near_ties(smollm2_path):
     hit_ratio = {}
     for margin in (0.0, 1e3):
         _Scattered._calls = 0
-        eng = _engine(smollm2_path, cache={"offload": True, "buffer_pages_per_head": 8},
+        eng = _engine(smollm2_path, cache={"kind": "offloaded"}, pages_per_head=8,
                       sparse={**sparse, "resident_margin": margin})
         _run(eng)
         lookups, hits = eng.kv.buffer.counters.tolist()[:2]
         hit_ratio[margin] = hits / lookups
     assert hit_ratio[1e3] > hit_ratio[0.0] + 0.05, hit_ratio  # measured: 0.86 -> 0.95
     with pytest.raises(ValueError, match="resident_margin"):
-        _engine(smollm2_path, cache={"offload": True}, sparse={**sparse, "resident_margin": -1})
+        _engine(smollm2_path, cache={"kind": "offloaded"}, sparse={**sparse, "resident_margin": -1})
 
 
 def test_buffer_resident_mask_lists_each_heads_held_pages(smollm2_path):
-    eng = _engine(smollm2_path, cache={"offload": True, "buffer_pages_per_head": 14},
+    eng = _engine(smollm2_path, cache={"kind": "offloaded"}, pages_per_head=14,
                   sparse={"algorithm": "streaming", "budget": 16, "sink_tokens": 4, "local_tokens": 8})
     ids = [eng.add_request(p, PARAMS) for p in PROMPTS[:2]]
     for _ in range(12):
@@ -131,12 +133,12 @@ def test_buffer_resident_mask_lists_each_heads_held_pages(smollm2_path):
 
 def test_streaming_differs_from_dense_once_the_context_outgrows_the_window(smollm2_path, gpu_only_tokens):
     sparse = {"algorithm": "streaming", "budget": 16, "sink_tokens": 4, "local_tokens": 8}
-    toks = _run(_engine(smollm2_path, cache={"offload": True}, sparse=sparse))
+    toks = _run(_engine(smollm2_path, cache={"kind": "offloaded"}, sparse=sparse))
     assert toks != gpu_only_tokens
 
 
 def test_aborted_offloaded_requests_free_host_segments_and_buffer_slots(smollm2_path):
-    eng = _engine(smollm2_path, cache={"offload": True}, sparse={"algorithm": "streaming", "budget": 16})
+    eng = _engine(smollm2_path, cache={"kind": "offloaded"}, sparse={"algorithm": "streaming", "budget": 16})
     ids = [eng.add_request(p, PARAMS) for p in PROMPTS]
     for _ in range(4):
         eng.step()
@@ -150,8 +152,8 @@ def test_aborted_offloaded_requests_free_host_segments_and_buffer_slots(smollm2_
 
 def test_a_full_host_tier_makes_requests_wait_not_fail(smollm2_path, gpu_only_tokens):
     # 1 segment = 4 pages x 4 tokens = 16 tokens per (layer, head); 90 heads -> 2 requests' worth
-    eng = _engine(smollm2_path, cache={"offload": True, "segment_pages": 4, "host_kv_gib": 90 * 8 * 4 * 2 * 4 * 64 * 4 / 2**30},
-                  sparse={"algorithm": "dense"})
+    eng = _engine(smollm2_path, cache={"kind": "offloaded", "host_kv_gib": 90 * 8 * 4 * 2 * 4 * 64 * 4 / 2**30},
+                  sparse={"algorithm": "dense"}, segment_pages=4)
     assert eng.kv.host.num_segments == 2 * 90 * 4
     assert _run(eng) == gpu_only_tokens  # requests queued and ran as space freed
     with pytest.raises(ValueError, match="KV pages"):
@@ -161,34 +163,34 @@ def test_a_full_host_tier_makes_requests_wait_not_fail(smollm2_path, gpu_only_to
 def test_bad_sparse_config_names_the_fix(smollm2_path):
     with pytest.raises(ValueError, match="unknown sparse algorithm 'nope'"):
         _engine(smollm2_path, sparse={"algorithm": "nope"})
-    with pytest.raises(ValueError, match="cache.offload=true"):
+    with pytest.raises(ValueError, match="cache.kind=offloaded"):
         _engine(smollm2_path, sparse={"algorithm": "streaming", "budget": 16})
     with pytest.raises(ValueError, match="larger than the context"):
-        _engine(smollm2_path, cache={"offload": True}, sparse={"algorithm": "streaming", "budget": 1000})
+        _engine(smollm2_path, cache={"kind": "offloaded"}, sparse={"algorithm": "streaming", "budget": 1000})
     with pytest.raises(ValueError, match="must be > 0"):
-        _engine(smollm2_path, cache={"offload": True}, sparse={"algorithm": "streaming", "budget": 0})
+        _engine(smollm2_path, cache={"kind": "offloaded"}, sparse={"algorithm": "streaming", "budget": 0})
     with pytest.raises(ValueError, match="sparse.options: 'shadowkv' takes no option 'nope'; its options: index_dtype, outlier_fraction"):
-        _engine(smollm2_path, cache={"offload": True}, sparse={"algorithm": "shadowkv", "budget": 16, "options": {"nope": 1}})
+        _engine(smollm2_path, cache={"kind": "offloaded"}, sparse={"algorithm": "shadowkv", "budget": 16, "options": {"nope": 1}})
     with pytest.raises(ValueError, match="train-gate"):
-        _engine(smollm2_path, cache={"offload": True}, sparse={"algorithm": "seer", "budget": 16})
-    with pytest.raises(ValueError, match="buffer_pages_per_head"):
-        _engine(smollm2_path, cache={"offload": True, "buffer_pages_per_head": 3}, sparse={"algorithm": "streaming", "budget": 16})
+        _engine(smollm2_path, cache={"kind": "offloaded"}, sparse={"algorithm": "seer", "budget": 16})
+    with pytest.raises(ValueError, match=r"3 pages per head \(BufferPolicy.pages_per_head\) is below"):
+        _engine(smollm2_path, cache={"kind": "offloaded"}, sparse={"algorithm": "streaming", "budget": 16}, pages_per_head=3)
 
 
 def test_buffer_share_sizes_each_heads_share_as_a_multiple_of_the_selected_pages(smollm2_path):
     sparse = {"algorithm": "streaming", "budget": 16, "sink_tokens": 4, "local_tokens": 8}  # 1 + 4 + 2 pages of 4
-    shares = {m: _engine(smollm2_path, cache={"offload": True, "buffer_share": m}, sparse=sparse).kv.buffer.max_share
+    shares = {m: _engine(smollm2_path, cache={"kind": "offloaded", "buffer_share": m}, sparse=sparse).kv.buffer.max_share
               for m in (1, 2, 3.5)}
     assert shares == {1: 7, 2: 14, 3.5: 25}
     # 0 (the default): no cap below the request's pages (max_model_len 256 / page 4)
-    assert _engine(smollm2_path, cache={"offload": True}, sparse=sparse).kv.buffer.max_share == 64
+    assert _engine(smollm2_path, cache={"kind": "offloaded"}, sparse=sparse).kv.buffer.max_share == 64
     with pytest.raises(ValueError, match="buffer_share"):
-        _engine(smollm2_path, cache={"offload": True, "buffer_share": 0.5}, sparse=sparse)
+        _engine(smollm2_path, cache={"kind": "offloaded", "buffer_share": 0.5}, sparse=sparse)
 
 
 def test_quest_with_the_whole_context_as_budget_equals_dense(smollm2_path, gpu_only_tokens):
     sparse = {"algorithm": "quest", "budget": 256, "sink_tokens": 4, "local_tokens": 8}
-    assert _run(_engine(smollm2_path, cache={"offload": True}, sparse=sparse)) == gpu_only_tokens
+    assert _run(_engine(smollm2_path, cache={"kind": "offloaded"}, sparse=sparse)) == gpu_only_tokens
 
 
 def test_elastic_shares_run_more_requests_at_once(smollm2_path):
@@ -197,8 +199,8 @@ def test_elastic_shares_run_more_requests_at_once(smollm2_path):
     gib = _quest_kv_gib(4 * 28 * 30 * 3)
     peak = {}
     for elastic in (True, False):
-        eng = _engine(smollm2_path, cache={"offload": True, "buffer_pages_per_head": 28, "kv_cache_gib": gib,
-                                           "elastic_shares": elastic}, sparse=sparse)
+        eng = _engine(smollm2_path, cache={"kind": "offloaded", "kv_cache_gib": gib}, sparse=sparse,
+                      pages_per_head=28, elastic_shares=elastic)
         for p in PROMPTS * 2:
             eng.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         peak[elastic] = 0
@@ -210,7 +212,7 @@ def test_elastic_shares_run_more_requests_at_once(smollm2_path):
 
 
 def test_per_head_shares_fit_more_requests_with_the_same_tokens(smollm2_path):
-    """cache.per_head_shares with S-HPLB-style per-head budgets: each head's share is twice
+    """BufferPolicy.per_head_shares with S-HPLB-style per-head budgets: each head's share is twice
     its own selection, not the widest head's, so one request takes fewer slots and the same
     GPU buffer runs more requests at once. Selection is unchanged, so are the tokens."""
     # SmolLM2: 30 layers x 3 KV heads; budgets of 8, 16 and 40 tokens (2, 4, 10 pages of 4)
@@ -220,11 +222,10 @@ def test_per_head_shares_fit_more_requests_with_the_same_tokens(smollm2_path):
     uniform_slots = 26 * 30 * 3
     gib = _quest_kv_gib(3 * uniform_slots)  # three uniform full shares
     tokens, peak = {}, {}
-    for per_head in (False, True, None):  # None: the cache's default, per-head shares
-        cache = {"offload": True, "kv_cache_gib": gib, "buffer_share": 2}
-        if per_head is not None:
-            cache["per_head_shares"] = per_head
-        eng = _engine(smollm2_path, cache=cache, sparse=sparse)
+    for per_head in (False, True, None):  # None: the policy's default, per-head shares
+        cache = {"kind": "offloaded", "kv_cache_gib": gib, "buffer_share": 2}
+        policy = {} if per_head is None else {"per_head_shares": per_head}
+        eng = _engine(smollm2_path, cache=cache, sparse=sparse, **policy)
         b = eng.kv.buffer
         assert b.max_share == 26 and b.per_head_widths == (per_head is not False)
         if per_head is None:
@@ -247,7 +248,7 @@ def test_per_head_shares_fit_more_requests_with_the_same_tokens(smollm2_path):
 
 
 def test_gpu_home_pages_give_the_gpu_only_caches_tokens_without_a_transfer(smollm2_path, gpu_only_tokens):
-    eng = _engine(smollm2_path, cache={"offload": True, "segment_pages": 4, "gpu_home_fraction": None})
+    eng = _engine(smollm2_path, cache={"kind": "offloaded", "gpu_home_fraction": None}, segment_pages=4)
     assert eng.kv.homes.num_gpu_segments > 0
     assert _run(eng) == gpu_only_tokens
     lookups, hits, misses, evicted = eng.kv.buffer.counters.tolist()
@@ -261,8 +262,9 @@ def test_forced_spilling_keeps_the_tokens_of_the_gpu_only_cache(smollm2_path, gp
     3 requests of ~50 tokens need 3 x 3 logical segments: the GPU fills, the coldest segments
     move to the host, and decode reads them back through the buffer; the tokens do not change."""
     slot_bytes = 2 * 4 * 64 * 4  # K+V of a 4-token fp32 page, D=64
-    eng = _engine(smollm2_path, cache={"offload": True, "segment_pages": 4, "gpu_home_fraction": 0.112,
-                                       "kv_cache_gib": 25920 * slot_bytes / 2**30}, sparse={"algorithm": "dense"})
+    eng = _engine(smollm2_path, cache={"kind": "offloaded", "gpu_home_fraction": 0.112,
+                                       "kv_cache_gib": 25920 * slot_bytes / 2**30}, sparse={"algorithm": "dense"},
+                  segment_pages=4)
     assert eng.kv.homes.num_gpu_segments == 725 and eng.kv.buffer.num_slots == 25920 - 2903
     assert _run(eng) == gpu_only_tokens
     lookups, hits, misses, evicted = eng.kv.buffer.counters.tolist()
@@ -272,20 +274,20 @@ def test_forced_spilling_keeps_the_tokens_of_the_gpu_only_cache(smollm2_path, gp
 
 
 def test_a_cache_with_no_host_tier_holds_what_the_gpu_holds(smollm2_path, gpu_only_tokens):
-    eng = _engine(smollm2_path, cache={"offload": True, "host_kv_gib": 0, "gpu_home_fraction": 0.5},
+    eng = _engine(smollm2_path, cache={"kind": "offloaded", "host_kv_gib": 0, "gpu_home_fraction": 0.5},
                   sparse={"algorithm": "dense"})
     assert eng.kv.host.num_segments == 0
     assert _run(eng) == gpu_only_tokens
     with pytest.raises(ValueError, match="no page a home"):
-        _engine(smollm2_path, cache={"offload": True, "host_kv_gib": 0})
+        _engine(smollm2_path, cache={"kind": "offloaded", "host_kv_gib": 0})
 
 
 def test_fp8_host_pages_quarter_the_bytes_of_fp32_ones_and_keep_the_greedy_tokens(smollm2_path, gpu_only_tokens):
     """Every page's home on the host, as FP8 with per-row scales: a retrieved page moves
     2 x 4 x (64 + 4) bytes where float32 moves 2 x 4 x 64 x 4, and greedy decoding over the
     dequantised pages keeps the float32 tokens on all but a few positions."""
-    eng = _engine(smollm2_path, cache={"offload": True, "segment_pages": 4, "host_kv_dtype": "fp8"},
-                  sparse={"algorithm": "dense"})
+    eng = _engine(smollm2_path, cache={"kind": "offloaded", "host_kv_dtype": "fp8"},
+                  sparse={"algorithm": "dense"}, segment_pages=4)
     assert eng.kv.host.k_pages.dtype == torch.float8_e4m3fn and eng.kv.host.page_bytes == 2 * 4 * (64 + 4)
     tokens = _run(eng)
     st = eng.last_stats

@@ -25,6 +25,7 @@ from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
 from spin_cluster.engine.cache_builder import cache_kind
 from spin_cluster.engine.cuda_graphs import DecodeGraphs, SpinDecodeGraphs
+from spin_cluster.kvcache.buffer_policy import BufferPolicy
 from spin_cluster.models.config import ModelConfig
 from spin_cluster.profiling.evaluate import EvalConfig, evaluate
 from spin_cluster.sparse.channels import weight_channels
@@ -34,6 +35,7 @@ LAYER_TYPES = ("sliding_attention", "sliding_attention", "full_attention",
 WINDOW = 16
 GLOBAL_LAYERS = (2, 5)
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+SMALL_SEGMENTS = BufferPolicy(segment_pages=4)  # a tiny Gemma's cache: segments of 16 tokens
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +55,11 @@ PROMPTS = [_ids(5, 1), _ids(40, 2), _ids(70, 3)]
 def _engine(path: str, cache: dict | None = None, sparse: dict | None = None) -> Engine:
     cfg = {
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": 256},
-        "cache": {"page_size": 4, "segment_pages": 4, **(cache or {})},
+        "cache": {"page_size": 4, **(cache or {})},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 32},
         "sparse": sparse or {},
     }
-    return Engine(SpinConfig.from_dict(cfg), progress=False)
+    return Engine(SpinConfig.from_dict(cfg), progress=False, buffer_policy=SMALL_SEGMENTS)
 
 
 def _generate(engine: Engine) -> list[list[int]]:
@@ -90,7 +92,7 @@ def _check_all_pages_back(engine: Engine) -> None:
 
 
 def test_only_models_with_window_layers_get_the_hybrid_cache(gemma_path, tiny_llama_path):
-    offload = SpinConfig.from_dict({"cache": {"offload": True}})
+    offload = SpinConfig.from_dict({"cache": {"kind": "offloaded"}})
     assert cache_kind(offload, ModelConfig.from_folder(gemma_path)) == "hybrid"
     assert cache_kind(offload, ModelConfig.from_folder(tiny_llama_path)) == "offloaded"
     assert cache_kind(SpinConfig(), ModelConfig.from_folder(gemma_path)) == "paged"
@@ -110,7 +112,7 @@ def _generate_paged(engine: Engine) -> list[list[int]]:
 
 @pytest.mark.parametrize("gpu_home_fraction", [0.0, None], ids=["host-homes", "gpu-homes"])
 def test_dense_on_the_offloaded_cache_gives_the_paged_cache_tokens(gemma_path, paged_tokens, gpu_home_fraction):
-    engine = _engine(gemma_path, cache={"offload": True, "gpu_home_fraction": gpu_home_fraction},
+    engine = _engine(gemma_path, cache={"kind": "offloaded", "gpu_home_fraction": gpu_home_fraction},
                      sparse={"algorithm": "dense"})
     assert engine.kv.attention_backend == "hybrid"
     assert (engine.kv.split.window_layers, engine.kv.split.global_layers) == ((0, 1, 3, 4), GLOBAL_LAYERS)
@@ -122,7 +124,7 @@ def test_dense_on_the_offloaded_cache_gives_the_paged_cache_tokens(gemma_path, p
 
 def test_quest_runs_on_the_global_layers_only(gemma_path):
     budgets = [[8 * (layer + 1), 4 * (layer + 1)] for layer in range(len(LAYER_TYPES))]
-    engine = _engine(gemma_path, cache={"offload": True, "gpu_home_fraction": 0.0},
+    engine = _engine(gemma_path, cache={"kind": "offloaded", "gpu_home_fraction": 0.0},
                      sparse={"algorithm": "quest", "budget": 8, "budget_floor_tokens": 0, "sink_tokens": 4,
                              "local_tokens": 4, "per_head_budgets": budgets})
     kv, attention = engine.kv, engine.runner.attention
@@ -143,7 +145,7 @@ def test_quest_runs_on_the_global_layers_only(gemma_path):
 
 
 def test_labels_rank_the_channels_of_the_global_layers_weights(gemma_path):
-    engine = _engine(gemma_path, cache={"offload": True}, sparse={"algorithm": "labels", "budget": 8,
+    engine = _engine(gemma_path, cache={"kind": "offloaded"}, sparse={"algorithm": "labels", "budget": 8,
                                                                   "budget_floor_tokens": 0})
     algorithm = engine.runner.attention.algorithm
     want = weight_channels(gemma_path, GLOBAL_LAYERS, 2, 32, algorithm.channels)
@@ -155,7 +157,7 @@ def test_labels_rank_the_channels_of_the_global_layers_weights(gemma_path):
 def test_block_sparse_prefill_runs_on_the_global_layers_only(gemma_path):
     """Window layers prefill densely (block-sparse prefill cannot mask a window); the global
     layers' prefill goes through the blocks, under the model's layer ids."""
-    engine = _engine(gemma_path, cache={"offload": True}, sparse={
+    engine = _engine(gemma_path, cache={"kind": "offloaded"}, sparse={
         "algorithm": "dense", "prefill": {"algorithm": "block", "options": {"block_size": 16, "budget": 0.5}}})
     prefill = engine.runner.attention.sparse_prefill
     seen = []
@@ -168,7 +170,7 @@ def test_block_sparse_prefill_runs_on_the_global_layers_only(gemma_path):
 
 
 def test_aborts_give_every_page_back_in_both_parts(gemma_path):
-    engine = _engine(gemma_path, cache={"offload": True}, sparse={"algorithm": "quest", "budget": 8,
+    engine = _engine(gemma_path, cache={"kind": "offloaded"}, sparse={"algorithm": "quest", "budget": 8,
                                                                   "budget_floor_tokens": 0})
     kv = engine.kv
     start = (kv.paged.num_free_pages, kv.spin.num_free_pages, kv.buffer.num_free_slots)
@@ -215,7 +217,7 @@ def _generate_static(engine: Engine, capture: bool = False):
 def test_the_static_decode_path_gives_the_plain_path_tokens(gemma_path, algorithm):
     """Decode steps planned on the device (the Spin part's plan and the window layers' pages,
     ``PagedAttention.decode_plan``) give the eagerly planned steps' tokens, counters and pages."""
-    cache = {"offload": True, "gpu_home_fraction": 0.0}
+    cache = {"kind": "offloaded", "gpu_home_fraction": 0.0}
     sparse = {"algorithm": algorithm, "budget": 8, "budget_floor_tokens": 0, "sink_tokens": 4, "local_tokens": 4}
     plain = _engine(gemma_path, cache=cache, sparse=sparse)
     assert plain.runner.graphs is None  # the CPU: no graphs
@@ -230,7 +232,7 @@ def test_the_static_decode_path_gives_the_plain_path_tokens(gemma_path, algorith
 def test_window_pages_come_from_the_window_only(gemma_path):
     """The window layers' decode plan lists, per row, the pages its window can touch (the
     scratch page past the row's end) and keeps exactly the window's slots."""
-    engine = _engine(gemma_path, cache={"offload": True}, sparse={"algorithm": "dense"})
+    engine = _engine(gemma_path, cache={"kind": "offloaded"}, sparse={"algorithm": "dense"})
     attention = engine.runner.attention
     rid = engine.add_request(_ids(70, 9), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     for _ in range(3):  # the prompt in chunks of 32, 32 and 6 tokens
@@ -272,18 +274,18 @@ def test_hybrid_decode_graphs_give_the_eager_tokens(gemma_path, algorithm):
     its window plan built inside each captured graph), give the eager steps' tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cfg = {"cache": {"offload": True, "gpu_home_fraction": 0.0},
+    cfg = {"cache": {"kind": "offloaded", "gpu_home_fraction": 0.0},
            "sparse": {"algorithm": algorithm, "budget": 8, "budget_floor_tokens": 0, "sink_tokens": 4,
                       "local_tokens": 4}}
     if algorithm == "paged":
-        cfg = {"cache": {"offload": False}, "sparse": {}}
+        cfg = {"cache": {"kind": "paged"}, "sparse": {}}
 
     def engine(graphs: bool) -> Engine:
         c = {"model": {"path": gemma_path, "device": "cuda", "dtype": "float32", "max_model_len": 256,
                        "cuda_graphs": graphs},
-             "cache": {"page_size": 4, "segment_pages": 4, **cfg["cache"]},
+             "cache": {"page_size": 4, **cfg["cache"]},
              "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 32}, "sparse": cfg["sparse"]}
-        return Engine(SpinConfig.from_dict(c), progress=False)
+        return Engine(SpinConfig.from_dict(c), progress=False, buffer_policy=SMALL_SEGMENTS)
 
     eager, captured = engine(False), engine(True)
     assert eager.runner.graphs is None
@@ -303,7 +305,7 @@ def test_window_layers_on_the_decode_kernel_give_the_gathered_path_tokens(gemma_
     """The window layers' decode through the Triton kernel (as on CUDA; the interpreter here),
     reading each row's window in place from its first key, gives the gather-and-SDPA path's
     tokens: the paged cache's, with the dense oracle on the hybrid one."""
-    for cache, sparse in (({}, None), ({"offload": True, "gpu_home_fraction": 0.0}, {"algorithm": "dense"})):
+    for cache, sparse in (({}, None), ({"kind": "offloaded", "gpu_home_fraction": 0.0}, {"algorithm": "dense"})):
         engine = _engine(gemma_path, cache=cache, sparse=sparse)
         paged = engine.runner.attention if not cache else engine.runner.attention.paged
         paged._window_kernel = True
@@ -318,7 +320,7 @@ def test_two_level_quest_keeps_its_group_bounds_in_step(gemma_path):
     """Quest's two-level Select on the global layers: prefill chunks refresh the group bounds
     they touch, decode steps leave each request's last group to the Select; after a run every
     group's bounds are exactly its pages' (the min and max over them)."""
-    engine = _engine(gemma_path, cache={"offload": True},
+    engine = _engine(gemma_path, cache={"kind": "offloaded"},
                      sparse={"algorithm": "quest", "budget": 8, "budget_floor_tokens": 0, "sink_tokens": 4,
                              "local_tokens": 4, "options": {"coarse_pages": 2, "coarse_factor": 1}})
     alg = engine.runner.attention.algorithm

@@ -25,7 +25,7 @@ _SHAPE = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
 }
-# (cache.offload, sparse.algorithm) -> per-layer op bounds of a decode-only step and of a
+# (offloaded cache?, sparse.algorithm) -> per-layer op bounds of a decode-only step and of a
 # step with a later prefill chunk beside decode tokens. Counts now (before): dense 97 (124)
 # and 123 (153); quest 354 (386) and 552 (443). A prefill chunk's layer also installs the
 # chunk's pages in the GPU buffer (GpuBuffer.install): on the CPU that is the lookup's torch
@@ -44,7 +44,7 @@ def _engine(tmp_path, smollm2_path, num_layers, offload, algorithm):
     cfg = {
         "model": {"path": str(folder), "load_format": "dummy", "device": "cpu", "dtype": "float32",
                   "max_model_len": 1024},
-        "cache": {"page_size": 16, "offload": offload, "kv_cache_gib": 0.05},
+        "cache": {"page_size": 16, "kind": "offloaded" if offload else "paged", "kv_cache_gib": 0.05},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 256},
         "sparse": {"algorithm": algorithm, "budget": 64, "local_tokens": 32},
     }

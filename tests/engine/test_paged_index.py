@@ -6,6 +6,7 @@ import torch
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.kvcache.buffer_policy import BufferPolicy
 
 S, E = 4, 2  # tokens per page, pages per segment
 L, HKV, D = 2, 2, 16  # the tiny Llama: 2 layers, 2 KV heads, head dim 64 / 4
@@ -14,12 +15,12 @@ L, HKV, D = 2, 2, 16  # the tiny Llama: 2 layers, 2 KV heads, head dim 64 / 4
 def _engine(path, kv_cache_gib, host_kv_gib, max_num_seqs=16, max_model_len=512):
     cfg = {
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": max_model_len},
-        "cache": {"page_size": S, "segment_pages": E, "offload": True, "kv_cache_gib": kv_cache_gib,
+        "cache": {"page_size": S, "kind": "offloaded", "kv_cache_gib": kv_cache_gib,
                   "host_kv_gib": host_kv_gib},
         "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 64},
         "sparse": {"algorithm": "quest", "budget": 16, "sink_tokens": 4, "local_tokens": 8},
     }
-    return Engine(SpinConfig.from_dict(cfg), progress=False)
+    return Engine(SpinConfig.from_dict(cfg), progress=False, buffer_policy=BufferPolicy(segment_pages=E))
 
 
 def test_the_index_holds_the_pages_the_tiers_hold_and_fits_the_kv_size(tiny_llama_path):

@@ -96,7 +96,7 @@ def test_the_setting_must_be_a_bool_and_the_offloaded_cache_ignores_it(tiny_llam
         SpinConfig.from_dict({"cache": {"enable_prefix_caching": "yes"}})
     assert SpinConfig().cache.enable_prefix_caching
     cfg = {"model": {"path": tiny_llama_path, "device": "cpu", "dtype": "float32", "max_model_len": 256},
-           "cache": {"page_size": PAGE, "offload": True, "enable_prefix_caching": True}}
+           "cache": {"page_size": PAGE, "kind": "offloaded", "enable_prefix_caching": True}}
     engine = Engine(SpinConfig.from_dict(cfg), progress=False)
     prompt = _prompts()[0]
     first, second = (engine.generate([prompt], PARAMS)[0].token_ids for _ in range(2))

@@ -6,16 +6,17 @@ import torch
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.kvcache.buffer_policy import BufferPolicy
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "Primes: 2, 3, 5,"]
 
 
-def _engine(path, graphs=True, **cache_sparse):
+def _engine(path, graphs=True, policy=BufferPolicy(), **cache_sparse):
     cache = {"page_size": 16, **cache_sparse.get("cache", {})}
     cfg = {"model": {"path": path, "device": "cuda", "dtype": "float32", "max_model_len": 512, "cuda_graphs": graphs},
            "cache": cache, "sparse": cache_sparse.get("sparse", {})}
-    return Engine(SpinConfig.from_dict(cfg), progress=False)
+    return Engine(SpinConfig.from_dict(cfg), progress=False, buffer_policy=policy)
 
 
 def test_decode_layers_never_synchronise_with_the_host(smollm2_path):
@@ -23,8 +24,8 @@ def test_decode_layers_never_synchronise_with_the_host(smollm2_path):
     # home pages are read in place, never looked up): 60 new tokens outgrow the share, so the
     # checked layers evict.
     # Eager steps (no CUDA graphs): every layer's forward runs here, checked.
-    eng = _engine(smollm2_path, graphs=False, cache={"offload": True, "page_size": 4, "buffer_pages_per_head": 12,
-                                                     "gpu_home_fraction": 0.0},
+    eng = _engine(smollm2_path, graphs=False, cache={"kind": "offloaded", "page_size": 4, "gpu_home_fraction": 0.0},
+                  policy=BufferPolicy(pages_per_head=12),
                   sparse={"algorithm": "streaming", "budget": 32, "sink_tokens": 4, "local_tokens": 8})
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     for p in PROMPTS:
@@ -66,7 +67,7 @@ def test_decode_layers_never_synchronise_with_the_host(smollm2_path):
 def test_dense_offloaded_on_cuda_equals_gpu_only(smollm2_path):
     params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
     a = [o.token_ids for o in _engine(smollm2_path).generate(PROMPTS, params)]
-    eng = _engine(smollm2_path, cache={"offload": True})
+    eng = _engine(smollm2_path, cache={"kind": "offloaded"})
     b = [o.token_ids for o in eng.generate(PROMPTS, params)]
     assert a == b
     eng.check_integrity()

@@ -9,6 +9,7 @@ from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
 from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
 from spin_cluster.engine.spin_attention import SpinAttention
+from spin_cluster.kvcache.buffer_policy import BufferPolicy
 
 PROMPTS = [
     "The capital of France is",
@@ -23,11 +24,11 @@ def _engine(path, device="cpu", graphs=False, budget=24, buffer_pages=10, max_le
         "model": {"path": path, "device": device, "dtype": "float32", "max_model_len": max_len,
                   "cuda_graphs": graphs},
         # Every page's home on the host: the buffer's lookups and evictions are what is compared.
-        "cache": {"page_size": 4, "offload": True, "buffer_pages_per_head": buffer_pages, "gpu_home_fraction": 0.0},
+        "cache": {"page_size": 4, "kind": "offloaded", "gpu_home_fraction": 0.0},
         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
         "sparse": {"algorithm": algorithm, "budget": budget, "sink_tokens": 4, "local_tokens": 8},
     }
-    return Engine(SpinConfig.from_dict(cfg), progress=False)
+    return Engine(SpinConfig.from_dict(cfg), progress=False, buffer_policy=BufferPolicy(pages_per_head=buffer_pages))
 
 
 def _generate(engine, max_tokens=(30, 44, 18, 37)):

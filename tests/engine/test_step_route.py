@@ -15,6 +15,7 @@ import pytest
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.kvcache.buffer_policy import BufferPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = tuple(str((REPO / name).resolve()) + "/" for name in ("spin_cluster", "kernels"))
@@ -76,11 +77,11 @@ def _route(engine: Engine) -> tuple[list[str], set[tuple[str, str]]]:
 def test_a_spin_decode_step_crosses_few_files_in_one_direction(smollm2_path, sparse):
     cfg = SpinConfig.from_dict({
         "model": {"path": smollm2_path, "device": "cpu", "dtype": "float32", "max_model_len": 512},
-        "cache": {"page_size": 4, "offload": True, "segment_pages": 4},
+        "cache": {"page_size": 4, "kind": "offloaded"},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 256},
         "sparse": {"budget": 32, "sink_tokens": 4, "local_tokens": 8, **sparse},
     })
-    engine = Engine(cfg, progress=False)
+    engine = Engine(cfg, progress=False, buffer_policy=BufferPolicy(segment_pages=4))
     engine.add_request(list(range(100, 300)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for _ in range(3):  # the prefill, then decode steps: the buffer holds pages
         engine.step()

@@ -11,7 +11,7 @@ PROMPTS = ["The capital of France is", "List of prime numbers: 2, 3, 5, 7,"]
 
 
 def _engine(path, offload: bool) -> Engine:
-    cache = {"page_size": 4, "offload": offload}
+    cache = {"page_size": 4, "kind": "offloaded" if offload else "paged"}
     if offload:  # Spin: a small GPU share, so that the longest warm-up prompt spills and misses
         cache.update(gpu_home_fraction=0.0, kv_cache_gib=0.002, host_kv_gib=0.05)
     sparse = {"algorithm": "quest", "budget": 16, "budget_floor_tokens": 0} if offload else {}

@@ -240,7 +240,7 @@ def test_kernel_equals_reference_at_shplb_widths():
 
 @pytest.mark.parametrize("reuse", [True, False])
 def test_kernel_equals_reference_on_per_head_widths(reuse):
-    """Shares whose heads have their own widths (cache.per_head_shares): columns past a head's
+    """Shares whose heads have their own widths (BufferPolicy.per_head_shares): columns past a head's
     width hold no slot, and no head selects more pages than its width. Every output and
     update equals the reference's, and nothing lands past a head's width."""
     num_pages, widths = 60, (20, 3, 9)  # heads of 20, 3 and 9 columns of C = 20

@@ -34,7 +34,7 @@ def test_the_pinned_host_tier_is_the_plans_size_and_resident(host_kv_gib, host_k
     mc = ModelConfig.from_json_dict(LLAMA_31_8B)
     config = SpinConfig.from_dict({
         "model": {"device": "cuda", "dtype": "bfloat16", "max_model_len": 32768},
-        "cache": {"offload": True, "kv_cache_gib": 2.0, "host_kv_gib": host_kv_gib, "host_kv_dtype": host_kv_dtype},
+        "cache": {"kind": "offloaded", "kv_cache_gib": 2.0, "host_kv_gib": host_kv_gib, "host_kv_dtype": host_kv_dtype},
         "sparse": {"algorithm": "quest", "budget": 2048},
     })
     planned = host_tier_bytes(config, mc, torch.bfloat16, 32768)

@@ -65,7 +65,7 @@ def test_window_pages_are_freed_behind_the_window_on_commit():
 
 
 def test_a_model_without_global_layers_is_refused():
-    with pytest.raises(ValueError, match="offload=false"):
+    with pytest.raises(ValueError, match="kind=paged"):
         split = LayerSplit.of((8, 8))
         paged = _cache().paged
         HybridKVCache(split, paged, _cache().spin)

@@ -61,7 +61,7 @@ def _spin_config(path: str, per_head_budgets=None) -> SpinConfig:
         sparse["per_head_budgets"] = per_head_budgets
     return SpinConfig.from_dict({
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": 128},
-        "cache": {"offload": True, "page_size": 4, "kv_cache_gib": 0.01, "host_kv_gib": 0.01},
+        "cache": {"kind": "offloaded", "page_size": 4, "kv_cache_gib": 0.01, "host_kv_gib": 0.01},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 16},
         "sparse": sparse,
     })
@@ -212,7 +212,7 @@ def test_unsupported_combinations_raise(four_kv_head_llama):
 
 def test_one_rank_refuses_what_it_does_not_support(four_kv_head_llama, one_rank_group):
     cfg = _config(four_kv_head_llama)
-    spin = cfg.replace(cache={"offload": True}, sparse={"algorithm": "quest", "budget": 8})
+    spin = cfg.replace(cache={"kind": "offloaded"}, sparse={"algorithm": "quest", "budget": 8})
     with pytest.raises(ValueError, match="cannot run seer"):
         HeadParallelEngine(spin.replace(sparse={"algorithm": "seer"}))
     with pytest.raises(ValueError, match="leave sparse.options.top_p out"):

@@ -118,7 +118,7 @@ def test_leader_and_follower_on_the_spin_cache(four_kv_head_llama):
     home of a few segments sends most pages to the host, so the buffer works too."""
     cfg = SpinConfig.from_dict({
         "model": {"path": four_kv_head_llama, "device": "cpu", "dtype": "float32", "max_model_len": 128},
-        "cache": {"offload": True, "page_size": 4, "kv_cache_gib": 0.01, "host_kv_gib": 0.01, "gpu_home_fraction": 0.02},
+        "cache": {"kind": "offloaded", "page_size": 4, "kv_cache_gib": 0.01, "host_kv_gib": 0.01, "gpu_home_fraction": 0.02},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 8},
         "sparse": {"algorithm": "quest", "budget": 8, "sink_tokens": 4, "local_tokens": 4},
     })
@@ -231,7 +231,7 @@ def test_a_start_that_fails_leaves_no_process_and_no_group(four_kv_head_llama):
         start_head_parallel(cfg, wrong_model, timeout_s=30)
     assert not dist.is_initialized() and _wait_released()
     with pytest.raises(ValueError, match="leave sparse.options.top_p out"):
-        start_head_parallel(cfg.replace(cache={"offload": True},
+        start_head_parallel(cfg.replace(cache={"kind": "offloaded"},
                                         sparse={"algorithm": "quest", "options": {"top_p": 0.9}}),
                             _placement())
     with pytest.raises(ValueError, match="placement is for 2 ranks, not num_ranks=3"):

@@ -36,10 +36,10 @@ def test_one_engine_per_method_and_one_per_length_for_streaming_fractions(smollm
         return built[-1]
 
     res = evaluate(cfg, engine_factory=factory, progress=False)
-    kinds = [(e.config.sparse.algorithm, e.config.cache.offload, e.config.sparse.local_tokens, len(e.prompts))
+    kinds = [(e.config.sparse.algorithm, e.config.cache.kind, e.config.sparse.local_tokens, len(e.prompts))
              for e in built]
-    assert kinds == [("dense", False, 64, 8), ("streaming", True, 64 + 150, 4), ("streaming", True, 64 + 175, 4),
-                     ("quest", True, 64, 8)]
+    assert kinds == [("dense", "paged", 64, 8), ("streaming", "offloaded", 64 + 150, 4),
+                     ("streaming", "offloaded", 64 + 175, 4), ("quest", "offloaded", 64, 8)]
     assert all(e.config.model.max_model_len == 700 and e.config.scheduler.max_num_seqs == 3 for e in built)
     assert all(e.config.cache.host_kv_dtype == "auto" for e in built)
     assert len(res.samples) == 3 * 8 and all(s.score == 0.0 for s in res.samples)
@@ -92,8 +92,8 @@ def test_fp8_host_pages_reach_the_offloaded_methods_only(smollm2_path):
                      algorithms=("quest",), budgets=(0.25,), max_tokens=8, max_batch=2, host_kv_dtype="fp8")
     built = []
     evaluate(cfg, engine_factory=lambda spin: built.append(_EchoEngine(spin, "x")) or built[-1], progress=False)
-    caches = [(e.config.cache.offload, e.config.cache.host_kv_dtype, e.config.cache.gpu_home_fraction) for e in built]
-    assert caches == [(False, "auto", None), (True, "fp8", 0.0)]
+    caches = [(e.config.cache.kind, e.config.cache.host_kv_dtype, e.config.cache.gpu_home_fraction) for e in built]
+    assert caches == [("paged", "auto", None), ("offloaded", "fp8", 0.0)]
 
 
 def test_bundled_configs_run_with_their_own_sparse_section_and_pages(smollm2_path):

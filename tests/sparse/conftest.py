@@ -57,7 +57,7 @@ def op_log():
 def _engine(path, sparse):
     cfg = {
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": 256},
-        "cache": {"page_size": 4, "offload": True},
+        "cache": {"page_size": 4, "kind": "offloaded"},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64},
         "sparse": sparse,
     }

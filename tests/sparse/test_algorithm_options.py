@@ -46,7 +46,7 @@ def test_top_p_is_an_option_of_the_algorithms_that_score_pages():
 
 
 def _config(options):
-    return SpinConfig.from_dict({"cache": {"offload": True},
+    return SpinConfig.from_dict({"cache": {"kind": "offloaded"},
                                  "sparse": {"algorithm": "quest", "budget": 64, "options": options}})
 
 

@@ -145,7 +145,7 @@ def test_per_head_budgets_are_ragged_per_layer():
 def _engine(path, prefill, offload=False):
     cfg = {
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": 256},
-        "cache": {"page_size": 4, "offload": offload},
+        "cache": {"page_size": 4, "kind": "offloaded" if offload else "paged"},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 40},  # prompts in chunks
         "sparse": {"prefill": prefill, **({"algorithm": "quest", "budget": 32} if offload else {})},
     }
