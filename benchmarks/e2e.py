@@ -119,7 +119,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     add_budget_tokens(ap, help="sparse modes: mean middle tokens per KV head")
     add_algorithm(ap, help="sparse modes' Select (graph-safe algorithms)")
     ap.add_argument("--resident-margin", type=float, default=0.0,
-                    help="spin: sparse.resident_margin, Select's hysteresis in nats (0: off)")
+                    help="spin: sparse.options.resident_margin, Select's hysteresis in nats (0: off)")
     ap.add_argument("--coarse-pages", type=int, default=0, metavar="GP",
                     help="sparse modes, quest: two-level Select over groups of GP pages (sparse.options.coarse_pages; "
                          "0: off)")
@@ -212,7 +212,8 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
     if mode == "spin":
         from spin_cluster.hplb.budget import synthetic_maxmin_budgets
 
-        cfg["sparse"]["resident_margin"] = args.resident_margin
+        if args.resident_margin:
+            cfg["sparse"]["options"]["resident_margin"] = args.resident_margin
         cfg["cache"].update(buffer_share=args.buffer_share, host_kv_dtype=getattr(args, "host_kv_dtype", "auto"))
 
         cfg["sparse"]["per_head_budgets"] = synthetic_maxmin_budgets(

@@ -268,7 +268,7 @@ DEFAULT_BUDGET_FLOOR_TOKENS = 2048
 
 
 class SparseConfig(ConfigSection):
-    moved_keys: ClassVar[dict[str, str]] = {"top_p": "options.top_p"}
+    moved_keys: ClassVar[dict[str, str]] = {"top_p": "options.top_p", "resident_margin": "options.resident_margin"}
 
     algorithm: str = Field("dense", description=(
         "Registered algorithm: dense, streaming, ... (`spin_cluster.sparse.registered_algorithms()`; "
@@ -293,17 +293,13 @@ class SparseConfig(ConfigSection):
         "dense offload step); the other layers select. 0: every layer selects."))
     per_head_budgets: tuple[tuple[int, ...], ...] | None = Field(None, description=(
         "Optional per-(layer, KV head) budgets in tokens, [L][Hkv], each >= 0; overrides budget."))
-    # Near-ties at the budget's edge then stop trading places every step (each trade is a PCIe miss).
-    resident_margin: float = Field(0.0, ge=0, description=(
-        "Select's hysteresis on the offloaded cache, in nats of estimated attention logit, >= 0: "
-        "a page already in the head's GPU buffer share scores as if its logit were this much "
-        "higher, so a page outside must beat it by a factor e^margin in estimated attention "
-        "weight to take its place. 0: off."))
+    # resident_margin moved into options: Select's hysteresis means something only where an
+    # algorithm scores pages against the GPU buffer (the algorithms that take top_p).
     options: dict[str, Any] | None = Field(None, description=(
         "The algorithm's own options, typed per algorithm (the tables below), e.g. "
         '{"summary": "moments"} for quest, {"index_dtype": "float8_e4m3fn"} for labels, '
-        '{"top_p": 0.9} for an algorithm that scores pages; an option the algorithm does not take '
-        "is an error naming it."))
+        '{"top_p": 0.9, "resident_margin": 0.5} for an algorithm that scores pages; an option the '
+        "algorithm does not take is an error naming it."))
     prefill: SparsePrefillConfig = Field(default_factory=SparsePrefillConfig, description=(
         "Block-sparse prefill; default: dense."))
 
@@ -340,6 +336,12 @@ class SparseConfig(ConfigSection):
         pages); None: top-k."""
         top_p = (self.options or {}).get("top_p")
         return None if top_p is None else float(top_p)
+
+    @property
+    def resident_margin(self) -> float:
+        """Select's hysteresis in nats (``options.resident_margin``, an option of the algorithms
+        that score pages); 0: off."""
+        return float((self.options or {}).get("resident_margin", 0.0))
 
 
 class SchedulerConfig(ConfigSection):

@@ -39,7 +39,7 @@ def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path, cap
     assert list(result["workloads"]) == ["online-16rps"] and list(result["workloads"]["online-16rps"]) == ["spin"]
     bench = load("e2e")
     args = bench["parse_args"](["--tiny", "--resident-margin", "0.5"])
-    assert bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["resident_margin"] == 0.5
+    assert bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["options"]["resident_margin"] == 0.5
     args = bench["parse_args"](["--tiny", "--no-per-head-shares", "--buffer-share", "4"])
     cache = bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["cache"]
     assert cache["kind"] == "offloaded" and cache["buffer_share"] == 4.0
