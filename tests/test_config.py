@@ -26,6 +26,9 @@ from spin_cluster.config import CacheConfig, SpinConfig
     ({"cache": {"kind": "offloaded", "kv_cache_dtype": "float16"}}, "cache.kv_cache_dtype='float16' applies to the paged "
      "cache; the offloaded cache's host pages take cache.host_kv_dtype"),
     ({"cache": ["page_size"]}, "cache=['page_size']: must be a mapping, got list"),
+    ({"model": {"cpu_packed_gemms": False}}, "model.cpu_packed_gemms is no longer a setting: float32 GEMMs on the "
+     "CPU are always prepacked for oneDNN (faster at every batch measured: SmolLM2's decode step 1.1x at batch 1, "
+     "2x at batch 4, 1.4x at batch 16); remove it"),
     ({"model": {"dtype": "int8"}}, "model.dtype='int8': choose one of 'auto', 'float32', 'bfloat16' or 'float16'"),
     ({"model": {"max_model_len": 1.5}}, "model.max_model_len=1.5: use an integer"),
     ({"scheduler": {"max_num_seqs": 5000}}, "scheduler.max_num_seqs=5000: must be <= 4096"),
