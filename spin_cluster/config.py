@@ -346,14 +346,16 @@ class SparseConfig(ConfigSection):
 
 
 class SchedulerConfig(ConfigSection):
+    retired_keys: ClassVar[dict[str, str]] = {
+        "max_prefill_tokens": "scheduler.max_prefill_tokens is no longer a setting: prompt chunks take what "
+                              "scheduler.max_num_batched_tokens leaves after the decode tokens (every measured "
+                              "run did); remove it",
+    }
+
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Most requests running at once (decode batch size), 1..4096.")
     max_num_batched_tokens: int = Field(2048, ge=1, description=(
         "Most tokens (prefill chunks + decode tokens) in one step, >= 1."))
-    max_prefill_tokens: int = Field(0, ge=0, description=(
-        "Most prompt tokens (prefill chunks) in one step, after its decode tokens, >= 0; 0: "
-        "whatever max_num_batched_tokens leaves. A bound keeps a step with a long prompt's chunk "
-        "short, so that running requests' next tokens do not wait behind it (TPOT), at the cost "
-        "of more steps per prompt (TTFT)."))
+    # max_prefill_tokens is no setting: no measurement bounded prompt tokens below the step's budget.
     admission_output_tokens: int = Field(2048, ge=0, description=(
         "Output tokens of each running request (up to its max_tokens) that admission keeps room "
         "for, beside the rest of every running prompt, >= 0. A request is admitted only when its "
@@ -408,11 +410,6 @@ class SpinConfig(ConfigSection):
             raise ValueError(
                 f"without chunked prefill, scheduler.max_num_batched_tokens ({sc.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({context})"
-            )
-        if not sc.enable_chunked_prefill and 0 < sc.max_prefill_tokens < context:
-            raise ValueError(
-                f"without chunked prefill, scheduler.max_prefill_tokens ({sc.max_prefill_tokens}) must be 0 "
-                f"or >= max_model_len ({context}): a longer prompt could never be scheduled"
             )
         prefill_rows = getattr(self.sparse.prefill.typed_options(), "per_head_budgets", None)
         for name, rows in (("sparse.per_head_budgets", self.sparse.per_head_budgets),

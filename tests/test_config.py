@@ -31,6 +31,8 @@ from spin_cluster.config import CacheConfig, SpinConfig
      "2x at batch 4, 1.4x at batch 16); remove it"),
     ({"model": {"dtype": "int8"}}, "model.dtype='int8': choose one of 'auto', 'float32', 'bfloat16' or 'float16'"),
     ({"model": {"max_model_len": 1.5}}, "model.max_model_len=1.5: use an integer"),
+    ({"scheduler": {"max_prefill_tokens": 512}}, "scheduler.max_prefill_tokens is no longer a setting: prompt chunks "
+     "take what scheduler.max_num_batched_tokens leaves after the decode tokens (every measured run did); remove it"),
     ({"scheduler": {"max_num_seqs": 5000}}, "scheduler.max_num_seqs=5000: must be <= 4096"),
     ({"sparse": {"budget": -1}}, "sparse.budget=-1: must be > 0"),
     ({"sparse": {"algorithm": "quest", "options": {"top_p": "x"}}}, "sparse.options.top_p='x': use a number"),
