@@ -119,7 +119,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     add_budget_tokens(ap, help="sparse modes: mean middle tokens per KV head")
     add_algorithm(ap, help="sparse modes' Select (graph-safe algorithms)")
     ap.add_argument("--resident-margin", type=float, default=0.0,
-                    help="spin: sparse.resident_margin, Select's hysteresis in nats (0: off)")
+                    help="spin: sparse.options.resident_margin, Select's hysteresis in nats (0: off)")
     ap.add_argument("--coarse-pages", type=int, default=0, metavar="GP",
                     help="sparse modes, quest: two-level Select over groups of GP pages (sparse.options.coarse_pages; "
                          "0: off)")
@@ -145,9 +145,6 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host-kv-dtype", choices=["auto", "fp8"], default="auto",
                     help="spin: cache.host_kv_dtype (fp8: e4m3 host pages with a scale per token row, "
                          "0.52x the host and PCIe bytes of bf16)")
-    ap.add_argument("--max-prefill-tokens", type=int, default=0,
-                    help="scheduler.max_prefill_tokens, every mode: prompt tokens per step at most "
-                         "(decodes are scheduled first; 0: the whole --max-batched-tokens)")
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=65536,
@@ -173,8 +170,7 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
         "model": {"path": folder, "max_model_len": max_len, **weights, **device},
         "cache": {"page_size": args.page_size, "kv_cache_gib": args.gpu_kv_gib},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens,
-                      "async_decode": {"auto": None, "on": True, "off": False}[getattr(args, "async_decode", "auto")],
-                      "max_prefill_tokens": getattr(args, "max_prefill_tokens", 0)},
+                      "async_decode": {"auto": None, "on": True, "off": False}[getattr(args, "async_decode", "auto")]},
         "sparse": {},
     }
     if mode == "dense":
@@ -212,7 +208,8 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
     if mode == "spin":
         from spin_cluster.hplb.budget import synthetic_maxmin_budgets
 
-        cfg["sparse"]["resident_margin"] = args.resident_margin
+        if args.resident_margin:
+            cfg["sparse"]["options"]["resident_margin"] = args.resident_margin
         cfg["cache"].update(buffer_share=args.buffer_share, host_kv_dtype=getattr(args, "host_kv_dtype", "auto"))
 
         cfg["sparse"]["per_head_budgets"] = synthetic_maxmin_budgets(

@@ -71,7 +71,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "selects (default: %(default)s)")
     p.add_argument("--resident-margin", type=float, default=d.resident_margin,
                    help="offloaded sparse methods: Select's hysteresis for pages the GPU buffer holds, in nats "
-                        "(sparse.resident_margin; default: %(default)s, off)")
+                        "(sparse.options.resident_margin; default: %(default)s, off)")
     p.add_argument("--host-kv-dtype", choices=["auto", "fp8"], default=d.host_kv_dtype,
                    help="offloaded methods: cache.host_kv_dtype; their pages all live on the host, so fp8 "
                         "touches every page they read (default: %(default)s)")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.profiling import ruler
-from spin_cluster.profiling.methods import Method, budget_mode_options, make_methods
+from spin_cluster.profiling.methods import WINDOW_ONLY, Method, budget_mode_options, make_methods
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class EvalConfig:
     # cache.buffer_share of the offloaded methods (>= 1): each (request, layer, KV head)'s GPU
     # buffer share as a multiple of the pages a step selects.
     buffer_share: float = 2.0
-    # sparse.resident_margin of the offloaded sparse methods (nats, >= 0; 0: off).
+    # sparse.options.resident_margin of the offloaded methods that score pages (nats, >= 0; 0: off).
     resident_margin: float = 0.0
     # cache.host_kv_dtype of the offloaded methods: "auto" (the model's dtype) or "fp8" (e4m3
     # with a scale per token row). Every page of those methods lives on the host (see
@@ -346,8 +346,8 @@ def spin_config(config: EvalConfig, model_path: str, method: Method, length: int
         sparse["dense_layers"] = config.dense_layers
     if method.offloaded and not method.is_dense and config.algorithm_options:
         sparse["options"] = dict(config.algorithm_options)
-    if method.offloaded and not method.is_dense and config.resident_margin:
-        sparse["resident_margin"] = config.resident_margin
+    if method.offloaded and not method.is_dense and config.resident_margin and method.algorithm not in WINDOW_ONLY:
+        sparse["options"] = {**sparse.get("options", {}), "resident_margin": config.resident_margin}
     if method.prefill:
         sparse["prefill"] = _prefill_options(config, method, calibration and calibration[length])
     profile, layers = None, None

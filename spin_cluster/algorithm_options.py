@@ -8,8 +8,9 @@ tag beside the options rather than inside them. Checks that need the model's sha
 index, a block that divides the page) stay in the algorithm's constructor. An algorithm that
 is not listed (one a test or a user registers) declares its own model as ``options_model``,
 checked once its class is imported. ``spin_cluster.config.parse_options`` reads these models
-and those of the prefill algorithms (``sparse.prefill.options``) alike; top_p, an option of
-every algorithm that scores pages, is read by the system's Select, not by the algorithm.
+and those of the prefill algorithms (``sparse.prefill.options``) alike; top_p and
+resident_margin, options of every algorithm that scores pages, are read by the system's Select,
+not by the algorithm.
 """
 
 from __future__ import annotations
@@ -38,9 +39,15 @@ class ScoredOptions(AlgorithmOptions):
         "Online top-p Select in (0, 1]: per step each head takes the fewest top pages whose "
         "estimated attention mass reaches top_p, the heads of a layer sharing the pages their "
         "budgets add up to (so the buffer reserves that layer total per head). null: top-k."))
+    # Near-ties at the budget's edge then stop trading places every step (each trade is a PCIe miss).
+    resident_margin: float = Field(0.0, ge=0, description=(
+        "Select's hysteresis on the offloaded cache, in nats of estimated attention logit, >= 0: "
+        "a page already in the head's GPU buffer share scores as if its logit were this much "
+        "higher, so a page outside must beat it by a factor e^margin in estimated attention "
+        "weight to take its place. 0: off."))
 
 
-# Options that the system's Select reads (``SparseConfig.top_p``), never the algorithm's
+# Options that the system's Select reads (``SparseConfig.top_p``, ``.resident_margin``), never the algorithm's
 # constructor: the cache builder leaves them out of its keywords.
 SELECT_OPTIONS = frozenset(ScoredOptions.model_fields) - frozenset(AlgorithmOptions.model_fields)
 

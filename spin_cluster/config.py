@@ -41,6 +41,12 @@ def _power_of_two(value: int, low: int, high: int) -> int:
 
 
 class ModelOptions(ConfigSection):
+    retired_keys: ClassVar[dict[str, str]] = {
+        "cpu_packed_gemms": "model.cpu_packed_gemms is no longer a setting: float32 GEMMs on the CPU are always "
+                            "prepacked for oneDNN (faster at every batch measured: SmolLM2's decode step 1.1x at "
+                            "batch 1, 2x at batch 4, 1.4x at batch 16); remove it",
+    }
+
     path: str | None = Field(None, description=(
         "Folder with config.json + *.safetensors + tokenizer. null: the default model "
         "(SmolLM2-135M-Instruct, prepared by `spin-cluster models prepare`)."))
@@ -58,12 +64,7 @@ class ModelOptions(ConfigSection):
     cuda_graphs: StrictBool = Field(True, description=(
         "Replay decode-only steps as CUDA graphs, one per padded batch size up to "
         "scheduler.max_num_seqs, captured at start-up (GPU-only cache on CUDA; elsewhere unused)."))
-    # Head-parallel ranks never pack: their split-K shards of o_proj and down_proj would round
-    # differently from the one-rank GEMM under oneDNN's blocking.
-    cpu_packed_gemms: StrictBool = Field(True, description=(
-        "float32 on the CPU: every GEMM's weight prepacked once for oneDNN (a second copy of the "
-        "weights; SmolLM2's decode step 1.1x faster at batch 1, 2x at batch 4, 1.4x at batch 16). "
-        "Head-parallel ranks never pack. Unused elsewhere."))
+    # cpu_packed_gemms is no setting: prepacked float32 CPU GEMMs measured faster at every batch.
     load_format: Literal["auto", "dummy"] = Field("auto", description=(
         '"auto": weights from the folder\'s safetensors; "dummy": random weights at the shapes '
         "of its config.json (benchmarks of the system, where the weights do not matter)."))
@@ -268,7 +269,7 @@ DEFAULT_BUDGET_FLOOR_TOKENS = 2048
 
 
 class SparseConfig(ConfigSection):
-    moved_keys: ClassVar[dict[str, str]] = {"top_p": "options.top_p"}
+    moved_keys: ClassVar[dict[str, str]] = {"top_p": "options.top_p", "resident_margin": "options.resident_margin"}
 
     algorithm: str = Field("dense", description=(
         "Registered algorithm: dense, streaming, ... (`spin_cluster.sparse.registered_algorithms()`; "
@@ -293,17 +294,13 @@ class SparseConfig(ConfigSection):
         "dense offload step); the other layers select. 0: every layer selects."))
     per_head_budgets: tuple[tuple[int, ...], ...] | None = Field(None, description=(
         "Optional per-(layer, KV head) budgets in tokens, [L][Hkv], each >= 0; overrides budget."))
-    # Near-ties at the budget's edge then stop trading places every step (each trade is a PCIe miss).
-    resident_margin: float = Field(0.0, ge=0, description=(
-        "Select's hysteresis on the offloaded cache, in nats of estimated attention logit, >= 0: "
-        "a page already in the head's GPU buffer share scores as if its logit were this much "
-        "higher, so a page outside must beat it by a factor e^margin in estimated attention "
-        "weight to take its place. 0: off."))
+    # resident_margin moved into options: Select's hysteresis means something only where an
+    # algorithm scores pages against the GPU buffer (the algorithms that take top_p).
     options: dict[str, Any] | None = Field(None, description=(
         "The algorithm's own options, typed per algorithm (the tables below), e.g. "
         '{"summary": "moments"} for quest, {"index_dtype": "float8_e4m3fn"} for labels, '
-        '{"top_p": 0.9} for an algorithm that scores pages; an option the algorithm does not take '
-        "is an error naming it."))
+        '{"top_p": 0.9, "resident_margin": 0.5} for an algorithm that scores pages; an option the '
+        "algorithm does not take is an error naming it."))
     prefill: SparsePrefillConfig = Field(default_factory=SparsePrefillConfig, description=(
         "Block-sparse prefill; default: dense."))
 
@@ -341,16 +338,24 @@ class SparseConfig(ConfigSection):
         top_p = (self.options or {}).get("top_p")
         return None if top_p is None else float(top_p)
 
+    @property
+    def resident_margin(self) -> float:
+        """Select's hysteresis in nats (``options.resident_margin``, an option of the algorithms
+        that score pages); 0: off."""
+        return float((self.options or {}).get("resident_margin", 0.0))
+
 
 class SchedulerConfig(ConfigSection):
+    retired_keys: ClassVar[dict[str, str]] = {
+        "max_prefill_tokens": "scheduler.max_prefill_tokens is no longer a setting: prompt chunks take what "
+                              "scheduler.max_num_batched_tokens leaves after the decode tokens (every measured "
+                              "run did); remove it",
+    }
+
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Most requests running at once (decode batch size), 1..4096.")
     max_num_batched_tokens: int = Field(2048, ge=1, description=(
         "Most tokens (prefill chunks + decode tokens) in one step, >= 1."))
-    max_prefill_tokens: int = Field(0, ge=0, description=(
-        "Most prompt tokens (prefill chunks) in one step, after its decode tokens, >= 0; 0: "
-        "whatever max_num_batched_tokens leaves. A bound keeps a step with a long prompt's chunk "
-        "short, so that running requests' next tokens do not wait behind it (TPOT), at the cost "
-        "of more steps per prompt (TTFT)."))
+    # max_prefill_tokens is no setting: no measurement bounded prompt tokens below the step's budget.
     admission_output_tokens: int = Field(2048, ge=0, description=(
         "Output tokens of each running request (up to its max_tokens) that admission keeps room "
         "for, beside the rest of every running prompt, >= 0. A request is admitted only when its "
@@ -405,11 +410,6 @@ class SpinConfig(ConfigSection):
             raise ValueError(
                 f"without chunked prefill, scheduler.max_num_batched_tokens ({sc.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({context})"
-            )
-        if not sc.enable_chunked_prefill and 0 < sc.max_prefill_tokens < context:
-            raise ValueError(
-                f"without chunked prefill, scheduler.max_prefill_tokens ({sc.max_prefill_tokens}) must be 0 "
-                f"or >= max_model_len ({context}): a longer prompt could never be scheduled"
             )
         prefill_rows = getattr(self.sparse.prefill.typed_options(), "per_head_budgets", None)
         for name, rows in (("sparse.per_head_budgets", self.sparse.per_head_budgets),

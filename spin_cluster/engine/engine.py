@@ -72,20 +72,22 @@ class _InFlight:
 class Engine:
     # Head-parallel engines step their ranks in lockstep and turn pipelining off.
     supports_async_decode = True
-    # model.cpu_packed_gemms applies (head-parallel ranks hold split-K weight shards: no)
+    # float32 GEMMs on the CPU are prepacked for oneDNN (head-parallel ranks hold split-K
+    # weight shards: no)
     packs_cpu_gemms = True
 
     def __init__(self, config: SpinConfig | None = None, *, decode_attention: str = "auto", progress: bool = True,
-                 buffer_policy: BufferPolicy = DEFAULT_POLICY) -> None:
+                 buffer_policy: BufferPolicy = DEFAULT_POLICY, pack_cpu_gemms: bool = True) -> None:
         """``buffer_policy``: the offloaded cache's buffer mechanisms past the config's
-        (``kvcache.buffer_policy``); studies and tests set it, serving keeps the default."""
+        (``kvcache.buffer_policy``); studies and tests set it, serving keeps the default.
+        ``pack_cpu_gemms`` False: the plain weights on the CPU (tests compare the packs with them)."""
         self.config = config = config or SpinConfig()
         self.buffer_policy = buffer_policy
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         path = config.model.resolved_path()
         self.model = self._load_model(path, progress).fuse_projections()
-        if config.model.cpu_packed_gemms and self.device.type == "cpu" and self.packs_cpu_gemms:
+        if pack_cpu_gemms and self.device.type == "cpu" and self.packs_cpu_gemms:
             self.model.pack_for_cpu()
             # Decode's 1-3 rows: the fastest of the plain weight, the pack and the pack padded
             # to four rows on this CPU, timed at this thread's torch thread count.

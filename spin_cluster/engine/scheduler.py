@@ -7,9 +7,7 @@ first, while the budget, the request limit and the KV pages allow: the pages a r
 hold once its whole prompt and ``admission_output_tokens`` of its output are in, beside what
 the running requests will still take to get there. (Admitting on the first chunk alone lets
 many long prompts in at once; halfway through their prompts the cache is full and each
-preemption throws away a partly computed context.) Prompt chunks share at
-most ``max_prefill_tokens`` of a step (when set), so that a long prompt's chunks do not make
-the decoding requests' steps long. When a running request cannot get the
+preemption throws away a partly computed context.) When a running request cannot get the
 page it needs, the newest running request is preempted: its pages are freed and it goes
 back to the front of the queue, to be prefilled again (prompt and tokens so far) later.
 
@@ -103,10 +101,6 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(req.num_uncomputed_tokens, budget)
-            if not self._decoding(req):
-                n = min(n, self._prefill_room(prefill))
-                if n == 0:
-                    continue
             if not self._make_room(req, n, preempted):
                 continue
             chunk = self._take(req, n)
@@ -141,11 +135,6 @@ class Scheduler:
     def _decoding(req: Request) -> bool:
         """Past its prompt, with only its last sampled token to compute."""
         return req.num_computed_tokens >= len(req.prompt_token_ids) and req.num_uncomputed_tokens == 1
-
-    def _prefill_room(self, prefill: list[ScheduledChunk]) -> int:
-        """Prompt tokens this step may still take (``max_prefill_tokens``; 0: no bound)."""
-        cap = self.config.max_prefill_tokens
-        return cap - sum(c.num_tokens for c in prefill) if cap else self.config.max_num_batched_tokens
 
     def advance(self, chunks: list[ScheduledChunk]) -> None:
         """The model ran ``chunks``: their tokens' K/V are in the cache. Only now may the cache
@@ -208,13 +197,10 @@ class Scheduler:
             own = pages(self._reserved_tokens(req)) - pages(prefix.num_tokens)
             if self.running and own + owed > self.kv.num_free_pages:
                 break
-            room = min(budget, self._prefill_room(prefill) if n > 1 else budget)
-            if room <= 0:
-                break
-            if n > room:
+            if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
-                n = room
+                n = budget
             queued = len(self.waiting) - 1  # behind this one: they will want buffer shares too
             if not self.kv.can_allocate(req.request_id, prefix.num_tokens + n, queued, prefix):
                 break

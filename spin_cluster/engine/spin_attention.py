@@ -97,6 +97,9 @@ class SpinAttention(PlannedCapture):
         if sparse.dense_layers > kv.num_layers:
             raise ValueError(f"sparse.dense_layers={sparse.dense_layers}: the model has {kv.num_layers} layers")
         self.dense_layers = 0 if algorithm.selects_all else sparse.dense_layers
+        # Select's hysteresis (nats); read once, not per layer: only a buffer that keeps pages
+        # between steps has held pages to favour.
+        self.resident_margin = sparse.resident_margin if kv.buffer.reuse and not algorithm.selects_all else 0.0
         self.budget = PageBudget(sparse, kv.page_size, kv.num_kv_heads, algorithm.selects_all)
         self.plan: SpinStepPlan | None = None
         self.step_index = 0
@@ -272,7 +275,7 @@ class SpinAttention(PlannedCapture):
                 out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, seg.context_start, None, layer)
             return
         sel, rows, buf = plan.select[layer], plan.decode_rows, kv.buffer
-        margin = self.sparse.resident_margin if buf.reuse and not self.algorithm.selects_all else 0.0
+        margin = self.resident_margin
         held = self._resident(rows, layer, sel.max_pages) if margin else None
         want, num_selected = select_layer(self.algorithm, layer, q, rows, sel, held, margin)  # [Bd, Hkv, K]
         # No wait for this layer's host write: Retrieve may copy the tail page without the new

@@ -42,7 +42,7 @@ class DecoderLM(nn.Module):
 
     def pack_for_cpu(self) -> int:
         """Float32 weights on the CPU: prepack every GEMM's weight for oneDNN (``cpu_linear``;
-        ``model.cpu_packed_gemms``), the fused q/k/v and gate/up included; call
+        the engine does unless told not to), the fused q/k/v and gate/up included; call
         after ``fuse_projections``. Doubles those weights' memory. Returns the GEMMs packed
         (0 on a GPU, in other dtypes, or where torch has no oneDNN)."""
         n = int(cpu_linear.pack(self.lm_head))

@@ -10,7 +10,7 @@ so that a top-k of the fused score is the union of each ranking's first j pages,
 as the budget allows (at least k / 2), ties going to the page both rank higher. Both indexes
 are kept (their bytes add up: ``index_bytes_per_token``), and each Select reads both.
 
-A score here is a rank, not a logit: ``sparse.resident_margin`` (logits, scaled to score
+A score here is a rank, not a logit: ``sparse.options.resident_margin`` (logits, scaled to score
 units by G sqrt(D)) becomes that many places of rank, e.g. 12 places at 0.5 nats for 3 query
 heads per KV head of D 64. Options: labels' ``channels``; ``quest_layers`` and
 ``labels_layers`` (layer indices, a list or "5,11"): layers ranked by that one Select alone

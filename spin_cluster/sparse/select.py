@@ -69,9 +69,9 @@ def select_layer(algorithm: SparseAlgorithm, layer: int, q: torch.Tensor, rows: 
     queries q [B, H, D] of table rows [B], the hysteresis, then ``select_pages``. Returns
     (want [B, Hkv, K] page ids with -1 padding, num_selected [B, Hkv]).
 
-    Hysteresis (``sparse.resident_margin`` > 0): pages the GPU buffer holds now (``resident``
-    [B, Hkv, plan.max_pages] bool) score that many attention logits more, so that a page near
-    the cut does not leave and come back step after step.
+    Hysteresis (``sparse.options.resident_margin`` > 0): pages the GPU buffer holds now
+    (``resident`` [B, Hkv, plan.max_pages] bool) score that many attention logits more, so that
+    a page near the cut does not leave and come back step after step.
 
     Under the top-k rule an algorithm may do all of it in its own kernels
     (``SparseAlgorithm.select_top``: Quest on CUDA, where it is faster), with the same result;

@@ -39,7 +39,7 @@ def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path, cap
     assert list(result["workloads"]) == ["online-16rps"] and list(result["workloads"]["online-16rps"]) == ["spin"]
     bench = load("e2e")
     args = bench["parse_args"](["--tiny", "--resident-margin", "0.5"])
-    assert bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["resident_margin"] == 0.5
+    assert bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["options"]["resident_margin"] == 0.5
     args = bench["parse_args"](["--tiny", "--no-per-head-shares", "--buffer-share", "4"])
     cache = bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["cache"]
     assert cache["kind"] == "offloaded" and cache["buffer_share"] == 4.0
@@ -97,14 +97,13 @@ def test_e2e_sparse_prefill_runs_the_sparse_modes_block_sparse(tmp_path):
 
 
 def test_e2e_qwen_shape_fp8_host_and_prefill_share(tmp_path):
-    """--shape qwen2.5-32b builds a Qwen2 model (toy sizes with --tiny); --host-kv-dtype and
-    --max-prefill-tokens reach Spin's cache and every mode's scheduler."""
+    """--shape qwen2.5-32b builds a Qwen2 model (toy sizes with --tiny); --host-kv-dtype
+    reaches Spin's cache."""
     bench = load("e2e")
     shape = {"num_hidden_layers": 2, "num_key_value_heads": 2}
-    args = bench["parse_args"](["--tiny", "--host-kv-dtype", "fp8", "--max-prefill-tokens", "256"])
+    args = bench["parse_args"](["--tiny", "--host-kv-dtype", "fp8"])
     spin, dense = (bench["mode_config"](m, args, "m", 512, shape) for m in ("spin", "dense"))
     assert spin["cache"]["host_kv_dtype"] == "fp8" and "host_kv_dtype" not in dense["cache"]
-    assert spin["scheduler"]["max_prefill_tokens"] == dense["scheduler"]["max_prefill_tokens"] == 256
     assert run("e2e", ["--tiny", "--shape", "qwen2.5-32b", "--modes", "dense", "spin", "--workloads", "offline-384",
                        "--host-kv-dtype", "fp8", "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "e2e.json").read_text())

@@ -7,6 +7,7 @@ end."""
 import pytest
 import torch
 
+from spin_cluster.algorithm_options import ScoredOptions
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
 from spin_cluster.kvcache.buffer_policy import BufferPolicy
@@ -27,6 +28,7 @@ class _Scattered(SparseAlgorithm):
     so that the buffer evicts all the time."""
 
     name = "_test_scattered"
+    options_model = ScoredOptions  # it scores pages: Select's options (resident_margin) apply
     _calls = 0
 
     def score(self, layer, q, rows, num_pages):
@@ -106,13 +108,13 @@ def test_resident_margin_keeps_held_pages_against_near_ties(smollm2_path):
     for margin in (0.0, 1e3):
         _Scattered._calls = 0
         eng = _engine(smollm2_path, cache={"kind": "offloaded"}, pages_per_head=8,
-                      sparse={**sparse, "resident_margin": margin})
+                      sparse={**sparse, "options": {"resident_margin": margin}})
         _run(eng)
         lookups, hits = eng.kv.buffer.counters.tolist()[:2]
         hit_ratio[margin] = hits / lookups
     assert hit_ratio[1e3] > hit_ratio[0.0] + 0.05, hit_ratio  # measured: 0.86 -> 0.95
     with pytest.raises(ValueError, match="resident_margin"):
-        _engine(smollm2_path, cache={"kind": "offloaded"}, sparse={**sparse, "resident_margin": -1})
+        _engine(smollm2_path, cache={"kind": "offloaded"}, sparse={**sparse, "options": {"resident_margin": -1}})
 
 
 def test_buffer_resident_mask_lists_each_heads_held_pages(smollm2_path):

@@ -32,7 +32,7 @@ def _check(found, ref_rows, token_ids, k):
 @pytest.mark.parametrize("chunk, rows", [(1024, 256), (8, 256), (1024, 3)])
 def test_sampled_and_prompt_logprobs_equal_transformers(smollm2_path, hf_logprobs, monkeypatch, chunk, rows):
     monkeypatch.setattr("spin_cluster.engine.engine.PROMPT_LOGITS_ROWS", rows)
-    engine = _engine(smollm2_path, max_num_batched_tokens=chunk, max_prefill_tokens=chunk)
+    engine = _engine(smollm2_path, max_num_batched_tokens=chunk)
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=TOP, prompt_logprobs=5)
     out = engine.generate([PROMPT], params)[0]
     ref = hf_logprobs(out.prompt_token_ids + out.token_ids)

@@ -208,15 +208,15 @@ def test_without_prefix_caching_nothing_is_looked_up():
     assert (s.num_prefix_query_tokens, s.num_prefix_hit_tokens) == (0, 0)
 
 
-def test_max_prefill_tokens_bounds_each_steps_prompt_chunks_and_decodes_go_first():
+def test_decodes_go_first_and_prompt_chunks_take_the_rest_of_the_step():
     kv = KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4, num_pages=64, max_seqs=4,
                         max_model_len=64, dtype=torch.float32, enable_prefix_caching=False)
-    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_tokens=5), kv)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6), kv)
     s.add(_req("a", 3))
     assert _shapes(_run(s)) == [("a", 0, 3, False)]
     s.add(_req("b", 12))
     s.add(_req("c", 4))
-    # a decodes; b's prompt takes the 5 prompt tokens a step may hold; c waits for room.
+    # a decodes; b's prompt takes the 5 tokens the step has left; c waits for room.
     assert _shapes(_run(s)) == [("a", 3, 1, True), ("b", 0, 5, False)]
     assert _shapes(_run(s)) == [("a", 4, 1, True), ("b", 5, 5, False)]
     assert _shapes(_run(s)) == [("a", 5, 1, True), ("b", 10, 2, False), ("c", 0, 3, False)]

@@ -72,7 +72,7 @@ def _route(engine: Engine) -> tuple[list[str], set[tuple[str, str]]]:
 
 @pytest.mark.parametrize("sparse", [
     {"algorithm": "quest"},
-    {"algorithm": "labels", "resident_margin": 0.5},  # the bundled `spin` config's Select
+    {"algorithm": "labels", "options": {"resident_margin": 0.5}},  # the bundled `spin` config's Select
 ], ids=["quest", "labels-hysteresis"])
 def test_a_spin_decode_step_crosses_few_files_in_one_direction(smollm2_path, sparse):
     cfg = SpinConfig.from_dict({

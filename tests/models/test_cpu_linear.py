@@ -123,15 +123,15 @@ def test_a_packed_model_gives_the_same_logits(tiny_llama_path):
     torch.testing.assert_close(mlp(x), ref.layers[0].mlp(x), rtol=1e-4, atol=1e-4)
 
 
-def test_the_engine_packs_only_when_asked(tiny_llama_path):
+def test_the_engine_packs_unless_told_not_to(tiny_llama_path):
     from spin_cluster.config import SpinConfig
     from spin_cluster.engine import Engine, SamplingParams
 
     outs = {}
     for packed in (False, True):
-        cfg = {"model": {"path": tiny_llama_path, "device": "cpu", "dtype": "float32", "max_model_len": 128,
-                         "cpu_packed_gemms": packed}, "cache": {"kv_cache_gib": 0.01}}
-        engine = Engine(SpinConfig.from_dict(cfg), progress=False)
+        cfg = {"model": {"path": tiny_llama_path, "device": "cpu", "dtype": "float32", "max_model_len": 128},
+               "cache": {"kv_cache_gib": 0.01}}
+        engine = Engine(SpinConfig.from_dict(cfg), progress=False, pack_cpu_gemms=packed)
         assert (getattr(engine.model.lm_head, "cpu_pack", None) is not None) is packed
         outs[packed] = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert len(outs[True][0].token_ids) == len(outs[False][0].token_ids) == 6

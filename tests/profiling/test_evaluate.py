@@ -120,7 +120,7 @@ def test_bundled_configs_run_with_their_own_sparse_section_and_pages(smollm2_pat
                    ("quest", 32, "fp8", "block", 1), ("quest", 32, "fp8", "block", 1)]
     spin, fast = built[1].config.sparse, built[2].config.sparse
     assert (spin.budget, spin.budget_floor_tokens, spin.resident_margin) == (0.0625, 2048, 0.5)
-    assert spin.options == {"index_dtype": "float8_e4m3fn"}
+    assert spin.options == {"index_dtype": "float8_e4m3fn", "resident_margin": 0.5}
     block = fast.prefill.typed_options()
     assert (fast.budget, fast.resident_margin, block.budget, block.block_size) == (2048, 0.5, 0.125, 128)
     assert all(e.config.model.hf_overrides == yarn and e.config.model.max_model_len == 700 for e in built)
