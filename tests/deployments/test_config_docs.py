@@ -18,6 +18,15 @@ def test_the_reference_is_current():
     assert config_docs.write(ROOT, check=True), "docs/config.md is stale: run spin-cluster config docs"
 
 
+# What a user may set in SpinConfig, outside the algorithms' option models: 51 once, 40, now 32;
+# the goal is 30. The bound only ever comes down: a new setting has to replace one.
+MAX_SETTINGS = 32
+
+
+def test_the_settings_do_not_grow():
+    assert config_docs.count_settings(SpinConfig) <= MAX_SETTINGS
+
+
 def test_every_setting_has_a_row_and_a_changed_description_makes_it_stale(tmp_path, monkeypatch):
     text = config_docs.markdown()
     for path, model in config_docs.sections():
