@@ -36,7 +36,7 @@ for i in $(seq "${REPEATS:-2}"); do
     mkdir -p "$OUT/$side-$i"
     in_tree "$tree" "/tmp/pkg-$side" timeout "${MODE_TIMEOUT:-240}" python3 -P -m spin_cluster.bench decode-step "${args[@]}" \
       "${TOK[@]}" --out "$OUT/$side-$i" > "$OUT/$side-$i/profile.log" 2>&1
-    echo "$side $i: $(grep -aoE 'step [0-9.]+ ms as served' "$OUT/$side-$i/profile.log") |" \
+    echo "$(date +%T) $side $i: $(grep -aoE 'step [0-9.]+ ms as served' "$OUT/$side-$i/profile.log") |" \
       "$(grep -aoE 'graph run on the GPU: [0-9.]+ ms' "$OUT/$side-$i/profile.log")" | tee -a "$OUT/summary.txt"
   done
 done
