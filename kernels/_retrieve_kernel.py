@@ -102,11 +102,11 @@ def _write_row_unless_copied(k_rows, v_rows, row_slots_ptr, stride_rk, stride_rv
         copies += ((srcs >= 0) & (dsts == page)).to(tl.int32)
     if (slot >= 0) & (tl.sum(copies, 0) == 0):
         offs = tl.arange(0, BLOCK_D)
-        m = offs < D
+        in_d = offs < D
         at_k = dst_k + page * stride_dst_k + (slot % S) * D + offs
         at_v = dst_v + page * stride_dst_v + (slot % S) * D + offs
-        tl.store(at_k, tl.load(k_rows + r * stride_rk + offs, mask=m), mask=m)
-        tl.store(at_v, tl.load(v_rows + r * stride_rv + offs, mask=m), mask=m)
+        tl.store(at_k, tl.load(k_rows + r * stride_rk + offs, mask=in_d), mask=in_d)
+        tl.store(at_v, tl.load(v_rows + r * stride_rv + offs, mask=in_d), mask=in_d)
 
 
 @triton.jit

@@ -306,3 +306,25 @@ def test_impl_choice():
         pools = make_pools(6, 5, 2, 8, torch.float32, seed=3)
         return [*pools, ids([4, -1, 0, 2]), ids([1, 3, -1, 0]), torch.tensor([3], device=DEVICE)], {}
     check_impls(retrieve_pages, retrieve_pages_ref, make)
+
+
+@needs_triton
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-host", "fp8-host"])
+def test_the_write_through_launches_compile_for_an_h100(fp8):
+    """The interpreter runs a kernel's Python, not Triton's compiler: the fused launch (K = 160
+    pages a head: several group chunks) and the plain gather are compiled for sm_90 here."""
+    from .sm90 import compiled_launches
+
+    S, D, R, K = 16, 128, 4, 160
+    host = [torch.zeros(64, S, D, dtype=torch.bfloat16) for _ in range(2)]
+    if fp8:
+        host = [torch.zeros(64, S, D, dtype=FP8_DTYPE) for _ in range(2)] + [torch.ones(64, S) for _ in range(2)]
+    buf = [torch.zeros(R * K, S, D, dtype=torch.bfloat16) for _ in range(2)]
+    src, dst = torch.zeros(R * K, dtype=torch.int64), torch.arange(R * K)
+    rows = (torch.zeros(R, D, dtype=torch.bfloat16), torch.zeros(R, D, dtype=torch.bfloat16), torch.arange(R) * S)
+    gather = retrieve_pages_fp8 if fp8 else retrieve_pages
+    module = "_fp8_pages_kernel" if fp8 else "_retrieve_kernel"
+    with compiled_launches(module) as launches:
+        gather(*host, *buf, src, dst, rows=rows, impl="triton")
+        gather(*host, *buf, src, dst, impl="triton")
+    assert [name for _, name, *_ in launches] == [launches[0][1]] * 2
