@@ -4,13 +4,15 @@
 row quantised to e4m3 and stored as bytes, the scale beside it. ``_retrieve_pages_fp8``:
 grid (cdiv(M, PAIRS),), a program per PAIRS page pairs (``retrieve.py``'s ``pairs_per_program``),
 each live pair's FP8 page and its scales read (from pinned host memory where the source is
-there), the page dequantised into the destination's dtype.
+there), the page dequantised into the destination's dtype; with ``ROWS``, R row programs
+first and each page carrying its group's write-through row, exact in place of the host's
+quantised one, as ``_retrieve_kernel.py``'s ``_retrieve_pages`` does.
 """
 
 import triton
 import triton.language as tl
 
-from ._retrieve_kernel import _pair_value, _program_pairs
+from ._retrieve_kernel import _pair_value, _pairs_and_rows, _write_row_unless_copied
 
 
 @triton.jit
@@ -44,27 +46,44 @@ def _write_tokens_fp8(dk, dv, dks, dvs, k, v, slots, stride_k, stride_v, ak, av,
             tl.store(av + slot * D + offs, tl.load(v + i * stride_v + offs, mask=m), mask=m)
 
 @triton.jit
-def _dequantise_page(pages, scales, out, src, dst, S: tl.constexpr, D: tl.constexpr,
-                     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _dequantise_page(pages, scales, out, src, dst, row_ptr, row_off, S: tl.constexpr, D: tl.constexpr,
+                     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """Page src -> page dst of out; with ROWS and row_off >= 0, row row_off from row_ptr instead."""
     rows = tl.arange(0, BLOCK_S)
     cols = tl.arange(0, BLOCK_D)
     m = (rows < S)[:, None] & (cols < D)[None, :]
     at = rows[:, None] * D + cols[None, :]
     q = tl.load(pages + src * S * D + at, mask=m, other=0).to(tl.float8e4nv, bitcast=True)
     scale = tl.load(scales + src * S + rows, mask=rows < S, other=0.0)
-    x = q.to(tl.float32) * scale[:, None]
-    tl.store(out + dst * S * D + at, x.to(out.dtype.element_ty), mask=m)
+    x = (q.to(tl.float32) * scale[:, None]).to(out.dtype.element_ty)
+    if ROWS:
+        if row_off >= 0:
+            new = tl.load(row_ptr + cols, mask=cols < D)
+            x = tl.where((rows == row_off)[:, None], new[None, :], x)
+    tl.store(out + dst * S * D + at, x, mask=m)
 
 @triton.jit
-def _retrieve_pages_fp8(sk, sv, sks, svs, dk, dv, src_ids, dst_ids, M, S: tl.constexpr, D: tl.constexpr,
-              BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PAIRS: tl.constexpr):
+def _retrieve_pages_fp8(sk, sv, sks, svs, dk, dv, src_ids, dst_ids, M, k_rows, v_rows, row_slots, stride_rk,
+                        stride_rv, group, num_rows, S: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                        BLOCK_D: tl.constexpr, PAIRS: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr,
+                        GROUP_CHUNKS: tl.constexpr):
     """Pairs p * PAIRS .. p * PAIRS + PAIRS - 1 of M, one after another (``retrieve.py``'s
-    ``pairs_per_program``: few programs where most pairs are dead)."""
-    js, srcs, dsts, lives = _program_pairs(src_ids, dst_ids, M, PAIRS)
-    for j in tl.static_range(PAIRS):
-        if _pair_value(js, j, lives.to(tl.int32)) > 0:
-            src = _pair_value(js, j, srcs)
-            dst = _pair_value(js, j, dsts)
-            _dequantise_page(sk, sks, dk, src, dst, S, D, BLOCK_S, BLOCK_D)
-            _dequantise_page(sv, svs, dv, src, dst, S, D, BLOCK_S, BLOCK_D)
-
+    ``pairs_per_program``: few programs where most pairs are dead), after R row programs with
+    ROWS (``_retrieve_kernel.py``)."""
+    pid = tl.program_id(0)
+    if pid >= num_rows:
+        js, srcs, dsts, lives, rows, row_offs = _pairs_and_rows(src_ids, dst_ids, row_slots, M, pid - num_rows, group,
+                                                                S, PAIRS, ROWS)
+        for j in tl.static_range(PAIRS):
+            if _pair_value(js, j, lives.to(tl.int32)) > 0:
+                src = _pair_value(js, j, srcs)
+                dst = _pair_value(js, j, dsts)
+                row = _pair_value(js, j, rows)
+                row_off = _pair_value(js, j, row_offs)
+                _dequantise_page(sk, sks, dk, src, dst, k_rows + row * stride_rk, row_off, S, D, BLOCK_S, BLOCK_D,
+                                 ROWS)
+                _dequantise_page(sv, svs, dv, src, dst, v_rows + row * stride_rv, row_off, S, D, BLOCK_S, BLOCK_D,
+                                 ROWS)
+    elif ROWS:
+        _write_row_unless_copied(k_rows, v_rows, row_slots, stride_rk, stride_rv, dk, dv, S * D, S * D, src_ids,
+                                 dst_ids, M, group, pid, S, D, BLOCK_D, BLOCK_G, GROUP_CHUNKS)

@@ -9,9 +9,11 @@ so that a row's largest magnitude maps to e4m3's largest finite value (448)::
     write_tokens_fp8(dst_k, dst_v, dst_k_scale, dst_v_scale, k, v, slots)
         k, v [M, D] rows (any float dtype) -> quantised into flat token slots [M] of the
         pages (page * S + offset; < 0 skips the row), their scales beside them
-    retrieve_pages_fp8(src_k, src_v, src_k_scale, src_v_scale, dst_k, dst_v, src_ids, dst_ids)
+    retrieve_pages_fp8(src_k, src_v, src_k_scale, src_v_scale, dst_k, dst_v, src_ids, dst_ids, rows)
         FP8 pages src_ids [M] -> dequantised into pages dst_ids [M] of dst_k / dst_v [N', S, D]
-        (the model's dtype); pairs with a negative id move nothing
+        (the model's dtype); pairs with a negative id move nothing; then the optional
+        write-through rows (k, v [R, D], slots [R]) unquantised, over their pages' copies
+        (``retrieve.py``'s contract)
 
 A per-token scale costs 4 bytes per 128-element row (3%) and keeps a row's relative error
 at e4m3's (at most 2^-4 of the row's largest value), where one scale per page lets one
@@ -28,7 +30,7 @@ import torch
 from ._impl import resolve_impl
 from ._triton_support import load_kernel_module, next_pow2
 from .offload import check_also, write_tokens_ref
-from .retrieve import pairs_per_program
+from .retrieve import check_rows, pairs_per_program, row_args
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "retrieve_pages_fp8", "retrieve_pages_fp8_ref", "write_tokens_fp8",
            "write_tokens_fp8_ref"]
@@ -70,8 +72,9 @@ def write_tokens_fp8_ref(dst_k, dst_v, dst_k_scale, dst_v_scale, k, v, slots, al
         scales.view(-1).index_copy_(0, idx, scale.to(scales.device))
 
 
-def retrieve_pages_fp8_ref(src_k, src_v, src_k_scale, src_v_scale, dst_k, dst_v, src_ids, dst_ids) -> None:
+def retrieve_pages_fp8_ref(src_k, src_v, src_k_scale, src_v_scale, dst_k, dst_v, src_ids, dst_ids, rows=None) -> None:
     _check_pages(src_k, src_v, src_k_scale, src_v_scale, "source")
+    check_rows(rows, dst_k, dst_v, src_ids.shape[0])
     live = (src_ids >= 0) & (dst_ids >= 0)
     src = src_ids[live].long().to(src_k.device)
     dst = dst_ids[live].long().to(dst_k.device)
@@ -79,6 +82,8 @@ def retrieve_pages_fp8_ref(src_k, src_v, src_k_scale, src_v_scale, dst_k, dst_v,
         q = pages.view(torch.uint8).index_select(0, src).view(FP8_DTYPE).float()  # [n, S, D]
         x = q * scales.index_select(0, src)[..., None]
         out.index_copy_(0, dst, x.to(out.dtype).to(out.device))
+    if rows is not None:
+        write_tokens_ref(dst_k, dst_v, *rows)
 
 
 def _kernels():
@@ -108,22 +113,25 @@ def write_tokens_fp8(dst_k, dst_v, dst_k_scale, dst_v_scale, k, v, slots, also=N
                          k.stride(0), v.stride(0), ak, av, also_slots, D=D, BLOCK_D=next_pow2(D), ALSO=also is not None)
 
 
-def retrieve_pages_fp8(src_k, src_v, src_k_scale, src_v_scale, dst_k, dst_v, src_ids, dst_ids, *,
+def retrieve_pages_fp8(src_k, src_v, src_k_scale, src_v_scale, dst_k, dst_v, src_ids, dst_ids, rows=None, *,
                        impl: str = "auto") -> None:
     """``impl``: "auto", "triton" or "torch" (``kernels._impl``), decided by dst_k's device."""
     if resolve_impl(impl, dst_k.device) == "torch":
-        return retrieve_pages_fp8_ref(src_k, src_v, src_k_scale, src_v_scale, dst_k, dst_v, src_ids, dst_ids)
+        return retrieve_pages_fp8_ref(src_k, src_v, src_k_scale, src_v_scale, dst_k, dst_v, src_ids, dst_ids, rows)
     _check_pages(src_k, src_v, src_k_scale, src_v_scale, "source")
     if dst_k.shape[1:] != src_k.shape[1:] or dst_v.shape != dst_k.shape or not dst_k.is_contiguous():
         raise ValueError("destination pages must be contiguous [N', S, D] like the source's")
     if src_ids.shape != dst_ids.shape or src_ids.dim() != 1:
         raise ValueError("src_ids and dst_ids must be [M] alike")
     M = src_ids.shape[0]
-    if M == 0:
+    check_rows(rows, dst_k, dst_v, M)
+    num_rows = 0 if rows is None else rows[0].shape[0]
+    if M == 0 and not num_rows:
         return
     _, retrieve = _kernels()
     S, D = src_k.shape[1:]
     pairs = pairs_per_program(M)
-    retrieve[(-(-M // pairs),)](src_k.view(torch.uint8), src_v.view(torch.uint8), src_k_scale, src_v_scale, dst_k,
-                                dst_v, src_ids, dst_ids, M, S=S, D=D, BLOCK_S=next_pow2(S), BLOCK_D=next_pow2(D),
-                                PAIRS=pairs)
+    row_extra, row_consts = row_args(rows, dst_k, M)
+    retrieve[(num_rows + -(-M // pairs),)](src_k.view(torch.uint8), src_v.view(torch.uint8), src_k_scale,
+                                           src_v_scale, dst_k, dst_v, src_ids, dst_ids, M, *row_extra, S=S, D=D,
+                                           BLOCK_S=next_pow2(S), PAIRS=pairs, **row_consts)

@@ -7,16 +7,27 @@ Layout (per-head pages, see ``spin_cluster.kvcache.page_pool``)::
     src_ids      : [M]             int32/int64, page to read
     dst_ids      : [M]             int32/int64, slot to write
     count        : [1] or []       optional int32/int64 device tensor, n <= M
+    rows         : optional (k, v [R, D], slots [R]): write-through rows, R dividing M
 
 For every ``i < n`` (``n = count`` if given, else ``M``) with ``src_ids[i] >= 0`` and
 ``dst_ids[i] >= 0``::
 
     dst_k[dst_ids[i]] = src_k[src_ids[i]]      dst_v[dst_ids[i]] = src_v[src_ids[i]]
 
-and nothing else is written. The number of misses of a decode step is computed on the GPU, so
-``count`` stays there: the launcher sizes its grid by ``M`` and programs past ``count`` do
-nothing. Id arrays may thus be fixed-size buffers with stale entries past ``count`` or ``-1``
-padding.
+then, with ``rows``, for every r with ``slots[r] >= 0`` (a flat token slot page * S + offset)::
+
+    dst_k.view(-1, D)[slots[r]] = k[r]          dst_v.view(-1, D)[slots[r]] = v[r]
+
+and nothing else is written. The rows land after the pages: a decode token written through
+into its tail page's slot wins over that page's copy in the same launch. The pairs come in R
+groups of M / R, one per row (a head's selected pages), and a row's slot lies in no other
+group's destination pages, unless the rows and pages written there are alike (a CUDA graph's
+padding entries share a page and write the same values); the kernel's grid:
+``_retrieve_kernel.py``.
+
+The number of misses of a decode step is computed on the GPU, so ``count`` stays there: the
+launcher sizes its grid by ``M`` and programs past ``count`` do nothing. Id arrays may thus be
+fixed-size buffers with stale entries past ``count`` or ``-1`` padding.
 
 Devices. The id arrays and ``count`` live on the destination's device. On CUDA the source is
 either on that device or in pinned host memory: a pinned tensor's address is valid on the GPU
@@ -38,7 +49,8 @@ Preconditions not checked (they would need a host sync): live ids are in range, 
 is the destination of two live pairs (which one lands is then undefined), and no page is both
 read and written by one call.
 
-This module imports only torch (and Triton, lazily): it must not import ``spin_cluster``.
+This module imports only torch (and Triton, lazily) and its sibling ``offload``: it must not
+import ``spin_cluster``.
 """
 
 from __future__ import annotations
@@ -48,8 +60,9 @@ import torch
 
 from ._impl import resolve_impl
 from ._triton_support import is_interpreted, load_kernel_module, next_pow2, triton_importable
+from .offload import check_also, write_tokens_ref
 
-__all__ = ["pairs_per_program", "retrieve_pages", "retrieve_pages_ref", "triton_available"]
+__all__ = ["check_rows", "pairs_per_program", "retrieve_pages", "retrieve_pages_ref", "row_args", "triton_available"]
 
 _SUPPORTED_DTYPES = (
     torch.float32,
@@ -72,6 +85,8 @@ _NUM_WARPS = 4
 # (16 of 4 warps per SM fill an H200), and a step whose pairs are mostly dead launches few.
 _PROGRAMS = 2048
 _MOST_PAIRS = 16
+# Pair ids a row program checks at a time (a decode step's group is a head's selected pages).
+_MAX_GROUP_BLOCK = 1024
 
 
 def pairs_per_program(m: int) -> int:
@@ -152,6 +167,35 @@ def _check_count(count, dev):
         raise ValueError(f"count is on {count.device} but the destination pages are on {dev}")
 
 
+def check_rows(rows, dst_k, dst_v, num_pairs: int) -> None:
+    """Write-through ``rows`` (k, v [R, D], slots [R]) for pages dst_k / dst_v after num_pairs
+    pairs: rows in the pages' dtype, R groups of pairs."""
+    if rows is None:
+        return
+    k, v, slots = rows
+    check_also((dst_k, dst_v, slots), k, v)
+    if slots.device != dst_k.device:
+        raise ValueError(f"row slots are on {slots.device} but the destination pages are on {dst_k.device}")
+    if num_pairs % max(k.shape[0], 1) or (num_pairs and not k.shape[0]):
+        raise ValueError(f"{num_pairs} pairs do not come in groups for {k.shape[0]} rows")
+
+
+def row_args(rows, dst_k, num_pairs: int) -> tuple[tuple, dict]:
+    """The kernels' write-through arguments after the pairs' (k, v, slots, their row strides,
+    pairs per row, R: the row programs before the pair programs) and constexprs; stand-ins
+    without rows."""
+    D = dst_k.shape[2]
+    if rows is None:
+        return (dst_k, dst_k, dst_k, 0, 0, 1, 0), dict(ROWS=False, BLOCK_D=next_pow2(D), BLOCK_G=1, GROUP_CHUNKS=0)
+    k, v, slots = rows
+    if k.stride(1) != 1 or v.stride(1) != 1:
+        raise ValueError("k/v rows must be contiguous")
+    group = num_pairs // max(k.shape[0], 1)
+    block_g = min(next_pow2(group), _MAX_GROUP_BLOCK)
+    return ((k, v, slots, k.stride(0), v.stride(0), group, k.shape[0]),
+            dict(ROWS=True, BLOCK_D=next_pow2(D), BLOCK_G=block_g, GROUP_CHUNKS=-(-group // block_g)))
+
+
 def _check_inputs(src_k, src_v, dst_k, dst_v, src_ids, dst_ids, count):
     """Validate shapes / dtypes / devices; return the number of pairs M."""
     _check_pool_pair("src_k", src_k, "src_v", src_v)
@@ -197,15 +241,19 @@ def retrieve_pages_ref(
     src_ids: torch.Tensor,
     dst_ids: torch.Tensor,
     count: torch.Tensor | None = None,
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Pure-torch Retrieve (same contract as :func:`retrieve_pages`). Syncs with the host."""
-    _check_inputs(src_k, src_v, dst_k, dst_v, src_ids, dst_ids, count)
+    M = _check_inputs(src_k, src_v, dst_k, dst_v, src_ids, dst_ids, count)
+    check_rows(rows, dst_k, dst_v, M)
     live = _live_pairs(src_ids, dst_ids, count)  # [M]
     src_live = src_ids[live].long()  # [n_live]
     dst_live = dst_ids[live].long()
     src_at = src_live.to(src_k.device)
     dst_k.index_copy_(0, dst_live, src_k.index_select(0, src_at).to(dst_k.device))
     dst_v.index_copy_(0, dst_live, src_v.index_select(0, src_at).to(dst_v.device))
+    if rows is not None:
+        write_tokens_ref(dst_k, dst_v, *rows)
 
 
 # --------------------------------------------------------------------------------------
@@ -232,13 +280,14 @@ def retrieve_pages(
     src_ids: torch.Tensor,
     dst_ids: torch.Tensor,
     count: torch.Tensor | None = None,
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     *,
     block: int | None = None,
     num_warps: int | None = None,
     impl: str = "auto",
 ) -> None:
     """Retrieve; the kernel runs one program per (src, dst) pair (several pairs each past
-    2048 pairs: ``pairs_per_program``), K and V in one launch.
+    2048 pairs: ``pairs_per_program``), K and V in one launch, and one per write-through row.
 
     See the module docstring for the contract. Keyword-only:
       block      elements per chunk and tensor (power of 2); default
@@ -247,8 +296,9 @@ def retrieve_pages(
       impl       "auto", "triton" or "torch" (``kernels._impl``), by dst_k's device.
     """
     if resolve_impl(impl, dst_k.device) == "torch":
-        return retrieve_pages_ref(src_k, src_v, dst_k, dst_v, src_ids, dst_ids, count)
+        return retrieve_pages_ref(src_k, src_v, dst_k, dst_v, src_ids, dst_ids, count, rows)
     M = _check_inputs(src_k, src_v, dst_k, dst_v, src_ids, dst_ids, count)
+    check_rows(rows, dst_k, dst_v, M)
     kmod = _load_kernel()
     interpreted = is_interpreted(kmod._retrieve_pages)
     if dst_k.device.type != "cuda" and not interpreted:
@@ -261,10 +311,12 @@ def retrieve_pages(
         block = min(next_pow2(page_numel), _MAX_BLOCK)
     if block < 1 or block & (block - 1):
         raise ValueError(f"block must be a power of 2, got {block}")
-    if M == 0 or page_numel == 0:
+    num_rows = 0 if rows is None else rows[0].shape[0]
+    if (M == 0 or page_numel == 0) and not num_rows:
         return
     pairs = pairs_per_program(M)
-    kmod._retrieve_pages[(-(-M // pairs),)](
+    row_extra, row_consts = row_args(rows, dst_k, M)
+    kmod._retrieve_pages[(num_rows + -(-M // pairs),)](
         src_k,
         src_v,
         dst_k,
@@ -277,10 +329,14 @@ def retrieve_pages(
         src_v.stride(0),
         dst_k.stride(0),
         dst_v.stride(0),
+        *row_extra,
         PAGE_NUMEL=page_numel,
+        S=src_k.shape[1],
+        D=src_k.shape[2],
         BLOCK=block,
         NUM_CHUNKS=-(-page_numel // block),
         HAS_COUNT=count is not None,
         PAIRS=pairs,
+        **row_consts,
         num_warps=_NUM_WARPS if num_warps is None else num_warps,
     )

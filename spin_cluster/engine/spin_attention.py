@@ -279,7 +279,7 @@ class SpinAttention(PlannedCapture):
         held = self._resident(rows, layer, sel.max_pages) if margin else None
         want, num_selected = select_layer(self.algorithm, layer, q, rows, sel, held, margin)  # [Bd, Hkv, K]
         # No wait for this layer's host write: Retrieve may copy the tail page without the new
-        # token, and writes it through into the slot after the gather, on this stream. Earlier
+        # token, and its gather writes the token through over that copy, on this stream. Earlier
         # steps' writes have landed (end_step waits).
         D = q.shape[-1]
         slots, lens = self.transfer.retrieve(rows, layer, want, num_selected, sel.tail_len, self.now,

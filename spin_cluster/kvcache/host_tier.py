@@ -121,12 +121,16 @@ class HostTier:
         else:
             write_tokens(self.k_pages, self.v_pages, k, v, slots, also)
 
-    def read(self, pages: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor) -> None:
-        """Host pages [M] (< 0 skips) -> pages dst_ids [M] of dst_k / dst_v [N, S, D]."""
+    def read(self, pages: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor,
+             rows=None) -> None:
+        """Host pages [M] (< 0 skips) -> pages dst_ids [M] of dst_k / dst_v [N, S, D]; ``rows``
+        (k, v [R, D], flat token slots [R]): written through into dst after the pages, in the
+        same launch (``kernels/retrieve.py``'s contract)."""
         if self.fp8:
-            retrieve_pages_fp8(self.k_pages, self.v_pages, self.k_scale, self.v_scale, dst_k, dst_v, pages, dst_ids)
+            retrieve_pages_fp8(self.k_pages, self.v_pages, self.k_scale, self.v_scale, dst_k, dst_v, pages, dst_ids,
+                               rows)
         else:
-            retrieve_pages(self.k_pages, self.v_pages, dst_k, dst_v, pages, dst_ids)
+            retrieve_pages(self.k_pages, self.v_pages, dst_k, dst_v, pages, dst_ids, rows=rows)
 
     @property
     def num_free_segments(self) -> int:

@@ -7,12 +7,12 @@
                tiers' writes are one launch
     write      K/V rows -> GPU buffer slots (prefill's installed pages), on the compute stream
     Retrieve   a decode layer's selected pages -> their GPU buffer slots, whole (``retrieve``),
-               in three launches: the resolution (GPU home pages read in place, their slot
+               in two launches: the resolution (GPU home pages read in place, their slot
                arithmetic: ``homes.py``; for host pages the buffer's lookup, hits and slots for
                the misses by the bucketed LRU; the misses' host pages from the directory, each
-               head's attended length and its newest token's slot: ``GpuBuffer.resolve``), one
-               zero-copy gather of the misses from pinned host memory, and the new token's
-               write-through into its tail slot
+               head's attended length and its newest token's slot: ``GpuBuffer.resolve``), then
+               one zero-copy gather of the misses from pinned host memory that also writes the
+               new token through into its tail slot
     gather     home pages -> a gather buffer (a prefill chunk's context): one launch per tier
 
 Before a Retrieve reads host pages that this step's Offload wrote (a later prefill chunk's
@@ -78,22 +78,21 @@ class Transfer:
         want [B, Hkv, K] page ids (-1 padding) and num_selected [B, Hkv] from Select;
         tail_len [B] tokens in each tail page; now: the step index on the device (the LRU's
         clock); k, v [B * Hkv, D] the decode tokens' new K/V, written through into their tail
-        page's slot after the gather (the slot may hold the page without it). Returns
+        page's slot by the gather's launch, over the page's copy where the tail page is a miss
+        (the slot may hold the page without it). Returns
         (slots [B, Hkv, K] buffer slots, -1 padding; lens [B, Hkv] tokens each head attends).
         Device work only, no host sync: a CUDA graph captures it.
         """
         buf = self.buffer
         slots, miss_dst, src, lens, tail_slot = buf.resolve(rows, layer, want, num_selected, tail_len, now, self.home_map)
-        self.gather(src, buf.k_slots, buf.v_slots, miss_dst, host_only=True)
-        self.write(buf.k_slots, buf.v_slots, k, v, tail_slot)
+        # The misses' pairs come as [B * Hkv, K]: a head's K pages, the group of its row.
+        self.host.read(src, buf.k_slots, buf.v_slots, miss_dst, rows=(k, v, tail_slot))
         return slots, lens
 
-    def gather(self, pages: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor,
-               host_only: bool = False) -> None:
+    def gather(self, pages: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor) -> None:
         """Home pages [M] (page ids, -1: skip) -> pages dst_ids [M] of dst_k / dst_v [N, S, D]:
-        host pages over PCIe, GPU home pages from the GPU page array (``host_only``: the
-        caller knows no page is a GPU one)."""
-        if host_only or not self.gpu_homes:
+        host pages over PCIe, GPU home pages from the GPU page array."""
+        if not self.gpu_homes:
             self.host.read(pages, dst_k, dst_v, dst_ids)
             return
         at_home = self.homes.gpu_slots(pages)

@@ -7,6 +7,7 @@ import torch
 from spin_cluster.kernels.fp8_pages import (
     FP8_DTYPE, retrieve_pages_fp8, retrieve_pages_fp8_ref, write_tokens_fp8, write_tokens_fp8_ref,
 )
+from spin_cluster.kernels.offload import write_tokens
 
 from .conftest import check_impls
 
@@ -147,3 +148,30 @@ def test_the_gpu_home_rows_go_unquantised_in_the_same_launch(impl):
     untouched = torch.ones(3 * S, dtype=torch.bool)
     untouched[[2, 9]] = False
     assert bool((flat_k[untouched] == 7).all())
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("tail_missed", [True, False], ids=["tail-miss", "tail-hit"])
+def test_write_through_rows_land_exact_over_their_dequantised_pages(impl, tail_missed):
+    """Retrieve's fused write-through (two heads of 3 selected pages, a row each) equals the
+    gather followed by ``write_tokens``: head 0's new row is exact where its tail page (host
+    page 2, holding that row quantised) is a miss into slot 5, and where slot 5 holds it
+    already; head 1's tail is a hit in slot 7 beside a dead pair naming slot 7."""
+    k, v = (x.to(torch.bfloat16) for x in _rows(2, seed=7))
+    pages = _pages()
+    fill_k, fill_v = _rows(N * S, seed=8)
+    write_tokens_fp8_ref(*pages, fill_k, fill_v, torch.arange(N * S))
+    slots = torch.tensor([5 * S + 3, 7 * S + 1])
+    write_tokens_fp8_ref(*pages, k[:1], v[:1], torch.tensor([2 * S + 3]))  # Offload's host copy of the row
+    src = torch.tensor([4, -1, 2 if tail_missed else -1, 0, -1, 3])
+    dst = torch.tensor([1, 2, 5 if tail_missed else -1, 0, 7, 4])
+    two, fused = ([torch.full((8, S, D), 7.0, dtype=torch.bfloat16) for _ in range(2)] for _ in range(2))
+    retrieve_pages_fp8(*pages, *two, src, dst, impl=impl)
+    write_tokens(*two, k, v, slots, impl=impl)
+    retrieve_pages_fp8(*pages, *fused, src, dst, (k, v, slots), impl=impl)
+    assert torch.equal(fused[0], two[0]) and torch.equal(fused[1], two[1])
+    flat_k, flat_v = fused[0].view(-1, D), fused[1].view(-1, D)
+    assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
+    host_row = torch.zeros(1, S, D, dtype=torch.bfloat16)
+    retrieve_pages_fp8(*pages, host_row, host_row.clone(), torch.tensor([2]), torch.tensor([0]), impl=impl)
+    assert not torch.equal(host_row[0, 3], k[0])  # the page's copy over the row would show

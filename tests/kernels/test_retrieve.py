@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import spin_cluster.kernels.retrieve as rt
+from spin_cluster.kernels.fp8_pages import FP8_DTYPE, retrieve_pages_fp8, write_tokens_fp8_ref
+from spin_cluster.kernels.offload import write_tokens
 from spin_cluster.kernels.retrieve import retrieve_pages, retrieve_pages_ref
 
 from .conftest import check_impls
@@ -153,6 +155,56 @@ def test_strided_pages_and_large_chunks():
     assert bool((base_dst[torch.tensor([0, 1, 3])] == POISON).all())
 
 
+def write_through_case(S, D, dtype, tail_missed: bool, device=DEVICE):
+    """Two heads of K = 3 selected pages each (pairs in groups of 3, one row per head), as a
+    decode layer's Retrieve: head 0's tail page (its last pair) a miss into slot 5, or a hit
+    held in slot 5; head 1's a hit in slot 7 while its group copies other pages, one of its
+    pairs dead with destination 7. Returns the pools, ids and rows (k, v [2, D], slots [2])."""
+    src_k, src_v, dst_k, dst_v = make_pools(9, 8, S, D, dtype, device=device, seed=5)
+    src_ids = ids([3, -1, 8 if tail_missed else -1, 0, -1, 6], torch.int64, device)
+    dst_ids = ids([1, 2, 5 if tail_missed else -1, 0, 7, 4], torch.int64, device)
+    gen = torch.Generator().manual_seed(6)
+    k, v = (torch.randn(2, D, generator=gen).to(dtype).to(device) for _ in range(2))
+    slots = ids([5 * S + S - 1, 7 * S + 1], torch.int64, device)
+    return (src_k, src_v, dst_k, dst_v, src_ids, dst_ids), (k, v, slots)
+
+
+@needs_triton
+@pytest.mark.parametrize("tail_missed", [True, False], ids=["tail-miss", "tail-hit"])
+@pytest.mark.parametrize("programs", [2048, 1], ids=["pair-a-program", "16-pairs-a-program"])
+def test_write_through_rows_land_over_their_pages_as_a_write_after_the_gather(monkeypatch, tail_missed, programs):
+    """The fused launch equals the gather followed by ``write_tokens`` (and the reference):
+    where the tail page is a miss its copy's row is the new one, not the host's; where it is a
+    hit the row is written alone, and a dead pair naming its slot does not stop it."""
+    monkeypatch.setattr(rt, "_PROGRAMS", programs)
+    S, D = 4, 8
+    pools, rows = write_through_case(S, D, torch.bfloat16, tail_missed)
+    two = [t.clone() for t in pools]
+    retrieve_pages(*two, impl="triton")
+    write_tokens(two[2], two[3], *rows, impl="triton")
+    ref = [t.clone() for t in pools]
+    retrieve_pages_ref(*ref, rows=rows)
+    fused = list(pools)
+    retrieve_pages(*fused, rows=rows, impl="triton")
+    k, v, slots = rows
+    for got in (fused, ref):
+        assert torch.equal(got[2], two[2]) and torch.equal(got[3], two[3])
+    flat_k, flat_v = fused[2].view(-1, D), fused[3].view(-1, D)
+    assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
+    if tail_missed:  # the rest of the tail page is the host's
+        assert torch.equal(fused[2][5, :S - 1], pools[0][8, :S - 1])
+        assert not torch.equal(pools[0][8, S - 1], k[0])  # a copy over the row would show
+
+
+@needs_triton
+def test_write_through_rows_need_a_group_of_pairs_each():
+    pools, (k, v, slots) = write_through_case(4, 8, torch.float32, True)
+    with pytest.raises(ValueError, match="groups"):
+        retrieve_pages(*pools, rows=(k[:1].repeat(4, 1), v[:1].repeat(4, 1), slots[:1].repeat(4)), impl="triton")
+    with pytest.raises(ValueError, match="dtype"):
+        retrieve_pages(*pools, rows=(k.half(), v.half(), slots), impl="triton")
+
+
 @pytest.mark.parametrize("fn", BOTH)
 def test_bad_inputs_raise(fn):
     src_k, src_v, dst_k, dst_v = make_pools(4, 4, 2, 8, torch.float32)
@@ -208,9 +260,71 @@ def test_pinned_host_to_cuda_full_size(S):
     assert bool((slot_k[rest] == POISON).all()) and bool((slot_v[rest] == POISON).all())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-host", "fp8-host"])
+@pytest.mark.parametrize("K", [64, 160])  # 2048 pairs, one a program; 5120, four a program
+def test_write_through_from_pinned_host_pages_on_cuda(fp8, K):
+    """Decode shapes (32 heads of K selected pages, bf16, S=16, D=128): every other head's tail
+    page a miss, the others' hits; the fused launch equals the gather then ``write_tokens``,
+    bit for bit, and every row lands exact."""
+    S, D, R, n_host = 16, 128, 32, 4096
+    M = R * K
+    gen = torch.Generator().manual_seed(K)
+    host = [torch.randn(n_host, S, D, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    if fp8:
+        pages = [torch.zeros(n_host, S, D, dtype=FP8_DTYPE) for _ in range(2)] + [torch.zeros(n_host, S) for _ in range(2)]
+        write_tokens_fp8_ref(*pages, host[0].view(-1, D), host[1].view(-1, D), torch.arange(n_host * S))
+        host = pages
+    host = [t.pin_memory() for t in host]
+    perm = torch.randperm(M + R, generator=gen)
+    dst = perm[:M].view(R, K).clone()
+    hit_slots = perm[M:]
+    src = torch.randint(0, n_host, (R, K), generator=gen)
+    src[torch.rand(R, K, generator=gen) < 0.5] = -1
+    src[0::2, -1] = torch.randint(0, n_host, (R // 2,), generator=gen)  # even heads: the tail page a miss
+    src[1::2, -1] = -1
+    off = torch.randint(0, S, (R,), generator=gen)
+    tail = torch.where(torch.arange(R) % 2 == 0, dst[:, -1], hit_slots) * S + off
+    k, v = (torch.randn(R, D, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))
+    ids_ = [x.reshape(-1).cuda() for x in (src, dst)]
+    rows = (k, v, tail.cuda())
+    buf = [torch.randn(M + R, S, D, generator=gen).to(torch.bfloat16).cuda() for _ in range(2)]
+    gather = retrieve_pages_fp8 if fp8 else retrieve_pages
+    two, fused = [t.clone() for t in buf], [t.clone() for t in buf]
+    gather(*host, *two, *ids_)
+    write_tokens(*two, *rows)
+    gather(*host, *fused, *ids_, rows=rows)
+    torch.cuda.synchronize()
+    assert torch.equal(fused[0], two[0]) and torch.equal(fused[1], two[1])
+    assert torch.equal(fused[0].view(-1, D)[rows[2]], k) and torch.equal(fused[1].view(-1, D)[rows[2]], v)
+
+
 @needs_triton
 def test_impl_choice():
     def make():
         pools = make_pools(6, 5, 2, 8, torch.float32, seed=3)
         return [*pools, ids([4, -1, 0, 2]), ids([1, 3, -1, 0]), torch.tensor([3], device=DEVICE)], {}
     check_impls(retrieve_pages, retrieve_pages_ref, make)
+
+
+@needs_triton
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-host", "fp8-host"])
+def test_the_write_through_launches_compile_for_an_h100(fp8):
+    """The interpreter runs a kernel's Python, not Triton's compiler: the fused launch (K = 160
+    pages a head: several group chunks) and the plain gather are compiled for sm_90 here."""
+    from .sm90 import compiled_launches
+
+    S, D, R, K = 16, 128, 4, 160
+    host = [torch.zeros(64, S, D, dtype=torch.bfloat16) for _ in range(2)]
+    if fp8:
+        host = [torch.zeros(64, S, D, dtype=FP8_DTYPE) for _ in range(2)] + [torch.ones(64, S) for _ in range(2)]
+    buf = [torch.zeros(R * K, S, D, dtype=torch.bfloat16) for _ in range(2)]
+    src, dst = torch.zeros(R * K, dtype=torch.int64), torch.arange(R * K)
+    rows = (torch.zeros(R, D, dtype=torch.bfloat16), torch.zeros(R, D, dtype=torch.bfloat16), torch.arange(R) * S)
+    gather = retrieve_pages_fp8 if fp8 else retrieve_pages
+    module = "_fp8_pages_kernel" if fp8 else "_retrieve_kernel"
+    with compiled_launches(module) as launches:
+        gather(*host, *buf, src, dst, rows=rows, impl="triton")
+        gather(*host, *buf, src, dst, impl="triton")
+    assert [name for _, name, *_ in launches] == [launches[0][1]] * 2
