@@ -8,7 +8,8 @@
 # $OUT: tests.log, check_spin_tokens.json, main-N/ and branch-N/ (decode-step's profile),
 # summary.txt (each run's step as served and graph time).
 # Env: PATCH (.carry/branch/patch), TESTS (pytest paths, relative to the repo), REPEATS (2),
-# BENCH_ARGS (default: two-level Quest, 2 x 128K in 40 GiB, the H100's shape).
+# BENCH_ARGS (default: two-level Quest, 2 x 128K in 40 GiB, the H100's shape), E2E_RUNS
+# (gpu_equal_memory.sh's runs, on this tree after the rest, e.g. one-128k; E2E_ARGS passes).
 set -o pipefail
 source benchmarks/gpu_setup.sh
 MAIN=$REPO
@@ -40,3 +41,5 @@ for i in $(seq "${REPEATS:-2}"); do
       "$(grep -aoE 'graph run on the GPU: [0-9.]+ ms' "$OUT/$side-$i/profile.log")" | tee -a "$OUT/summary.txt"
   done
 done
+[ -n "${E2E_RUNS}" ] && SELECT=0 RUNS="${E2E_RUNS}" bash benchmarks/gpu_equal_memory.sh
+exit 0
