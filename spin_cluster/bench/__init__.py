@@ -74,6 +74,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
               "engine"),
     Benchmark("check-spin-tokens", "check_spin_tokens.py", "Spin gives dense's tokens when Select keeps every page",
               "checks"),
+    Benchmark("check-sizing", "check_config_sizing.py", "a bundled config serves a model's shape at its context "
+              "with KV sizes from gpu_memory_utilization (no GiB given)", "checks"),
     Benchmark("check-grammar-mask", "check_grammar_mask.py", "the grammar's token mask on a device matches the CPU's; "
               "a constrained batch there samples only allowed tokens", "checks"),
     Benchmark("lm-eval", "lm_eval_compare.py", "lm-evaluation-harness through a server beside its HF backend, "
