@@ -9,7 +9,9 @@
 # summary.txt (each run's step as served and graph time).
 # Env: PATCH (.carry/branch/patch), TESTS (pytest paths, relative to the repo), REPEATS (2),
 # BENCH_ARGS (default: two-level Quest, 2 x 128K in 40 GiB, the H100's shape), E2E_RUNS
-# (gpu_equal_memory.sh's runs, on this tree after the rest, e.g. one-128k; E2E_ARGS passes).
+# (gpu_equal_memory.sh's runs, on this tree after the rest, e.g. one-128k; E2E_ARGS passes),
+# SIZING (1: spin-cluster bench check-sizing on this tree, the bundled spin config on
+# Qwen2.5-Coder-1.5B's shape at 16K with no KV size, before the e2e runs: check_sizing.{json,log}).
 set -o pipefail
 source benchmarks/gpu_setup.sh
 MAIN=$REPO
@@ -41,5 +43,9 @@ for i in $(seq "${REPEATS:-2}"); do
       "$(grep -aoE 'graph run on the GPU: [0-9.]+ ms' "$OUT/$side-$i/profile.log")" | tee -a "$OUT/summary.txt"
   done
 done
+if [ "${SIZING:-0}" = 1 ]; then
+  in_tree "$MAIN" "$PKG" timeout 240 python3 -P -m spin_cluster.bench check-sizing "${TOK[@]}" \
+    --out "$OUT/check_sizing.json" 2>&1 | tail -5 | tee "$OUT/check_sizing.log"
+fi
 [ -n "${E2E_RUNS}" ] && SELECT=0 RUNS="${E2E_RUNS}" bash benchmarks/gpu_equal_memory.sh
 exit 0
