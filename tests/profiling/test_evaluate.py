@@ -30,8 +30,8 @@ class _EchoEngine:
 
 def test_one_engine_per_method_and_one_per_length_for_streaming_fractions(smollm2_path):
     cfg = EvalConfig(base={"model": {"path": smollm2_path}, "scheduler": {"max_num_seqs": 3}},
-                     tasks=("niah_single", "vt"), lengths=(600, 700), samples_per_task=2, algorithms=("streaming", "quest"), budgets=(0.25,),
-                     max_tokens=8)
+                     tasks=("niah_single", "vt"), lengths=(600, 700), samples_per_task=2,
+                     algorithms=("streaming", "quest"), budgets=(0.25,), max_tokens=8)
     built = []
 
     def factory(spin):
