@@ -436,11 +436,11 @@ def run_accuracy(args) -> dict:
     from spin_cluster.profiling.evaluate import EvalConfig, evaluate
 
     tasks = {"tasks": tuple(args.tasks)} if args.tasks else {}
-    cfg = EvalConfig(**tasks, lengths=tuple(args.lengths), samples_per_task=args.samples, algorithms=("dense",), budgets=(),
-                     prefill_modes=("uniform", "threshold", "hplb"), prefill_budget=args.budget,
-                     prefill_block_size=args.block_size, prefill_estimator=args.estimator,
-                     prefill_stride=min(args.stride, args.block_size), max_batch=args.max_batch, device=args.device,
-                     dtype=args.dtype)
+    base = {"model": {"device": args.device, "dtype": args.dtype}, "scheduler": {"max_num_seqs": args.max_batch}}
+    cfg = EvalConfig(base=base, **tasks, lengths=tuple(args.lengths), samples_per_task=args.samples,
+                     algorithms=("dense",), budgets=(), prefill_modes=("uniform", "threshold", "hplb"),
+                     prefill_budget=args.budget, prefill_block_size=args.block_size, prefill_estimator=args.estimator,
+                     prefill_stride=min(args.stride, args.block_size))
     results = evaluate(cfg, progress=False)
     print(report.markdown(results), end="")
     print("\nblocks computed (share of causal):")

@@ -4,7 +4,9 @@
         --budgets 0.125 0.0625 0.03125 --out results.json --plot accuracy.png --fidelity
 
 Prints a markdown table per length; ``--out`` writes every sample's output as JSON,
-``--plot`` average accuracy vs budget as a PNG. Hooked into the main parser by
+``--plot`` average accuracy vs budget as a PNG. The engines start from the eval's settings, or
+from a serving config (``--base-config spin``); each engine flag (``--max-batch``, ``--page-size``,
+...) sets one key of that base (``ENGINE_FLAGS``). Hooked into the main parser by
 ``add_eval_parser(subparsers)``.
 
     spin-cluster profile --lengths 2048 --samples 2 --out profile.json --plot heatmap.png
@@ -22,15 +24,38 @@ import json
 
 from spin_cluster.config import option_pairs
 from spin_cluster.profiling import ruler
-from spin_cluster.profiling.evaluate import EvalConfig
+from spin_cluster.profiling.evaluate import EvalConfig, base_config
+
+# The engine flags of `eval`: each sets one key of the base config (``EvalConfig.base``); a flag
+# left out keeps the base's value (the eval's defaults, or --base-config's).
+ENGINE_FLAGS = {
+    "model": ("model", "path"), "device": ("model", "device"), "dtype": ("model", "dtype"),
+    "hf_overrides": ("model", "hf_overrides"), "page_size": ("cache", "page_size"),
+    "buffer_share": ("cache", "buffer_share"), "host_kv_dtype": ("cache", "host_kv_dtype"),
+    "max_batch": ("scheduler", "max_num_seqs"), "max_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "sink_tokens": ("sparse", "sink_tokens"), "local_tokens": ("sparse", "local_tokens"),
+    "dense_layers": ("sparse", "dense_layers"), "budget_floor": ("sparse", "budget_floor_tokens"),
+}
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``eval`` on the ``add_subparsers()`` object of the main parser."""
-    d = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(EvalConfig)})  # no validation: no torch
+    d = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(EvalConfig)})  # no validation
+    base = base_config()
+
+    def engine(dest: str) -> str:  # "(section.key; default: the eval's)", for a flag's help
+        section, key = ENGINE_FLAGS[dest]
+        return f"{section}.{key}; default: {getattr(getattr(base, section), key)}"
+
     p = subparsers.add_parser("eval", help="accuracy of sparse attention on RULER-style tasks",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="model folder (default: the prepared default model)")
+    p.add_argument("--base-config", default=None, metavar="NAME|PATH",
+                   help="the engines' settings from a serving config, a bundled one by name (default, spin, "
+                        "spin-quest, spin-fast) or a YAML file, as `spin-cluster serve --config` reads it; the "
+                        "flags below override it. Of its sparse section the sparse methods take sink_tokens, "
+                        "local_tokens, budget_floor_tokens and dense_layers (--configs runs a config's own "
+                        "sparse method). Default: the eval's settings")
+    p.add_argument("--model", default=None, help="model folder (model.path; default: the prepared default model)")
     p.add_argument("--tasks", nargs="+", default=list(d.tasks), metavar="TASK",
                    help=f"of: {', '.join(ruler.task_names())} (default: all)")
     p.add_argument("--lengths", nargs="+", type=int, default=list(d.lengths), metavar="TOKENS",
@@ -42,7 +67,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--configs", nargs="+", default=list(d.configs), metavar="NAME",
                    help="bundled serving configs (spin, spin-quest, spin-fast) or YAML files, each run with its "
                         "own sparse section, page size and host dtype, beside --algorithms")
-    p.add_argument("--hf-overrides", type=json.loads, default=d.hf_overrides, metavar="JSON",
+    p.add_argument("--hf-overrides", type=json.loads, default=None, metavar="JSON",
                    help="model.hf_overrides of every engine, e.g. YaRN past 32K on Qwen2.5: "
                         '\'{"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\'')
     p.add_argument("--budgets", nargs="+", type=float, default=list(d.budgets), metavar="B",
@@ -54,38 +79,38 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="JSON", help="head profile of maxmin mode (`spin-cluster profile`)")
     p.add_argument("--floor-fraction", type=float, default=d.floor_fraction,
                    help="maxmin: each head keeps at least this share of the uniform budget (default: %(default)s)")
-    p.add_argument("--budget-floor", type=int, default=d.budget_floor_tokens, metavar="TOKENS",
-                   help="sparse methods' sparse.budget_floor_tokens: a context at or under it runs dense, a "
-                        "fractional budget takes this many tokens at least; 2048: as the bundled spin config "
-                        "(default: %(default)s, off)")
-    p.add_argument("--sink-tokens", type=int, default=d.sink_tokens)
-    p.add_argument("--local-tokens", type=int, default=d.local_tokens)
-    p.add_argument("--dense-layers", type=int, default=d.dense_layers,
-                   help="sparse methods: the first N layers attend densely (default: %(default)s)")
+    p.add_argument("--budget-floor", type=int, default=None, metavar="TOKENS",
+                   help="sparse methods: a context at or under it runs dense, a fractional budget takes this many "
+                        f"tokens at least; 2048: as the bundled spin config ({engine('budget_floor')}, off)")
+    p.add_argument("--sink-tokens", type=int, default=None, help=f"sparse methods ({engine('sink_tokens')})")
+    p.add_argument("--local-tokens", type=int, default=None, help=f"sparse methods ({engine('local_tokens')})")
+    p.add_argument("--dense-layers", type=int, default=None,
+                   help=f"sparse methods: the first N layers attend densely ({engine('dense_layers')})")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="sparse.options of the sparse methods, e.g. score_block_tokens=4 (repeatable)")
-    p.add_argument("--page-size", type=int, default=d.page_size,
-                   help="tokens per KV page, the unit every Select picks (default: %(default)s)")
-    p.add_argument("--buffer-share", type=float, default=d.buffer_share,
+    p.add_argument("--page-size", type=int, default=None,
+                   help=f"tokens per KV page, the unit every Select picks ({engine('page_size')})")
+    p.add_argument("--buffer-share", type=float, default=None,
                    help="offloaded methods: GPU buffer share per head, in multiples of the pages a step "
-                        "selects (default: %(default)s)")
-    p.add_argument("--resident-margin", type=float, default=d.resident_margin,
-                   help="offloaded sparse methods: Select's hysteresis for pages the GPU buffer holds, in nats "
-                        "(sparse.options.resident_margin; default: %(default)s, off)")
-    p.add_argument("--host-kv-dtype", choices=["auto", "fp8"], default=d.host_kv_dtype,
-                   help="offloaded methods: cache.host_kv_dtype; their pages all live on the host, so fp8 "
-                        "touches every page they read (default: %(default)s)")
+                        f"selects ({engine('buffer_share')})")
+    p.add_argument("--resident-margin", type=float, default=None,
+                   help="offloaded methods that score pages: Select's hysteresis for pages the GPU buffer holds, "
+                        "in nats (sparse.options.resident_margin; default: 0, off)")
+    p.add_argument("--host-kv-dtype", choices=["auto", "fp8"], default=None,
+                   help="offloaded methods: their pages all live on the host, so fp8 touches every page they "
+                        f"read ({engine('host_kv_dtype')})")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="greedy tokens per answer")
-    p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests running at once per engine")
-    p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
-                   help="tokens per engine step (prefill chunk size)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help=f"requests running at once per engine ({engine('max_batch')})")
+    p.add_argument("--max-batched-tokens", type=int, default=None,
+                   help=f"tokens per engine step, the prefill chunk size ({engine('max_batched_tokens')})")
     p.add_argument("--dense-threshold", type=float, default=d.dense_threshold,
                    help="dense accuracy below this marks a task as failed densely (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--device", default=d.device)
-    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--device", default=None, help=f"({engine('device')})")
+    p.add_argument("--dtype", default=None, help=f"({engine('dtype')})")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs: every decode step runs eagerly (as vLLM's flag)")
+                   help="no CUDA graphs (model.cuda_graphs false): every decode step runs eagerly (as vLLM's flag)")
     p.add_argument("--out", default=None, metavar="JSON", help="write all results here")
     p.add_argument("--plot", default=None, metavar="PNG", help="plot accuracy vs budget here")
     p.add_argument("--fidelity", action="store_true",
@@ -96,20 +121,24 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def eval_config(args: argparse.Namespace) -> EvalConfig:
-    """The ``EvalConfig`` of parsed arguments; raises ValueError (unknown algorithm or task,
-    bad numbers) before any model is loaded."""
+    """The ``EvalConfig`` of parsed arguments: --base-config with the engine flags given laid
+    over it (``ENGINE_FLAGS``); raises ValueError (unknown algorithm or task, bad numbers, a bad
+    engine setting named by its config key) before any model is loaded."""
+    flags: dict[str, dict] = {}
+    for dest, (section, key) in ENGINE_FLAGS.items():
+        if getattr(args, dest) is not None:
+            flags.setdefault(section, {})[key] = getattr(args, dest)
+    if args.enforce_eager:
+        flags.setdefault("model", {})["cuda_graphs"] = False
+    options = option_pairs(args.option)
+    if args.resident_margin is not None:
+        options["resident_margin"] = args.resident_margin
     return EvalConfig(
-        model_path=args.model, tasks=tuple(args.tasks), lengths=tuple(args.lengths),
+        base=base_config(args.base_config).replace(**flags), tasks=tuple(args.tasks), lengths=tuple(args.lengths),
         samples_per_task=args.samples, algorithms=tuple(args.algorithms), budgets=tuple(args.budgets),
-        configs=tuple(args.configs), hf_overrides=args.hf_overrides,
-        budget_modes=tuple(args.budget_modes), top_p=args.top_p, profile_path=args.profile,
-        floor_fraction=args.floor_fraction, budget_floor_tokens=args.budget_floor,
-        sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, dense_layers=args.dense_layers,
-        page_size=args.page_size, max_tokens=args.max_tokens,
-        max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens, device=args.device, dtype=args.dtype,
-        dense_threshold=args.dense_threshold, seed=args.seed, algorithm_options=option_pairs(args.option),
-        buffer_share=args.buffer_share, resident_margin=args.resident_margin, host_kv_dtype=args.host_kv_dtype,
-        enforce_eager=args.enforce_eager,
+        configs=tuple(args.configs), budget_modes=tuple(args.budget_modes), top_p=args.top_p,
+        profile_path=args.profile, floor_fraction=args.floor_fraction, max_tokens=args.max_tokens,
+        dense_threshold=args.dense_threshold, seed=args.seed, algorithm_options=options,
     )
 
 

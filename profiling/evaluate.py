@@ -12,6 +12,10 @@ length so that each length's computed share of key blocks (``prefill_density``) 
 their threshold and S-HPLB budgets are calibrated once, on an unscored prompt of the first
 task at the longest length, to compute as many blocks as uniform.
 
+Each method's engine config is ``EvalConfig.base`` (a SpinConfig: the model, cache and
+scheduler settings) with the method's sparse section and cache kind, and KV sizes that hold
+every page of a full batch (``spin_config``).
+
 A task the model fails densely (dense accuracy below ``dense_threshold`` at that length)
 says nothing about sparse attention: its row is marked and left out of the averages.
 """
@@ -24,16 +28,50 @@ import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from spin_cluster.config import SpinConfig
-from spin_cluster.profiling import ruler
+from spin_cluster.algorithm_options import SELECT_OPTIONS
+from spin_cluster.config import SparseConfig, SpinConfig, parse_config
+from spin_cluster.profiling import bundled, ruler
 from spin_cluster.profiling.methods import WINDOW_ONLY, Method, budget_mode_options, make_methods
+
+# The eval's engine settings where they are not SpinConfig's defaults: up to 8 requests at once
+# per engine (its KV is sized for them); prompts prefilled in chunks of 8192 tokens (each step
+# has a fixed host cost, so larger chunks finish sooner); the offloaded methods' GPU buffer
+# share twice the pages a step selects; no budget floor, so that each Select is measured at its
+# own budget (2048: as the bundled `spin` config runs).
+EVAL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 8192},
+    "cache": {"buffer_share": 2.0},
+    "sparse": {"budget_floor_tokens": 0},
+}
+
+
+def base_config(base: SpinConfig | dict | str | None = None) -> SpinConfig:
+    """``EvalConfig.base`` as a SpinConfig: a SpinConfig as it is; else ``EVAL_DEFAULTS`` with
+    ``base``'s sections laid over them key by key: a dict of sections, or a bundled config's
+    name or a YAML path (``spin-cluster serve --config``'s engine sections). A bad value is a
+    ValueError naming its field (``SpinConfig.from_dict``)."""
+    if isinstance(base, SpinConfig):
+        return base
+    sections = bundled.engine_sections(base) if isinstance(base, str) else dict(base or {})
+    return SpinConfig.from_dict(EVAL_DEFAULTS).replace(**{k: v or {} for k, v in sections.items()})
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    # Model folder; None: the default model (SmolLM2-135M-Instruct).
-    model_path: str | None = None
+    """A sweep (tasks x lengths x methods) over engines built from ``base``."""
+
+    # The engine settings every method starts from (``base_config``: a SpinConfig, or a dict of
+    # its sections, a bundled config's name or a YAML path, over EVAL_DEFAULTS): the model
+    # (path, device, dtype, hf_overrides, cuda_graphs), the cache's page size and buffer_share,
+    # the scheduler's batch sizes, and of the sparse section what the sparse methods share
+    # (sink_tokens, local_tokens, budget_floor_tokens; dense_layers on the offloaded cache).
+    # Each method brings its own sparse section (the base's algorithm, budget and options are
+    # its own method's) and cache kind; the offloaded ones take cache.host_kv_dtype. Sizes are
+    # the eval's: model.max_model_len is the longest length, and the KV tiers hold every page
+    # of scheduler.max_num_seqs requests of it (``_cache_sizes``).
+    base: SpinConfig | dict | str | None = None
     # Task names (``ruler.task_names()``).
     tasks: tuple[str, ...] = tuple(ruler.task_names())
     # Context lengths in tokens, prompt + answer; each <= the model's context.
@@ -45,10 +83,13 @@ class EvalConfig:
     # Bundled serving configs by name (``deployments/configs``: spin, spin-quest, spin-fast) or
     # YAML paths, each run with its own sparse section, page size and host dtype.
     configs: tuple[str, ...] = ()
-    # model.hf_overrides of every engine (e.g. YaRN's rope_scaling past a 32K context).
-    hf_overrides: dict | None = None
     # Middle tokens per head: fractions (0, 1) of the context, or token counts >= 1.
     budgets: tuple[float, ...] = (0.125, 0.0625, 0.03125)
+    # sparse.options of every sparse method on the offloaded cache (e.g. Quest's
+    # score_block_tokens, resident_margin), each checked against its method's algorithm; Select's
+    # (top_p, resident_margin) only where the algorithm scores pages. Not the base's: a
+    # SpinConfig's options are its one algorithm's, and a sweep runs several.
+    algorithm_options: dict = dataclasses.field(default_factory=dict)
     # Block-sparse prefill budget modes (uniform, threshold, hplb) run with dense decode, at the
     # key blocks of uniform prefill_budget (a fraction (0, 1) of each query block's middle
     # blocks), in blocks of prefill_block_size positions.
@@ -66,42 +107,8 @@ class EvalConfig:
     top_p: float = 0.9
     profile_path: str | None = None
     floor_fraction: float = 0.25
-    # sparse.budget_floor_tokens of every sparse method, >= 0: a context at or under it runs
-    # dense, a fractional budget takes this many tokens at least. 0 (off): each Select is
-    # measured at its own budget; 2048: as the bundled `spin` config runs.
-    budget_floor_tokens: int = 0
-    # Always-kept first / last tokens of every sparse method, >= 0.
-    sink_tokens: int = 16
-    local_tokens: int = 64
-    # sparse.dense_layers of every sparse method: its first N layers attend densely.
-    dense_layers: int = 0
     # Greedy tokens generated per prompt, >= 1.
     max_tokens: int = 48
-    # Requests running at once per engine (the rest queue), >= 1. Host/GPU KV is sized for it.
-    max_batch: int = 8
-    # Tokens per engine step (scheduler.max_num_batched_tokens), >= 1: prompts are prefilled in
-    # chunks of this size. Each step has a fixed host cost, so larger chunks finish sooner.
-    max_batched_tokens: int = 8192
-    # model.device and model.dtype of the engines ("auto": cuda + bf16 if available).
-    device: str = "auto"
-    dtype: str = "auto"
-    # Tokens per KV page, as cache.page_size.
-    page_size: int = 16
-    # sparse.options of every sparse method on the offloaded cache (e.g. Quest's
-    # score_block_tokens); an option the algorithm does not take fails its engine.
-    algorithm_options: dict = dataclasses.field(default_factory=dict)
-    # cache.buffer_share of the offloaded methods (>= 1): each (request, layer, KV head)'s GPU
-    # buffer share as a multiple of the pages a step selects.
-    buffer_share: float = 2.0
-    # sparse.options.resident_margin of the offloaded methods that score pages (nats, >= 0; 0: off).
-    resident_margin: float = 0.0
-    # cache.host_kv_dtype of the offloaded methods: "auto" (the model's dtype) or "fp8" (e4m3
-    # with a scale per token row). Every page of those methods lives on the host (see
-    # spin_config), so every page they read went through it.
-    host_kv_dtype: str = "auto"
-    # model.cuda_graphs off (vLLM's --enforce-eager): every decode step runs eagerly, e.g. to
-    # tell a graph's effect on tokens from the method's.
-    enforce_eager: bool = False
     # Dense accuracy below this (0..1) marks a task as failed densely at that length.
     dense_threshold: float = 0.2
     # Samples are seeds seed, seed + 1, ...
@@ -110,45 +117,49 @@ class EvalConfig:
     def __post_init__(self) -> None:
         for name in ("tasks", "lengths", "algorithms", "budgets", "prefill_modes", "budget_modes", "configs"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "base", base_config(self.base))
         for task in self.tasks:
             ruler.get_task(task)
         if not self.tasks or not self.lengths:
             raise ValueError("give at least one task and one length")
         if self.samples_per_task < 1:
             raise ValueError(f"samples_per_task={self.samples_per_task}: must be >= 1")
-        if self.max_tokens < 1 or self.max_batch < 1 or self.max_batched_tokens < 1:
-            raise ValueError("max_tokens, max_batch and max_batched_tokens must be >= 1")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1")
         if min(self.lengths) <= self.max_tokens:
             raise ValueError(
                 f"lengths must exceed max_tokens ({self.max_tokens}): the prompt fills length - max_tokens"
             )
-        if not (self.buffer_share >= 1 or self.buffer_share == 0):
-            raise ValueError(f"buffer_share={self.buffer_share}: must be >= 1, or 0 for no cap")
-        if self.host_kv_dtype not in ("auto", "fp8"):
-            raise ValueError(f"host_kv_dtype={self.host_kv_dtype!r}: use auto or fp8")
-        if not self.resident_margin >= 0:
-            raise ValueError(f"resident_margin={self.resident_margin}: must be >= 0")
         if not 0 <= self.dense_threshold <= 1:
             raise ValueError(f"dense_threshold={self.dense_threshold}: use 0..1")
-        if min(self.sink_tokens, self.local_tokens, self.dense_layers, self.budget_floor_tokens) < 0:
-            raise ValueError("sink_tokens, local_tokens, dense_layers and budget_floor_tokens must be >= 0")
         if not 0 < self.top_p <= 1 or not 0 <= self.floor_fraction <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] and floor_fraction={self.floor_fraction} in 0..1")
         if "maxmin" in self.budget_modes and not self.profile_path:
             raise ValueError("budget mode maxmin needs a head profile: make one with "
                              "`spin-cluster profile --out F` and pass --profile F")
-        self.methods()  # unknown algorithms and bad budgets fail here, before any model loads
+        # Unknown algorithms, bad budgets and each method's engine config (its options, its
+        # prefill's, its cache kind beside the base's cache) fail here, before any model loads;
+        # a calibrated prefill mode differs from uniform's only in its budgets, a max-min spread
+        # is checked against its profile and the sizes against the model when the engine is built.
+        for method in self.methods():
+            checked = dataclasses.replace(method, prefill="uniform") if method.prefill else method
+            _method_config(self, checked, _sparse_section(self, checked, max(self.lengths)))
 
     def methods(self) -> list[Method]:
         return make_methods(self.algorithms, self.budgets, self.prefill_modes, self.prefill_budget,
                             self.budget_modes, self.configs)
 
     def resolved_model_path(self) -> str:
-        if self.model_path:
-            return self.model_path
+        if self.base.model.path:
+            return self.base.model.path
         from spin_cluster.model_store import prepare_default_model
 
         return str(prepare_default_model())
+
+    def to_dict(self) -> dict:
+        """The sweep's fields, and the base config's sections under "base"."""
+        sweep = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "base"}
+        return {**sweep, "base": self.base.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -202,7 +213,7 @@ class EvalResults:
     def to_dict(self) -> dict:
         c = self.config
         return {
-            "config": dataclasses.asdict(c),
+            "config": c.to_dict(),
             "methods": [{"label": m.label, "algorithm": m.algorithm, "budget": m.budget, "budget_mode": m.budget_mode}
                         for m in self.methods],
             "elapsed_s": self.elapsed_s,
@@ -300,9 +311,10 @@ def _calibrate_prefill(config: EvalConfig, model_path: str) -> dict:
     from spin_cluster.sparse.prefill import calibrate
     from spin_cluster.tokenizer import Tokenizer
 
-    device = resolve_device(config.device)
-    model = load_model(model_path, dtype=resolve_dtype(config.dtype, device), device=device, progress=False,
-                       overrides=config.hf_overrides).eval()
+    mo = config.base.model
+    device = resolve_device(mo.device)
+    model = load_model(model_path, dtype=resolve_dtype(mo.dtype, device), device=device, progress=False,
+                       overrides=mo.hf_overrides).eval()
     prefill = BlockPrefillOptions(block_size=config.prefill_block_size, budget=config.prefill_budget,
                                   estimator=config.prefill_estimator, stride=config.prefill_stride)
     tokenizer = Tokenizer(model_path)
@@ -337,57 +349,71 @@ def _generate(engine, prompts: list[list[int]], params, bar) -> list[str]:
 
 
 def spin_config(config: EvalConfig, model_path: str, method: Method, length: int, calibration=None) -> SpinConfig:
-    """The engine config of ``method`` for prompts of up to ``length`` tokens (with answer);
+    """The engine config of ``method`` for prompts of up to ``length`` tokens (with answer):
+    ``config.base`` with the model at ``model_path`` (``config.resolved_model_path()``), the
+    method's cache kind and sparse section, and the KV sizes of the eval (``_cache_sizes``);
     ``calibration`` (length -> ``sparse.prefill.PrefillCalibration``) for sparse-prefill methods."""
-    sparse = method.sparse_options(length, config.sink_tokens, config.local_tokens, config.budget_floor_tokens)
-    if method.config is not None:
-        return _bundled_config(config, model_path, method, sparse)
-    if method.offloaded and config.dense_layers:
-        sparse["dense_layers"] = config.dense_layers
-    if method.offloaded and not method.is_dense and config.algorithm_options:
-        sparse["options"] = dict(config.algorithm_options)
-    if method.offloaded and not method.is_dense and config.resident_margin and method.algorithm not in WINDOW_ONLY:
-        sparse["options"] = {**sparse.get("options", {}), "resident_margin": config.resident_margin}
-    if method.prefill:
-        sparse["prefill"] = _prefill_options(config, method, calibration and calibration[length])
+    from spin_cluster.sparse.budget import floor_tokens
+
+    sparse = _sparse_section(config, method, length, calibration and calibration[length])
     profile, layers = None, None
     if method.budget_mode == "maxmin":
         profile, layers = _head_profile(config.profile_path, model_path)
-    spread = budget_mode_options(method, length, page_size=config.page_size, top_p=config.top_p, profile=profile,
-                                 floor_fraction=config.floor_fraction, floor_tokens=config.budget_floor_tokens,
+    spread = budget_mode_options(method, length, page_size=config.base.cache.page_size, top_p=config.top_p,
+                                 profile=profile, floor_fraction=config.floor_fraction,
+                                 floor_tokens=floor_tokens(parse_config(SparseConfig, sparse, ("sparse",))),
                                  sparse_layers=layers)
     if "options" in spread:  # top_p, beside the algorithm's own options
         spread["options"] = {**(sparse.get("options") or {}), **spread["options"]}
     sparse.update(spread)
-    cache = {"page_size": config.page_size, "kind": "offloaded" if method.offloaded else "paged",
-             "buffer_share": config.buffer_share}
-    if method.offloaded:
-        cache["host_kv_dtype"] = config.host_kv_dtype
-    return _engine_config(config, model_path, cache, sparse)
+    engine = _method_config(config, method, sparse, model={"path": model_path, "max_model_len": max(config.lengths)})
+    return engine.replace(cache=_cache_sizes(engine))
 
 
-def _bundled_config(config: EvalConfig, model_path: str, method: Method, sparse: dict) -> SpinConfig:
-    """A bundled config's sparse section and page settings, at the eval's sizes."""
-    cache = {"page_size": config.page_size, **method.bundled_sections()["cache"], "buffer_share": config.buffer_share}
-    return _engine_config(config, model_path, cache, sparse)
+def _method_config(config: EvalConfig, method: Method, sparse: dict, **sections: dict) -> SpinConfig:
+    """``config.base`` with ``method``'s cache keys (``_cache_section``) and ``sections``' keys
+    laid over its own, and ``sparse`` as its sparse section: whole, since a method's algorithm,
+    budget and options are its own, not the base's (SparseConfig's defaults where it says nothing)."""
+    engine = config.base.replace(cache=_cache_section(method), **sections)
+    return SpinConfig.from_dict({**engine.to_dict(), "sparse": sparse})
 
 
-def _engine_config(config: EvalConfig, model_path: str, cache: dict, sparse: dict) -> SpinConfig:
-    max_len = max(config.lengths)
-    if cache.get("kind") == "offloaded":
-        # The sizes below give the buffer the whole GPU budget and the host every page, as the
-        # published runs had it: the hit ratio the table reports is the buffer's. Where a page
-        # lives does not change what attention computes unless host_kv_dtype is fp8, and then
-        # every page read went through the host's FP8 (the worst case for its accuracy).
+def _sparse_section(config: EvalConfig, method: Method, length: int, calibration=None) -> dict:
+    """``method``'s sparse section at ``length``, before its budget mode spreads the budget: a
+    bundled config's own; else the method's with the base's sink and local tokens and budget
+    floor, on the offloaded cache its dense_layers and ``config.algorithm_options``;
+    ``calibration`` (the length's) for a calibrated prefill mode."""
+    base = config.base.sparse
+    sparse = method.sparse_options(length, base.sink_tokens, base.local_tokens, base.budget_floor_tokens)
+    if method.config is not None:
+        return sparse
+    if method.offloaded and base.dense_layers:
+        sparse["dense_layers"] = base.dense_layers
+    options = config.algorithm_options
+    if method.algorithm in WINDOW_ONLY:  # Select's own options apply where it scores pages
+        options = {k: v for k, v in options.items() if k not in SELECT_OPTIONS}
+    if method.offloaded and not method.is_dense and options:
+        sparse["options"] = dict(options)
+    if method.prefill:
+        sparse["prefill"] = _prefill_options(config, method, calibration)
+    return sparse
+
+
+def _cache_section(method: Method) -> dict:
+    """``method``'s cache keys over the base's: a bundled config's own (``bundled.CACHE_KEYS``);
+    else its kind, the base's page size, and the base's host dtype where there is a host tier
+    (offloaded). An offloaded method's pages all live on the host: the buffer gets the whole GPU
+    budget and the host every page, as the published runs had it, so the hit ratio the table
+    reports is the buffer's. Where a page lives does not change what attention computes unless
+    host_kv_dtype is fp8, and then every page read went through the host's FP8 (the worst case
+    for its accuracy)."""
+    if method.config is not None:
+        cache = dict(method.bundled_sections()["cache"])
+    else:  # the paged cache has no host tier: its host dtype stays the default
+        cache = {"kind": "offloaded"} if method.offloaded else {"kind": "paged", "host_kv_dtype": "auto"}
+    if cache["kind"] == "offloaded":
         cache["gpu_home_fraction"] = 0.0
-    cache.update(_cache_sizes(config, model_path, max_len, cache["page_size"]))
-    return SpinConfig.from_dict({
-        "model": {"path": model_path, "device": config.device, "dtype": config.dtype, "max_model_len": max_len,
-                  "cuda_graphs": not config.enforce_eager, "hf_overrides": config.hf_overrides},
-        "cache": cache,
-        "scheduler": {"max_num_seqs": config.max_batch, "max_num_batched_tokens": config.max_batched_tokens},
-        "sparse": sparse,
-    })
+    return cache
 
 
 @functools.lru_cache(maxsize=2)
@@ -399,20 +425,16 @@ def _head_profile(profile_path: str, model_path: str):
     return load_profile(profile_path, model_path=model_path), ModelConfig.from_folder(model_path).full_attention_layers()
 
 
-def _cache_sizes(config: EvalConfig, model_path: str, max_len: int, page_size: int) -> dict:
-    """GPU pages (or buffer) and host tier for ``max_batch`` requests of ``max_len`` tokens,
+def _cache_sizes(engine: SpinConfig) -> dict:
+    """cache.kv_cache_gib and host_kv_gib of ``engine``: every page of scheduler.max_num_seqs
+    requests of model.max_model_len tokens in either tier (``sizing.full_length_bytes``),
     instead of the engine's machine-wide defaults."""
     from spin_cluster.engine.engine import resolve_device, resolve_dtype
     from spin_cluster.kvcache.buffer_policy import DEFAULT_POLICY
-    from spin_cluster.kvcache.host_tier import HostTier
-    from spin_cluster.kvcache.page_pool import PagePool
-    from spin_cluster.models.config import ModelConfig
+    from spin_cluster.kvcache.sizing import full_length_bytes
 
-    mc = ModelConfig.from_folder(model_path, config.hf_overrides)
-    dtype = resolve_dtype(config.dtype, resolve_device(config.device))
-    columns = mc.num_layers * mc.num_kv_heads  # pages of one token position
-    S, E = page_size, DEFAULT_POLICY.segment_pages
-    pages = -(-max_len // S)
-    gpu_bytes = config.max_batch * pages * columns * PagePool.bytes_per_page(S, mc.head_dim, dtype)
-    host_bytes = config.max_batch * -(-pages // E) * columns * HostTier.bytes_per_segment(E, S, mc.head_dim, dtype)
+    mo = engine.model
+    dtype = resolve_dtype(mo.dtype, resolve_device(mo.device))
+    gpu_bytes, host_bytes = full_length_bytes(engine, mo.checkpoint_config(), dtype, mo.max_model_len,
+                                              DEFAULT_POLICY.segment_pages)
     return {"kv_cache_gib": gpu_bytes / 2**30, "host_kv_gib": host_bytes / 2**30}

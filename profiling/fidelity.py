@@ -124,9 +124,9 @@ def compare(layers: list[LayerCapture], mask: torch.Tensor) -> tuple[torch.Tenso
 
 def attention_fidelity(model: torch.nn.Module, prompts: Iterable[tuple[int, Sequence[int]]], methods: Sequence[Method],
                        *, sink_tokens: int, local_tokens: int, page_size: int,
-                       floor_tokens: int = 0) -> list[FidelityRow]:
+                       floor_tokens: int | None = 0) -> list[FidelityRow]:
     """``prompts``: (context length, prompt ids). One row per (method, length); ``floor_tokens``:
-    the methods' budget floor (0: off)."""
+    the methods' budget floor (0: off; None: sparse.budget_floor_tokens' default)."""
     sums: dict[tuple[str, int], list[float]] = {}
     for length, ids in prompts:
         layers = capture(model, ids)
@@ -153,11 +153,12 @@ def measure(config, *, progress: bool = True) -> list[FidelityRow]:
     from spin_cluster.profiling.evaluate import build_samples
     from spin_cluster.tokenizer import Tokenizer
 
-    path = config.resolved_model_path()
-    device = resolve_device(config.device)
-    model = load_model(path, dtype=resolve_dtype(config.dtype, device), device=device, progress=False).eval()
+    path, base = config.resolved_model_path(), config.base
+    device = resolve_device(base.model.device)
+    model = load_model(path, dtype=resolve_dtype(base.model.dtype, device), device=device, progress=False,
+                       overrides=base.model.hf_overrides).eval()
     work = build_samples(dataclasses.replace(config, samples_per_task=1), Tokenizer(path))
     prompts = tqdm([(n, s.prompt_ids) for n, s in work], desc="fidelity", unit="prompt", disable=not progress)
-    return attention_fidelity(model, prompts, config.methods(), sink_tokens=config.sink_tokens,
-                              local_tokens=config.local_tokens, page_size=config.page_size,
-                              floor_tokens=config.budget_floor_tokens)
+    return attention_fidelity(model, prompts, config.methods(), sink_tokens=base.sparse.sink_tokens,
+                              local_tokens=base.sparse.local_tokens, page_size=base.cache.page_size,
+                              floor_tokens=base.sparse.budget_floor_tokens)

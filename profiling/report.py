@@ -69,7 +69,7 @@ def plot(results: EvalResults, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lengths, floor = results.config.lengths, results.config.budget_floor_tokens
+    lengths, floor = results.config.lengths, results.config.base.sparse.budget_floor_tokens
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
     for ax, n in zip(axes[0], lengths):
         for series in dict.fromkeys(m.series for m in results.methods if not m.is_dense):

@@ -14,7 +14,9 @@ cache, then the ranks agree on the smallest) and the server's preflight and memo
                     (``split_gpu_pages``)
     host bytes cache.host_kv_gib (8 GiB) -> host segments (``host_tier_segments``)
 
-Each figure is capped by what max_num_seqs requests could use at full length.
+Each figure is capped by what max_num_seqs requests could use at full length
+(``full_length_segments``); ``full_length_bytes`` is that cap in bytes, the sizes of a cache
+that holds every page of a full batch in either tier (the accuracy eval's engines).
 """
 
 from __future__ import annotations
@@ -180,12 +182,10 @@ def host_tier_segments(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, 
     """Segments of ``segment_pages`` pages in the offloaded cache's host tier:
     ``cache.host_kv_gib`` (null: 8 GiB) of pages in ``host_dtype``, never more than every
     request row could use at full length."""
-    cc, S = config.cache, config.cache.page_size
+    cc = config.cache
     host_gib = DEFAULT_HOST_KV_GIB if cc.host_kv_gib is None else cc.host_kv_gib
-    seg_bytes = HostTier.bytes_per_segment(segment_pages, S, mc.head_dim, host_dtype(config, dtype))
-    max_pages = -(-max_model_len // S)
-    most_segments = config.scheduler.max_num_seqs * -(-max_pages // segment_pages) * mc.num_layers * mc.num_kv_heads
-    return min(int(host_gib * 2**30 // seg_bytes), most_segments)
+    seg_bytes = HostTier.bytes_per_segment(segment_pages, cc.page_size, mc.head_dim, host_dtype(config, dtype))
+    return min(int(host_gib * 2**30 // seg_bytes), full_length_segments(config, mc, max_model_len, segment_pages))
 
 
 def host_tier_bytes(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, max_model_len: int,
@@ -193,3 +193,23 @@ def host_tier_bytes(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, max
     """Bytes of the host tier's one allocation (``HostTier.nbytes``): the memory plan's figure."""
     seg_bytes = HostTier.bytes_per_segment(segment_pages, config.cache.page_size, mc.head_dim, host_dtype(config, dtype))
     return host_tier_segments(config, mc, dtype, max_model_len, segment_pages) * seg_bytes
+
+
+def full_length_segments(config: SpinConfig, mc: ModelConfig, max_model_len: int, segment_pages: int = 1) -> int:
+    """Segments of ``segment_pages`` pages (1: pages) that every request row (scheduler.max_num_seqs)
+    holds at ``max_model_len`` tokens, in every layer and KV head."""
+    max_pages = -(-max_model_len // config.cache.page_size)
+    return config.scheduler.max_num_seqs * -(-max_pages // segment_pages) * mc.num_layers * mc.num_kv_heads
+
+
+def full_length_bytes(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, max_model_len: int,
+                      segment_pages: int) -> tuple[int, int]:
+    """(GPU bytes, host bytes) of every page of scheduler.max_num_seqs requests at ``max_model_len``
+    tokens, in every layer and KV head: GPU pages in ``dtype``, host segments of ``segment_pages``
+    pages in ``host_dtype``. As cache.kv_cache_gib and cache.host_kv_gib they hold a whole batch
+    at full length in either tier, instead of the machine-wide defaults (the accuracy eval's
+    engines)."""
+    S, D = config.cache.page_size, mc.head_dim
+    gpu = full_length_segments(config, mc, max_model_len) * PagePool.bytes_per_page(S, D, dtype)
+    seg_bytes = HostTier.bytes_per_segment(segment_pages, S, D, host_dtype(config, dtype))
+    return gpu, full_length_segments(config, mc, max_model_len, segment_pages) * seg_bytes

@@ -25,6 +25,7 @@ refused with a ``ValueError`` rather than silently computed wrong.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass, field
@@ -143,6 +144,7 @@ class ModelConfig:
         """From the contents of a ``config.json``, read as ``from_folder`` reads the file."""
         from transformers import CONFIG_MAPPING
 
+        d = copy.deepcopy(d)  # transformers rewrites the rope dicts in place: keep the caller's (hf_overrides)
         arch = _refuse_unsupported(d)
         return cls.from_transformers(CONFIG_MAPPING[_MODEL_TYPE_BY_ARCH[arch]].from_dict(d), d)
 

@@ -191,8 +191,8 @@ def test_aborts_give_every_page_back_in_both_parts(gemma_path):
 
 def test_a_sparse_eval_runs_on_gemma(gemma_path):
     """``spin-cluster eval``'s run: dense on the paged cache, Quest on the hybrid one."""
-    cfg = EvalConfig(model_path=gemma_path, tasks=("niah_single",), lengths=(160,), samples_per_task=1,
-                     algorithms=("dense", "quest"), budgets=(0.25,), max_tokens=8, device="cpu")
+    cfg = EvalConfig(base={"model": {"path": gemma_path, "device": "cpu"}}, tasks=("niah_single",), lengths=(160,),
+                     samples_per_task=1, algorithms=("dense", "quest"), budgets=(0.25,), max_tokens=8)
     res = evaluate(cfg, progress=False)
     assert [m.label for m in res.methods] == ["dense", "quest 1/4"]
     assert len(res.samples) == 2 and all(0.0 <= s.score <= 1.0 for s in res.samples)

@@ -95,3 +95,17 @@ def test_the_buffer_takes_what_max_num_seqs_requests_select_and_home_pages_the_r
     assert sizing.split_gpu_pages(cfg, 100, 10, 8, 1, 4) == (25, 4)  # home pages: 2 requests of 8 pages
     half = cfg.replace(cache={"gpu_home_fraction": 0.5})
     assert sizing.split_gpu_pages(half, 100, 10, 1000, 8, 4) == (50, 12)
+
+
+def test_full_length_bytes_are_every_page_of_a_full_batch_and_no_more():
+    mc = SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=16)
+    for host in ("auto", "fp8"):
+        cfg = SpinConfig.from_dict({"cache": {"page_size": 16, "host_kv_dtype": host},
+                                    "scheduler": {"max_num_seqs": 3}})
+        # 3 requests x ceil(100 / 16) = 7 pages x 6 (layer, KV head) columns; in segments of 4 pages, 2 a column
+        assert (sizing.full_length_segments(cfg, mc, 100), sizing.full_length_segments(cfg, mc, 100, 4)) == (126, 36)
+        gpu_bytes, host_bytes = sizing.full_length_bytes(cfg, mc, torch.bfloat16, 100, 4)
+        assert gpu_bytes == 126 * 2 * 16 * 16 * 2  # K and V of 16 tokens x 16 dims in bfloat16 a page
+        for spare, segments in ((0, 36), (-1, 35)):
+            sized = cfg.replace(cache={"host_kv_gib": (host_bytes + spare) / GIB})
+            assert sizing.host_tier_segments(sized, mc, torch.bfloat16, 100, 4) == segments

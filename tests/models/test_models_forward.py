@@ -126,6 +126,7 @@ def test_hf_overrides_turn_yarn_on(checkpoints):
         yarn = {"rope_scaling": {key: "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}
         cfg = ModelConfig.from_folder(checkpoints["qwen2"], yarn)
         assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.context_len == 1024
+        assert yarn["rope_scaling"] == {key: "yarn", "factor": 4.0, "original_max_position_embeddings": 256}  # as given
     with pytest.raises(ValueError, match="beta_fastest"):
         ModelConfig.from_folder(checkpoints["qwen2"], {"rope_scaling": {"type": "yarn", "factor": 4.0,
                                                                         "beta_fastest": 1}})

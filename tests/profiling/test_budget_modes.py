@@ -38,9 +38,9 @@ def test_methods_per_mode_and_labels():
 
 
 def test_every_mode_has_the_uniform_total(smollm2_path, profile_path):
-    cfg = EvalConfig(model_path=smollm2_path, tasks=("niah_single",), lengths=(2048,), algorithms=("quest",),
-                     budgets=(0.0625,), budget_modes=("uniform", "top_p", "maxmin"), top_p=0.8,
-                     profile_path=profile_path, floor_fraction=0.25)
+    cfg = EvalConfig(base={"model": {"path": smollm2_path}}, tasks=("niah_single",), lengths=(2048,),
+                     algorithms=("quest",), budgets=(0.0625,), budget_modes=("uniform", "top_p", "maxmin"),
+                     top_p=0.8, profile_path=profile_path, floor_fraction=0.25)
     by_mode = {m.budget_mode: spin_config(cfg, smollm2_path, m, 2048).sparse for m in cfg.methods()[1:]}
     assert by_mode["uniform"].budget == 0.0625 and by_mode["uniform"].top_p is None
     assert by_mode["top_p"].top_p == 0.8 and by_mode["top_p"].per_head_budgets is None
@@ -54,8 +54,8 @@ def test_every_mode_has_the_uniform_total(smollm2_path, profile_path):
 def test_maxmin_needs_a_profile_of_this_model(smollm2_path, tiny_llama_path, profile_path):
     with pytest.raises(ValueError, match="spin-cluster profile --out F"):
         EvalConfig(algorithms=("quest",), budget_modes=("maxmin",))
-    cfg = EvalConfig(model_path=tiny_llama_path, tasks=("niah_single",), lengths=(512,), algorithms=("quest",),
-                     budgets=(0.0625,), budget_modes=("maxmin",), profile_path=profile_path)
+    cfg = EvalConfig(base={"model": {"path": tiny_llama_path}}, tasks=("niah_single",), lengths=(512,),
+                     algorithms=("quest",), budgets=(0.0625,), budget_modes=("maxmin",), profile_path=profile_path)
     with pytest.raises(ValueError, match="measured on 'SmolLM2-135M-Instruct'"):
         spin_config(cfg, tiny_llama_path, cfg.methods()[1], 512)
     with pytest.raises(ValueError, match="top_p"):

@@ -5,9 +5,11 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from spin_cluster.config import SpinConfig
 from spin_cluster.profiling import report
-from spin_cluster.profiling.evaluate import EvalConfig, evaluate
+from spin_cluster.profiling.evaluate import EvalConfig, base_config, evaluate, spin_config
 
 
 class _EchoEngine:
@@ -27,8 +29,9 @@ class _EchoEngine:
 
 
 def test_one_engine_per_method_and_one_per_length_for_streaming_fractions(smollm2_path):
-    cfg = EvalConfig(model_path=smollm2_path, tasks=("niah_single", "vt"), lengths=(600, 700), samples_per_task=2,
-                     algorithms=("streaming", "quest"), budgets=(0.25,), max_tokens=8, max_batch=3)
+    cfg = EvalConfig(base={"model": {"path": smollm2_path}, "scheduler": {"max_num_seqs": 3}},
+                     tasks=("niah_single", "vt"), lengths=(600, 700), samples_per_task=2,
+                     algorithms=("streaming", "quest"), budgets=(0.25,), max_tokens=8)
     built = []
 
     def factory(spin):
@@ -50,8 +53,8 @@ def test_one_engine_per_method_and_one_per_length_for_streaming_fractions(smollm
 
 @pytest.mark.slow
 def test_a_small_real_run_gives_a_well_formed_table(smollm2_path, tmp_path):
-    cfg = EvalConfig(model_path=smollm2_path, tasks=("niah_single",), lengths=(512,), samples_per_task=1,
-                     algorithms=("dense", "streaming", "quest"), budgets=(0.125,), max_tokens=12, device="cpu")
+    cfg = EvalConfig(base={"model": {"path": smollm2_path, "device": "cpu"}}, tasks=("niah_single",), lengths=(512,),
+                     samples_per_task=1, algorithms=("dense", "streaming", "quest"), budgets=(0.125,), max_tokens=12)
     res = evaluate(cfg, progress=False)
     assert [m.label for m in res.methods] == ["dense", "streaming 1/8", "quest 1/8"]
     assert len(res.samples) == 3 and all(0.0 <= s.score <= 1.0 for s in res.samples)
@@ -81,15 +84,19 @@ def test_config_errors_say_what_to_change():
         EvalConfig(lengths=(32,), max_tokens=48)
     with pytest.raises(ValueError, match="unknown sparse algorithm 'nope'"):
         EvalConfig(algorithms=("nope",))
-    with pytest.raises(ValueError, match="host_kv_dtype='fp16': use auto or fp8"):
-        EvalConfig(host_kv_dtype="fp16")
+    with pytest.raises(ValueError, match="cache.host_kv_dtype='fp16': choose one of 'auto' or 'fp8'"):
+        EvalConfig(base={"cache": {"host_kv_dtype": "fp16"}})
+    with pytest.raises(ValueError, match="scheduler.max_num_seqs=0: must be >= 1"):
+        EvalConfig(base={"scheduler": {"max_num_seqs": 0}})
 
 
 def test_fp8_host_pages_reach_the_offloaded_methods_only(smollm2_path):
     """--host-kv-dtype fp8: every offloaded method's pages live on the host as FP8; dense keeps
     its GPU-only cache."""
-    cfg = EvalConfig(model_path=smollm2_path, tasks=("niah_single",), lengths=(600,), samples_per_task=1,
-                     algorithms=("quest",), budgets=(0.25,), max_tokens=8, max_batch=2, host_kv_dtype="fp8")
+    cfg = EvalConfig(base={"model": {"path": smollm2_path}, "cache": {"host_kv_dtype": "fp8"},
+                           "scheduler": {"max_num_seqs": 2}},
+                     tasks=("niah_single",), lengths=(600,), samples_per_task=1, algorithms=("quest",), budgets=(0.25,),
+                     max_tokens=8)
     built = []
     evaluate(cfg, engine_factory=lambda spin: built.append(_EchoEngine(spin, "x")) or built[-1], progress=False)
     caches = [(e.config.cache.kind, e.config.cache.host_kv_dtype, e.config.cache.gpu_home_fraction) for e in built]
@@ -101,9 +108,9 @@ def test_bundled_configs_run_with_their_own_sparse_section_and_pages(smollm2_pat
     speed config's block-sparse prefill beside its sparse decode) and its page size and host
     dtype; hf_overrides reach every engine, dense included."""
     yarn = {"rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192}}
-    cfg = EvalConfig(model_path=smollm2_path, tasks=("niah_single",), lengths=(600, 700), samples_per_task=1,
-                     algorithms=("dense",), configs=("spin", "spin-fast"), max_tokens=8, max_batch=2,
-                     hf_overrides=yarn)
+    cfg = EvalConfig(base={"model": {"path": smollm2_path, "hf_overrides": yarn}, "scheduler": {"max_num_seqs": 2}},
+                     tasks=("niah_single",), lengths=(600, 700), samples_per_task=1, algorithms=("dense",),
+                     configs=("spin", "spin-fast"), max_tokens=8)
     assert [m.label for m in cfg.methods()] == ["dense", "spin", "spin-fast"]
     built = []
 
@@ -127,3 +134,45 @@ def test_bundled_configs_run_with_their_own_sparse_section_and_pages(smollm2_pat
     assert res.prefill_density == {"spin-fast@600": 0.2, "spin-fast@700": 0.2}
     with pytest.raises(ValueError, match="bundled config.*spin-fast"):
         EvalConfig(configs=("no-such-config",))
+
+
+def test_the_base_config_gives_every_method_its_engine_settings(smollm2_path):
+    """base="spin": the bundled config's engine sections over the eval's settings. The sparse
+    methods share its sink, local and floor tokens, never its own method (labels and its options);
+    each method's cache kind and the KV sizes stay the eval's."""
+    cfg = EvalConfig(base="spin", tasks=("niah_single",), lengths=(600,), algorithms=("quest",), budgets=(0.25,),
+                     max_tokens=8)
+    assert (cfg.base.scheduler.max_num_seqs, cfg.base.cache.buffer_share) == (64, 2.0)  # spin's, the eval's
+    dense, quest = (spin_config(cfg, smollm2_path, m, 600) for m in cfg.methods())
+    assert (quest.sparse.algorithm, quest.sparse.budget, quest.sparse.budget_floor_tokens) == ("quest", 0.25, 2048)
+    assert quest.sparse.options is None and (quest.cache.kind, quest.cache.gpu_home_fraction) == ("offloaded", 0.0)
+    assert (dense.sparse.algorithm, dense.cache.kind) == ("dense", "paged")
+    assert all(c.model.path == smollm2_path and c.model.max_model_len == 600 for c in (dense, quest))
+    assert quest.cache.host_kv_gib != cfg.base.cache.host_kv_gib  # every page of 64 requests, not spin's 2 GiB
+    # A dict lays its sections over the eval's settings key by key; a SpinConfig is taken whole.
+    partial = EvalConfig(base={"scheduler": {"max_num_seqs": 3}}).base.scheduler
+    assert (partial.max_num_seqs, partial.max_num_batched_tokens) == (3, 8192)
+    assert EvalConfig(base=SpinConfig()).base == SpinConfig()
+    assert EvalConfig().to_dict()["base"] == base_config().to_dict()
+    with pytest.raises(ValueError, match="cache.page_size=3: use a power of two"):
+        EvalConfig(base={"cache": {"page_size": 3}})
+    with pytest.raises(ValueError, match="config 'no-such-config' is neither a YAML file nor a bundled config"):
+        EvalConfig(base="no-such-config")
+
+
+def test_the_kv_sizes_hold_every_page_of_a_full_batch(smollm2_path):
+    """Each engine's KV tiers hold every page of max_num_seqs requests of the longest length:
+    the cache's own sizing reaches that count from the eval's sizes, in the host's dtype too."""
+    from spin_cluster.kvcache.buffer_policy import DEFAULT_POLICY
+    from spin_cluster.kvcache.sizing import full_length_segments, host_tier_segments, num_gpu_pages
+
+    for host in ("auto", "fp8"):
+        cfg = EvalConfig(base={"model": {"path": smollm2_path, "device": "cpu", "dtype": "float32"},
+                               "cache": {"host_kv_dtype": host}, "scheduler": {"max_num_seqs": 3}},
+                         tasks=("niah_single",), lengths=(600, 700), algorithms=("quest",), budgets=(0.25,))
+        for method in cfg.methods():
+            engine = spin_config(cfg, smollm2_path, method, 700)
+            mc, E = engine.model.checkpoint_config(), DEFAULT_POLICY.segment_pages
+            pages = num_gpu_pages(engine, mc, torch.float32, torch.device("cpu"), 700)
+            assert pages == full_length_segments(engine, mc, 700) == 3 * 44 * 30 * 3  # requests x pages x columns
+            assert host_tier_segments(engine, mc, torch.float32, 700, E) == full_length_segments(engine, mc, 700, E)

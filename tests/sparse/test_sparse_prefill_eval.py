@@ -16,9 +16,10 @@ def test_prefill_methods_and_labels():
 
 
 def test_prefill_methods_run_at_equal_block_counts(tiny_llama_path):
-    cfg = EvalConfig(model_path=tiny_llama_path, tasks=("niah_single",), lengths=(300, 500), samples_per_task=1,
-                     algorithms=("dense",), budgets=(), prefill_modes=("uniform", "threshold", "hplb"),
-                     prefill_budget=0.25, prefill_block_size=16, max_tokens=4, device="cpu", dtype="float32")
+    cfg = EvalConfig(base={"model": {"path": tiny_llama_path, "device": "cpu", "dtype": "float32"}},
+                     tasks=("niah_single",), lengths=(300, 500), samples_per_task=1, algorithms=("dense",), budgets=(),
+                     prefill_modes=("uniform", "threshold", "hplb"), prefill_budget=0.25, prefill_block_size=16,
+                     max_tokens=4)
     uniform = spin_config(cfg, tiny_llama_path, cfg.methods()[1], 500)
     block = uniform.sparse.prefill.typed_options()
     assert uniform.sparse.prefill.algorithm == "block" and block.budgets == "uniform" and block.block_size == 16
