@@ -119,17 +119,20 @@ class Scheduler:
         for the same batch, pages allocated; None when the batch may change: requests waiting
         to be admitted, a request gone, one that ``continues`` says must not take a step past
         its pending token (it may end on it, or needs the host's view of it), or pages that
-        would need a preemption. Each row computes its pending token."""
+        would need a preemption. Each row computes its pending token. Pages are checked and
+        taken row by row, as ``schedule`` does: rows that fit alone may not fit together. The
+        rows before one that does not fit keep their new page, which the fresh schedule after
+        (decode rows first, in this order) would give them first."""
         if self.waiting or len(self.running) != len(chunks):
             return None
         reqs = [c.request for c in chunks]
         for req in reqs:
             if req.status is not RequestStatus.RUNNING or not continues(req):
                 return None
-            if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + 1):
-                return None
         nxt = []
         for req in reqs:
+            if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + 1):
+                return None
             self.kv.allocate(req.request_id, req.num_computed_tokens + 1)
             nxt.append(ScheduledChunk(request=req, start=req.num_computed_tokens, num_tokens=1, is_decode=True))
         return SchedulerOutput(nxt, [])
