@@ -57,16 +57,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 PROMPT_LOGITS_ROWS = 256
 
 
-@dataclass
-class _InFlight:
-    """A pipelined decode step launched on the GPU whose tokens the host has not read yet."""
+@dataclass(slots=True)
+class _Launched:
+    """A step that ``_launch`` ran and ``_retire`` has not read yet. Synchronous: its outputs,
+    sampled on the host at launch. Pipelined (``outputs`` None): its tokens on the device and on
+    their way to the host."""
 
-    chunks: list[ScheduledChunk]  # decode chunks, in the batch's order
-    tokens: torch.Tensor  # [B] int64 argmax on the device (the next step's input ids)
-    host: torch.Tensor  # [B + 4] int64 (pinned on CUDA): the tokens, then the buffer counters
-    done: torch.cuda.Event | None  # recorded after the copies to ``host`` (None on the CPU)
+    chunks: list[ScheduledChunk]  # in the batch's order
+    num_tokens: int
     t0: float  # when the step was scheduled
-    num_preempted: int = 0
+    num_preempted: int
+    outputs: list[RequestOutput] | None = None
+    tokens: torch.Tensor | None = None  # [B] int64 sampled on the device (the next step's input ids)
+    host: torch.Tensor | None = None  # [B + 4] int64 (pinned on CUDA): the tokens, then the buffer counters
+    done: torch.cuda.Event | None = None  # recorded after the copies to ``host`` (None on the CPU)
 
 
 class Engine:
@@ -112,8 +116,10 @@ class Engine:
         self.num_preemptions_total = 0
         auto = sc.async_decode is None
         self.async_decode = self.supports_async_decode and (self.device.type == "cuda" if auto else sc.async_decode)
-        self._inflight: _InFlight | None = None
-        self._host_bufs = [self._host_buffer(sc.max_num_seqs + 4) for _ in range(2)] if self.async_decode else []
+        self._inflight: list[_Launched] = []  # launched, not read yet, oldest first: one at most between steps
+        pin = self.device.type == "cuda"
+        self._host_bufs = [torch.empty(sc.max_num_seqs + 4, dtype=torch.long, pin_memory=pin)
+                           for _ in range(2)] if self.async_decode else []
         self.num_pipelined_steps = 0  # decode steps launched before the previous one's tokens were read
 
     # ---- construction hooks (a head-parallel rank shards the model and sizes its own cache) ----
@@ -175,31 +181,112 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report every request that advanced.
+        """Run the model and report every request that advanced. One path, vLLM V1's engine
+        core loop (schedule, execute, update from the output) over a queue of two steps:
+        1. ``_schedule``: the work after what is in flight, from the scheduler: a fresh batch,
+           the in-flight batch's next decode step, or nothing new;
+        2. ``_launch`` runs it, pipelined where ``_may_pipeline`` lets every row (sampled on
+           the device, its tokens read later), else sampled at once; 1 and 2 go once more
+           while only a pipelined step is in flight (its tokens are the next one's input ids);
+        3. ``_retire`` reads the oldest launched step: its outputs, its ``last_stats``.
+        Where vLLM returns nothing from a call that only fills its queue, the second launch
+        keeps one step's tokens in every call, as the plain loop does; with ``async_decode`` a
+        decode step is read while the GPU runs the next. A request that stops on a token
+        computes one step more, which is dropped."""
+        inflight = self._inflight
+        while not inflight or (len(inflight) == 1 and inflight[0].outputs is None):
+            t0 = time.perf_counter()
+            work = self._schedule()
+            if work is None:
+                break
+            inflight.append(self._launch(work, t0))
+        return self._retire(inflight.pop(0))
 
-        With ``async_decode``, a greedy decode-only step is pipelined: this call launches the
-        next decode step (its input tokens are this step's argmax, on the device) before it
-        reads this step's tokens, so the host's bookkeeping runs while the GPU decodes. A
-        request that stops on a token computes one step more, which is dropped."""
-        if self._inflight is not None:
-            if any(c.request.status is RequestStatus.RUNNING for c in self._inflight.chunks):
-                return self._step_pipelined()
-            self._drop_inflight()  # every request of it finished or was aborted
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if self.async_decode and self._can_pipeline(sched):
-            self.num_preemptions_total += len(sched.preempted)
-            self._inflight = self._launch(sched.chunks, None, t0, len(sched.preempted))
-            return self._step_pipelined()
+    def _schedule(self) -> SchedulerOutput | None:
+        """After a step in flight: its batch's next decode, pages allocated, or None when the
+        batch may change (that step is read first). A fresh batch is formed with nothing in
+        flight: also after a step whose every request has ended, once the device is done with
+        it (its tokens are dropped). So the engine, which knows what is in flight, picks the
+        scheduler's question: no fresh batch (admissions, preemptions) is formed beside one."""
+        if self._inflight:
+            cur = self._inflight[-1]
+            nxt = self.scheduler.schedule_next_decode(cur.chunks, self._may_pipeline)
+            if nxt is not None or any(c.request.status is RequestStatus.RUNNING for c in cur.chunks):
+                return nxt
+            self._inflight.pop()
+            if cur.done is not None:
+                cur.done.synchronize()
+        return self.scheduler.schedule()
+
+    def _launch(self, work: SchedulerOutput, t0: float) -> _Launched:
+        """Run ``work``. Pipelined: a step after one in flight (the scheduler asked
+        ``_may_pipeline`` of its rows), or a fresh one whose rows all decode and may be: its
+        tokens (and the buffer's counters) start on their way to the host, unread. Its input
+        ids: the tokens of the step in flight, on the device."""
+        chunks, num_preempted = work.chunks, len(work.preempted)
+        self.num_preemptions_total += num_preempted
+        prev = self._inflight[-1] if self._inflight else None
+        pipelined = prev is not None or (self.async_decode and chunks and all(
+            c.is_decode and self._may_pipeline(c.request, 0) for c in chunks))
+        if not pipelined:
+            return self._run(chunks, work.num_tokens, t0, num_preempted)
+        logits = self.runner.execute(chunks, prev.tokens if prev else None).logits
+        self.scheduler.advance(chunks)  # the K/V writes are queued on the device before any later reader
+        reqs = [c.request for c in chunks]
+        tokens = self.sampler.sample_tensor(logits, [r.request_id for r in reqs], [r.params for r in reqs])  # [B]
+        host = self._host_bufs[self.num_pipelined_steps % 2]  # the other one may still be read
+        B = len(chunks)
+        host[:B].copy_(tokens, non_blocking=True)
+        if self.kv.buffer is not None:
+            host[B : B + 4].copy_(self.kv.buffer.counters, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self.num_pipelined_steps += 1
+        return _Launched(chunks, B, t0, num_preempted, None, tokens, host, done)
+
+    def _may_pipeline(self, req: Request, pending: int = 1) -> bool:
+        """Whether ``req``'s next token may be sampled on the device and read a call later,
+        with ``pending`` of its tokens launched and unread (1: a row of the step in flight, as
+        the scheduler asks). Not with a grammar (its mask depends on the token before, unread
+        yet), logprobs (read beside the sampled token on the host) or a min_tokens ban left on
+        that token (it needs the host's count of tokens); nor when a pending token is its last
+        (max_tokens, the model's context): the step would compute past its end. Greedy and
+        sampled rows (their logit_bias, temperature, top-k, top-p and seeds) are sampled on
+        the device at launch (``Sampler.sample_tensor``); a seeded row draws from its own
+        generator in step order either way, so it gives the plain loop's tokens."""
+        p = req.params
+        n = len(req.output_token_ids) + pending  # its tokens once those are read
+        return (p.structured_output is None and p.logprobs is None and p.min_tokens <= n < p.max_tokens
+                and req.num_computed_tokens + pending < self.max_model_len)
+
+    def _run(self, chunks: list[ScheduledChunk], num_tokens: int, t0: float, num_preempted: int) -> _Launched:
+        """A synchronous step: its prompts scored and its tokens sampled on the host now."""
         outputs: list[RequestOutput] = []
-        if sched.chunks:
-            step = self.runner.execute(sched.chunks)
-            self.scheduler.advance(sched.chunks)
+        if chunks:
+            step = self.runner.execute(chunks)
+            self.scheduler.advance(chunks)
             self._score_prompts(step.prompt)
             if step.sampled:
                 outputs = self._sample(step.logits, [c.request for c in step.sampled])
-        self.num_preemptions_total += len(sched.preempted)
-        self.last_stats = self._stats(t0, sched.num_tokens, len(sched.preempted))
+        return _Launched(chunks, num_tokens, t0, num_preempted, outputs)
+
+    def _retire(self, step: _Launched) -> list[RequestOutput]:
+        """``step``'s outputs, its tokens read now if it was pipelined (where a row's request
+        ended on an earlier token or was aborted, that row's token is dropped); its stats
+        become ``last_stats``."""
+        outputs, counters = step.outputs, None
+        if outputs is None:
+            if step.done is not None:
+                step.done.synchronize()  # this step's copies only: the next step keeps running
+            B = len(step.chunks)
+            values = step.host[: B + 4].tolist()
+            outputs = [self._append_token(c.request, tok) for c, tok in zip(step.chunks, values)
+                       if c.request.status is RequestStatus.RUNNING]
+            if self.kv.buffer is not None:
+                counters = values[B:]
+        self.last_stats = self._stats(step.t0, step.num_tokens, step.num_preempted, counters)
         return outputs
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[RequestOutput]:
@@ -228,84 +315,6 @@ class Engine:
                 block = torch.log_softmax(self.model.compute_logits(hidden[i : i + PROMPT_LOGITS_ROWS]), dim=-1)
                 targets = req.prompt_token_ids[first : first + block.shape[0]]
                 req.prompt_logprobs.extend(token_logprobs(block, targets, [req.params.prompt_logprobs] * len(targets)))
-
-    # ---- pipelined decode -----------------------------------------------------------------------
-
-    def _host_buffer(self, n: int) -> torch.Tensor:
-        pin = self.device.type == "cuda"
-        return torch.empty(n, dtype=torch.long, pin_memory=pin)
-
-    def _can_pipeline(self, sched: SchedulerOutput) -> bool:
-        """A decode-only step whose every row may be pipelined (``_pipelinable``, no token
-        pending yet)."""
-        return bool(sched.chunks) and all(c.is_decode and self._pipelinable(c.request, 0) for c in sched.chunks)
-
-    @staticmethod
-    def _pipelinable(req: Request, pending: int) -> bool:
-        """No grammar, no logprobs and no min_tokens ban left on its next token: a grammar's
-        mask depends on the token before, which a pipelined step has not read yet, a ban needs
-        the host's count of tokens, and logprobs are read beside the sampled token on the host.
-        Such rows take the synchronous path. Greedy and sampled rows (their logit_bias,
-        temperature, top-k, top-p and seeds) are sampled on the device at launch
-        (``Sampler.sample_tensor``); a seeded row draws from its own generator in step order
-        either way, so it gives the plain loop's tokens. ``pending``: its tokens launched but
-        not read yet."""
-        p = req.params
-        return (p.structured_output is None and p.logprobs is None
-                and len(req.output_token_ids) + pending >= p.min_tokens)
-
-    def _launch(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None, t0: float,
-                num_preempted: int = 0) -> _InFlight:
-        """Run a decode step and start its tokens (and the buffer's counters) on their way to
-        the host, without waiting for them."""
-        logits = self.runner.execute(chunks, input_ids).logits
-        self.scheduler.advance(chunks)  # the K/V writes are queued on the device before any later reader
-        reqs = [c.request for c in chunks]
-        tokens = self.sampler.sample_tensor(logits, [r.request_id for r in reqs], [r.params for r in reqs])  # [B]
-        host = self._host_bufs[self.num_pipelined_steps % 2]  # the other one may still be read
-        B = len(chunks)
-        host[:B].copy_(tokens, non_blocking=True)
-        if self.kv.buffer is not None:
-            host[B : B + 4].copy_(self.kv.buffer.counters, non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        self.num_pipelined_steps += 1
-        return _InFlight(chunks, tokens, host, done, t0, num_preempted)
-
-    def _continues(self, req: Request) -> bool:
-        """A row of a launched decode step may take the next step before its pending token is
-        read: pipelinable with that token pending, and that token not its last."""
-        return (self._pipelinable(req, 1) and len(req.output_token_ids) + 1 < req.params.max_tokens
-                and req.num_computed_tokens + 1 < self.max_model_len)
-
-    def _step_pipelined(self) -> list[RequestOutput]:
-        """Launch the step after the one in flight (if the batch stays), then read the one in
-        flight's tokens while the GPU runs the next."""
-        cur = self._inflight
-        nxt = self.scheduler.schedule_next_decode(cur.chunks, self._continues)
-        t0 = time.perf_counter()
-        self._inflight = self._launch(nxt, cur.tokens, t0) if nxt is not None else None
-        return self._retire(cur)
-
-    def _retire(self, cur: _InFlight) -> list[RequestOutput]:
-        if cur.done is not None:
-            cur.done.synchronize()  # this step's copies only: the next step keeps running
-        B = len(cur.chunks)
-        values = cur.host[: B + 4].tolist()
-        outputs = []
-        for chunk, tok in zip(cur.chunks, values[:B]):
-            req = chunk.request
-            if req.status is RequestStatus.RUNNING:  # else it ended on an earlier token, or was aborted
-                outputs.append(self._append_token(req, tok))
-        self.last_stats = self._stats(cur.t0, B, cur.num_preempted, values[B:] if self.kv.buffer is not None else None)
-        return outputs
-
-    def _drop_inflight(self) -> None:
-        if self._inflight.done is not None:
-            self._inflight.done.synchronize()
-        self._inflight = None
 
     # ---- stats --------------------------------------------------------------------------------
 

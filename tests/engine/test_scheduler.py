@@ -221,3 +221,23 @@ def test_decodes_go_first_and_prompt_chunks_take_the_rest_of_the_step():
     assert _shapes(_run(s)) == [("a", 4, 1, True), ("b", 5, 5, False)]
     assert _shapes(_run(s)) == [("a", 5, 1, True), ("b", 10, 2, False), ("c", 0, 3, False)]
     assert _shapes(_run(s)) == [("a", 6, 1, True), ("b", 12, 1, True), ("c", 3, 1, False)]
+
+
+def test_a_batch_whose_rows_fit_alone_but_not_together_takes_no_next_decode():
+    """``schedule_next_decode`` (pipelined decode) asks the cache row by row: two rows that
+    each need a new page, with one free, get no next step (no crash); the fresh step after
+    their tokens are read preempts the newest, as a plain step does."""
+    s, kv = _sched(num_pages=5, budget=16)
+    s.add(_req("a", 7))
+    s.add(_req("b", 7))
+    _run(s)  # both prefilled and sampled: 2 pages each, 1 free
+    launched = s.schedule()  # the decode at position 7, its tokens pending on the device
+    s.advance(launched.chunks)
+    assert kv.num_free_pages == 1
+    assert s.schedule_next_decode(launched.chunks, lambda req: True) is None
+    kv.check_integrity()
+    for c in launched.chunks:  # the host reads the pending tokens
+        c.request.output_token_ids.append(7)
+    out = s.schedule()
+    assert _shapes(out) == [("a", 8, 1, True)] and [r.request_id for r in out.preempted] == ["b"]
+    kv.check_integrity()
