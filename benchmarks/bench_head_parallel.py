@@ -196,7 +196,7 @@ def main(argv=None) -> dict:
                   "host_kv_gib": args.host_kv_gib},
         "scheduler": {"max_num_seqs": args.batch, "max_num_batched_tokens": 64 if args.tiny else args.max_batched_tokens},
         "sparse": {"algorithm": "quest", "budget": args.budget, "sink_tokens": args.page_size,
-                   "local_tokens": 2 * args.page_size, "per_head_budgets": budgets},
+                   "local_tokens": 2 * args.page_size, "options": {"per_head_budgets": budgets}},
     })
     mc = ModelConfig.from_folder(folder)
     prompts = [[1000 + (7 * i + j) % 30000 for j in range(args.context)] for i in range(args.batch)]

@@ -212,7 +212,7 @@ def mode_config(mode: str, args, folder: str, max_len: int, shape: dict) -> dict
             cfg["sparse"]["options"]["resident_margin"] = args.resident_margin
         cfg["cache"].update(buffer_share=args.buffer_share, host_kv_dtype=getattr(args, "host_kv_dtype", "auto"))
 
-        cfg["sparse"]["per_head_budgets"] = synthetic_maxmin_budgets(
+        cfg["sparse"]["options"]["per_head_budgets"] = synthetic_maxmin_budgets(
             shape["num_hidden_layers"], shape["num_key_value_heads"], args.budget, args.page_size)
     return cfg
 

@@ -56,8 +56,9 @@ def _engine(folder: str, longest: int, layers: int, prefill: dict, chunk: int | 
         page = 32
         cache = {"kv_cache_gib": kv_gib, "page_size": page, "kind": "offloaded", "host_kv_gib": kv_gib}
         sparse = {"algorithm": "quest", "budget": 2048, "local_tokens": 2 * page, "sink_tokens": page,
-                  "options": {"index_dtype": "bfloat16"}, "prefill": prefill,
-                  "per_head_budgets": synthetic_maxmin_budgets(layers, HKV, 2048, page)}
+                  "options": {"index_dtype": "bfloat16",
+                              "per_head_budgets": synthetic_maxmin_budgets(layers, HKV, 2048, page)},
+                  "prefill": prefill}
     cfg = SpinConfig.from_dict({
         "model": {"path": folder, "load_format": "dummy", "dtype": "bfloat16" if on_gpu else "float32",
                   "max_model_len": longest + 16},

@@ -40,6 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from spin_cluster.config import SpinConfig
 from spin_cluster.deployments.settings import rank_bundles
 from spin_cluster.engine.engine import resolve_device
+from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS
 from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.parallel.serving import (
     DEFAULT_TIMEOUT_S,
@@ -126,6 +127,7 @@ def start_head_parallel(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     cpu_threads: int = 0,
     group: PlacementGroup | None = None,
+    admission_output_tokens: int = ADMISSION_OUTPUT_TOKENS,
 ) -> LeaderEngine:
     """Rank 0 in this process, ranks 1 .. R-1 as ``RankActor``s in bundles 1 .. R-1 of
     ``group`` (default: this replica's placement group; outside one, a group of
@@ -135,8 +137,9 @@ def start_head_parallel(
     R is ``placement.num_ranks``, or ``num_ranks`` without a placement (then every rank
     places the heads with ``default_placement``). Each rank uses the first GPU of its own
     process (Ray gives each bundle's actor its GPU); CPU followers take ``cpu_threads``
-    threads each (0: ``cpu_count // R``). On any failure the actors are ended and the
-    process group is left before the error is raised."""
+    threads each (0: ``cpu_count // R``). ``admission_output_tokens``: every rank's
+    ``Engine`` keyword (tests pass 0 to force preemptions). On any failure the actors are ended
+    and the process group is left before the error is raised."""
     if placement is not None:
         if num_ranks is not None and num_ranks != placement.num_ranks:
             raise ValueError(f"the placement is for {placement.num_ranks} ranks, not num_ranks={num_ranks}")
@@ -154,7 +157,8 @@ def start_head_parallel(
         if own_group is not None:
             ray.get(own_group.ready(), timeout=timeout_s)
         store = host_store(num_ranks, timeout_s)
-        spec = RankSpec(config, placement, num_ranks, store.port, timeout_s, cpu_threads)
+        spec = RankSpec(config, placement, num_ranks, store.port, timeout_s, cpu_threads,
+                        admission_output_tokens=admission_output_tokens)
         followers.start(spec)
     except BaseException:
         followers.stop(timeout_s=0)

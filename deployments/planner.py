@@ -54,7 +54,7 @@ class ClusterPlanner:
         # The uniform budget and the floor rounded down to whole pages (the uniform to one at least).
         config = plan_config(spin, mc, floor_fraction=serve.hplb_floor_fraction, rounding="down")
         plan = plan_heads(profile, config, self._config.ranks_per_engine(mc.num_kv_heads))
-        sparse = spin.replace(sparse=plan.sparse_options()).sparse
+        sparse = spin.replace(sparse=plan.sparse_options(spin.sparse.options)).sparse
         return EnginePlan(sparse=sparse.model_dump(), head_placement=plan.placement.to_rank_heads(),
                           imbalance=plan.imbalance)
 

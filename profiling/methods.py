@@ -16,7 +16,7 @@ total (the uniform budget times the number of (layer, KV head) pairs):
     top_p     online: per step each head takes its fewest top pages reaching mass p, a layer's
               heads sharing their uniform total (``sparse.options.top_p``)
     maxmin    offline: S-HPLB per-head budgets by max-min shifting over a head profile
-              (``sparse.per_head_budgets``, ``spin_cluster.hplb``); fixed tokens per length
+              (``sparse.options.per_head_budgets``, ``spin_cluster.hplb``); fixed tokens per length
 
     config NAME           a bundled serving config (``bundled.py``): its whole sparse section
                           (block-sparse prefill included) and its page size and host dtype
@@ -177,7 +177,7 @@ def budget_mode_options(method: Method, context_tokens: int, *, page_size: int, 
                         profile=None, floor_fraction: float = 0.25, floor_tokens: int = 0,
                         sparse_layers: tuple[int, ...] | None = None) -> dict:
     """``sparse`` options that spread ``method``'s budget in its mode at ``context_tokens``:
-    {} (uniform), ``options.top_p``, or ``per_head_budgets`` from ``profile`` (a ``HeadProfile``) whose
+    {} (uniform), ``options.top_p``, or ``options.per_head_budgets`` from ``profile`` (a ``HeadProfile``) whose
     total is the uniform budget in whole pages times the heads, each head at least
     ``floor_fraction`` of the uniform budget and ``floor_tokens`` (the budget floor).
     ``sparse_layers``: the layers Select serves (the full-attention ones of a model with

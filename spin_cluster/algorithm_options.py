@@ -8,16 +8,16 @@ tag beside the options rather than inside them. Checks that need the model's sha
 index, a block that divides the page) stay in the algorithm's constructor. An algorithm that
 is not listed (one a test or a user registers) declares its own model as ``options_model``,
 checked once its class is imported. ``spin_cluster.config.parse_options`` reads these models
-and those of the prefill algorithms (``sparse.prefill.options``) alike; top_p and
-resident_margin, options of every algorithm that scores pages, are read by the system's Select,
-not by the algorithm.
+and those of the prefill algorithms (``sparse.prefill.options``) alike; top_p, resident_margin
+and per_head_budgets, options of every algorithm that scores pages, are read by the system's
+Select and budget, not by the algorithm.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 IndexDtype = Literal["float32", "bfloat16", "float16", "float8_e4m3fn"]
 
@@ -30,6 +30,21 @@ class AlgorithmOptions(BaseModel):
     index_dtype: IndexDtype | None = Field(None, description=(
         "Select's index (the page summaries it reads each step): float32, bfloat16, float16, or "
         "float8_e4m3fn where the algorithm's kernels take it (labels); null: float32."))
+
+
+def budget_rows(rows: Any, cast: type) -> Any:
+    """Per-head budgets ([L][Hkv], any sequences) as a tuple of tuples of ``cast`` (hashable,
+    as a frozen config's fields are); what is not [L][Hkv] numbers is left to the field's type
+    check, which says so."""
+    try:
+        return tuple(tuple(cast(b) for b in row) for row in rows)
+    except (TypeError, ValueError):
+        return rows
+
+
+def check_budget_rows(rows: tuple[tuple[float, ...], ...] | None, name: str) -> None:
+    if rows is not None and any(b < 0 for row in rows for b in row):
+        raise ValueError(f"{name} must be >= 0")
 
 
 class ScoredOptions(AlgorithmOptions):
@@ -45,9 +60,25 @@ class ScoredOptions(AlgorithmOptions):
         "a page already in the head's GPU buffer share scores as if its logit were this much "
         "higher, so a page outside must beat it by a factor e^margin in estimated attention "
         "weight to take its place. 0: off."))
+    # S-HPLB's budgets (spin_cluster.hplb): only an algorithm that scores pages has middle pages to budget.
+    per_head_budgets: tuple[tuple[int, ...], ...] | None = Field(None, description=(
+        "Per-(layer, KV head) budgets of middle tokens, [L][Hkv] (layers x KV heads), each >= 0; "
+        "they replace sparse.budget head by head (under top_p a layer's heads share their sum). "
+        "null: sparse.budget for every head."))
+
+    @field_validator("per_head_budgets", mode="before")
+    @classmethod
+    def _rows(cls, rows: Any) -> Any:
+        return budget_rows(rows, int)  # decode budgets are whole tokens
+
+    @model_validator(mode="after")
+    def _budgets_not_negative(self) -> ScoredOptions:
+        check_budget_rows(self.per_head_budgets, "sparse.options.per_head_budgets")
+        return self
 
 
-# Options that the system's Select reads (``SparseConfig.top_p``, ``.resident_margin``), never the algorithm's
+# Options that the system reads (``SparseConfig.top_p``, ``.resident_margin``,
+# ``.per_head_budgets``: Select's rule and hysteresis, the budget), never the algorithm's
 # constructor: the cache builder leaves them out of its keywords.
 SELECT_OPTIONS = frozenset(ScoredOptions.model_fields) - frozenset(AlgorithmOptions.model_fields)
 

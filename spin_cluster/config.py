@@ -7,17 +7,20 @@ setting, a key that moved is an error naming its new place, and one that is gone
 saying what became of it. ``SpinConfig.from_dict`` turns a validation failure into one
 ``ValueError`` line naming the field and what to change (``config_error``). An algorithm's
 own options (``sparse.options``, ``sparse.prefill.options``) are typed per algorithm, the
-model chosen by its name (``parse_options``).
+model chosen by its name (``parse_options``). Those readers live in ``config_parse`` and are
+importable from here too; the decode algorithms' option models live in ``algorithm_options``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from spin_cluster import env
-from spin_cluster.algorithm_options import OPTIONS
+from spin_cluster.algorithm_options import OPTIONS, budget_rows, check_budget_rows
+# The readers are importable from here too (``from spin_cluster.config import option_pairs``).
+from spin_cluster.config_parse import config_error, option_pairs, parse_config, parse_options  # noqa: F401
 
 if TYPE_CHECKING:
     from spin_cluster.models.config import ModelConfig
@@ -162,20 +165,6 @@ class CacheConfig(ConfigSection):
         return self
 
 
-def _budget_rows(rows: Any, cast: type) -> Any:
-    """``per_head_budgets`` ([L][Hkv], any sequences) as a tuple of tuples of ``cast``
-    (hashable, as a frozen config's fields are)."""
-    try:
-        return tuple(tuple(cast(b) for b in row) for row in rows)
-    except (TypeError, ValueError):  # not [L][Hkv] numbers: the field's type check says so
-        return rows
-
-
-def _check_budget_rows(rows: tuple[tuple[float, ...], ...] | None, name: str) -> None:
-    if rows is not None and any(b < 0 for row in rows for b in row):
-        raise ValueError(f"{name} must be >= 0")
-
-
 class PrefillOptions(ConfigSection):
     """Options every prefill algorithm takes: none (`dense`: every causal key, SDPA)."""
 
@@ -219,14 +208,14 @@ class BlockPrefillOptions(PrefillOptions):
     @field_validator("per_head_budgets", mode="before")
     @classmethod
     def _rows(cls, rows: Any) -> Any:
-        return _budget_rows(rows, float)
+        return budget_rows(rows, float)
 
     @model_validator(mode="after")
     def _fits_together(self) -> BlockPrefillOptions:
         bs, stride = self.block_size, self.stride
         if stride < 1 or stride & (stride - 1) or bs % stride:
             raise ValueError(f"sparse.prefill.options.stride={stride}: use a power of two dividing block_size={bs}")
-        _check_budget_rows(self.per_head_budgets, "sparse.prefill.options.per_head_budgets")
+        check_budget_rows(self.per_head_budgets, "sparse.prefill.options.per_head_budgets")
         if self.budgets == "per_head" and self.per_head_budgets is None and self.profile is None:
             raise ValueError("sparse.prefill.options.budgets='per_head' needs per_head_budgets ([L][Hkv]) or a profile")
         if self.profile is not None and self.budget >= 1:
@@ -269,7 +258,8 @@ DEFAULT_BUDGET_FLOOR_TOKENS = 2048
 
 
 class SparseConfig(ConfigSection):
-    moved_keys: ClassVar[dict[str, str]] = {"top_p": "options.top_p", "resident_margin": "options.resident_margin"}
+    moved_keys: ClassVar[dict[str, str]] = {name: f"options.{name}" for name in ("top_p", "resident_margin",
+                                                                                 "per_head_budgets")}
 
     algorithm: str = Field("dense", description=(
         "Registered algorithm: dense, streaming, ... (`spin_cluster.sparse.registered_algorithms()`; "
@@ -283,7 +273,7 @@ class SparseConfig(ConfigSection):
         "The floor of the budget, in tokens, >= 0 (0: off). A request whose context is at or "
         "under it attends densely (every page); above it a fractional budget takes "
         "max(floor, budget x context) tokens per head, while a budget in tokens and "
-        "per_head_budgets apply as they are (the floor never raises them). null: "
+        "options.per_head_budgets apply as they are (the floor never raises them). null: "
         f"{DEFAULT_BUDGET_FLOOR_TOKENS} with a fractional budget, 0 with a budget in tokens."))
     sink_tokens: int = Field(16, ge=0, description="Always-kept first tokens (attention sinks), >= 0.")
     local_tokens: int = Field(64, ge=0, description="Always-kept last tokens (local window), >= 0.")
@@ -292,32 +282,20 @@ class SparseConfig(ConfigSection):
         "The first N decoder layers attend densely, >= 0. On the offloaded cache these layers "
         "read the whole context from the host tier each decode step (PCIe traffic of N/L of a "
         "dense offload step); the other layers select. 0: every layer selects."))
-    per_head_budgets: tuple[tuple[int, ...], ...] | None = Field(None, description=(
-        "Optional per-(layer, KV head) budgets in tokens, [L][Hkv], each >= 0; overrides budget."))
-    # resident_margin moved into options: Select's hysteresis means something only where an
-    # algorithm scores pages against the GPU buffer (the algorithms that take top_p).
+    # resident_margin and per_head_budgets moved into options: Select's hysteresis and per-head
+    # budgets mean something only where an algorithm scores pages (the algorithms that take top_p).
     options: dict[str, Any] | None = Field(None, description=(
         "The algorithm's own options, typed per algorithm (the tables below), e.g. "
         '{"summary": "moments"} for quest, {"index_dtype": "float8_e4m3fn"} for labels, '
-        '{"top_p": 0.9, "resident_margin": 0.5} for an algorithm that scores pages; an option the '
-        "algorithm does not take is an error naming it."))
+        '{"top_p": 0.9, "resident_margin": 0.5, "per_head_budgets": [[...]]} for an algorithm that '
+        "scores pages; an option the algorithm does not take is an error naming it."))
     prefill: SparsePrefillConfig = Field(default_factory=SparsePrefillConfig, description=(
         "Block-sparse prefill; default: dense."))
-
-    @field_validator("per_head_budgets", mode="before")
-    @classmethod
-    def _rows(cls, rows: Any) -> Any:
-        return _budget_rows(rows, int)
 
     @field_validator("prefill", mode="before")
     @classmethod
     def _prefill(cls, value: Any) -> Any:
         return {} if value is None else value
-
-    @model_validator(mode="after")
-    def _budgets_not_negative(self) -> SparseConfig:
-        _check_budget_rows(self.per_head_budgets, "sparse.per_head_budgets")
-        return self
 
     @model_validator(mode="after")
     def _options_of_the_algorithm(self) -> SparseConfig:
@@ -344,24 +322,31 @@ class SparseConfig(ConfigSection):
         that score pages); 0: off."""
         return float((self.options or {}).get("resident_margin", 0.0))
 
+    @property
+    def per_head_budgets(self) -> tuple[tuple[int, ...], ...] | None:
+        """[L][Hkv] middle budgets in whole tokens (``options.per_head_budgets``, an option of the
+        algorithms that score pages); None: ``budget`` for every head."""
+        rows = (self.options or {}).get("per_head_budgets")
+        return None if rows is None else budget_rows(rows, int)
+
 
 class SchedulerConfig(ConfigSection):
     retired_keys: ClassVar[dict[str, str]] = {
         "max_prefill_tokens": "scheduler.max_prefill_tokens is no longer a setting: prompt chunks take what "
                               "scheduler.max_num_batched_tokens leaves after the decode tokens (every measured "
                               "run did); remove it",
+        "admission_output_tokens": "scheduler.admission_output_tokens is no longer a setting: admission keeps room "
+                                   "for 2048 output tokens of each running request beside the prompts (a test or "
+                                   "benchmark that must force preemptions passes Engine(admission_output_tokens=0)); "
+                                   "remove it",
     }
 
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Most requests running at once (decode batch size), 1..4096.")
     max_num_batched_tokens: int = Field(2048, ge=1, description=(
         "Most tokens (prefill chunks + decode tokens) in one step, >= 1."))
     # max_prefill_tokens is no setting: no measurement bounded prompt tokens below the step's budget.
-    admission_output_tokens: int = Field(2048, ge=0, description=(
-        "Output tokens of each running request (up to its max_tokens) that admission keeps room "
-        "for, beside the rest of every running prompt, >= 0. A request is admitted only when its "
-        "whole prompt and these fit beside them, so that prompts admitted together do not outgrow "
-        "the cache halfway and preempt each other (each preemption recomputes a whole context). "
-        "0: prompts only; a request that grows past this may still preempt the newest."))
+    # admission_output_tokens neither: only tests that force preemptions moved it (a code-level
+    # Engine keyword now, spin_cluster.engine.scheduler.ADMISSION_OUTPUT_TOKENS by default).
     enable_chunked_prefill: StrictBool = Field(True, description=(
         "Split long prompts into chunks of at most the step's leftover token budget. When off, a "
         "prompt is prefilled in one step, so max_num_batched_tokens must cover max_model_len."))
@@ -412,7 +397,7 @@ class SpinConfig(ConfigSection):
                 f"must be >= max_model_len ({context})"
             )
         prefill_rows = getattr(self.sparse.prefill.typed_options(), "per_head_budgets", None)
-        for name, rows in (("sparse.per_head_budgets", self.sparse.per_head_budgets),
+        for name, rows in (("sparse.options.per_head_budgets", self.sparse.per_head_budgets),
                            ("sparse.prefill.options.per_head_budgets", prefill_rows)):
             if rows is not None and (len(rows) != mc.num_layers or any(len(r) != mc.num_kv_heads for r in rows)):
                 raise ValueError(f"{name} must be [{mc.num_layers}][{mc.num_kv_heads}] (layers x KV heads) "
@@ -440,113 +425,3 @@ class SpinConfig(ConfigSection):
         """Copy with some sections' fields replaced, validated: ``cfg.replace(model={"path": p})``."""
         changed = {name: {**section.model_dump(), **sections[name]} for name, section in self if name in sections}
         return parse_config(type(self), {**self.to_dict(), **sections, **changed})  # an unknown name: refused
-
-
-def parse_config(kind: type[BaseModel], data: Any, where: tuple[str, ...] = ()) -> Any:
-    """``kind.model_validate(data)``, with a failure as one ``ValueError`` line (``config_error``);
-    ``where``: the section's place in the config file, as the message names it."""
-    try:
-        return kind.model_validate(data)
-    except ValidationError as e:
-        raise ValueError(config_error(e, kind, where)) from None
-
-
-def config_error(error: ValidationError, kind: type[BaseModel], where: tuple[str, ...] = ()) -> str:
-    """The first of ``error``'s failures as one line: ``cache.page_size=3: use a power of two
-    in 1..256``. Checks across fields name their fields themselves, so their text stands alone."""
-    first = error.errors(include_url=False)[0]
-    loc = tuple(first["loc"])
-    path = _dotted(where + loc)
-    kind_, ctx, value = first["type"], first.get("ctx") or {}, first.get("input")
-    if kind_ == "extra_forbidden":
-        section = _section_at(kind, loc[:-1])
-        if retired := getattr(section, "retired_keys", {}).get(loc[-1]):
-            return retired
-        if moved := getattr(section, "moved_keys", {}).get(loc[-1]):
-            return f"{path} moved to {_dotted(where + loc[:-1] + (moved,))}"
-        known = ", ".join(sorted(section.model_fields))
-        what = "unknown config section" if not where and len(loc) == 1 else "unknown key"
-        return f"{path}: {what}; known: {known}"
-    if kind_ == "value_error" and _section_at(kind, loc) is not None:  # a check across a section's fields
-        return str(ctx.get("error", first["msg"]))
-    return f"{path}={value!r}: {_explain(kind_, ctx, value, first['msg'])}" if path else first["msg"]
-
-
-def parse_options(model: type[BaseModel], algorithm: str, options: dict[str, Any] | None,
-                  where: tuple[str, ...]) -> Any:
-    """``options`` (an algorithm's own, at ``where`` in the config file) as ``algorithm``'s
-    ``model``; a failure as one ``ValueError`` line naming the option (``config_error``)."""
-    try:
-        return model.model_validate(options or {})
-    except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        if first["type"] != "extra_forbidden":
-            raise ValueError(config_error(e, model, where)) from None
-        raise ValueError(f"{_dotted(where)}: {algorithm!r} takes no option {first['loc'][0]!r}; its options: "
-                         f"{', '.join(sorted(model.model_fields)) or 'none'}") from None
-
-
-def _explain(kind: str, ctx: dict[str, Any], value: Any, msg: str) -> str:
-    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
-    if kind in bounds:
-        bound = next(iter(ctx.values()))
-        return f"must be {bounds[kind]} {int(bound) if float(bound).is_integer() else bound}"
-    if kind == "value_error":
-        return str(ctx.get("error", msg))
-    if kind == "literal_error":
-        return f"choose one of {ctx['expected']}"
-    if kind.startswith("bool_"):
-        return "use true or false"
-    if kind.startswith("int_"):
-        return "use an integer"
-    if kind.startswith("float_"):
-        return "use a number"
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return f"must be a mapping, got {type(value).__name__}"
-    if kind in ("tuple_type", "list_type"):
-        return f"must be a list, got {type(value).__name__}"
-    if kind == "string_type":
-        return "use a string"
-    return msg
-
-
-def _dotted(loc: tuple[Any, ...]) -> str:
-    """('sparse', 'per_head_budgets', 0, 1) -> 'sparse.per_head_budgets[0][1]'."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
-    return out
-
-
-def _section_at(kind: Any, loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The section that ``loc`` names under ``kind``, None where it names a value."""
-    for name in loc:
-        field = kind.model_fields.get(name) if isinstance(name, str) else None
-        if field is None:
-            return None
-        kind = field.annotation
-        if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
-            return None
-    return kind
-
-
-def option_pairs(pairs: list[str]) -> dict:
-    """KEY=VALUE strings (a command line's ``sparse.options``) -> {key: bool, int, float or str
-    value}."""
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"option {pair!r}: write KEY=VALUE")
-        if value.lower() in ("true", "false"):
-            out[key] = value.lower() == "true"
-            continue
-        for cast in (int, float):
-            try:
-                out[key] = cast(value)
-                break
-            except ValueError:
-                continue
-        else:
-            out[key] = value
-    return out

@@ -33,6 +33,9 @@ from spin_cluster.config import CacheConfig, SpinConfig
     ({"model": {"max_model_len": 1.5}}, "model.max_model_len=1.5: use an integer"),
     ({"scheduler": {"max_prefill_tokens": 512}}, "scheduler.max_prefill_tokens is no longer a setting: prompt chunks "
      "take what scheduler.max_num_batched_tokens leaves after the decode tokens (every measured run did); remove it"),
+    ({"scheduler": {"admission_output_tokens": 0}}, "scheduler.admission_output_tokens is no longer a setting: "
+     "admission keeps room for 2048 output tokens of each running request beside the prompts (a test or benchmark "
+     "that must force preemptions passes Engine(admission_output_tokens=0)); remove it"),
     ({"scheduler": {"max_num_seqs": 5000}}, "scheduler.max_num_seqs=5000: must be <= 4096"),
     ({"sparse": {"budget": -1}}, "sparse.budget=-1: must be > 0"),
     ({"sparse": {"algorithm": "quest", "options": {"top_p": "x"}}}, "sparse.options.top_p='x': use a number"),
@@ -44,8 +47,17 @@ from spin_cluster.config import CacheConfig, SpinConfig
      "sparse.options: 'streaming' takes no option 'resident_margin'; its options: index_dtype"),
     ({"sparse": {"budget_floor_tokens": -1}}, "sparse.budget_floor_tokens=-1: must be >= 0"),
     ({"sparse": {"budget_floor_tokens": 1.5}}, "sparse.budget_floor_tokens=1.5: use an integer"),
-    ({"sparse": {"per_head_budgets": 5}}, "sparse.per_head_budgets=5: must be a list, got int"),
-    ({"sparse": {"per_head_budgets": [[1, "a"]]}}, "sparse.per_head_budgets[0][1]='a': use an integer"),
+    ({"sparse": {"per_head_budgets": [[64, 32]]}}, "sparse.per_head_budgets moved to sparse.options.per_head_budgets"),
+    ({"sparse": {"algorithm": "quest", "options": {"per_head_budgets": 5}}},
+     "sparse.options.per_head_budgets=5: must be a list, got int"),
+    ({"sparse": {"algorithm": "quest", "options": {"per_head_budgets": [[1, "a"]]}}},
+     "sparse.options.per_head_budgets[0][1]='a': use an integer"),
+    ({"sparse": {"algorithm": "labels", "options": {"per_head_budgets": [[64, -16]]}}},
+     "sparse.options.per_head_budgets must be >= 0"),
+    ({"sparse": {"algorithm": "streaming", "options": {"per_head_budgets": [[64, 32]]}}},
+     "sparse.options: 'streaming' takes no option 'per_head_budgets'; its options: index_dtype"),
+    ({"sparse": {"options": {"per_head_budgets": [[64, 32]]}}},
+     "sparse.options: 'dense' takes no option 'per_head_budgets'; its options: index_dtype"),
     ({"sparse": {"prefill": {"algorithm": "block", "options": {"coverage": 0}}}},
      "sparse.prefill.options.coverage=0: must be > 0"),
     ({"sparse": {"prefill": {"algorithm": "block", "options": {"profile": "p.json", "budget": 2}}}},
@@ -69,8 +81,9 @@ def test_a_bad_value_is_one_line_naming_the_field(data, message):
 
 
 def test_sections_are_frozen_and_round_trip():
-    cfg = SpinConfig.from_dict({"cache": None, "sparse": {"prefill": None, "per_head_budgets": [[64, 32.0]]}})
-    assert cfg.cache == CacheConfig() and cfg.sparse.per_head_budgets == ((64, 32),)
+    cfg = SpinConfig.from_dict({"cache": None, "sparse": {"algorithm": "quest", "prefill": None,
+                                                          "options": {"per_head_budgets": [[64, 32.0]]}}})
+    assert cfg.cache == CacheConfig() and cfg.sparse.per_head_budgets == ((64, 32),)  # whole tokens
     assert SpinConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="frozen"):
         cfg.cache.page_size = 32

@@ -209,7 +209,7 @@ def _build_hybrid(config, mc, dtype, device, parts: BackendParts, algorithm_cls,
     """The window layers' paged cache first, sized for every request row's windows at full
     length (at most half the GPU KV memory: ``sizing.window_gpu_pages``), then the Spin cache of
     the global layers in the rest: the algorithm, its index, the buffer and the home pages
-    sized for those layers only, and per-head budgets their rows of ``sparse.per_head_budgets``."""
+    sized for those layers only, and per-head budgets their rows of ``sparse.options.per_head_budgets``."""
     split = LayerSplit.of(mc.layer_windows)
     if not split.global_layers:
         raise ValueError("every layer of this model has a sliding window: Spin has nothing to serve; "
@@ -226,7 +226,8 @@ def _build_hybrid(config, mc, dtype, device, parts: BackendParts, algorithm_cls,
         device=device, layer_windows=window_of,
     )
     rows = config.sparse.per_head_budgets
-    sparse = {} if rows is None else {"per_head_budgets": [rows[layer] for layer in split.global_layers]}
+    sparse = {} if rows is None else {"options": {**config.sparse.options,
+                                                  "per_head_budgets": [rows[layer] for layer in split.global_layers]}}
     # A GPU given no size: the Spin part measures what is free once the paged pages (and its
     # algorithm's index) are allocated, as the offloaded cache does; else the size's rest.
     rest_gib = (gpu_bytes - num_pages * page_bytes) / 2**30

@@ -25,7 +25,7 @@ from spin_cluster.engine.request import (
     SamplingParams,
 )
 from spin_cluster.engine.sampler import Sampler
-from spin_cluster.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS, ScheduledChunk, Scheduler, SchedulerOutput
 from spin_cluster.engine import warm_up as warming
 from spin_cluster.engine.stats import StepStats
 from spin_cluster.engine.cache_builder import build_cache
@@ -81,10 +81,13 @@ class Engine:
     packs_cpu_gemms = True
 
     def __init__(self, config: SpinConfig | None = None, *, decode_attention: str = "auto", progress: bool = True,
-                 buffer_policy: BufferPolicy = DEFAULT_POLICY, pack_cpu_gemms: bool = True) -> None:
+                 buffer_policy: BufferPolicy = DEFAULT_POLICY, pack_cpu_gemms: bool = True,
+                 admission_output_tokens: int = ADMISSION_OUTPUT_TOKENS) -> None:
         """``buffer_policy``: the offloaded cache's buffer mechanisms past the config's
         (``kvcache.buffer_policy``); studies and tests set it, serving keeps the default.
-        ``pack_cpu_gemms`` False: the plain weights on the CPU (tests compare the packs with them)."""
+        ``pack_cpu_gemms`` False: the plain weights on the CPU (tests compare the packs with them).
+        ``admission_output_tokens``: the scheduler's room for each running request's output
+        (``Scheduler``); tests pass 0 (prompts only) to force preemptions on a small cache."""
         self.config = config = config or SpinConfig()
         self.buffer_policy = buffer_policy
         self.device = resolve_device(config.model.device)
@@ -102,7 +105,7 @@ class Engine:
         self.max_model_len = config.model.max_model_len or mc.context_len
         sc = config.scheduler
         self.kv, attention = self._build_cache(decode_attention)
-        self.scheduler = Scheduler(sc, self.kv)
+        self.scheduler = Scheduler(sc, self.kv, admission_output_tokens)
         self.runner = ModelRunner(self.model, attention, self.device, progress=progress,
                                   cuda_graph_max_batch=sc.max_num_seqs if config.model.cuda_graphs else 0)
         self.sampler = Sampler(self.device)

@@ -5,9 +5,10 @@ decoding requests take one token each, in arrival order, then requests still pre
 the next chunk of their prompt, in arrival order. Then waiting requests are admitted, oldest
 first, while the budget, the request limit and the KV pages allow: the pages a request will
 hold once its whole prompt and ``admission_output_tokens`` of its output are in, beside what
-the running requests will still take to get there. (Admitting on the first chunk alone lets
-many long prompts in at once; halfway through their prompts the cache is full and each
-preemption throws away a partly computed context.) When a running request cannot get the
+the running requests will still take to get there (``ADMISSION_OUTPUT_TOKENS`` by default; a
+test that must force preemptions passes 0, prompts only). Admitting on the first chunk alone
+lets many long prompts in at once; halfway through their prompts the cache is full and each
+preemption throws away a partly computed context. When a running request cannot get the
 page it needs, the newest running request is preempted: its pages are freed and it goes
 back to the front of the queue, to be prefilled again (prompt and tokens so far) later.
 
@@ -31,6 +32,12 @@ from typing import NamedTuple
 from spin_cluster.config import SchedulerConfig
 from spin_cluster.engine.request import Request, RequestStatus
 from spin_cluster.kvcache.base import NO_PREFIX, KVCache, PrefixHit
+
+# Output tokens of each running request (up to its max_tokens) that admission keeps room for,
+# beside the rest of every running prompt, so that prompts admitted together do not outgrow the
+# cache halfway and preempt each other (each preemption recomputes a whole context). It was
+# scheduler.admission_output_tokens; only tests that force preemptions moved it (Engine's keyword).
+ADMISSION_OUTPUT_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -62,9 +69,15 @@ class SchedulerOutput(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCache) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCache,
+                 admission_output_tokens: int = ADMISSION_OUTPUT_TOKENS) -> None:
+        """``admission_output_tokens`` (>= 0): output tokens of each running request admission
+        keeps room for; 0: prompts only (a request that grows past it may still preempt the newest)."""
+        if admission_output_tokens < 0:
+            raise ValueError(f"admission_output_tokens={admission_output_tokens}: must be >= 0")
         self.config = config
         self.kv = kv
+        self.admission_output_tokens = admission_output_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Prefix caching, cumulative over admissions: tokens looked up, and those found cached.
@@ -176,7 +189,7 @@ class Scheduler:
         """Tokens admission keeps room for: every known token, and ``admission_output_tokens``
         more of output (those left of its max_tokens at most)."""
         left = req.params.max_tokens - len(req.output_token_ids)
-        return req.num_tokens + max(0, min(self.config.admission_output_tokens, left))
+        return req.num_tokens + max(0, min(self.admission_output_tokens, left))
 
     def _pages_owed(self, chunks: list[ScheduledChunk]) -> int:
         """Pages the running requests will still take to reach their reserved tokens, after

@@ -179,7 +179,7 @@ def head_costs(
 ) -> tuple[tuple[int, ...], ...]:
     """[L][Hkv] decode cost of each KV head: tokens read x query heads per KV head.
 
-    budgets: [L][Hkv] middle-page budgets in tokens (``sparse.per_head_budgets``).
+    budgets: [L][Hkv] middle-page budgets in tokens (``sparse.options.per_head_budgets``).
     context_tokens: clamp the tokens read to the context (a head cannot read more).
     """
     if num_kv_groups < 1 or sink_tokens < 0 or local_tokens < 0:

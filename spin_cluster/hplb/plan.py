@@ -7,10 +7,11 @@
         ▼
     HeadPlan: budgets + HeadPlacement (makespan, imbalance)
 
-Without a profile the budgets are the configured ones: ``per_head_budgets`` if given, else
-the uniform budget for every head, whose equal costs give the contiguous split. One rank
-owns every head. The serving planner, the evaluation tools, the head-parallel engine and
-the block-sparse prefill all plan through ``plan_heads``.
+Without a profile the budgets are the configured ones: ``per_head_budgets`` if given
+(``sparse.options.per_head_budgets``), else the uniform budget for every head, whose equal
+costs give the contiguous split. One rank owns every head. The serving planner, the
+evaluation tools, the head-parallel engine and the block-sparse prefill all plan through
+``plan_heads``.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class HeadPlan:
     """budgets: [L][Hkv] middle budgets in tokens (a needs table's units), >= 0; the placement
     balanced their costs (the first ``dense_layers`` layers' at the whole context).
     per_head: whether they are per-head budgets (shifted by a profile, or given) rather than
-    the uniform budget, so that an engine takes them as ``sparse.per_head_budgets``.
+    the uniform budget, so that an engine takes them as ``sparse.options.per_head_budgets``.
     placement: each (layer, KV head)'s rank; makespan and imbalance are its cost model's."""
 
     budgets: Budgets
@@ -117,9 +118,10 @@ class HeadPlan:
     def imbalance(self) -> float:
         return self.placement.imbalance
 
-    def sparse_options(self) -> dict:
-        """The ``sparse`` section's update for an engine run on this plan ({} when uniform)."""
-        return {"per_head_budgets": self.budgets} if self.per_head else {}
+    def sparse_options(self, options: dict | None = None) -> dict:
+        """The ``sparse`` section's update for an engine run on this plan ({} when uniform): the
+        budgets as ``options.per_head_budgets``, beside ``options`` (the section's own now)."""
+        return {"options": {**(options or {}), "per_head_budgets": self.budgets}} if self.per_head else {}
 
 
 def plan_heads(profile: HeadProfile | Sequence[Sequence[float]] | None, config: PlanConfig,
@@ -171,5 +173,6 @@ def _placement(budgets: Budgets, c: PlanConfig, num_ranks: int) -> HeadPlacement
 def _check_shape(budgets: Budgets, c: PlanConfig) -> None:
     if len(budgets) != c.num_layers or any(len(row) != c.num_kv_heads for row in budgets):
         raise ValueError(
-            f"sparse.per_head_budgets must be [{c.num_layers}][{c.num_kv_heads}] (layers x KV heads) for this model"
+            f"sparse.options.per_head_budgets must be [{c.num_layers}][{c.num_kv_heads}] (layers x KV heads) "
+            "for this model"
         )

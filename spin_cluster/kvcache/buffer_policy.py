@@ -30,7 +30,7 @@ class BufferPolicy:
     # GPU buffer share per (request, layer, KV head), in pages, >= the pages a step selects
     # (sink + budget + local); 0: cache.buffer_share times those.
     pages_per_head: int = 0
-    # With sparse.per_head_budgets (top-k): each head's share is sized by its own selection
+    # With sparse.options.per_head_budgets (top-k): each head's share is sized by its own selection
     # (buffer_share times sink + its budget + local), not the widest head's, so a request's
     # share takes a fraction of the slots. Sized by the widest head, the buffer of max_num_seqs
     # requests took 42 of 100 GiB at 4 x 128K on Llama-3.1-8B shapes and pushed a sixth of the

@@ -173,7 +173,7 @@ class HeadParallelSpinAttention(_RankBackend, PlannedCapture):
         layer l, rank r owns n_l heads:  columns | h_a h_b .. (n_l) | padding (W - n_l) |
 
     Padding columns get zero K/V and zero queries, and their output is dropped. With
-    ``sparse.per_head_budgets`` their budget is 0 (they read only their sink and local
+    ``sparse.options.per_head_budgets`` their budget is 0 (they read only their sink and local
     pages); with a uniform budget they select like any head (wasted, bounded work). ``W`` is
     the same on every rank, so every rank's cache has the same shape and capacity: all ranks
     admit, preempt and evict alike, which SPMD needs. Selection is per KV head, so a head
@@ -196,8 +196,8 @@ class HeadParallelSpinAttention(_RankBackend, PlannedCapture):
         sparse = {}
         if config.sparse.per_head_budgets is not None:
             rows = config.sparse.per_head_budgets
-            sparse["per_head_budgets"] = [[rows[layer][h] for h in heads] + [0] * (width - len(heads))
-                                          for layer, heads in enumerate(kv_heads)]
+            sparse["options"] = {**config.sparse.options, "per_head_budgets": [
+                [rows[layer][h] for h in heads] + [0] * (width - len(heads)) for layer, heads in enumerate(kv_heads)]}
         activation_bytes = step_activation_bytes(config, rank_mc, dtype, max_model_len)
         gpu_bytes = all_reduce_min(int(gpu_budget_bytes(config, device, activation_bytes)), group)
         return config.replace(cache={"kv_cache_gib": gpu_bytes / 2**30}, sparse=sparse), rank_mc

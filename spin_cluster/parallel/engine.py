@@ -30,6 +30,7 @@ import torch.distributed as dist
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.cache_builder import build_cache, cache_kind
 from spin_cluster.engine.engine import Engine
+from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS
 from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.hplb.plan import plan_heads
 from spin_cluster.kvcache.buffer_policy import DEFAULT_POLICY, BufferPolicy
@@ -41,7 +42,7 @@ from spin_cluster.sparse.budget import plan_config
 
 
 def default_placement(config: SpinConfig, mc: ModelConfig, num_ranks: int, method: str = "greedy") -> HeadPlacement:
-    """Place heads by the costs of the configured budgets: ``sparse.per_head_budgets`` if set,
+    """Place heads by the costs of the configured budgets: ``sparse.options.per_head_budgets`` if set,
     else ``sparse.budget`` for every head (uniform costs: the contiguous split). On the
     offloaded cache, whose rank width is the most heads a rank owns in a layer, greedy gives
     every rank at most the contiguous split's ceil(Hkv / R) heads per layer."""
@@ -63,7 +64,9 @@ def check_placement(p: HeadPlacement, mc: ModelConfig) -> None:
 
 class HeadParallelEngine(Engine):
     """This process's rank of a head-parallel engine; ``placement`` None places the heads
-    with ``default_placement`` (the same on every rank: it depends only on the config)."""
+    with ``default_placement`` (the same on every rank: it depends only on the config).
+    ``admission_output_tokens`` is the ``Engine``'s, and must be the same on every rank (the
+    ranks schedule alike): ``launch_generate`` and ``RankSpec`` carry it to theirs."""
 
     # Every rank steps the same schedule in lockstep (collectives inside each step): no
     # step is launched ahead of the host.
@@ -82,6 +85,7 @@ class HeadParallelEngine(Engine):
         decode_attention: str = "auto",
         progress: bool = True,
         buffer_policy: BufferPolicy = DEFAULT_POLICY,
+        admission_output_tokens: int = ADMISSION_OUTPUT_TOKENS,
     ) -> None:
         config = config or SpinConfig()
         if not dist.is_initialized():
@@ -100,7 +104,8 @@ class HeadParallelEngine(Engine):
         self.placement = placement
         self._rank_s_total = [0.0] * self.num_ranks
         self._bubble_s_total = 0.0
-        super().__init__(config, decode_attention=decode_attention, progress=progress, buffer_policy=buffer_policy)
+        super().__init__(config, decode_attention=decode_attention, progress=progress, buffer_policy=buffer_policy,
+                         admission_output_tokens=admission_output_tokens)
 
     def _load_model(self, path: str, progress: bool):
         model = super()._load_model(path, progress and self.rank == 0)

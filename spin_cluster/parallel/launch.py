@@ -31,6 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.engine import resolve_device
 from spin_cluster.engine.request import RequestOutput, SamplingParams
+from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS
 from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.parallel.engine import HeadParallelEngine
 from spin_cluster.parallel.group import backend_for, free_port
@@ -71,8 +72,10 @@ def launch_generate(
     *,
     num_ranks: int,
     placement: HeadPlacement | None = None,
+    admission_output_tokens: int = ADMISSION_OUTPUT_TOKENS,
 ) -> ParallelResult:
-    """Run ``HeadParallelEngine.generate`` on ``num_ranks`` local processes."""
+    """Run ``HeadParallelEngine.generate`` on ``num_ranks`` local processes, each rank's engine
+    built from ``config``, ``placement`` and ``admission_output_tokens`` (``Engine``'s)."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks={num_ranks}: must be >= 1")
     if placement is not None and placement.num_ranks != num_ranks:
@@ -80,7 +83,7 @@ def launch_generate(
     device = resolve_device(config.model.device)
     if device.type == "cuda" and torch.cuda.device_count() < num_ranks:
         raise ValueError(f"{num_ranks} ranks need {num_ranks} GPUs, this machine has {torch.cuda.device_count()}")
-    args = (num_ranks, free_port(), device.type, config, list(prompts), params, placement)
+    args = (num_ranks, free_port(), device.type, config, list(prompts), params, placement, admission_output_tokens)
     reports = run_ranks(_rank_main, args, num_ranks)
     outputs, used_placement, rank_s, bubble_s, num_preemptions, replays = reports[0]
     if any(report[-2] != num_preemptions for report in reports.values()):
@@ -227,11 +230,12 @@ def leave_group(engine: HeadParallelEngine | None) -> None:
     dist.destroy_process_group()
 
 
-def _rank_main(rank, num_ranks, port, device_type, config, prompts, params, placement, results) -> None:
+def _rank_main(rank, num_ranks, port, device_type, config, prompts, params, placement, admission_output_tokens,
+               results) -> None:
     config = join_group(rank, num_ranks, port, device_type, config)
     engine = None
     try:
-        engine = HeadParallelEngine(config, placement, progress=False)
+        engine = HeadParallelEngine(config, placement, progress=False, admission_output_tokens=admission_output_tokens)
         outputs = engine.generate(prompts, params)
         st = engine.last_stats
         report = (

@@ -61,6 +61,7 @@ import torch.distributed as dist
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.engine import resolve_device
 from spin_cluster.engine.request import RequestOutput, SamplingParams
+from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS
 from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.parallel.engine import HeadParallelEngine
 from spin_cluster.parallel.group import backend_for
@@ -92,6 +93,8 @@ class RankSpec:
     timeout_s: float = DEFAULT_TIMEOUT_S  # seconds a collective or the start may wait, > 0
     cpu_threads: int = 0  # a CPU follower's torch threads; 0: cpu_count // R
     gpu_index: int = 0  # the CUDA device of each rank in its own process (one GPU per process)
+    # Every rank's Engine(admission_output_tokens=...): the ranks must schedule alike.
+    admission_output_tokens: int = ADMISSION_OUTPUT_TOKENS
 
 
 class FollowerRanks(ABC):
@@ -130,6 +133,7 @@ class LeaderEngine(HeadParallelEngine):
         followers: FollowerRanks | None = None,
         decode_attention: str = "auto",
         progress: bool = True,
+        admission_output_tokens: int = ADMISSION_OUTPUT_TOKENS,
     ) -> None:
         if dist.is_initialized() and dist.get_rank(group) != 0:
             raise ValueError(f"the leader is rank 0, this process is rank {dist.get_rank(group)}")
@@ -139,7 +143,8 @@ class LeaderEngine(HeadParallelEngine):
         self._owns_process_group = False
         self._store = None  # the rendezvous store, kept alive with the group
         self._stopped = False
-        super().__init__(config, placement, group=group, decode_attention=decode_attention, progress=progress)
+        super().__init__(config, placement, group=group, decode_attention=decode_attention, progress=progress,
+                         admission_output_tokens=admission_output_tokens)
 
     # ---- the Engine calls that change scheduler state -----------------------------------
 
@@ -242,7 +247,8 @@ def start_leader(
         config = _rank_device(spec)
         control = _join_group(spec, 0, store)
         engine = LeaderEngine(config, spec.placement, control_group=control, followers=followers,
-                              decode_attention=decode_attention, progress=progress)
+                              decode_attention=decode_attention, progress=progress,
+                              admission_output_tokens=spec.admission_output_tokens)
     except BaseException:
         followers.stop(timeout_s=1.0)
         if dist.is_initialized():
@@ -268,7 +274,8 @@ class FollowerRank:
         store = dist.TCPStore(STORE_HOST, spec.store_port, spec.num_ranks, is_master=False,
                               timeout=timedelta(seconds=spec.timeout_s))
         self._control = _join_group(spec, rank, store)
-        self.engine = HeadParallelEngine(config, spec.placement, progress=False)
+        self.engine = HeadParallelEngine(config, spec.placement, progress=False,
+                                         admission_output_tokens=spec.admission_output_tokens)
 
     def serve(self) -> int:
         """EXIT_STOPPED (the group left) or EXIT_LEADER_GONE; an error in a call raises."""

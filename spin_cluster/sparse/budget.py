@@ -15,8 +15,9 @@ its prompts' length from it, and S-HPLB's plan starts from it (``plan_config``):
                      = budget                              budget >= 1 (tokens)
                      = max(1, floor, int(budget * n))      budget in (0, 1)
 
-Per-head budgets (``sparse.per_head_budgets``, [L][Hkv] tokens) replace the budget head by
-head; under top-p Select a layer's heads share their budgets' sum, so one head may take it all.
+Per-head budgets (``sparse.options.per_head_budgets``, [L][Hkv] tokens, an option of the
+algorithms that score pages) replace the budget head by head; under top-p Select a layer's
+heads share their budgets' sum, so one head may take it all.
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ class PageBudget:
     selects_all: bool = False
 
     def __post_init__(self) -> None:
-        # Select's top-p mass, read once: it lives in the algorithm's options, and a decode
-        # step should not parse the config (tests/engine/test_step_route.py).
+        # Select's top-p mass and the per-head budgets, read once: they live in the algorithm's
+        # options, and a decode step should not parse the config (tests/engine/test_step_route.py).
         object.__setattr__(self, "top_p", self.sparse.top_p)
+        object.__setattr__(self, "per_head_budgets", self.sparse.per_head_budgets)
 
     @property
     def sink_pages(self) -> int:
@@ -120,7 +122,7 @@ class PageBudget:
 
     def head_pages(self) -> list[list[int]] | None:
         """[L][Hkv] each head's budget in whole pages; None without per-head budgets."""
-        rows = self.sparse.per_head_budgets
+        rows = self.per_head_budgets
         return None if rows is None else [[self.pages(b) for b in row] for row in rows]
 
     def head_table(self, num_layers: int, device: torch.device) -> torch.Tensor | None:
@@ -132,7 +134,7 @@ class PageBudget:
         table = torch.tensor(rows, dtype=torch.long)
         if tuple(table.shape) != (num_layers, self.num_kv_heads):
             raise ValueError(
-                f"sparse.per_head_budgets is {list(table.shape)}; this model needs "
+                f"sparse.options.per_head_budgets is {list(table.shape)}; this model needs "
                 f"[{num_layers}, {self.num_kv_heads}] (layers x KV heads)"
             )
         return table.to(device)
@@ -179,7 +181,7 @@ class PageBudget:
         ``max_pages``, as ``mandatory_pages`` counts the widest head's."""
         rows = self.head_pages()
         if len(rows) != num_layers:
-            raise ValueError(f"sparse.per_head_budgets has {len(rows)} layers, the model {num_layers}")
+            raise ValueError(f"sparse.options.per_head_budgets has {len(rows)} layers, the model {num_layers}")
         dense = self.floor_pages(max_pages * self.page_size)
         return [[min(max_pages, self.edge_pages + max(dense, pages)) for pages in row] for row in rows]
 

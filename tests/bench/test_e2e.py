@@ -48,6 +48,9 @@ def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path, cap
     assert [bench["mode_buffer_policy"](m, args).reuse for m in bench["MODES"]] == [True, False, False, True]
     args = bench["parse_args"](["--tiny", "--coarse-pages", "16", "--coarse-factor", "2"])
     options = bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["options"]
+    # spin's S-HPLB-style budgets, [layers][KV heads], beside the algorithm's own options
+    budgets = options.pop("per_head_budgets")
+    assert len(budgets) == 2 and all(len(row) == 2 for row in budgets)
     assert options == {"index_dtype": "bfloat16", "coarse_pages": 16, "coarse_factor": 2, "coarse_split": True}
     args = bench["parse_args"](["--tiny", "--coarse-pages", "16", "--no-coarse-split"])
     options = bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["options"]
@@ -55,7 +58,7 @@ def test_e2e_workloads_pick_a_subset_and_unknown_names_are_refused(tmp_path, cap
     args = bench["parse_args"](["--tiny", "--algorithm", "labels", "--sparse-option", "channels=0.5",
                                 "--sparse-option", "index_dtype=float8_e4m3fn"])
     options = bench["mode_config"]("spin", args, "m", 512, {"num_hidden_layers": 2, "num_key_value_heads": 2})["sparse"]["options"]
-    assert options == {"index_dtype": "float8_e4m3fn", "channels": 0.5}
+    assert options.pop("per_head_budgets") and options == {"index_dtype": "float8_e4m3fn", "channels": 0.5}
 
 
 def test_tpot_counts_requests_the_deadline_cut_off():

@@ -30,7 +30,7 @@ def _report(rid: str, free: int, at: float = NOW, waiting: int = 0, **counters) 
 def test_register_hands_out_the_configs_sparse_settings():
     plan = _planner().register("a")
     assert plan.sparse["algorithm"] == "quest" and plan.sparse["budget"] == 256
-    assert plan.sparse["per_head_budgets"] is None
+    assert "per_head_budgets" not in (plan.sparse["options"] or {})
     assert set(plan.head_placement) == {0} and len(plan.head_placement[0]) == 30 * 3  # one rank: every head
     assert plan.imbalance == 0.0
 
@@ -53,7 +53,7 @@ def test_a_profile_gives_per_head_budgets_at_the_same_total(tmp_path, smollm2_pa
     profile = _smollm2_profile(tmp_path / "profile.json", smollm2_path)
     planner = _planner(hplb_profile=profile, engine_num_gpus=2)
     plan = planner.register("a")
-    budgets = np.array(plan.sparse["per_head_budgets"])
+    budgets = np.array(plan.sparse["options"]["per_head_budgets"])
     assert budgets.shape == (30, 3) and budgets.sum() == 256 * 90  # max-min keeps the total
     assert budgets.min() >= 64 and budgets.max() > 256 and (budgets % 16 == 0).all()  # floors, shifted, pages
     # ... placed on the engine's 2 GPUs (Spin's offloaded cache runs head-parallel): every

@@ -148,7 +148,8 @@ def test_ranks_per_engine(args, num_kv_heads, ranks):
     ({"model": {"max_model_len": 8448}}, r"max_model_len=8448 exceeds the model's context of 8192 tokens .*model.hf_overrides"),
     ({"scheduler": {"enable_chunked_prefill": False, "max_num_batched_tokens": 512}},
      r"max_num_batched_tokens \(512\) must be >= max_model_len \(8192\)"),
-    ({"sparse": {"per_head_budgets": [[64] * 2] * 30}}, r"per_head_budgets must be \[30\]\[3\]"),
+    ({"sparse": {"algorithm": "quest", "options": {"per_head_budgets": [[64] * 2] * 30}}},
+     r"sparse.options.per_head_budgets must be \[30\]\[3\]"),
     ({"serve": {"engine_ranks": 4}}, "serve.engine_ranks=4 exceeds the model's num_key_value_heads=3"),
     ({"model": {"device": "cuda"}}, "serve.engine_num_gpus=0, so Ray gives an engine no GPU"),
 ])

@@ -40,7 +40,7 @@ def _run(engine, prompts):
     {"algorithm": "quest", "budget": 0.125},  # the default floor: 2048 tokens
     {"algorithm": "quest", "budget": 0.125, "budget_floor_tokens": 128},
     {"algorithm": "quest", "budget": 8, "budget_floor_tokens": 128},
-    {"algorithm": "quest", "per_head_budgets": [[8, 0], [4, 12]], "budget_floor_tokens": 128},
+    {"algorithm": "quest", "options": {"per_head_budgets": [[8, 0], [4, 12]]}, "budget_floor_tokens": 128},
     {"algorithm": "quest", "budget": 8, "options": {"top_p": 0.5}, "budget_floor_tokens": 128},
     {"algorithm": "streaming", "budget": 8, "budget_floor_tokens": 128},
 ], ids=["fraction", "fraction-128", "tokens", "per-head", "top-p", "streaming"])
@@ -90,7 +90,7 @@ def test_the_step_budget_on_the_device_is_budget_tokens(offload_engine):
 
 def test_shares_hold_every_page_of_a_context_at_the_floor(offload_engine):
     # per-head budgets of 2, 0, 1 and 3 pages; a floor of 64 tokens is 16 pages
-    attention = offload_engine({"algorithm": "quest", "per_head_budgets": [[8, 0], [4, 12]],
+    attention = offload_engine({"algorithm": "quest", "options": {"per_head_budgets": [[8, 0], [4, 12]]},
                                 "budget_floor_tokens": 64}).runner.attention
     assert attention.budget.mandatory_pages(128) == 1 + 16 + 2
     assert attention.budget.mean_attended_pages(64) == 1 + 16 + 2  # dense: the context's every page

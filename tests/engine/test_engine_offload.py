@@ -220,7 +220,7 @@ def test_per_head_shares_fit_more_requests_with_the_same_tokens(smollm2_path):
     # SmolLM2: 30 layers x 3 KV heads; budgets of 8, 16 and 40 tokens (2, 4, 10 pages of 4)
     # plus 1 sink and 2 local pages: 5, 7 and 13 pages per step, full widths 10, 14, 26.
     sparse = {"algorithm": "quest", "budget": 16, "sink_tokens": 4, "local_tokens": 8,
-              "per_head_budgets": [[8, 16, 40]] * 30}
+              "options": {"per_head_budgets": [[8, 16, 40]] * 30}}
     uniform_slots = 26 * 30 * 3
     gib = _quest_kv_gib(3 * uniform_slots)  # three uniform full shares
     tokens, peak = {}, {}

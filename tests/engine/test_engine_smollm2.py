@@ -8,6 +8,7 @@ import torch
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine import Engine, SamplingParams
+from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS
 
 PROMPTS = [
     "The capital of France is",
@@ -18,9 +19,9 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
 
 
-def _engine(path, **sections):
+def _engine(path, *, admission_output_tokens=ADMISSION_OUTPUT_TOKENS, **sections):
     cfg = {"model": {"path": path, "device": "cpu", "dtype": "float32"}, **sections}
-    return Engine(SpinConfig.from_dict(cfg), progress=False)
+    return Engine(SpinConfig.from_dict(cfg), progress=False, admission_output_tokens=admission_output_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_batch_invariance(smollm2_path, chunked):
 def test_preemption_under_a_tiny_cache_gives_the_same_tokens(smollm2_path, engine):
     params = SamplingParams(temperature=0, max_tokens=56, ignore_eos=True)
     prompts = [f"Story number {i}: the dragon" for i in range(4)]
-    small = _engine(smollm2_path, cache={"kv_cache_gib": 0.008}, scheduler={"admission_output_tokens": 0})
+    small = _engine(smollm2_path, cache={"kv_cache_gib": 0.008}, admission_output_tokens=0)
     # 11 logical pages of 16 tokens; four requests of ~64 tokens need 16.
     assert small.kv.num_total_pages < 4 * small.kv.pages_for_tokens(64)
     outs = small.generate(prompts, params)

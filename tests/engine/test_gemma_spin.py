@@ -126,7 +126,7 @@ def test_quest_runs_on_the_global_layers_only(gemma_path):
     budgets = [[8 * (layer + 1), 4 * (layer + 1)] for layer in range(len(LAYER_TYPES))]
     engine = _engine(gemma_path, cache={"kind": "offloaded", "gpu_home_fraction": 0.0},
                      sparse={"algorithm": "quest", "budget": 8, "budget_floor_tokens": 0, "sink_tokens": 4,
-                             "local_tokens": 4, "per_head_budgets": budgets})
+                             "local_tokens": 4, "options": {"per_head_budgets": budgets}})
     kv, attention = engine.kv, engine.runner.attention
     assert kv.spin.num_layers == 2 and kv.paged.num_layers == 4 and kv.num_layers == len(LAYER_TYPES)
     assert attention.algorithm.num_layers == 2 and attention.algorithm.kmin.shape[0] == 2

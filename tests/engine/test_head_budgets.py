@@ -48,7 +48,7 @@ def _run(engine):
 
 def test_per_head_budgets_set_each_heads_middle_pages(offload_engine, selections):
     # tokens -> pages of 4: layer 0 heads take 2 and 0 middle pages, layer 1 heads 1 and 3
-    _run(offload_engine({"algorithm": "quest", "per_head_budgets": [[8, 0], [4, 12]]}))
+    _run(offload_engine({"algorithm": "quest", "options": {"per_head_budgets": [[8, 0], [4, 12]]}}))
     assert len(selections) == 2 * (PARAMS.max_tokens - 1)  # decode steps x layers
     assert selections[0::2] == [[1 + 2 + 2, 1 + 0 + 2]] * (PARAMS.max_tokens - 1)
     assert selections[1::2] == [[1 + 1 + 2, 1 + 3 + 2]] * (PARAMS.max_tokens - 1)
@@ -56,7 +56,7 @@ def test_per_head_budgets_set_each_heads_middle_pages(offload_engine, selections
 
 def test_equal_per_head_budgets_are_uniform_top_k(offload_engine):
     uniform = _run(offload_engine({"algorithm": "quest", "budget": 8}))
-    per_head = _run(offload_engine({"algorithm": "quest", "per_head_budgets": [[8, 8], [8, 8]]}))
+    per_head = _run(offload_engine({"algorithm": "quest", "options": {"per_head_budgets": [[8, 8], [8, 8]]}}))
     assert per_head == uniform
 
 
@@ -76,7 +76,7 @@ def test_top_p_reserves_the_layer_total_per_head_in_the_buffer(offload_engine):
 
 def test_mean_attended_pages_follow_each_heads_own_budget(offload_engine):
     # pages of 4 per head: 2, 0, 1, 3 middle pages (mean 1.5); the widest head sizes the buffer
-    attn = offload_engine({"algorithm": "quest", "per_head_budgets": [[8, 0], [4, 12]]}).runner.attention
+    attn = offload_engine({"algorithm": "quest", "options": {"per_head_budgets": [[8, 0], [4, 12]]}}).runner.attention
     assert attn.budget.mandatory_pages(64) == 1 + 3 + 2
     assert attn.budget.mean_attended_pages(64) == 1 + 1.5 + 2
     uniform = offload_engine({"algorithm": "quest", "budget": 8}).runner.attention

@@ -17,10 +17,10 @@ def _engine(path, prefix_caching, *, async_decode=False, kv_cache_gib=None, max_
     cfg = {
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": 256},
         "cache": {"page_size": PAGE, "enable_prefix_caching": prefix_caching, "kv_cache_gib": kv_cache_gib},
-        "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 64, "async_decode": async_decode,
-                      "admission_output_tokens": 0},  # room kept for prompts only: preemptions happen
+        "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 64, "async_decode": async_decode},
     }
-    return Engine(SpinConfig.from_dict(cfg), progress=False)
+    # Room kept for prompts only: preemptions happen.
+    return Engine(SpinConfig.from_dict(cfg), progress=False, admission_output_tokens=0)
 
 
 def _prompts():

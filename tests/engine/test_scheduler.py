@@ -1,6 +1,7 @@
 """Scheduling decisions on a tiny cache, without a model: chunks, admission, preemption,
 prefix caching."""
 
+import pytest
 import torch
 
 from spin_cluster.config import SchedulerConfig
@@ -14,9 +15,8 @@ def _sched(num_pages=64, budget=8, max_seqs=4, chunked=True, prefix_caching=Fals
         num_layers=1, num_kv_heads=1, head_dim=4, page_size=4, num_pages=num_pages,
         max_seqs=max_seqs, max_model_len=64, dtype=torch.float32, enable_prefix_caching=prefix_caching,
     )
-    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                          admission_output_tokens=output_reserve)
-    return Scheduler(cfg, kv), kv
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    return Scheduler(cfg, kv, admission_output_tokens=output_reserve), kv
 
 
 def _req(rid, n):
@@ -120,6 +120,8 @@ def test_admission_keeps_room_for_output_tokens_up_to_max_tokens():
     for rid in "abcd":
         s.add(Request(rid, list(range(1, 9)), SamplingParams(temperature=0, max_tokens=4)))
     assert "".join(c.request.request_id for c in _run(s).chunks) == "ab"  # 3 + 3 of 8; c needs 3 more
+    with pytest.raises(ValueError, match=r"^admission_output_tokens=-1: must be >= 0$"):
+        _sched(output_reserve=-1)
 
 
 def test_a_request_larger_than_the_reservations_allow_still_runs_alone():

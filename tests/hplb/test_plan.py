@@ -30,7 +30,9 @@ def test_a_profile_shifts_the_uniform_total_and_the_placement_covers_every_head_
     budgets = np.array(plan.budgets)
     assert budgets.shape == (3, 4) and total_tokens(plan.budgets) == 128 * 12  # the uniform total, kept
     assert budgets.min() >= 32 and budgets.max() > 128 and (budgets % 16 == 0).all()  # floors, shifted, pages
-    assert plan.per_head and plan.sparse_options() == {"per_head_budgets": plan.budgets}
+    assert plan.per_head and plan.sparse_options() == {"options": {"per_head_budgets": plan.budgets}}
+    assert plan.sparse_options({"summary": "moments"}) == {"options": {"summary": "moments",
+                                                                      "per_head_budgets": plan.budgets}}
     assert _owned(plan) == [(layer, h) for layer in range(3) for h in range(4)]
     assert plan.placement.num_ranks == 2 and plan.placement.method == "greedy"
     # The costs placed are the shifted budgets' (sink + local + budget) x G.
@@ -47,7 +49,7 @@ def test_one_rank_owns_every_head():
 def test_without_a_profile_the_uniform_budget_splits_contiguously():
     plan = plan_heads(None, _config(budget_tokens=100), num_ranks=2)
     assert plan.budgets == ((100,) * 4,) * 3 and not plan.per_head  # unrounded: no shifting
-    assert plan.sparse_options() == {}
+    assert plan.sparse_options() == {} and plan.sparse_options({"summary": "moments"}) == {}
     assert plan.placement.kv_head_to_rank == ((0, 0, 1, 1),) * 3 and plan.imbalance == 0.0
 
 

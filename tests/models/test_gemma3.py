@@ -38,10 +38,10 @@ def _engine(path: str, max_model_len: int, page_size: int, batched_tokens: int, 
     cfg = {
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": max_model_len},
         "cache": {"page_size": page_size, "kv_cache_gib": kv_cache_gib, "kv_cache_dtype": kv_cache_dtype},
-        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": batched_tokens, "async_decode": async_decode,
-                      "admission_output_tokens": 0},  # prompts only: a small cache preempts
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": batched_tokens, "async_decode": async_decode},
     }
-    return Engine(SpinConfig.from_dict(cfg), progress=False)
+    # Room kept for prompts only: a small cache preempts.
+    return Engine(SpinConfig.from_dict(cfg), progress=False, admission_output_tokens=0)
 
 
 def _ids(n: int, seed: int) -> list[int]:

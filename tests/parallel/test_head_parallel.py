@@ -26,27 +26,30 @@ PROMPTS = ["The capital of France is", "Once upon a time, a small robot", "1, 2,
 # [L][Hkv] rank: rank 0 owns KV heads {0, 3} of layer 0, all of layer 1 and {1, 3} of layer
 # 2; rank 1 owns {1, 2}, none, and {0, 2}.
 INTERLEAVED = [[0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 1, 0]]
+# Engine(admission_output_tokens=...) of the one engine and of every rank (launch_generate
+# carries it to theirs): room kept for prompts only, so that _config's small cache preempts.
+PROMPTS_ONLY = {"admission_output_tokens": 0}
 
 
 def _config(path: str) -> SpinConfig:
     return SpinConfig.from_dict({
         "model": {"path": path, "device": "cpu", "dtype": "float32"},
-        # 64 pages of 4 tokens: room for one or two of the requests at a time, so the ranks
-        # must also agree on preemptions.
+        # 64 pages of 4 tokens: room for one or two of the requests at a time (with PROMPTS_ONLY),
+        # so the ranks must also agree on preemptions.
         "cache": {"kv_cache_gib": 64 * PAGE_BYTES / 2**30, "page_size": 4},
         # A small step budget: prompts are prefilled in chunks, decodes batched with prefills.
-        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 8, "admission_output_tokens": 0},
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 8},
     })
 
 
 def test_two_gloo_ranks_give_the_tokens_of_one(four_kv_head_llama):
     cfg = _config(four_kv_head_llama)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    engine = Engine(cfg, progress=False)
+    engine = Engine(cfg, progress=False, **PROMPTS_ONLY)
     expected = [o.token_ids for o in engine.generate(PROMPTS, params)]
     assert engine.num_preemptions_total > 0
     placement = HeadPlacement(2, INTERLEAVED, [[1] * 4] * 3)
-    result = launch_generate(cfg, PROMPTS, params, num_ranks=2, placement=placement)
+    result = launch_generate(cfg, PROMPTS, params, num_ranks=2, placement=placement, **PROMPTS_ONLY)
     assert [o.token_ids for o in result.outputs] == expected
     assert result.placement == placement
     assert result.num_preemptions > 0
@@ -58,7 +61,7 @@ def _spin_config(path: str, per_head_budgets=None) -> SpinConfig:
     """The offloaded Spin cache with Quest at a budget tight enough that heads select."""
     sparse = {"algorithm": "quest", "budget": 8, "sink_tokens": 4, "local_tokens": 4}
     if per_head_budgets is not None:
-        sparse["per_head_budgets"] = per_head_budgets
+        sparse["options"] = {"per_head_budgets": per_head_budgets}
     return SpinConfig.from_dict({
         "model": {"path": path, "device": "cpu", "dtype": "float32", "max_model_len": 128},
         "cache": {"kind": "offloaded", "page_size": 4, "kv_cache_gib": 0.01, "host_kv_gib": 0.01},
@@ -77,7 +80,8 @@ def test_two_gloo_ranks_on_the_spin_cache_give_the_tokens_of_one(four_kv_head_ll
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     engine = Engine(cfg, progress=False)
     expected = [o.token_ids for o in engine.generate(prompts, params)]
-    dense = [o.token_ids for o in Engine(cfg.replace(sparse={"algorithm": "dense"}), progress=False).generate(prompts, params)]
+    dense_cfg = cfg.replace(sparse={"algorithm": "dense", "options": None})  # dense takes no per-head budgets
+    dense = [o.token_ids for o in Engine(dense_cfg, progress=False).generate(prompts, params)]
     assert expected != dense  # the budget really selects
     placement = HeadPlacement(2, INTERLEAVED, [[1] * 4] * 3)
     result = launch_generate(cfg, prompts, params, num_ranks=2, placement=placement)
@@ -191,7 +195,8 @@ def test_bubble_is_the_wait_for_the_slowest_rank_per_layer():
 def test_default_placement_follows_per_head_budgets(four_kv_head_llama):
     mc = ModelConfig.from_folder(four_kv_head_llama)
     cfg = SpinConfig.from_dict({"sparse": {
-        "per_head_budgets": [[100, 100, 10, 10]] * 3, "sink_tokens": 0, "local_tokens": 0,
+        "algorithm": "quest", "options": {"per_head_budgets": [[100, 100, 10, 10]] * 3}, "sink_tokens": 0,
+        "local_tokens": 0,
     }})
     placement = default_placement(cfg, mc, 2)
     assert placement.kv_head_to_rank == ((0, 1, 0, 1),) * 3
@@ -199,7 +204,8 @@ def test_default_placement_follows_per_head_budgets(four_kv_head_llama):
     uniform = default_placement(SpinConfig.from_dict({"sparse": {"budget": 64}}), mc, 2)
     assert uniform.kv_head_to_rank == ((0, 0, 1, 1),) * 3
     with pytest.raises(ValueError, match=r"must be \[3\]\[4\]"):
-        default_placement(SpinConfig.from_dict({"sparse": {"per_head_budgets": [[1, 2]]}}), mc, 2)
+        default_placement(SpinConfig.from_dict({"sparse": {"algorithm": "quest",
+                                                           "options": {"per_head_budgets": [[1, 2]]}}}), mc, 2)
 
 
 def test_unsupported_combinations_raise(four_kv_head_llama):
@@ -228,8 +234,8 @@ def test_one_nccl_rank_gives_the_tokens_of_the_engine(four_kv_head_llama):
     """NCCL, CUDA-event layer timing and the Triton decode path, on one GPU."""
     cfg = _config(four_kv_head_llama).replace(model={"device": "cuda"})
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [o.token_ids for o in Engine(cfg, progress=False).generate(PROMPTS, params)]
-    result = launch_generate(cfg, PROMPTS, params, num_ranks=1)
+    expected = [o.token_ids for o in Engine(cfg, progress=False, **PROMPTS_ONLY).generate(PROMPTS, params)]
+    result = launch_generate(cfg, PROMPTS, params, num_ranks=1, **PROMPTS_ONLY)
     assert [o.token_ids for o in result.outputs] == expected
     assert result.attention_rank_s[0] > 0 and result.attention_bubble_s == 0.0
 
@@ -242,9 +248,9 @@ def test_two_nccl_ranks_on_two_gpus_give_the_tokens_of_one_gpu(four_kv_head_llam
     with a non-contiguous placement and with the default (greedy) one."""
     cfg = _config(four_kv_head_llama).replace(model={"device": "cuda"})
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [o.token_ids for o in Engine(cfg, progress=False).generate(PROMPTS, params)]
+    expected = [o.token_ids for o in Engine(cfg, progress=False, **PROMPTS_ONLY).generate(PROMPTS, params)]
     placement = HeadPlacement(2, INTERLEAVED, [[1] * 4] * 3) if layout == "interleaved" else None
-    result = launch_generate(cfg, PROMPTS, params, num_ranks=2, placement=placement)
+    result = launch_generate(cfg, PROMPTS, params, num_ranks=2, placement=placement, **PROMPTS_ONLY)
     assert [o.token_ids for o in result.outputs] == expected
     assert all(s > 0 for s in result.attention_rank_s)
 

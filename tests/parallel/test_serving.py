@@ -28,14 +28,18 @@ PAGE_BYTES = 2 * 4 * 8 * 4  # K and V of 4 tokens, head dim 8, float32
 # [L][Hkv] rank of each KV head: interleaved, and rank 1 owns nothing in layer 1.
 INTERLEAVED = [[0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 1, 0]]
 PROMPTS = ["The capital of France is", "Once upon a time, a small robot", "1, 2, 3,", "Hello"]
+# Engine(admission_output_tokens=...) of the plain engine and of every rank (start_head_parallel
+# carries it to theirs in the RankSpec): room kept for prompts only, so that requests are preempted.
+PROMPTS_ONLY = {"admission_output_tokens": 0}
 
 
 def _config(path: str, pages: int = 64) -> SpinConfig:
     return SpinConfig.from_dict({
         "model": {"path": path, "device": "cpu", "dtype": "float32"},
-        # Pages of 4 tokens, one per (layer, KV head): few enough that requests are preempted.
+        # Pages of 4 tokens, one per (layer, KV head): few enough that requests are preempted
+        # (with PROMPTS_ONLY).
         "cache": {"kv_cache_gib": pages * PAGE_BYTES / 2**30, "page_size": 4},
-        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 8, "admission_output_tokens": 0},
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 8},
     })
 
 
@@ -142,15 +146,16 @@ def test_leader_and_follower_give_the_tokens_of_one_engine(four_kv_head_llama):
     head) columns (rank 1 has 4 columns, more token pages; the ranks use the smaller); the
     plain engine gets the same 8 token pages of its 12 columns, so both schedule alike."""
     cfg = _config(four_kv_head_llama)
-    plain = Engine(_config(four_kv_head_llama, pages=8 * 12), progress=False)
+    plain = Engine(_config(four_kv_head_llama, pages=8 * 12), progress=False, **PROMPTS_ONLY)
     expected, expected_abort = _script(plain)
     assert plain.num_preemptions_total > 0 and set(expected) == {"a", "b", "c", "req-0"}
     assert 0 < len(expected_abort[0]) < 30 and expected_abort[1] == "abort"
     assert len(expected["b"][0]) == 10  # the second request under that id
 
-    engine = start_head_parallel(cfg, _placement())
+    engine = start_head_parallel(cfg, _placement(), **PROMPTS_ONLY)
     try:
         assert (engine.kv.num_total_pages, plain.kv.num_total_pages) == (8 * 8, 8 * 12)
+        assert engine.scheduler.admission_output_tokens == 0  # rank 1's: its preemptions match below
         (follower,) = engine.follower_pids
         assert follower != os.getpid() and not _gone(follower)
         got, got_abort = _script(engine)

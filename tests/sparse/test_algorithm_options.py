@@ -1,8 +1,8 @@
 """sparse.options are typed per algorithm (spin_cluster.algorithm_options) and checked when
 the config is read: the table names every algorithm of the registry, each model's options are
-exactly what its class's constructor takes from a user (besides Select's own, top_p and
-resident_margin, which the algorithms that score pages take), and an unknown or ill-typed option is one error line naming
-it."""
+exactly what its class's constructor takes from a user (besides the system's own, top_p,
+resident_margin and per_head_budgets, which the algorithms that score pages take), and an
+unknown or ill-typed option is one error line naming it."""
 
 import inspect
 
@@ -42,7 +42,7 @@ def test_each_model_takes_what_its_constructor_takes(name):
 def test_top_p_is_an_option_of_the_algorithms_that_score_pages():
     scored = {name for name, model in OPTIONS.items() if issubclass(model, ScoredOptions)}
     assert scored == set(OPTIONS) - {"dense", "streaming"}  # every page; sink and window only
-    assert SELECT_OPTIONS == {"top_p", "resident_margin"}
+    assert SELECT_OPTIONS == {"top_p", "resident_margin", "per_head_budgets"}
 
 
 def _config(options):
@@ -62,8 +62,10 @@ def test_options_are_checked_when_the_config_is_read():
 
 
 def test_select_options_are_read_from_the_options_and_round_trip():
-    cfg = _config({"top_p": 0.9, "resident_margin": 0.5, "summary": "moments"})
-    assert (cfg.sparse.top_p, cfg.sparse.resident_margin) == (0.9, 0.5)
-    assert cfg.sparse.options == {"top_p": 0.9, "resident_margin": 0.5, "summary": "moments"}
+    cfg = _config({"top_p": 0.9, "resident_margin": 0.5, "summary": "moments", "per_head_budgets": [[8, 4.0]]})
+    assert (cfg.sparse.top_p, cfg.sparse.resident_margin, cfg.sparse.per_head_budgets) == (0.9, 0.5, ((8, 4),))
+    assert cfg.sparse.options == {"top_p": 0.9, "resident_margin": 0.5, "summary": "moments",
+                                  "per_head_budgets": [[8, 4.0]]}
     assert SpinConfig.from_dict(cfg.to_dict()) == cfg
-    assert (_config(None).sparse.top_p, _config(None).sparse.resident_margin) == (None, 0.0)
+    none = _config(None).sparse
+    assert (none.top_p, none.resident_margin, none.per_head_budgets) == (None, 0.0, None)

@@ -58,7 +58,8 @@ def test_edge_pages_are_the_sink_and_at_least_the_tail_page():
 
 def test_mandatory_pages_take_the_widest_head_and_the_floor():
     # per-head budgets of 2, 0, 1 and 3 pages of 4 tokens; sink 1 page, local 2
-    sparse = SparseConfig(per_head_budgets=[[8, 0], [4, 12]], sink_tokens=4, local_tokens=8, budget_floor_tokens=64)
+    sparse = SparseConfig(algorithm="quest", options={"per_head_budgets": [[8, 0], [4, 12]]}, sink_tokens=4,
+                          local_tokens=8, budget_floor_tokens=64)
     budget = PageBudget(sparse, 4, 2)
     assert budget.head_pages() == [[2, 0], [1, 3]]
     assert budget.mandatory_pages(128) == 1 + 16 + 2  # the floor's 16 pages outgrow the widest head
@@ -66,13 +67,14 @@ def test_mandatory_pages_take_the_widest_head_and_the_floor():
     assert budget.mean_attended_pages(128) == 1 + 1.5 + 2  # above: each head its own budget
     assert budget.head_mandatory_pages(2, 40) == [[1 + 16 + 2] * 2] * 2
     assert budget.head_mandatory_pages(2, 10) == [[10, 10], [10, 10]]  # at most max_pages
-    top_p = PageBudget(sparse.model_copy(update={"options": {"top_p": 0.9}, "budget_floor_tokens": 0}), 4, 2)
+    top_p = PageBudget(sparse.model_copy(update={"options": {**sparse.options, "top_p": 0.9},
+                                                 "budget_floor_tokens": 0}), 4, 2)
     assert top_p.max_middle_pages(128) == 4  # a layer's heads share their sum: 1 + 3
     assert PageBudget(sparse, 4, 2, selects_all=True).mandatory_pages(130) == 33
 
 
 def test_a_per_head_table_of_the_wrong_shape_names_the_right_one():
-    budget = PageBudget(SparseConfig(per_head_budgets=[[8, 0], [4, 12]]), 4, 2)
+    budget = PageBudget(SparseConfig(algorithm="quest", options={"per_head_budgets": [[8, 0], [4, 12]]}), 4, 2)
     assert budget.head_table(2, torch.device("cpu")).tolist() == [[2, 0], [1, 3]]
     with pytest.raises(ValueError, match=r"this model needs \[3, 2\]"):
         budget.head_table(3, torch.device("cpu"))

@@ -110,10 +110,10 @@ def test_config_section_round_trips_and_rejects_bad_values():
                        ({"per_head_budgets": [[0.5, -1]]}, r"^sparse.prefill.options.per_head_budgets must be >= 0")):
         with pytest.raises(ValueError, match=match):
             _block(bad)
-    decode = SpinConfig.from_dict({"sparse": {"per_head_budgets": [[64, 32.0]]}})
+    decode = SpinConfig.from_dict({"sparse": {"algorithm": "quest", "options": {"per_head_budgets": [[64, 32.0]]}}})
     assert decode.sparse.per_head_budgets == ((64, 32),)  # decode budgets are whole tokens
-    with pytest.raises(ValueError, match=r"^sparse.per_head_budgets must be >= 0"):
-        SpinConfig.from_dict({"sparse": {"per_head_budgets": [[64, -16]]}})
+    with pytest.raises(ValueError, match=r"^sparse.options.per_head_budgets must be >= 0"):
+        SpinConfig.from_dict({"sparse": {"algorithm": "quest", "options": {"per_head_budgets": [[64, -16]]}}})
 
 
 def test_every_block_selected_is_dense_prefill_and_a_budget_is_not():
