@@ -155,9 +155,8 @@ def test_pipelined_decode_under_page_pressure_preempts_and_gives_the_plain_loops
     def run(async_decode):
         cfg = {"model": {"path": tiny_llama_path, "device": "cpu", "dtype": "float32", "max_model_len": 256},
                "cache": {"page_size": 4, "kv_cache_gib": 0.00008},
-               "scheduler": {"max_num_seqs": 6, "max_num_batched_tokens": 64, "async_decode": async_decode,
-                             "admission_output_tokens": 0}}
-        engine = Engine(SpinConfig.from_dict(cfg), progress=False)
+               "scheduler": {"max_num_seqs": 6, "max_num_batched_tokens": 64, "async_decode": async_decode}}
+        engine = Engine(SpinConfig.from_dict(cfg), progress=False, admission_output_tokens=0)  # preemptions happen
         outs = engine.generate([p * 3 for p in PROMPTS + ["Hello there", "import numpy"]],
                                SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
         engine.check_integrity()
