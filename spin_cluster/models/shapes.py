@@ -19,17 +19,6 @@ LLAMA_31_8B = {
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 }
 
-# Qwen/Qwen2.5-Coder-1.5B-Instruct's config.json (the fields the engine reads): 28 layers, 12
-# query and 2 KV heads of D 128, tied embeddings, a 32K context (the real model the accuracy
-# runs serve, here with random weights for its memory plan). bos/eos as in LLAMA_31_8B.
-QWEN25_CODER_15B = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536,
-    "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-    "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True, "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
 # Qwen/Qwen2.5-32B's config.json (the fields the engine reads): 64 layers, 40 query and 8 KV
 # heads of D 128, about 64 GB of bf16 weights. Its context is 128K with YaRN; the shape gives
 # the positions without the scaling (random weights: only the sizes matter). bos/eos are the
@@ -40,6 +29,15 @@ QWEN25_32B = {
     "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 152064, "max_position_embeddings": 131072,
     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "bos_token_id": 1,
     "eos_token_id": 2,
+}
+
+# Qwen/Qwen2.5-Coder-1.5B-Instruct's config.json: the Qwen2.5 fields above at its sizes, 28
+# layers, 12 query and 2 KV heads of D 128, tied embeddings, a 32K context (the real model the
+# accuracy runs serve, here with random weights for its memory plan).
+QWEN25_CODER_15B = {
+    **QWEN25_32B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+    "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+    "tie_word_embeddings": True,
 }
 
 # google/gemma-3-27b's text config (the fields the engine reads): 62 layers, every sixth one
