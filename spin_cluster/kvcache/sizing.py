@@ -184,15 +184,20 @@ def host_tier_segments(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, 
     request row could use at full length."""
     cc = config.cache
     host_gib = DEFAULT_HOST_KV_GIB if cc.host_kv_gib is None else cc.host_kv_gib
-    seg_bytes = HostTier.bytes_per_segment(segment_pages, cc.page_size, mc.head_dim, host_dtype(config, dtype))
+    seg_bytes = host_segment_bytes(config, mc, dtype, segment_pages)
     return min(int(host_gib * 2**30 // seg_bytes), full_length_segments(config, mc, max_model_len, segment_pages))
+
+
+def host_segment_bytes(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, segment_pages: int) -> int:
+    """Bytes of one host tier segment of ``segment_pages`` pages, in ``host_dtype``."""
+    return HostTier.bytes_per_segment(segment_pages, config.cache.page_size, mc.head_dim, host_dtype(config, dtype))
 
 
 def host_tier_bytes(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, max_model_len: int,
                     segment_pages: int) -> int:
     """Bytes of the host tier's one allocation (``HostTier.nbytes``): the memory plan's figure."""
-    seg_bytes = HostTier.bytes_per_segment(segment_pages, config.cache.page_size, mc.head_dim, host_dtype(config, dtype))
-    return host_tier_segments(config, mc, dtype, max_model_len, segment_pages) * seg_bytes
+    return host_tier_segments(config, mc, dtype, max_model_len, segment_pages) * host_segment_bytes(
+        config, mc, dtype, segment_pages)
 
 
 def full_length_segments(config: SpinConfig, mc: ModelConfig, max_model_len: int, segment_pages: int = 1) -> int:
@@ -209,7 +214,8 @@ def full_length_bytes(config: SpinConfig, mc: ModelConfig, dtype: torch.dtype, m
     pages in ``host_dtype``. As cache.kv_cache_gib and cache.host_kv_gib they hold a whole batch
     at full length in either tier, instead of the machine-wide defaults (the accuracy eval's
     engines)."""
-    S, D = config.cache.page_size, mc.head_dim
-    gpu = full_length_segments(config, mc, max_model_len) * PagePool.bytes_per_page(S, D, dtype)
-    seg_bytes = HostTier.bytes_per_segment(segment_pages, S, D, host_dtype(config, dtype))
-    return gpu, full_length_segments(config, mc, max_model_len, segment_pages) * seg_bytes
+    gpu = full_length_segments(config, mc, max_model_len) * PagePool.bytes_per_page(config.cache.page_size,
+                                                                                      mc.head_dim, dtype)
+    host = full_length_segments(config, mc, max_model_len, segment_pages) * host_segment_bytes(
+        config, mc, dtype, segment_pages)
+    return gpu, host
