@@ -10,8 +10,8 @@ The model is the checkpoint's shape with random weights (``model.load_format: du
 reads only shapes, so the plan is the checkpoint's. Before sizes followed the device, the
 bundled ``spin`` config (1 GiB of GPU KV) refused Qwen2.5-Coder-1.5B-Instruct at 16K: "the
 GPU buffer (0 page slots) cannot hold one request's selected pages". Prints and saves the plan
-(GPU memory before and after the build, the buffer's slots, the home pages of each tier) and
-each request's tokens; exit status 1 when the engine does not build or a request does not
+(the share of the GPU's memory in use after the build, the buffer's slots, the home pages of
+each tier) and each request's tokens; exit status 1 when the engine does not build or a request does not
 finish with all of its tokens.
 """
 
@@ -57,10 +57,9 @@ def main() -> int:
     model = {"path": folder, "load_format": "dummy", "max_model_len": args.context, "device": args.device}
     config = load_app_config({"config": args.config, "model": model}).spin  # as `spin-cluster serve --config`
     cuda = torch.device(args.device).type == "cuda"
-    total = torch.cuda.mem_get_info()[1] if cuda else 0
     result = {"config": args.config, "shape": args.shape, "context": args.context,
               "gpu_memory_utilization": config.cache.gpu_memory_utilization,
-              "kv_cache_gib": config.cache.kv_cache_gib, "gpu_total_bytes": total}
+              "kv_cache_gib": config.cache.kv_cache_gib, "gpu_total_bytes": 0}
     try:
         t0 = time.perf_counter()
         engine = Engine(config, progress=False)
@@ -71,11 +70,11 @@ def main() -> int:
         save(args, result)
         return 1
     kv = engine.kv
-    result["home_pages"] = {k: total for k, (_, total) in kv.tier_pages().items()} if hasattr(kv, "tier_pages") else None
+    result["home_pages"] = {k: n for k, (_, n) in kv.tier_pages().items()} if hasattr(kv, "tier_pages") else None
     result["buffer_slots"] = kv.buffer.num_slots if getattr(kv, "buffer", None) is not None else None
     if cuda:
-        free, total = torch.cuda.mem_get_info()
-        result["gpu_used_fraction"] = 1 - free / total
+        free, result["gpu_total_bytes"] = torch.cuda.mem_get_info()
+        result["gpu_used_fraction"] = 1 - free / result["gpu_total_bytes"]
     prompt = args.context - args.max_tokens
     gen = torch.Generator().manual_seed(0)
     for i in range(args.requests):
@@ -92,7 +91,7 @@ def main() -> int:
     result["tokens"] = done
     ok = len(done) == args.requests and all(n == args.max_tokens for n in done.values())
     result["ok"] = ok
-    used = f", GPU {result['gpu_used_fraction']:.3f} of {gib(total)} in use" if cuda else ""
+    used = f", GPU {result['gpu_used_fraction']:.3f} of {gib(result['gpu_total_bytes'])} in use" if cuda else ""
     print(f"{args.config} on {args.shape} at {args.context} tokens (gpu_memory_utilization "
           f"{config.cache.gpu_memory_utilization}, no KV size): built in {result['build_s']:.1f} s{used}; "
           f"buffer {result['buffer_slots']} page slots, home pages by tier {result['home_pages']}; "

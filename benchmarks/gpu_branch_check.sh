@@ -35,16 +35,16 @@ fi
 args=(${BENCH_ARGS:---mode spin --coarse-pages 16 --context 131072 --batch 2 --gpu-kv-gib 40 --host-kv-gib 72 --steps 20})
 for i in $(seq "${REPEATS:-2}"); do
   for side in main branch; do
-    tree=$MAIN; [ $side = branch ] && tree=$BR
+    tree=$MAIN pkg=$PKG; [ $side = branch ] && tree=$BR pkg=/tmp/pkg-branch
     mkdir -p "$OUT/$side-$i"
-    in_tree "$tree" "/tmp/pkg-$side" timeout "${MODE_TIMEOUT:-240}" python3 -P -m spin_cluster.bench decode-step "${args[@]}" \
+    in_tree "$tree" "$pkg" timeout "${MODE_TIMEOUT:-240}" python3 -P -m spin_cluster.bench decode-step "${args[@]}" \
       "${TOK[@]}" --out "$OUT/$side-$i" > "$OUT/$side-$i/profile.log" 2>&1
     echo "$(date +%T) $side $i: $(grep -aoE 'step [0-9.]+ ms as served' "$OUT/$side-$i/profile.log") |" \
       "$(grep -aoE 'graph run on the GPU: [0-9.]+ ms' "$OUT/$side-$i/profile.log")" | tee -a "$OUT/summary.txt"
   done
 done
 if [ "${SIZING:-0}" = 1 ]; then
-  in_tree "$MAIN" "$PKG" timeout 240 python3 -P -m spin_cluster.bench check-sizing "${TOK[@]}" \
+  timeout 240 python3 -P -m spin_cluster.bench check-sizing "${TOK[@]}" \
     --out "$OUT/check_sizing.json" 2>&1 | tail -5 | tee "$OUT/check_sizing.log"
 fi
 [ -n "${E2E_RUNS}" ] && SELECT=0 RUNS="${E2E_RUNS}" bash benchmarks/gpu_equal_memory.sh
