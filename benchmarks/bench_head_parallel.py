@@ -63,56 +63,52 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# ---- one rank ------------------------------------------------------------------------------------
+# ---- rank 0 --------------------------------------------------------------------------------------
 
 
-def _rank_main(rank, world, port, device_type, config, placement, prompts, steps, results) -> None:
+def _lead(prompts, steps: int, device_type: str, engine) -> dict:
+    """Rank 0's run (``run_rank``'s lead; the workers run its plans): every decode step timed."""
     import torch
 
     from spin_cluster.engine import SamplingParams
-    from spin_cluster.parallel import HeadParallelEngine
-    from spin_cluster.parallel.launch import join_group, leave_group
 
-    config = join_group(rank, world, port, device_type, config)
-    engine = None
-    try:
-        engine = HeadParallelEngine(config, placement, progress=False)
-        sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
-        params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-        ids = [engine.add_request(p, params) for p in prompts]
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        decode = []  # (step s, [R] attention s, bubble s)
-        t0 = time.perf_counter()
-        prefill_s = None
-        while engine.has_unfinished():
-            decode_only = not engine.scheduler.waiting and all(
-                r.num_computed_tokens >= len(r.prompt_token_ids) for r in engine.scheduler.running)
-            if decode_only and prefill_s is None:
-                prefill_s = time.perf_counter() - t0
-            sync()
-            start = time.perf_counter()
-            outs = engine.step()
-            sync()
-            st = engine.last_stats
-            if decode_only:
-                decode.append((time.perf_counter() - start, list(st.attention_rank_s), st.attention_bubble_s))
-            for o in outs:
-                tokens[o.request_id].extend(o.new_token_ids)
-        graphs = engine.runner.graphs
-        report = {"placement": engine.placement.to_dict(), "prefill_s": prefill_s, "decode": decode,
-                  "tokens": [tokens[i] for i in ids], "graph_replays": graphs.replays if graphs else 0}
-        results.put((rank, report if rank == 0 else None))
-    finally:
-        leave_group(engine)
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    decode = []  # (step s, [R] attention s, bubble s)
+    t0 = time.perf_counter()
+    prefill_s = None
+    while engine.has_unfinished():
+        decode_only = not engine.scheduler.waiting and all(
+            r.num_computed_tokens >= len(r.prompt_token_ids) for r in engine.scheduler.running)
+        if decode_only and prefill_s is None:
+            prefill_s = time.perf_counter() - t0
+        sync()
+        start = time.perf_counter()
+        outs = engine.step()
+        sync()
+        st = engine.last_stats
+        if decode_only:
+            decode.append((time.perf_counter() - start, list(st.attention_rank_s), st.attention_bubble_s))
+        for o in outs:
+            tokens[o.request_id].extend(o.new_token_ids)
+    graphs = engine.runner.graphs
+    return {"placement": engine.placement.to_dict(), "prefill_s": prefill_s, "decode": decode,
+            "tokens": [tokens[i] for i in ids], "graph_replays": graphs.replays if graphs else 0}
 
 
 def run_config(config, placement, prompts, steps: int, num_ranks: int, device_type: str, timeout_s: float) -> dict:
     """Spawn ``num_ranks`` rank processes, run, and return rank 0's report."""
-    from spin_cluster.parallel.group import free_port
-    from spin_cluster.parallel.launch import run_ranks
+    import functools
 
-    args = (num_ranks, free_port(), device_type, config, placement, prompts, steps)
-    return run_ranks(_rank_main, args, num_ranks, timeout_s)[0]
+    from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS
+    from spin_cluster.parallel.group import free_port
+    from spin_cluster.parallel.launch import run_rank, run_ranks
+
+    lead = functools.partial(_lead, prompts, steps, device_type)
+    args = (num_ranks, free_port(), device_type, config, placement, lead, ADMISSION_OUTPUT_TOKENS)
+    return run_ranks(run_rank, args, num_ranks, timeout_s)[0]
 
 
 # ---- the sweep -----------------------------------------------------------------------------------

@@ -8,16 +8,17 @@ ranks 1..R-1 one ``RankActor`` each, in the replica's placement group.
     placement group (STRICT_PACK, one node)
     ┌ bundle 0 ───────────┐ ┌ bundle 1 ──────┐     ┌ bundle R-1 ────┐
     │ EngineServer replica│ │ RankActor      │ ... │ RankActor      │
-    │ rank 0: LeaderEngine│ │ rank 1         │     │ rank R-1       │
+    │ rank 0: LeaderEngine│ │ rank 1: worker │     │ rank R-1 worker│
     └─────────┬───────────┘ └───────┬────────┘     └───────┬────────┘
               └── process group: NCCL (GPU) / gloo (CPU), + a gloo control group ──┘
 
 Rank 0 stays in the replica's process, not in an actor of its own: the engine loop drives it
 as any ``Engine`` (add_request, abort, step, and between steps the scheduler, cache and
 tokenizer that checks and reports read), so an actor would have to proxy that whole surface
-and add a remote call to every step. What crosses processes is only what SPMD needs: each
-step's batch of calls, broadcast by rank 0 over the control group
-(``spin_cluster.parallel.serving``), which keeps the order of the calls the same on every rank.
+and add a remote call to every step. What crosses processes is only what the followers need to
+run rank 0's schedule: each step's plan (its cache calls and chunks), broadcast by rank 0 over
+the control group before its forward (``spin_cluster.parallel.serving``); a follower runs a
+``RankWorker``, which schedules and samples nothing.
 
 Ray owns the followers' processes. Each actor's ``serve`` call runs for the actor's whole
 life: it returns when rank 0 says "stop", and fails when the actor dies, so its ObjectRef
@@ -61,7 +62,7 @@ _KILL_WAIT_S = 2.0
 
 @ray.remote(max_restarts=0)
 class RankActor:
-    """One follower rank: ``start`` joins the group and builds the rank's engine, ``serve``
+    """One follower rank: ``start`` joins the group and builds the rank's worker, ``serve``
     runs until rank 0 says "stop" (or is gone). One call at a time, in order."""
 
     def __init__(self) -> None:
@@ -137,7 +138,7 @@ def start_head_parallel(
     R is ``placement.num_ranks``, or ``num_ranks`` without a placement (then every rank
     places the heads with ``default_placement``). Each rank uses the first GPU of its own
     process (Ray gives each bundle's actor its GPU); CPU followers take ``cpu_threads``
-    threads each (0: ``cpu_count // R``). ``admission_output_tokens``: every rank's
+    threads each (0: ``cpu_count // R``). ``admission_output_tokens``: rank 0's
     ``Engine`` keyword (tests pass 0 to force preemptions). On any failure the actors are ended
     and the process group is left before the error is raised."""
     if placement is not None:

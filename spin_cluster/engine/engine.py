@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from spin_cluster.config import SpinConfig
-from spin_cluster.engine.model_runner import ModelRunner
+from spin_cluster.engine.model_runner import ModelRunner, load_engine_model
 from spin_cluster.engine.request import (
     FinishReason,
     Request,
@@ -33,7 +33,7 @@ from spin_cluster.engine.detokenizer import Detokenizer
 from spin_cluster.engine.grammar import Grammars
 from spin_cluster.engine.logprobs import TokenLogprobs, raw_logprobs, token_logprobs
 from spin_cluster.kvcache.buffer_policy import DEFAULT_POLICY, BufferPolicy
-from spin_cluster.models import ModelConfig, cpu_linear, load_model, random_model
+from spin_cluster.models import cpu_linear
 from spin_cluster.tokenizer import Tokenizer
 
 
@@ -128,10 +128,7 @@ class Engine:
     # ---- construction hooks (a head-parallel rank shards the model and sizes its own cache) ----
 
     def _load_model(self, path: str, progress: bool) -> torch.nn.Module:
-        overrides = self.config.model.hf_overrides
-        if self.config.model.load_format == "dummy":
-            return random_model(ModelConfig.from_folder(path, overrides), self.dtype, self.device)
-        return load_model(path, dtype=self.dtype, device=self.device, progress=progress, overrides=overrides).eval()
+        return load_engine_model(self.config, path, self.dtype, self.device, progress)
 
     def _build_cache(self, decode_attention: str):
         """(kv manager, attention backend) for ``self.model``; runs after max_model_len is known."""

@@ -17,10 +17,12 @@ from itertools import repeat
 
 import torch
 
+from spin_cluster.config import SpinConfig
 from spin_cluster.engine.backend import AttentionBackend
 from spin_cluster.engine.cuda_graphs import DecodeGraphRunner
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.engine.step_threads import StepThreads
+from spin_cluster.models import ModelConfig, load_model, random_model
 
 
 @dataclass
@@ -44,6 +46,15 @@ def prompt_positions(chunk: ScheduledChunk) -> int:
     return max(0, min(chunk.start + chunk.num_tokens, len(chunk.request.prompt_token_ids) - 1) - chunk.start)
 
 
+def load_engine_model(config: SpinConfig, path: str, dtype: torch.dtype, device: torch.device,
+                      progress: bool) -> torch.nn.Module:
+    """The config's model from ``path``: its weights, or random ones (``model.load_format=dummy``)."""
+    overrides = config.model.hf_overrides
+    if config.model.load_format == "dummy":
+        return random_model(ModelConfig.from_folder(path, overrides), dtype, device)
+    return load_model(path, dtype=dtype, device=device, progress=progress, overrides=overrides).eval()
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attention: AttentionBackend, device: torch.device, *,
                  cuda_graph_max_batch: int = 0, progress: bool = False) -> None:
@@ -57,11 +68,14 @@ class ModelRunner:
         self.step_threads: StepThreads | None = None
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], input_ids_dev: torch.Tensor | None = None) -> StepLogits:
+    def execute(self, chunks: list[ScheduledChunk], input_ids_dev: torch.Tensor | None = None, *,
+                logits: bool = True) -> StepLogits:
         """Run one step: the logits of the sampled positions and of the scored prompt ones.
 
         input_ids_dev: [B] token ids already on the device for a decode-only batch (the last
-        step's argmax, in ``chunks``' order), which the host does not know yet."""
+        step's argmax, in ``chunks``' order), which the host does not know yet.
+        logits False: the forward only (its K/V written, its collectives run), nothing
+        returned: a head-parallel worker, whose rank 0 samples."""
         if input_ids_dev is not None and not all(c.is_decode for c in chunks):
             raise ValueError("device input ids are for decode-only batches")
         if self.step_threads is not None:
@@ -99,12 +113,16 @@ class ModelRunner:
             input_ids_t = input_ids_dev
         if self.graphs is not None and self.graphs.can_run(chunks):
             hidden = self.graphs.run(input_ids_t, positions_t, token_rows_t, chunks)  # [Bd, hidden]
+            if not logits:
+                return StepLogits(torch.empty(0, device=dev), [])
             return StepLogits(self.model.compute_logits(hidden), sampled)  # every decode request samples
         self.attention.begin_step(chunks, positions_t, token_rows_t)
         try:
             hidden = self.model(input_ids_t, positions_t, self.attention)  # [T, hidden]
         finally:
             self.attention.end_step()
+        if not logits:
+            return StepLogits(torch.empty(0, device=dev), [])
         prompt = []
         if scored_idx:
             rows = hidden[torch.tensor(scored_idx, dtype=torch.long).to(dev, non_blocking=True)]  # [M, hidden]

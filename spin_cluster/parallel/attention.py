@@ -175,8 +175,8 @@ class HeadParallelSpinAttention(_RankBackend, PlannedCapture):
     Padding columns get zero K/V and zero queries, and their output is dropped. With
     ``sparse.options.per_head_budgets`` their budget is 0 (they read only their sink and local
     pages); with a uniform budget they select like any head (wasted, bounded work). ``W`` is
-    the same on every rank, so every rank's cache has the same shape and capacity: all ranks
-    admit, preempt and evict alike, which SPMD needs. Selection is per KV head, so a head
+    the same on every rank, so every rank's cache has the same shape and capacity: rank 0's
+    cache calls (its step plans) fit every worker's cache. Selection is per KV head, so a head
     selects the same pages on any rank.
 
     Decode-only steps run in the wrapped backend's CUDA graphs (``SpinDecodeGraphs``), each

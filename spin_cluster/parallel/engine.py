@@ -1,23 +1,29 @@
-"""One rank of a head-parallel engine.
+"""Rank 0 of a head-parallel engine, and what every rank builds alike.
 
-SPMD: every rank runs this engine on the same requests in the same order. The scheduler's
-decisions depend only on token counts and on the cache's capacity in token pages, which is
-made equal on every rank (the smallest rank's); the logits are identical on every rank
-because the attention output is all-reduced before anything else reads it. So every rank
-schedules, samples (greedy, or seeded: the same generators) and stops identically, and
-collectives always line up.
+Only rank 0 schedules, as in vLLM's scheduler/worker split. ``HeadParallelEngine`` is an
+``Engine`` whose model holds only the attention heads a ``HeadPlacement`` gives rank 0 and
+one block of the MLP's intermediate features, and whose cache holds only those heads' pages.
+Before each forward it sends the workers (ranks 1..R-1, ``spin_cluster.parallel.worker``) a
+``StepPlan``: what its scheduler did to the cache since the last one (pages allocated,
+committed, freed, in order) and the step's chunks with their token ids. A worker applies the
+calls to its own cache (of the same capacity in token pages) and runs the same forward over
+its own heads; the attention's output projection and the MLP's down projection are summed
+across ranks inside it, so the logits are whole on every rank, and only rank 0 computes them
+and samples. A worker has no scheduler, sampler, tokenizer or grammar, and nothing it does
+depends on deciding alike: it cannot drift from rank 0's schedule.
 
-    import torch
-import torch.distributed as dist
-    dist.init_process_group("gloo", ...)              # or use launch_generate()
-    engine = HeadParallelEngine(cfg, placement)       # placement: HeadPlacement or None
+    # every rank: torch.distributed's group, and a gloo group for the plans (launch_generate,
+    # start_leader and FollowerRank do this)
+    engine = HeadParallelEngine(cfg, placement, control_group=control)   # rank 0
     outs = engine.generate(prompts, SamplingParams(temperature=0))
+    engine.stop_workers()
+    RankWorker(cfg, placement).serve(control)                           # ranks 1..R-1
 
-Supported: the GPU-only paged cache with dense attention, and the offloaded Spin cache with
-sparse Select per KV head (``HeadParallelSpinAttention``: uneven heads per layer padded to one
-width); dense prefill. Seer (a gate with weights per global head), top-p Select (a layer's
-heads share a budget) and block-sparse prefill are refused with a ValueError for now
-(``SpinConfig.head_parallel_refusal``).
+One rank (R = 1) needs no control group. Supported: the GPU-only paged cache with dense
+attention, and the offloaded Spin cache with sparse Select per KV head
+(``HeadParallelSpinAttention``: uneven heads per layer padded to one width); dense prefill.
+Seer (a gate with weights per global head), top-p Select (a layer's heads share a budget) and
+block-sparse prefill are refused with a ValueError for now (``SpinConfig.head_parallel_refusal``).
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ import torch.distributed as dist
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.cache_builder import build_cache, cache_kind
 from spin_cluster.engine.engine import Engine
-from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS
+from spin_cluster.engine.model_runner import ModelRunner, load_engine_model
+from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS, ScheduledChunk
 from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.hplb.plan import plan_heads
 from spin_cluster.kvcache.buffer_policy import DEFAULT_POLICY, BufferPolicy
 from spin_cluster.models import ModelConfig
 from spin_cluster.parallel.attention import RANK_BACKENDS
+from spin_cluster.parallel.plan import STOP, RecordedKV, StepPlan
 from spin_cluster.parallel.shard import shard_attention, shard_mlp
 from spin_cluster.parallel.timing import bubble_seconds
 from spin_cluster.sparse.budget import plan_config
@@ -62,14 +70,71 @@ def check_placement(p: HeadPlacement, mc: ModelConfig) -> None:
         raise ValueError(f"the placement gives ranks {idle} no KV head in any layer; use fewer ranks")
 
 
-class HeadParallelEngine(Engine):
-    """This process's rank of a head-parallel engine; ``placement`` None places the heads
-    with ``default_placement`` (the same on every rank: it depends only on the config).
-    ``admission_output_tokens`` is the ``Engine``'s, and must be the same on every rank (the
-    ranks schedule alike): ``launch_generate`` and ``RankSpec`` carry it to theirs."""
+def check_rank(config: SpinConfig, placement: HeadPlacement | None, group=None) -> tuple[int, int]:
+    """(this process's rank, the number of ranks) in ``group``; raises ``ValueError`` where
+    head-parallel ranks cannot run ``config`` or ``placement`` (before any weight loads)."""
+    if not dist.is_initialized():
+        raise ValueError(
+            "head-parallel ranks need torch.distributed initialised (one process per rank); "
+            "use spin_cluster.parallel.launch_generate or init_process_group first"
+        )
+    refusal = config.head_parallel_refusal()
+    if refusal is not None:
+        raise ValueError(refusal)
+    num_ranks = dist.get_world_size(group)
+    if placement is not None and placement.num_ranks != num_ranks:
+        raise ValueError(f"the placement is for {placement.num_ranks} ranks, the process group has {num_ranks}")
+    return dist.get_rank(group), num_ranks
 
-    # Every rank steps the same schedule in lockstep (collectives inside each step): no
-    # step is launched ahead of the host.
+
+def load_rank_model(config: SpinConfig, placement: HeadPlacement | None, rank: int, num_ranks: int,
+                    dtype: torch.dtype, device: torch.device, progress: bool, group=None):
+    """(rank ``rank``'s shard of the config's model, the placement): ``placement`` None places
+    the heads with ``default_placement`` (the same on every rank: it depends only on the config)."""
+    model = load_engine_model(config, config.model.resolved_path(), dtype, device, progress)
+    mc = model.config
+    placement = placement or default_placement(config, mc, num_ranks)
+    check_placement(placement, mc)
+    shard_attention(model, placement.kv_heads_of(rank), group)
+    return shard_mlp(model, rank, num_ranks, group), placement
+
+
+def build_rank_cache(config: SpinConfig, mc: ModelConfig, placement: HeadPlacement, rank: int, dtype: torch.dtype,
+                     device: torch.device, max_model_len: int, decode_attention: str, buffer_policy: BufferPolicy,
+                     group=None):
+    """(kv manager, attention backend) of rank ``rank``: the cache kind's rank wrapper sizes
+    the rank's cache (the same capacity on every rank: a collective), the builder builds it
+    and its backend, and the wrapper wraps that backend."""
+    kind = cache_kind(config, mc)
+    if kind not in RANK_BACKENDS:
+        raise ValueError(f"head-parallel ranks cannot run the {kind} cache (sliding-window layers on the "
+                         "offloaded cache) for now: run one rank, or set cache.kind=paged")
+    rank_backend = RANK_BACKENDS[kind]
+    rank_config, rank_mc = rank_backend.rank_cache(config, mc, placement, rank, dtype, device, max_model_len, group)
+    kv, inner = build_cache(rank_config, rank_mc, dtype, device, max_model_len, decode_attention, buffer_policy)
+    return kv, rank_backend.over(inner, placement.kv_heads_of(rank), mc, group)
+
+
+def release_cuda_graphs(runner: ModelRunner, device: torch.device) -> None:
+    """Free a rank's decode CUDA graphs (they are captured again if it steps on). A graph that
+    captured NCCL all-reduces holds resources of the communicator, so a rank calls this before
+    ``dist.destroy_process_group``, which otherwise may hang (PyTorch issue 115388; on four
+    H200s, two ranks whose graphs were still alive reported their results and then never
+    exited)."""
+    if runner.graphs is not None:
+        runner.graphs.release()
+        gc.collect()  # the CUDAGraph objects go now, not at some later collection
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+class HeadParallelEngine(Engine):
+    """Rank 0 of a head-parallel engine, driven as an ``Engine``: it schedules, samples and
+    sends each step's plan to ranks 1..R-1 over ``control_group`` (gloo, every rank; None
+    with one rank). ``placement`` None places the heads with ``default_placement``."""
+
+    # Rank 0 steps in lockstep with its workers (collectives inside each step): no step is
+    # launched ahead of the host.
     supports_async_decode = False
     # A rank's shards of o_proj and down_proj sum K-slices of the whole GEMM: through MKL they
     # round as one rank's GEMM does (the same tokens at any rank count); prepacked for oneDNN,
@@ -81,6 +146,7 @@ class HeadParallelEngine(Engine):
         config: SpinConfig | None = None,
         placement: HeadPlacement | None = None,
         *,
+        control_group=None,
         group=None,
         decode_attention: str = "auto",
         progress: bool = True,
@@ -88,63 +154,53 @@ class HeadParallelEngine(Engine):
         admission_output_tokens: int = ADMISSION_OUTPUT_TOKENS,
     ) -> None:
         config = config or SpinConfig()
-        if not dist.is_initialized():
-            raise ValueError(
-                "HeadParallelEngine needs torch.distributed initialised (one process per rank); "
-                "use spin_cluster.parallel.launch_generate or init_process_group first"
-            )
-        refusal = config.head_parallel_refusal()
-        if refusal is not None:
-            raise ValueError(refusal)
+        self.rank, self.num_ranks = check_rank(config, placement, group)
+        if self.rank != 0:
+            raise ValueError(f"HeadParallelEngine is rank 0's; rank {self.rank} runs a "
+                             "spin_cluster.parallel.worker.RankWorker")
+        if self.num_ranks > 1 and control_group is None:
+            raise ValueError(f"rank 0 of {self.num_ranks} ranks sends its plans over a control_group "
+                             "(a gloo group of every rank); launch_generate and start_leader make one")
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
-        if placement is not None and placement.num_ranks != self.num_ranks:
-            raise ValueError(f"the placement is for {placement.num_ranks} ranks, the process group has {self.num_ranks}")
         self.placement = placement
+        self._control = control_group
         self._rank_s_total = [0.0] * self.num_ranks
         self._bubble_s_total = 0.0
+        self.num_plans_sent = 0
         super().__init__(config, decode_attention=decode_attention, progress=progress, buffer_policy=buffer_policy,
                          admission_output_tokens=admission_output_tokens)
+        # The scheduler's calls that change the cache are recorded for the workers' caches.
+        self.scheduler.kv = self._recorded = RecordedKV(self.kv)
 
     def _load_model(self, path: str, progress: bool):
-        model = super()._load_model(path, progress and self.rank == 0)
-        mc = model.config
-        if self.placement is None:
-            self.placement = default_placement(self.config, mc, self.num_ranks)
-        check_placement(self.placement, mc)
-        p = self.placement
-        self.kv_heads = p.kv_heads_of(self.rank)  # [L] this rank's KV heads
-        shard_attention(model, self.kv_heads, self.group)
-        return shard_mlp(model, self.rank, self.num_ranks, self.group)
+        model, self.placement = load_rank_model(self.config, self.placement, self.rank, self.num_ranks, self.dtype,
+                                                self.device, progress, self.group)
+        self.kv_heads = self.placement.kv_heads_of(self.rank)  # [L] this rank's KV heads
+        return model
 
     def _build_cache(self, decode_attention: str):
-        """The cache kind's rank wrapper sizes this rank's cache (the same capacity on every
-        rank), the builder builds it and its backend, and the wrapper wraps that backend."""
-        kind = cache_kind(self.config, self.model.config)
-        if kind not in RANK_BACKENDS:
-            raise ValueError(f"head-parallel ranks cannot run the {kind} cache (sliding-window layers on the "
-                             "offloaded cache) for now: run one rank, or set cache.kind=paged")
-        rank_backend = RANK_BACKENDS[kind]
-        config, rank_mc = rank_backend.rank_cache(self.config, self.model.config, self.placement, self.rank,
-                                                  self.dtype, self.device, self.max_model_len, self.group)
-        kv, inner = build_cache(config, rank_mc, self.dtype, self.device, self.max_model_len, decode_attention,
-                                self.buffer_policy)
-        self.attention = rank_backend.over(inner, self.kv_heads, self.model.config, self.group)
+        kv, self.attention = build_rank_cache(self.config, self.model.config, self.placement, self.rank, self.dtype,
+                                              self.device, self.max_model_len, decode_attention, self.buffer_policy,
+                                              self.group)
         return kv, self.attention
 
+    def _run(self, chunks: list[ScheduledChunk], num_tokens: int, t0: float, num_preempted: int):
+        """Rank 0's step, once the workers have this step's plan."""
+        if chunks and self._control is not None:
+            plan = StepPlan.of(self._recorded.take(), chunks)
+            dist.broadcast_object_list([plan], src=0, group=self._control)
+            self.num_plans_sent += 1
+        return super()._run(chunks, num_tokens, t0, num_preempted)
+
+    def stop_workers(self) -> None:
+        """Tell the workers to leave their ``serve`` loop (from the thread that steps, or once
+        it has stopped: the control group is not shared between threads)."""
+        if self._control is not None:
+            dist.broadcast_object_list([STOP], src=0, group=self._control)
+
     def release_cuda_graphs(self) -> None:
-        """Free the decode CUDA graphs (they are captured again if the engine steps on). A
-        graph that captured NCCL all-reduces holds resources of the communicator, so a rank
-        calls this before ``dist.destroy_process_group``, which otherwise may hang (PyTorch
-        issue 115388; on four H200s, two ranks whose graphs were still alive reported their
-        results and then never exited)."""
-        graphs = self.runner.graphs
-        if graphs is not None:
-            graphs.release()
-            gc.collect()  # the CUDAGraph objects go now, not at some later collection
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+        """``release_cuda_graphs`` of this rank: before it leaves the process group."""
+        release_cuda_graphs(self.runner, self.device)
 
     def _cache_stats(self, counters: list[int] | None = None) -> dict:
         stats = super()._cache_stats(counters)

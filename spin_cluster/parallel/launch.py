@@ -5,13 +5,16 @@
     result.outputs[0].text, result.attention_rank_s, result.bubble_ratio
 
 Each rank is a process (torch.distributed.elastic's ``start_processes``, spawn) joined into
-one process group on 127.0.0.1: NCCL with one GPU per rank when the model runs on CUDA, gloo on the CPU. As with
+one process group on 127.0.0.1: NCCL with one GPU per rank when the model runs on CUDA, gloo on the CPU. Rank 0
+runs the engine (``HeadParallelEngine``: it schedules and samples), ranks 1..R-1 the workers
+that run its plans (``RankWorker``), as a served engine's ranks do (``run_rank``). As with
 any spawn start, a script must call it under ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import os
 import queue as queue_mod
@@ -19,8 +22,9 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +39,7 @@ from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS
 from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.parallel.engine import HeadParallelEngine
 from spin_cluster.parallel.group import backend_for, free_port
+from spin_cluster.parallel.worker import RankWorker
 
 _POLL_S = 0.5
 _EXIT_GRACE_S = 60.0
@@ -55,7 +60,7 @@ class ParallelResult:
     placement: HeadPlacement
     attention_rank_s: tuple[float, ...]  # [R] attention seconds of each rank, whole run
     attention_bubble_s: float  # summed over steps and layers: slowest rank minus mean rank
-    num_preemptions: int  # the same on every rank: they schedule alike
+    num_preemptions: int  # rank 0's: only it schedules
     graph_replays: int = 0  # rank 0's decode steps that replayed a CUDA graph
 
     @property
@@ -74,8 +79,9 @@ def launch_generate(
     placement: HeadPlacement | None = None,
     admission_output_tokens: int = ADMISSION_OUTPUT_TOKENS,
 ) -> ParallelResult:
-    """Run ``HeadParallelEngine.generate`` on ``num_ranks`` local processes, each rank's engine
-    built from ``config``, ``placement`` and ``admission_output_tokens`` (``Engine``'s)."""
+    """Run ``HeadParallelEngine.generate`` on ``num_ranks`` local processes: rank 0's engine
+    built from ``config``, ``placement`` and ``admission_output_tokens`` (``Engine``'s), the
+    other ranks' workers from ``config`` and ``placement``."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks={num_ranks}: must be >= 1")
     if placement is not None and placement.num_ranks != num_ranks:
@@ -83,11 +89,12 @@ def launch_generate(
     device = resolve_device(config.model.device)
     if device.type == "cuda" and torch.cuda.device_count() < num_ranks:
         raise ValueError(f"{num_ranks} ranks need {num_ranks} GPUs, this machine has {torch.cuda.device_count()}")
-    args = (num_ranks, free_port(), device.type, config, list(prompts), params, placement, admission_output_tokens)
-    reports = run_ranks(_rank_main, args, num_ranks)
-    outputs, used_placement, rank_s, bubble_s, num_preemptions, replays = reports[0]
-    if any(report[-2] != num_preemptions for report in reports.values()):
-        raise RuntimeError(f"ranks disagree on preemptions: {[reports[r][-2] for r in range(num_ranks)]}")
+    lead = functools.partial(_generate, list(prompts), params)
+    args = (num_ranks, free_port(), device.type, config, placement, lead, admission_output_tokens)
+    reports = run_ranks(run_rank, args, num_ranks)
+    outputs, used_placement, rank_s, bubble_s, num_preemptions, replays, num_plans = reports[0]
+    if any(reports[r] != num_plans for r in range(1, num_ranks)):
+        raise RuntimeError(f"rank 0 sent {num_plans} plans, its workers ran {[reports[r] for r in range(1, num_ranks)]}")
     rank_s = tuple(rank_s[str(r)] for r in range(num_ranks))
     return ParallelResult(outputs, used_placement, rank_s, bubble_s, num_preemptions, replays)
 
@@ -222,27 +229,44 @@ def join_group(rank: int, num_ranks: int, port: int, device_type: str, config: S
     return config
 
 
-def leave_group(engine: HeadParallelEngine | None) -> None:
-    """A rank process's end: the engine's CUDA graphs first (they hold NCCL resources), then
-    the process group."""
+def leave_group(engine: HeadParallelEngine | RankWorker | None) -> None:
+    """A rank process's end: its engine's or worker's CUDA graphs first (they hold NCCL
+    resources), then the process group."""
     if engine is not None:
         engine.release_cuda_graphs()
     dist.destroy_process_group()
 
 
-def _rank_main(rank, num_ranks, port, device_type, config, prompts, params, placement, admission_output_tokens,
-               results) -> None:
+def run_rank(rank: int, num_ranks: int, port: int, device_type: str, config: SpinConfig,
+             placement: HeadPlacement | None, lead: Callable[[HeadParallelEngine], Any],
+             admission_output_tokens: int, results) -> None:
+    """A rank process of ``run_ranks``, whole: it joins the group and a gloo control group;
+    rank 0 builds the engine, puts ``(0, lead(engine))`` on ``results`` and tells the workers
+    to stop; ranks 1..R-1 build a ``RankWorker`` and put ``(rank, plans run)`` once stopped.
+    Then each leaves the group. ``lead`` must pickle (a module-level function, or a partial
+    of one)."""
     config = join_group(rank, num_ranks, port, device_type, config)
-    engine = None
+    control = dist.new_group(backend="gloo") if num_ranks > 1 else None
+    node = None
     try:
-        engine = HeadParallelEngine(config, placement, progress=False, admission_output_tokens=admission_output_tokens)
-        outputs = engine.generate(prompts, params)
-        st = engine.last_stats
-        report = (
-            outputs if rank == 0 else None, engine.placement,
-            st.attention_rank_s_total, st.attention_bubble_s_total, engine.num_preemptions_total,
-            engine.runner.graphs.replays if engine.runner.graphs is not None else 0,
-        )
+        if rank == 0:
+            node = HeadParallelEngine(config, placement, control_group=control, progress=False,
+                                      admission_output_tokens=admission_output_tokens)
+            report = lead(node)
+            node.stop_workers()
+        else:
+            node = RankWorker(config, placement)
+            node.serve(control)
+            report = node.num_plans_run
         results.put((rank, report))
     finally:
-        leave_group(engine)
+        leave_group(node)
+
+
+def _generate(prompts, params, engine: HeadParallelEngine) -> tuple:
+    """``launch_generate``'s lead: the outputs and what ``ParallelResult`` reports."""
+    outputs = engine.generate(prompts, params)
+    st = engine.last_stats
+    return (outputs, engine.placement, st.attention_rank_s_total, st.attention_bubble_s_total,
+            engine.num_preemptions_total, engine.runner.graphs.replays if engine.runner.graphs is not None else 0,
+            engine.num_plans_sent)

@@ -5,8 +5,8 @@ serving process, ranks 1..R-1 (``FollowerRank``) in processes the server starts.
     spec = RankSpec(config, placement, num_ranks, store.port)  # goes to every rank
     # the server starts each follower r >= 1:   FollowerRank(spec, r).serve()
     engine = start_leader(spec, store, followers)              # rank 0 here
-    rid = engine.add_request(token_ids, params)                # checked here, queued for the followers
-    outputs = engine.step()                                    # queued calls + "step" go out, then rank 0 steps
+    rid = engine.add_request(token_ids, params)                # checked and queued here only
+    outputs = engine.step()                                    # rank 0 schedules, the plan goes out, all step
     engine.dead_followers()                                    # {rank: how it ended}, from ``followers``
     engine.shutdown()                                          # "stop", then ``followers.stop``
 
@@ -14,23 +14,16 @@ This module starts no process: the server does (``spin_cluster.deployments.head_
 runs each follower as a Ray actor) and hands rank 0 a ``FollowerRanks``, through which rank 0
 asks which followers have ended and stops them.
 
-``HeadParallelEngine`` is SPMD: every rank must see the same ``add_request`` / ``abort`` /
-``step`` calls in the same order. A server drives one engine object (the engine loop's
-thread calls it), so that object is rank 0, the ``LeaderEngine``; it keeps the ``Engine``
-API and forwards every call that changes scheduler state. ``generate``, ``stream`` and
-``chat`` go through those three, and nothing else changes it. The calls are batched per step
-and sent with ``broadcast_object_list`` over a gloo control group::
+Only rank 0 schedules. A server drives one engine object (the engine loop's thread calls
+it), rank 0's ``LeaderEngine``: a ``HeadParallelEngine`` with the ``Engine`` API, which sends
+each step's plan (its cache calls and chunks, ``spin_cluster.parallel.plan``) to the
+followers over a gloo control group before its forward; each follower's ``RankWorker`` runs
+it. Requests, aborts, tokenizing, sampling and stop strings stay on rank 0; a refused
+request never reaches a follower::
 
-    rank 0:    add(a) add(b) abort(c) step
-                 ──[("add", "a", ids, params, None), ("add", "b", ...), ("abort", "c"), ("step",)]──▶
-    followers: apply them in order, then step: the same scheduling, hence the same collectives
-
-Adds and aborts change only host-side state (queues, page tables), so a follower may apply
-them just before the next step: every rank's step starts from the same state. An abort is
-forwarded only when it did something on rank 0; on a follower the same request is in the
-same state, so the abort would be a no-op there as well. Followers receive token ids (rank 0
-tokenizes and validates; a refused request never reaches them) and the request id rank 0
-chose, so ids, seeds and sampling line up.
+    rank 0:    add(a) add(b) abort(c) step: schedule, then
+                 ──StepPlan(ops=[("free", "c"), ("allocate", "a", 8, 1, ()), ...], chunks=[...])──▶
+    followers: the cache calls, then the forward: the same collectives
 
 Rendezvous. Rank 0 hosts the TCPStore on a port the OS picks (no free-port race); every rank
 joins the process group through it (NCCL on GPU, gloo on CPU; ``timeout_s`` bounds every
@@ -42,7 +35,9 @@ closes.
 Failures. A follower that dies makes rank 0's next broadcast or all-reduce raise, so the step
 fails, and ``dead_followers`` names it (the engine server's health check). ``shutdown`` sends
 "stop" (a follower's ``serve`` then leaves the group and returns ``EXIT_STOPPED``) and has
-``followers.stop`` end what is left.
+``followers.stop`` end what is left. Rank 0 is the one supervisor of its followers: it starts
+them (through the server's ``FollowerRanks``), gives them every step, asks after them and
+ends them.
 """
 
 from __future__ import annotations
@@ -51,7 +46,6 @@ import logging
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -60,11 +54,17 @@ import torch.distributed as dist
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.engine.engine import resolve_device
-from spin_cluster.engine.request import RequestOutput, SamplingParams
+from spin_cluster.engine.request import RequestOutput
 from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS
 from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.parallel.engine import HeadParallelEngine
 from spin_cluster.parallel.group import backend_for
+from spin_cluster.parallel.worker import (
+    EXIT_LEADER_GONE,
+    EXIT_STOPPED,
+    RankWorker,
+    first_line,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +74,7 @@ DEFAULT_TIMEOUT_S = 120.0
 _CONTROL_TIMEOUT = timedelta(days=365)
 STORE_HOST = "127.0.0.1"  # every rank of one engine runs on one node
 
-# What a follower's ``serve`` returns: told to stop, or rank 0 gone.
-EXIT_STOPPED = 0
-EXIT_LEADER_GONE = 3
-
-_STEP = ("step",)
-_STOP = ("stop",)
+__all__ = ["EXIT_LEADER_GONE", "EXIT_STOPPED"]  # (a follower's ``serve`` codes, re-exported)
 
 
 @dataclass(frozen=True)
@@ -93,7 +88,7 @@ class RankSpec:
     timeout_s: float = DEFAULT_TIMEOUT_S  # seconds a collective or the start may wait, > 0
     cpu_threads: int = 0  # a CPU follower's torch threads; 0: cpu_count // R
     gpu_index: int = 0  # the CUDA device of each rank in its own process (one GPU per process)
-    # Every rank's Engine(admission_output_tokens=...): the ranks must schedule alike.
+    # Rank 0's Engine(admission_output_tokens=...): the followers do not schedule.
     admission_output_tokens: int = ADMISSION_OUTPUT_TOKENS
 
 
@@ -117,8 +112,9 @@ class FollowerRanks(ABC):
 
 
 class LeaderEngine(HeadParallelEngine):
-    """Rank 0 of a head-parallel engine, driven like an ``Engine``; forwards the calls that
-    change scheduler state to the other ranks over ``control_group`` (all ranks, gloo).
+    """Rank 0 of a served head-parallel engine, driven like an ``Engine``, with the followers
+    the server started: it sends them each step over ``control_group`` (all ranks, gloo),
+    asks after them and stops them.
 
     ``start_leader`` builds one with its followers; built directly (no ``followers``), the
     caller runs the other ranks and owns the process group."""
@@ -135,42 +131,17 @@ class LeaderEngine(HeadParallelEngine):
         progress: bool = True,
         admission_output_tokens: int = ADMISSION_OUTPUT_TOKENS,
     ) -> None:
-        if dist.is_initialized() and dist.get_rank(group) != 0:
-            raise ValueError(f"the leader is rank 0, this process is rank {dist.get_rank(group)}")
-        self._control = control_group
-        self._pending: list[tuple] = []  # calls since the last step, in order
         self._followers = followers
         self._owns_process_group = False
         self._store = None  # the rendezvous store, kept alive with the group
         self._stopped = False
-        super().__init__(config, placement, group=group, decode_attention=decode_attention, progress=progress,
+        super().__init__(config, placement, control_group=control_group, group=group,
+                         decode_attention=decode_attention, progress=progress,
                          admission_output_tokens=admission_output_tokens)
-
-    # ---- the Engine calls that change scheduler state -----------------------------------
-
-    def add_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        prefill_after: str | None = None,
-    ) -> str:
-        request_id = super().add_request(prompt, params, request_id, prefill_after)  # raises before anything is queued
-        req = self._requests[request_id]
-        self._pending.append(("add", request_id, list(req.prompt_token_ids), req.params, prefill_after))
-        return request_id
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        out = super().abort(request_id)
-        if out is not None:  # a no-op here is a no-op on every rank: nothing to forward
-            self._pending.append(("abort", request_id))
-        return out
 
     def step(self) -> list[RequestOutput]:
         if self._stopped:
             raise RuntimeError("the head-parallel engine has been shut down")
-        dist.broadcast_object_list([[*self._pending, _STEP]], src=0, group=self._control)
-        self._pending = []
         return super().step()
 
     # ---- followers ------------------------------------------------------------------------
@@ -199,9 +170,7 @@ class LeaderEngine(HeadParallelEngine):
         self._stopped = True
         try:
             if graceful and self.followers_alive():
-                _call_with_deadline(
-                    lambda: dist.broadcast_object_list([[_STOP]], src=0, group=self._control), timeout_s
-                )
+                _call_with_deadline(self.stop_workers, timeout_s)
             if self._followers is not None:
                 self._followers.stop(timeout_s)
         finally:
@@ -261,8 +230,8 @@ def start_leader(
 
 class FollowerRank:
     """Rank ``rank`` >= 1 of a served engine, in its own process: built, it has joined the
-    group and built its engine (as rank 0 builds its own); ``serve`` then applies rank 0's
-    calls until "stop" or until rank 0 is gone."""
+    group and built its ``RankWorker`` (as rank 0 builds its engine); ``serve`` then runs rank
+    0's plans until "stop" or until rank 0 is gone."""
 
     def __init__(self, spec: RankSpec, rank: int) -> None:
         if not 1 <= rank < spec.num_ranks:
@@ -274,41 +243,15 @@ class FollowerRank:
         store = dist.TCPStore(STORE_HOST, spec.store_port, spec.num_ranks, is_master=False,
                               timeout=timedelta(seconds=spec.timeout_s))
         self._control = _join_group(spec, rank, store)
-        self.engine = HeadParallelEngine(config, spec.placement, progress=False,
-                                         admission_output_tokens=spec.admission_output_tokens)
+        self.worker = RankWorker(config, spec.placement)
 
     def serve(self) -> int:
-        """EXIT_STOPPED (the group left) or EXIT_LEADER_GONE; an error in a call raises."""
-        code = run_follower(self.engine, self._control)
+        """EXIT_STOPPED (the group left) or EXIT_LEADER_GONE; an error in a plan raises."""
+        code = self.worker.serve(self._control)
         if code == EXIT_STOPPED:
-            self.engine.release_cuda_graphs()
+            self.worker.release_cuda_graphs()
             dist.destroy_process_group()
         return code
-
-
-def run_follower(engine: HeadParallelEngine, control_group) -> int:
-    """Apply rank 0's calls to ``engine`` in order until "stop" (EXIT_STOPPED) or until rank
-    0 is gone (EXIT_LEADER_GONE: the control broadcast failed)."""
-    while True:
-        box: list = [None]
-        try:
-            dist.broadcast_object_list(box, src=0, group=control_group)
-        except Exception as e:  # the connection to rank 0 closed: it exited or was killed
-            logger.warning("rank %d: rank 0 is gone (%s); exiting", engine.rank, _first_line(e))
-            return EXIT_LEADER_GONE
-        for command in box[0]:
-            kind = command[0]
-            if kind == "add":
-                _, request_id, token_ids, params, prefill_after = command
-                engine.add_request(token_ids, params, request_id=request_id, prefill_after=prefill_after)
-            elif kind == "abort":
-                engine.abort(command[1])
-            elif kind == "step":
-                engine.step()
-            elif kind == "stop":
-                return EXIT_STOPPED
-            else:
-                raise ValueError(f"unknown command {kind!r} from rank 0")
 
 
 # ---- helpers --------------------------------------------------------------------------------
@@ -343,12 +286,8 @@ def _call_with_deadline(fn, timeout_s: float) -> None:
         try:
             fn()
         except Exception as e:
-            logger.warning("could not tell the followers to stop: %s", _first_line(e))
+            logger.warning("could not tell the followers to stop: %s", first_line(e))
 
     thread = threading.Thread(target=run, name="head-parallel-stop", daemon=True)
     thread.start()
     thread.join(timeout_s)
-
-
-def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

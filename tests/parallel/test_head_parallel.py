@@ -13,6 +13,7 @@ from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.models import ModelConfig, load_model
 from spin_cluster.parallel import (
     HeadParallelEngine,
+    RankWorker,
     bubble_ratio,
     bubble_seconds,
     default_placement,
@@ -210,8 +211,10 @@ def test_default_placement_follows_per_head_budgets(four_kv_head_llama):
 
 def test_unsupported_combinations_raise(four_kv_head_llama):
     cfg = _config(four_kv_head_llama)
-    with pytest.raises(ValueError, match="needs torch.distributed initialised"):
+    with pytest.raises(ValueError, match="need torch.distributed initialised"):
         HeadParallelEngine(cfg)
+    with pytest.raises(ValueError, match="need torch.distributed initialised"):
+        RankWorker(cfg)
     with pytest.raises(ValueError, match="placement is for 3 ranks"):
         launch_generate(cfg, PROMPTS, num_ranks=2, placement=HeadPlacement(3, INTERLEAVED, [[1] * 4] * 3))
 
@@ -227,6 +230,8 @@ def test_one_rank_refuses_what_it_does_not_support(four_kv_head_llama, one_rank_
         HeadParallelEngine(cfg.replace(sparse={"prefill": {"algorithm": "block"}}))
     with pytest.raises(ValueError, match=r"the placement is \[1\]\[2\].*the model has \[3\]\[4\]"):
         HeadParallelEngine(cfg, HeadPlacement(1, [[0, 0]], [[1, 1]]), progress=False)
+    with pytest.raises(ValueError, match="rank 0 schedules: it runs a HeadParallelEngine"):
+        RankWorker(cfg)  # (the only rank is rank 0)
 
 
 @pytest.mark.gpu
@@ -389,24 +394,33 @@ def test_run_ranks_raises_a_failed_ranks_error_with_its_rank_and_exit_code():
 
 
 def _static_path_rank(rank, world, port, cfg, prompts, params, placement, results):
-    """A gloo rank whose decode steps take the path SpinDecodeGraphs captures on the GPU."""
+    """A gloo rank (rank 0's engine or a worker) whose decode steps take the path
+    SpinDecodeGraphs captures on the GPU."""
     from spin_cluster.engine.cuda_graphs import SpinDecodeGraphs
     from spin_cluster.parallel.launch import join_group, leave_group
 
     cfg = join_group(rank, world, port, "cpu", cfg)
-    engine = None
+    control = dist.new_group(backend="gloo")
+    node = None
     try:
-        engine = HeadParallelEngine(cfg, placement, progress=False)
-        static = SpinDecodeGraphs(engine.model, engine.attention, max_batch=4, capture=False)
-        engine.runner.graphs = static
+        node = (HeadParallelEngine(cfg, placement, control_group=control, progress=False) if rank == 0
+                else RankWorker(cfg, placement))
+        static = SpinDecodeGraphs(node.model, node.attention, max_batch=4, capture=False)
+        node.runner.graphs = static
         steps = []
         forward = static._forward
         static._forward = lambda B, P: steps.append(B) or forward(B, P)
-        outs = engine.generate(prompts, params)
-        engine.check_integrity()
-        results.put((rank, ([o.token_ids for o in outs], len(steps), engine.last_stats.attention_rank_s_total)))
+        if rank == 0:
+            tokens = [o.token_ids for o in node.generate(prompts, params)]
+            rank_s, plans = node.last_stats.attention_rank_s_total, node.num_plans_sent
+            node.stop_workers()
+        else:
+            node.serve(control)
+            tokens, rank_s, plans = None, None, node.num_plans_run
+        node.check_integrity()
+        results.put((rank, (tokens, len(steps), rank_s, plans)))
     finally:
-        leave_group(engine)
+        leave_group(node)
 
 
 def test_two_gloo_ranks_on_the_static_decode_path_give_the_tokens_of_one(four_kv_head_llama):
@@ -421,7 +435,8 @@ def test_two_gloo_ranks_on_the_static_decode_path_give_the_tokens_of_one(four_kv
     expected = [o.token_ids for o in Engine(cfg, progress=False).generate(prompts, params)]
     placement = HeadPlacement(2, INTERLEAVED, [[1] * 4] * 3)
     reports = run_ranks(_static_path_rank, (2, free_port(), cfg, prompts, params, placement), 2, timeout_s=240)
-    for tokens, static_steps, rank_s in reports.values():
-        assert tokens == expected
-        assert static_steps >= 9
-        assert all(s > 0 for s in rank_s.values())
+    tokens, static_steps, rank_s, plans = reports[0]
+    assert tokens == expected
+    assert all(s > 0 for s in rank_s.values())
+    assert static_steps >= 9 and reports[1][1] == static_steps  # the worker ran rank 0's static steps
+    assert reports[1][3] == plans
