@@ -112,7 +112,7 @@ _HOST_LABEL = "host:"  # the prefix of the labelled host regions' profiler event
 # Host regions a mixed step's GPU idle time is charged to: (object path from the engine, method).
 _LABELS = (("scheduler", "schedule"), ("kv", "allocate"), ("kv", "spill"), ("runner", "execute"),
            ("runner.attention", "begin_step"), ("runner.attention", "end_step"), ("sampler", "sample"),
-           ("", "_stats"), ("", "_append_token"))
+           ("", "_stats"), ("output_processor", "append_token"))
 
 
 class labelled:

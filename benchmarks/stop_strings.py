@@ -4,11 +4,11 @@ stop-string check (CPU, no model run).
     python benchmarks/stop_strings.py [--model DIR] [--tokens 4096] [--repeats 3] [--out r.json]
 
 One request with two stop strings that never occur; the tokens of real text (Python's own
-documentation strings, with a line of multi-byte characters between modules) are fed to
-``Engine._append_token`` one at a time, as sampling would. Per bin of 512 output positions:
-the median time per token over the repeats, for the whole ``_append_token`` and for the text
-bookkeeping alone (``Detokenizer.add`` and ``visible_text``: decoding and the stop-string
-search). Flat bins mean the cost per token does not grow with the output's length.
+documentation strings, with a line of multi-byte characters between modules) are fed to the
+engine's ``OutputProcessor.append_token`` one at a time, as sampling would. Per bin of 512
+output positions: the median time per token over the repeats, for the whole ``append_token``
+and for the text bookkeeping alone (``Detokenizer.add`` and ``visible_text``: decoding and the
+stop-string search). Flat bins mean the cost per token does not grow with the output's length.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def time_per_token(engine, ids: list[int]) -> list[float]:
     times = []
     for token_id in ids:
         t0 = time.perf_counter()
-        out = engine._append_token(req, token_id)
+        out = engine.output_processor.append_token(req, token_id)
         times.append(time.perf_counter() - t0)
         assert not out.finished
     engine.abort(rid)
@@ -96,11 +96,11 @@ def main() -> None:
     bins, text_bins = per_bin_us(runs), per_bin_us(text_runs)
     total_ms = statistics.median(sum(run) for run in runs) * 1e3
     print(f"{a.tokens} tokens, stop strings {STOP!r}, {a.repeats} repeats; host time per token, median:")
-    print("| output positions | _append_token us | of which text bookkeeping us |\n|---|---:|---:|")
+    print("| output positions | append_token us | of which text bookkeeping us |\n|---|---:|---:|")
     for b, t in zip(bins, text_bins):
         print(f"| {b['from']}-{b['to']} | {b['median_us']:.1f} | {t['median_us']:.1f} |")
     print(f"whole generation: {total_ms:.0f} ms; last bin / first bin: "
-          f"_append_token {bins[-1]['median_us'] / bins[0]['median_us']:.2f}x, "
+          f"append_token {bins[-1]['median_us'] / bins[0]['median_us']:.2f}x, "
           f"text bookkeeping {text_bins[-1]['median_us'] / text_bins[0]['median_us']:.2f}x")
     save(a, {"tokens": a.tokens, "stop": list(STOP), "repeats": a.repeats, "bins": bins,
              "text_bookkeeping_bins": text_bins, "total_ms": total_ms})

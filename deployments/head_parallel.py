@@ -40,7 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spin_cluster.config import SpinConfig
 from spin_cluster.deployments.settings import rank_bundles
-from spin_cluster.engine.engine import resolve_device
+from spin_cluster.engine.device import resolve_device
 from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS
 from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.parallel.serving import (

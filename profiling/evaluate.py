@@ -306,7 +306,7 @@ def _calibrate_prefill(config: EvalConfig, model_path: str) -> dict:
     of the blocks at another (attention spreads differently), and the modes are compared at
     equal block counts."""
     from spin_cluster.config import BlockPrefillOptions
-    from spin_cluster.engine.engine import resolve_device, resolve_dtype
+    from spin_cluster.engine.device import resolve_device, resolve_dtype
     from spin_cluster.models import load_model
     from spin_cluster.sparse.prefill import calibrate
     from spin_cluster.tokenizer import Tokenizer
@@ -429,7 +429,7 @@ def _cache_sizes(engine: SpinConfig) -> dict:
     """cache.kv_cache_gib and host_kv_gib of ``engine``: every page of scheduler.max_num_seqs
     requests of model.max_model_len tokens in either tier (``sizing.full_length_bytes``),
     instead of the engine's machine-wide defaults."""
-    from spin_cluster.engine.engine import resolve_device, resolve_dtype
+    from spin_cluster.engine.device import resolve_device, resolve_dtype
     from spin_cluster.kvcache.buffer_policy import DEFAULT_POLICY
     from spin_cluster.kvcache.sizing import full_length_bytes
 

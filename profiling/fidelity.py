@@ -148,7 +148,7 @@ def measure(config, *, progress: bool = True) -> list[FidelityRow]:
 
     from tqdm.auto import tqdm
 
-    from spin_cluster.engine.engine import resolve_device, resolve_dtype
+    from spin_cluster.engine.device import resolve_device, resolve_dtype
     from spin_cluster.models import load_model
     from spin_cluster.profiling.evaluate import build_samples
     from spin_cluster.tokenizer import Tokenizer

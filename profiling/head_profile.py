@@ -222,7 +222,7 @@ def profile_model(config: ProfileConfig, *, progress: bool = True) -> HeadProfil
     """Measure the head profile of ``config.model_path`` (default: the prepared default model)."""
     from tqdm.auto import tqdm
 
-    from spin_cluster.engine.engine import resolve_device, resolve_dtype
+    from spin_cluster.engine.device import resolve_device, resolve_dtype
     from spin_cluster.model_store import prepare_default_model
     from spin_cluster.models import load_model
     from spin_cluster.tokenizer import Tokenizer

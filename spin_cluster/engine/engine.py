@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from spin_cluster.config import SpinConfig
+from spin_cluster.engine.device import resolve_device, resolve_dtype
 from spin_cluster.engine.model_runner import ModelRunner, load_engine_model
 from spin_cluster.engine.request import (
     FinishReason,
@@ -31,30 +32,10 @@ from spin_cluster.engine.stats import StepStats
 from spin_cluster.engine.cache_builder import build_cache
 from spin_cluster.engine.detokenizer import Detokenizer
 from spin_cluster.engine.grammar import Grammars
-from spin_cluster.engine.logprobs import TokenLogprobs, raw_logprobs, token_logprobs
+from spin_cluster.engine.outputs import OutputProcessor
 from spin_cluster.kvcache.buffer_policy import DEFAULT_POLICY, BufferPolicy
 from spin_cluster.models import cpu_linear
 from spin_cluster.tokenizer import Tokenizer
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"model.device={name!r} but CUDA is not available; use 'cpu' or 'auto'")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-# Prompt positions whose logits a prompt_logprobs request holds at once: [256, V] float32 is
-# 50 MB at SmolLM2's vocabulary, 130 MB at Llama 3's.
-PROMPT_LOGITS_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -109,10 +90,12 @@ class Engine:
         self.runner = ModelRunner(self.model, attention, self.device, progress=progress,
                                   cuda_graph_max_batch=sc.max_num_seqs if config.model.cuda_graphs else 0)
         self.sampler = Sampler(self.device)
-        self._eos_ids = set(mc.eos_token_ids)
+        eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
-            self._eos_ids.add(self.tokenizer.eos_token_id)
-        self.grammars = Grammars(self.tokenizer.hf_tokenizer, mc.vocab_size, sorted(self._eos_ids))
+            eos_ids.add(self.tokenizer.eos_token_id)
+        self.grammars = Grammars(self.tokenizer.hf_tokenizer, mc.vocab_size, sorted(eos_ids))
+        self.output_processor = OutputProcessor(self.model, self.sampler, self.grammars, eos_ids, self.max_model_len,
+                                                self._finish)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_stats = StepStats()
@@ -170,9 +153,18 @@ class Engine:
         if req is None or req.is_finished:
             return None
         self._finish(req, FinishReason.ABORT)
-        old_text = req.output_text
-        req.output_text = req.detokenizer.visible_text(finished=True)  # what was held back for stop strings
-        return self._output(req, [], req.output_text[len(old_text) :])
+        return self.output_processor.final_output(req)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        """End ``req`` and free what it holds: an abort, or the output processor's verdict on
+        its last token."""
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finished_s = time.monotonic()
+        self.scheduler.finish(req)
+        self.sampler.forget(req.request_id)
+        self.grammars.forget(req.request_id)
+        self._requests.pop(req.request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -267,9 +259,9 @@ class Engine:
         if chunks:
             step = self.runner.execute(chunks)
             self.scheduler.advance(chunks)
-            self._score_prompts(step.prompt)
+            self.output_processor.score_prompts(step.prompt)
             if step.sampled:
-                outputs = self._sample(step.logits, [c.request for c in step.sampled])
+                outputs = self.output_processor.sample(step.logits, [c.request for c in step.sampled])
         return _Launched(chunks, num_tokens, t0, num_preempted, outputs)
 
     def _retire(self, step: _Launched) -> list[RequestOutput]:
@@ -282,39 +274,12 @@ class Engine:
                 step.done.synchronize()  # this step's copies only: the next step keeps running
             B = len(step.chunks)
             values = step.host[: B + 4].tolist()
-            outputs = [self._append_token(c.request, tok) for c, tok in zip(step.chunks, values)
+            outputs = [self.output_processor.append_token(c.request, tok) for c, tok in zip(step.chunks, values)
                        if c.request.status is RequestStatus.RUNNING]
             if self.kv.buffer is not None:
                 counters = values[B:]
         self.last_stats = self._stats(step.t0, step.num_tokens, step.num_preempted, counters)
         return outputs
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[RequestOutput]:
-        """logits [B, V] of ``reqs``' last positions -> each request's next token and output."""
-        counts = [r.params.logprobs for r in reqs]
-        rows, raw = raw_logprobs(logits, counts)  # before any processor below changes the logits
-        self._suppress_early_stops(logits, reqs)
-        self.grammars.mask(logits, [r.request_id for r in reqs])
-        token_ids = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs])
-        found = token_logprobs(raw, [token_ids[i] for i in rows], [counts[i] for i in rows]) if rows else []
-        logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
-        for i, lp in zip(rows, found):
-            logprobs[i] = lp
-        return [self._append_token(req, tok, lp) for req, tok, lp in zip(reqs, token_ids, logprobs)]
-
-    def _score_prompts(self, prompt: list[tuple[ScheduledChunk, torch.Tensor]]) -> None:
-        """Each chunk's [m, hidden] states -> the logprobs of its prompt tokens start+1 ..
-        start+m, kept on the request, ``PROMPT_LOGITS_ROWS`` positions at a time. A chunk
-        recomputed after a preemption scored them already."""
-        for chunk, hidden in prompt:
-            req = chunk.request
-            if chunk.start != len(req.prompt_logprobs):
-                continue
-            for i in range(0, hidden.shape[0], PROMPT_LOGITS_ROWS):
-                first = chunk.start + 1 + i  # the first token these rows score
-                block = torch.log_softmax(self.model.compute_logits(hidden[i : i + PROMPT_LOGITS_ROWS]), dim=-1)
-                targets = req.prompt_token_ids[first : first + block.shape[0]]
-                req.prompt_logprobs.extend(token_logprobs(block, targets, [req.params.prompt_logprobs] * len(targets)))
 
     # ---- stats --------------------------------------------------------------------------------
 
@@ -351,68 +316,6 @@ class Engine:
             "metadata_host_bytes": meta["host"],
             "metadata_flat_gpu_bytes": meta["flat_gpu"],
         }
-
-    def _suppress_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> None:
-        """min_tokens: no end-of-sequence or stop token until that many are generated."""
-        for i, req in enumerate(reqs):
-            if len(req.output_token_ids) < req.params.min_tokens:
-                banned = set(req.params.stop_token_ids)
-                if not req.params.ignore_eos:
-                    banned |= self._eos_ids
-                if banned:
-                    logits[i, sorted(banned)] = float("-inf")
-
-    def _append_token(self, req: Request, token_id: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
-        now = time.monotonic()
-        if req.first_token_s is None:
-            req.first_token_s = now
-        old_text = req.output_text
-        req.output_token_ids.append(token_id)
-        reason = self._finish_reason(req, token_id)
-        if req.detokenizer.add(req.output_token_ids, finishing=reason is not None):
-            reason = FinishReason.STOP
-        req.output_text = req.detokenizer.visible_text(finished=reason is not None)
-        if reason is not None:
-            self._finish(req, reason)
-        if logprobs is not None:
-            req.output_logprobs.append(logprobs)
-        return self._output(req, [token_id], req.output_text[len(old_text) :], [logprobs] if logprobs else [])
-
-    def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
-        p = req.params
-        if req.request_id in self.grammars and self.grammars.accept(req.request_id, token_id):
-            return FinishReason.STOP  # the grammar has terminated
-        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self._eos_ids):
-            return FinishReason.STOP
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        req.finished_s = time.monotonic()
-        self.scheduler.finish(req)
-        self.sampler.forget(req.request_id)
-        self.grammars.forget(req.request_id)
-        self._requests.pop(req.request_id, None)
-
-    def _output(self, req: Request, new_ids: list[int], new_text: str,
-                new_logprobs: list[TokenLogprobs] = ()) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            text=req.output_text,
-            token_ids=list(req.output_token_ids),
-            new_text=new_text,
-            new_token_ids=new_ids,
-            finished=req.is_finished,
-            finish_reason=req.finish_reason.value if req.finish_reason else None,
-            new_logprobs=list(new_logprobs),
-            logprobs=list(req.output_logprobs),
-            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
-        )
 
     # ---- convenience --------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_pr
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from spin_cluster.config import SpinConfig
-from spin_cluster.engine.engine import resolve_device
+from spin_cluster.engine.device import resolve_device
 from spin_cluster.engine.request import RequestOutput, SamplingParams
 from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS
 from spin_cluster.hplb.placement import HeadPlacement

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from spin_cluster.config import SpinConfig
-from spin_cluster.engine.engine import resolve_device
+from spin_cluster.engine.device import resolve_device
 from spin_cluster.engine.request import RequestOutput
 from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS
 from spin_cluster.hplb.placement import HeadPlacement

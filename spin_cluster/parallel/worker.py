@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from spin_cluster.config import SpinConfig
-from spin_cluster.engine.engine import resolve_device, resolve_dtype
+from spin_cluster.engine.device import resolve_device, resolve_dtype
 from spin_cluster.engine.model_runner import ModelRunner
 from spin_cluster.engine.request import SamplingParams
 from spin_cluster.engine.scheduler import ScheduledChunk

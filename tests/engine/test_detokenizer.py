@@ -107,7 +107,7 @@ def test_streamed_text_never_takes_back_what_a_straddling_stop_string_cuts(tiny_
     req = engine._requests[rid]
     outs = []
     for token_id in ids:
-        outs.append(engine._append_token(req, token_id))
+        outs.append(engine.output_processor.append_token(req, token_id))
         if outs[-1].finished:
             break
     final = outs[-1]
@@ -116,7 +116,7 @@ def test_streamed_text_never_takes_back_what_a_straddling_stop_string_cuts(tiny_
     assert all(final.text.startswith(o.text) for o in outs)
 
     rid = engine.add_request("Hi", SamplingParams(max_tokens=len(ids), stop=("never there",), ignore_eos=True))
-    outs = [engine._append_token(engine._requests[rid], t) for t in ids[:10]]
+    outs = [engine.output_processor.append_token(engine._requests[rid], t) for t in ids[:10]]
     outs.append(engine.abort(rid))  # an aborted request's text has what was held back too
     assert outs[-1].text == engine.tokenizer.decode(ids[:10]) == "".join(o.new_text for o in outs)
     engine.check_integrity()

@@ -31,7 +31,7 @@ def _check(found, ref_rows, token_ids, k):
 # the prompt in one step, or in chunks of 8 tokens; its logits 256 rows at a time, or 3
 @pytest.mark.parametrize("chunk, rows", [(1024, 256), (8, 256), (1024, 3)])
 def test_sampled_and_prompt_logprobs_equal_transformers(smollm2_path, hf_logprobs, monkeypatch, chunk, rows):
-    monkeypatch.setattr("spin_cluster.engine.engine.PROMPT_LOGITS_ROWS", rows)
+    monkeypatch.setattr("spin_cluster.engine.outputs.PROMPT_LOGITS_ROWS", rows)
     engine = _engine(smollm2_path, max_num_batched_tokens=chunk)
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=TOP, prompt_logprobs=5)
     out = engine.generate([PROMPT], params)[0]
