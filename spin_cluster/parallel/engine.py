@@ -87,11 +87,12 @@ def check_rank(config: SpinConfig, placement: HeadPlacement | None, group=None) 
     return dist.get_rank(group), num_ranks
 
 
-def load_rank_model(config: SpinConfig, placement: HeadPlacement | None, rank: int, num_ranks: int,
+def load_rank_model(config: SpinConfig, path: str, placement: HeadPlacement | None, rank: int, num_ranks: int,
                     dtype: torch.dtype, device: torch.device, progress: bool, group=None):
-    """(rank ``rank``'s shard of the config's model, the placement): ``placement`` None places
-    the heads with ``default_placement`` (the same on every rank: it depends only on the config)."""
-    model = load_engine_model(config, config.model.resolved_path(), dtype, device, progress)
+    """(rank ``rank``'s shard of the config's model at ``path``, the placement): ``placement``
+    None places the heads with ``default_placement`` (the same on every rank: it depends only
+    on the config)."""
+    model = load_engine_model(config, path, dtype, device, progress)
     mc = model.config
     placement = placement or default_placement(config, mc, num_ranks)
     check_placement(placement, mc)
@@ -173,9 +174,8 @@ class HeadParallelEngine(Engine):
         self.scheduler.kv = self._recorded = RecordedKV(self.kv)
 
     def _load_model(self, path: str, progress: bool):
-        model, self.placement = load_rank_model(self.config, self.placement, self.rank, self.num_ranks, self.dtype,
-                                                self.device, progress, self.group)
-        self.kv_heads = self.placement.kv_heads_of(self.rank)  # [L] this rank's KV heads
+        model, self.placement = load_rank_model(self.config, path, self.placement, self.rank, self.num_ranks,
+                                                self.dtype, self.device, progress, self.group)
         return model
 
     def _build_cache(self, decode_attention: str):

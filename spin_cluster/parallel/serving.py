@@ -59,12 +59,7 @@ from spin_cluster.engine.scheduler import ADMISSION_OUTPUT_TOKENS
 from spin_cluster.hplb.placement import HeadPlacement
 from spin_cluster.parallel.engine import HeadParallelEngine
 from spin_cluster.parallel.group import backend_for
-from spin_cluster.parallel.worker import (
-    EXIT_LEADER_GONE,
-    EXIT_STOPPED,
-    RankWorker,
-    first_line,
-)
+from spin_cluster.parallel.worker import EXIT_STOPPED, RankWorker, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +68,6 @@ DEFAULT_TIMEOUT_S = 120.0
 # The control group's: a follower waits for its next command for as long as the server idles.
 _CONTROL_TIMEOUT = timedelta(days=365)
 STORE_HOST = "127.0.0.1"  # every rank of one engine runs on one node
-
-__all__ = ["EXIT_LEADER_GONE", "EXIT_STOPPED"]  # (a follower's ``serve`` codes, re-exported)
 
 
 @dataclass(frozen=True)

@@ -59,10 +59,6 @@ class _Tokens:
     def num_tokens(self) -> int:
         return len(self.ids)
 
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.ids
-
 
 class RankWorker:
     """Rank ``dist.get_rank(group)`` >= 1, built as rank 0 builds its engine (the same
@@ -76,8 +72,8 @@ class RankWorker:
         self.config = config
         self.device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, self.device)
-        model, self.placement = load_rank_model(config, placement, self.rank, self.num_ranks, dtype, self.device,
-                                                progress=False, group=group)
+        model, self.placement = load_rank_model(config, config.model.resolved_path(), placement, self.rank,
+                                                self.num_ranks, dtype, self.device, progress=False, group=group)
         self.model = model.fuse_projections()
         mc = self.model.config
         config.check_model(mc)
