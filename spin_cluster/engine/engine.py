@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from spin_cluster.config import SpinConfig
-from spin_cluster.engine.device import resolve_device, resolve_dtype
-from spin_cluster.engine.model_runner import ModelRunner, load_engine_model
+from spin_cluster.engine.model_runner import load_engine_model
+from spin_cluster.engine.stack import build_stack
 from spin_cluster.engine.request import (
     FinishReason,
     Request,
@@ -71,24 +71,23 @@ class Engine:
         (``Scheduler``); tests pass 0 (prompts only) to force preemptions on a small cache."""
         self.config = config = config or SpinConfig()
         self.buffer_policy = buffer_policy
-        self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
-        path = config.model.resolved_path()
-        self.model = self._load_model(path, progress).fuse_projections()
-        if pack_cpu_gemms and self.device.type == "cpu" and self.packs_cpu_gemms:
-            self.model.pack_for_cpu()
-            # Decode's 1-3 rows: the fastest of the plain weight, the pack and the pack padded
-            # to four rows on this CPU, timed at this thread's torch thread count.
-            cpu_linear.plan_small_rows(cpu_linear.packs_of(self.model))
-        self.tokenizer = Tokenizer(path)
-        mc = self.model.config
-        config.check_model(mc)
-        self.max_model_len = config.model.max_model_len or mc.context_len
-        sc = config.scheduler
-        self.kv, attention = self._build_cache(decode_attention)
+
+        def pack(model):
+            if pack_cpu_gemms and model.device.type == "cpu" and self.packs_cpu_gemms:
+                model.pack_for_cpu()
+                # Decode's 1-3 rows: the fastest of the plain weight, the pack and the pack
+                # padded to four rows on this CPU, timed at this thread's torch thread count.
+                cpu_linear.plan_small_rows(cpu_linear.packs_of(model))
+
+        stack = build_stack(config, lambda path, dtype, device: self._load_model(path, dtype, device, progress),
+                            lambda model, dtype, device, max_len: self._build_cache(model, dtype, device, max_len,
+                                                                                    decode_attention),
+                            progress=progress, prepare=pack)
+        self.device, self.dtype, self.model = stack.device, stack.dtype, stack.model
+        self.max_model_len, self.kv, self.runner = stack.max_model_len, stack.kv, stack.runner
+        self.tokenizer = Tokenizer(stack.path)
+        mc, sc = self.model.config, config.scheduler
         self.scheduler = Scheduler(sc, self.kv, admission_output_tokens)
-        self.runner = ModelRunner(self.model, attention, self.device, progress=progress,
-                                  cuda_graph_max_batch=sc.max_num_seqs if config.model.cuda_graphs else 0)
         self.sampler = Sampler(self.device)
         eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -110,12 +109,12 @@ class Engine:
 
     # ---- construction hooks (a head-parallel rank shards the model and sizes its own cache) ----
 
-    def _load_model(self, path: str, progress: bool) -> torch.nn.Module:
-        return load_engine_model(self.config, path, self.dtype, self.device, progress)
+    def _load_model(self, path: str, dtype: torch.dtype, device: torch.device, progress: bool) -> torch.nn.Module:
+        return load_engine_model(self.config, path, dtype, device, progress)
 
-    def _build_cache(self, decode_attention: str):
-        """(kv manager, attention backend) for ``self.model``; runs after max_model_len is known."""
-        return build_cache(self.config, self.model.config, self.dtype, self.device, self.max_model_len, decode_attention,
+    def _build_cache(self, model, dtype: torch.dtype, device: torch.device, max_model_len: int, decode_attention: str):
+        """(kv manager, attention backend) for ``model`` (``engine.stack.build_stack``'s order)."""
+        return build_cache(self.config, model.config, dtype, device, max_model_len, decode_attention,
                            self.buffer_policy)
 
     # ---- requests ---------------------------------------------------------------------------

@@ -173,15 +173,14 @@ class HeadParallelEngine(Engine):
         # The scheduler's calls that change the cache are recorded for the workers' caches.
         self.scheduler.kv = self._recorded = RecordedKV(self.kv)
 
-    def _load_model(self, path: str, progress: bool):
+    def _load_model(self, path: str, dtype: torch.dtype, device: torch.device, progress: bool):
         model, self.placement = load_rank_model(self.config, path, self.placement, self.rank, self.num_ranks,
-                                                self.dtype, self.device, progress, self.group)
+                                                dtype, device, progress, self.group)
         return model
 
-    def _build_cache(self, decode_attention: str):
-        kv, self.attention = build_rank_cache(self.config, self.model.config, self.placement, self.rank, self.dtype,
-                                              self.device, self.max_model_len, decode_attention, self.buffer_policy,
-                                              self.group)
+    def _build_cache(self, model, dtype: torch.dtype, device: torch.device, max_model_len: int, decode_attention: str):
+        kv, self.attention = build_rank_cache(self.config, model.config, self.placement, self.rank, dtype, device,
+                                              max_model_len, decode_attention, self.buffer_policy, self.group)
         return kv, self.attention
 
     def _run(self, chunks: list[ScheduledChunk], num_tokens: int, t0: float, num_preempted: int):

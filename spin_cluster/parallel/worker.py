@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from spin_cluster.config import SpinConfig
-from spin_cluster.engine.device import resolve_device, resolve_dtype
-from spin_cluster.engine.model_runner import ModelRunner
+from spin_cluster.engine.stack import build_stack
 from spin_cluster.engine.request import SamplingParams
 from spin_cluster.engine.scheduler import ScheduledChunk
 from spin_cluster.hplb.placement import HeadPlacement
@@ -61,8 +60,9 @@ class _Tokens:
 
 
 class RankWorker:
-    """Rank ``dist.get_rank(group)`` >= 1, built as rank 0 builds its engine (the same
-    collectives, in the same order: the cache's sizing, the decode graphs' capture)."""
+    """Rank ``dist.get_rank(group)`` >= 1, built as rank 0 builds its engine, by the same
+    ``engine.stack.build_stack`` (the same collectives, in the same order: the model's sharding,
+    the cache's sizing; the decode graphs captured alike)."""
 
     def __init__(self, config: SpinConfig, placement: HeadPlacement | None = None, *, group=None,
                  decode_attention: str = "auto", buffer_policy: BufferPolicy = DEFAULT_POLICY) -> None:
@@ -70,19 +70,21 @@ class RankWorker:
         if self.rank == 0:
             raise ValueError("rank 0 schedules: it runs a HeadParallelEngine, not a RankWorker")
         self.config = config
-        self.device = resolve_device(config.model.device)
-        dtype = resolve_dtype(config.model.dtype, self.device)
-        model, self.placement = load_rank_model(config, config.model.resolved_path(), placement, self.rank,
-                                                self.num_ranks, dtype, self.device, progress=False, group=group)
-        self.model = model.fuse_projections()
-        mc = self.model.config
-        config.check_model(mc)
-        max_model_len = config.model.max_model_len or mc.context_len
-        self.kv, self.attention = build_rank_cache(config, mc, self.placement, self.rank, dtype, self.device,
-                                                   max_model_len, decode_attention, buffer_policy, group)
-        sc = config.scheduler
-        self.runner = ModelRunner(self.model, self.attention, self.device,
-                                  cuda_graph_max_batch=sc.max_num_seqs if config.model.cuda_graphs else 0)
+        self.placement = placement
+
+        def load(path, dtype, device):
+            model, self.placement = load_rank_model(config, path, self.placement, self.rank, self.num_ranks, dtype,
+                                                    device, progress=False, group=group)
+            return model
+
+        def cache(model, dtype, device, max_model_len):
+            return build_rank_cache(config, model.config, self.placement, self.rank, dtype, device, max_model_len,
+                                    decode_attention, buffer_policy, group)
+
+        # rank 0's build (``HeadParallelEngine``, an ``Engine``) goes through the same function
+        stack = build_stack(config, load, cache, progress=False)
+        self.device, self.model, self.kv, self.attention = stack.device, stack.model, stack.kv, stack.attention
+        self.runner = stack.runner
         self._requests: dict[str, _Tokens] = {}
         self.num_plans_run = 0
 
