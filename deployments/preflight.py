@@ -101,7 +101,7 @@ def memory_plan(config: AppConfig, mc: ModelConfig) -> MemoryPlan:
 
     spin, on_cpu = config.spin, engine_device_type(config) == "cpu"
     dtype = _engine_dtype(config)
-    context = spin.model.max_model_len or mc.context_len
+    context = spin.context_len(mc)
     # Head-parallel ranks on the CPU are processes of their own, each with the weights.
     ranks = config.ranks_per_engine(mc.num_kv_heads) if on_cpu else 0
     return MemoryPlan(

@@ -166,7 +166,7 @@ class AppConfig(ConfigSection):
 
         mc = self.spin.model.checkpoint_config()
         self.spin.check_model(mc)
-        check_cache_config(self.spin, self.spin.model.max_model_len or mc.context_len)
+        check_cache_config(self.spin, self.spin.context_len(mc))
         ranks = self.serve.engine_ranks
         if ranks is not None and ranks > mc.num_kv_heads:
             raise ValueError(f"serve.engine_ranks={ranks} exceeds the model's num_key_value_heads="

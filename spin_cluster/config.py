@@ -378,11 +378,16 @@ class SpinConfig(ConfigSection):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()
 
+    def context_len(self, mc: ModelConfig) -> int:
+        """The longest context this config serves on ``mc``: ``model.max_model_len``, else the
+        model's own (as vLLM's ``max_model_len`` defaults)."""
+        return self.model.max_model_len or mc.context_len
+
     def check_model(self, mc: ModelConfig) -> None:
         """Raises ``ValueError`` where this config does not fit the model ``mc`` (its
         ``config.json``): the context, the prefill token budget, per-head budget shapes, the
         dense layers of the offloaded cache. Cheap (no weights), so a server checks it before it starts anything."""
-        context = self.model.max_model_len or mc.context_len
+        context = self.context_len(mc)
         if context > mc.context_len:
             yarn = "" if mc.rope_scaling else (" (a longer context needs RoPE scaling: see model.hf_overrides, "
                                                "e.g. YaRN for Qwen2.5)")

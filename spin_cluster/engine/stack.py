@@ -54,7 +54,7 @@ def build_stack(config: SpinConfig, load_model: LoadModel, build_cache: BuildCac
         prepare(model)
     mc = model.config
     config.check_model(mc)
-    max_model_len = config.model.max_model_len or mc.context_len
+    max_model_len = config.context_len(mc)
     kv, attention = build_cache(model, dtype, device, max_model_len)
     graphs = config.scheduler.max_num_seqs if config.model.cuda_graphs else 0
     runner = ModelRunner(model, attention, device, progress=progress, cuda_graph_max_batch=graphs)

@@ -191,7 +191,7 @@ def plan_config(spin: SpinConfig, mc: ModelConfig, *, floor_fraction: float = 0.
     """S-HPLB's plan of the engine: ``spin.sparse``'s budgets on ``mc``'s heads at the longest
     context (``model.max_model_len``, else the model's), capped per rank on the offloaded cache."""
     sp = spin.sparse
-    context = spin.model.max_model_len or mc.context_len
+    context = spin.context_len(mc)
     return PlanConfig(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, num_kv_groups=mc.num_kv_groups,
                       context_tokens=context, budget_tokens=budget_tokens(sp, context), sink_tokens=sp.sink_tokens,
                       local_tokens=sp.local_tokens, dense_layers=sp.dense_layers, per_head_budgets=sp.per_head_budgets,
